@@ -1,0 +1,113 @@
+"""The only module that knows whether we run on CPU or CUDA.
+
+Everything else asks here for the device, the distributed backend, RNG state and memory
+statistics, so the same training code runs on a 2-core laptop (gloo) and on GPU nodes (NCCL).
+"""
+
+import os
+
+import torch
+
+from megatron.errors import ConfigError
+
+
+def resolve_device(requested="auto", local_rank=0):
+    """Turn `--device auto|cpu|cuda` into a torch.device for this process."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {requested!r}")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was requested but torch sees no CUDA device; "
+                          "use --device cpu (or auto)")
+    use_cuda = requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def backend_for(device):
+    """NCCL for CUDA tensors, gloo for CPU tensors."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def get_rng_state(device):
+    """The device RNG state (None on CPU, whose state is torch.get_rng_state())."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return None
+
+
+def set_rng_state(device, state):
+    if device.type == "cuda" and state is not None:
+        torch.cuda.set_rng_state(state, device)
+
+
+def manual_seed(device, seed):
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+
+
+def max_memory_allocated(device):
+    """Peak bytes allocated on the device; on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return peak_rss_bytes()
+
+
+def peak_rss_bytes():
+    import resource
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def default_num_threads():
+    """Threads per process on CPU: the cores divided among the local ranks."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // max(1, local_world))
+
+
+def peak_flops(device, dtype):
+    """Nominal peak FLOP/s used as the MFU denominator.
+
+    CUDA: looked up from the device name (dense tensor-core numbers).  CPU: measured once
+    with a large matmul in this process (see `measure_matmul_flops`).
+    """
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        half = dtype in (torch.float16, torch.bfloat16)
+        table = {"H200": (989e12, 67e12), "H100": (989e12, 67e12), "A100": (312e12, 19.5e12),
+                 "V100": (125e12, 15.7e12), "A10": (125e12, 31.2e12), "L4": (121e12, 30.3e12)}
+        for key, (half_peak, fp32_peak) in table.items():
+            if key in name:
+                return half_peak if half else fp32_peak
+        return measure_matmul_flops(device, dtype)
+    return measure_matmul_flops(device, dtype)
+
+
+_measured_peaks = {}
+
+
+def measure_matmul_flops(device, dtype, size=1024, repeats=5):
+    """Best-of-`repeats` FLOP/s of a square matmul: the practical peak of this device."""
+    import time
+    key = (str(device), dtype)
+    if key in _measured_peaks:
+        return _measured_peaks[key]
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    _measured_peaks[key] = 2 * size ** 3 / best
+    return _measured_peaks[key]

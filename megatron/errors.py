@@ -1,0 +1,27 @@
+"""User-facing error types.
+
+Every mistake a user can make (a bad flag, a missing file, a checkpoint that does not fit the
+model) is raised as one of these.  Entry points catch `MegatronError` and print only the
+message, so users see what went wrong and what to do instead of a traceback.  Programming
+errors (anything else) keep their tracebacks.
+"""
+
+
+class MegatronError(Exception):
+    """Base class for errors caused by user input, printed without a traceback."""
+
+
+class ConfigError(MegatronError):
+    """Inconsistent or invalid command-line flags or configuration."""
+
+
+class DataError(MegatronError):
+    """A data file (corpus, .bin/.idx, index map) is missing, malformed or inconsistent."""
+
+
+class TokenizerError(MegatronError):
+    """Tokenizer files that are missing or do not parse."""
+
+
+class CheckpointError(MegatronError):
+    """A checkpoint that is missing, incomplete, or does not match the model."""

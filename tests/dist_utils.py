@@ -1,0 +1,76 @@
+"""Spawn `world_size` gloo processes on the CPU and collect what each returns.
+
+Usage from a test:
+
+    def _body(rank, world_size, x):        # module-level, so it pickles
+        ...                                 # torch.distributed is initialised here
+        return something_picklable
+
+    results = run_distributed(_body, world_size=2, args=(x,))   # list indexed by rank
+"""
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, init_file, fn, args, queue):
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # report everything, including assertion failures, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            from megatron import mpu
+            mpu.destroy_model_parallel()
+        except Exception:
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size, args=(), timeout=240):
+    """Run fn(rank, world_size, *args) in `world_size` processes; return results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        results, errors = {}, []
+        for _ in range(world_size):
+            try:
+                rank, ok, payload = queue.get(timeout=timeout)
+            except Exception:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive()]
+                errors.append(f"timed out after {timeout}s waiting for ranks; exited: {dead}")
+                break
+            if ok:
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+                break
+        for p in procs:
+            p.join(timeout=5 if errors else timeout)
+            if p.is_alive():
+                p.terminate()
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return [results[r] for r in range(world_size)]
