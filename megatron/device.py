@@ -100,8 +100,10 @@ def measure_matmul_flops(device, dtype, size=1024, repeats=5):
     key = (str(device), dtype)
     if key in _measured_peaks:
         return _measured_peaks[key]
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    # A private generator: measuring must not consume the training RNG streams.
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
+    b = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
     best = float("inf")
     for _ in range(repeats + 1):
         synchronize(device)

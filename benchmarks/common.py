@@ -1,0 +1,61 @@
+"""Shared pieces of the benchmarks: machine facts, timing, markdown tables, docs update."""
+
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+DOCS_PATH = os.path.join(REPO_ROOT, "docs", "benchmarks.md")
+
+
+def machine_description():
+    import torch
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        if names:
+            cpu = names[0]
+    except OSError:
+        pass
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, {device}; "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
+def median_seconds(step, warmup, repeats, synchronize=lambda: None):
+    """Median wall time of `step()` over `repeats` runs after `warmup` runs."""
+    for _ in range(warmup):
+        step()
+    synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def markdown_table(headers, rows):
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def update_docs_section(section, body, path=DOCS_PATH):
+    """Replace (or append) the block between this section's markers in docs/benchmarks.md."""
+    begin, end = f"<!-- begin {section} -->", f"<!-- end {section} -->"
+    block = f"{begin}\n{body.strip()}\n{end}"
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else \
+        text.rstrip() + "\n\n" + block + "\n"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)

@@ -1,0 +1,221 @@
+"""Training throughput: our trainer vs a plain-PyTorch GPT vs Hugging Face GPT2LMHeadModel.
+
+The same model (6 layers, hidden 384, 6 heads, seq 256, micro batch 8, vocab 8192, AdamW,
+dropout 0, grad clipping 1.0) is trained for a few steps by each, in fp32 and in bf16, in one
+run; the runners take turns (round robin) so drift of the machine hits all of them alike.
+Prints a markdown table (tokens/s, MFU against the matmul peak measured in the same run,
+ratios) and updates its section of docs/benchmarks.md.
+
+    python benchmarks/train_throughput.py [--quick] [--no-docs]
+
+bf16 means: ours keeps bf16 parameters with fp32 master weights in the optimizer; the peers
+use `torch.autocast(dtype=torch.bfloat16)` over fp32 parameters, their usual recipe.
+"""
+
+import argparse
+import contextlib
+import statistics
+import time
+
+from common import machine_description, markdown_table, update_docs_section
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+CONFIG = dict(num_layers=6, hidden_size=384, num_attention_heads=6, seq_length=256,
+              micro_batch=8, vocab_size=8192)
+
+
+# ------------------------------------------------------------------ plain PyTorch reference
+
+class _Block(nn.Module):
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.fc, self.fc_out = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):                                          # [b, s, h]
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(h, dim=2)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, nh, s, hn]
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc_out(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
+
+
+class PlainGPT(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        h = c["hidden_size"]
+        self.wte = nn.Embedding(c["vocab_size"], h)
+        self.wpe = nn.Embedding(c["seq_length"], h)
+        self.blocks = nn.ModuleList(_Block(h, c["num_attention_heads"])
+                                    for _ in range(c["num_layers"]))
+        self.ln_f = nn.LayerNorm(h)
+
+    def forward(self, tokens, labels):
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.wte(tokens) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)               # tied head
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+
+
+# ------------------------------------------------------------------------------ runners
+
+def _peer_step(model, optimizer, autocast_dtype):
+    c = CONFIG
+    data = torch.randint(0, c["vocab_size"], (c["micro_batch"], c["seq_length"] + 1))
+    tokens, labels = data[:, :-1], data[:, 1:]
+    amp = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype
+           else contextlib.nullcontext())
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with amp:
+            loss = model(tokens, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return step
+
+
+def plain_runner(precision):
+    torch.manual_seed(0)
+    model = PlainGPT(CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    return _peer_step(model, optimizer, torch.bfloat16 if precision == "bf16" else None)
+
+
+def hf_runner(precision):
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        return None
+    c = CONFIG
+    config = GPT2Config(vocab_size=c["vocab_size"], n_positions=c["seq_length"],
+                        n_embd=c["hidden_size"], n_layer=c["num_layers"],
+                        n_head=c["num_attention_heads"], resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config, attn_implementation="sdpa")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, tokens, labels):
+            # HF shifts labels itself; pass tokens as labels so the work matches ours.
+            return self.inner(input_ids=tokens, labels=tokens).loss
+    return _peer_step(Wrapped(), optimizer, torch.bfloat16 if precision == "bf16" else None)
+
+
+def ours_runner(precision):
+    from types import SimpleNamespace
+    from megatron.gpt2 import forward_step
+    from megatron.initialize import Runtime
+    from megatron.model import GPT2Model, GPTConfig
+    from megatron.optimizer import build_optimizer
+    from megatron.learning_rates import AnnealingLR
+    from megatron.training import TrainContext, train_step
+    from megatron import mpu
+    c = CONFIG
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    torch.manual_seed(0)
+    model = GPT2Model(GPTConfig(num_layers=c["num_layers"], hidden_size=c["hidden_size"],
+                                num_attention_heads=c["num_attention_heads"],
+                                vocab_size=c["vocab_size"],
+                                max_position_embeddings=c["seq_length"], hidden_dropout=0.0,
+                                attention_dropout=0.0)).to(dtype=dtype)
+    optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.01, adam_beta1=0.9,
+                                adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0,
+                                params_dtype=dtype, grad_norm_fn=mpu.clip_grad_norm)
+    scheduler = AnnealingLR(optimizer, max_lr=1e-4, min_lr=0.0, warmup_steps=0,
+                            decay_steps=10 ** 9, decay_style="constant")
+    args = SimpleNamespace(num_micro_batches=1, reset_position_ids=False,
+                           reset_attention_mask=False, eod_mask_loss=False)
+    ctx = TrainContext(args, SimpleNamespace(eod=0),
+                       Runtime(device=torch.device("cpu"), rank=0, world_size=1, local_rank=0))
+    data = torch.randint(0, c["vocab_size"], (c["micro_batch"], c["seq_length"] + 1))
+    batches = iter(lambda: {"text": data}, None)
+
+    def step():
+        train_step(forward_step, batches, model, optimizer, scheduler, ctx)
+    return step
+
+
+RUNNERS = {"ours": ours_runner, "plain PyTorch": plain_runner,
+           "HF GPT2LMHeadModel": hf_runner}
+
+
+def measure(precision, warmup, steps, rounds):
+    steppers = {name: make(precision) for name, make in RUNNERS.items()}
+    steppers = {name: s for name, s in steppers.items() if s is not None}
+    for step in steppers.values():
+        for _ in range(warmup):
+            step()
+    times = {name: [] for name in steppers}
+    for _ in range(rounds):
+        for name, step in steppers.items():
+            for _ in range(steps):
+                start = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
+    parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warmup, steps, rounds = (1, 2, 1) if args.quick else (3, 5, 3)
+
+    from megatron.device import measure_matmul_flops
+    from megatron.model import GPTConfig, flops_per_token
+    c = CONFIG
+    tokens_per_step = c["micro_batch"] * c["seq_length"]
+    flops_per_step = flops_per_token(GPTConfig(
+        num_layers=c["num_layers"], hidden_size=c["hidden_size"],
+        num_attention_heads=c["num_attention_heads"], vocab_size=c["vocab_size"],
+        max_position_embeddings=c["seq_length"]), c["seq_length"]) * tokens_per_step
+
+    rows = []
+    for precision in ("fp32", "bf16"):
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        peak = measure_matmul_flops(torch.device("cpu"), dtype, size=2048)
+        seconds = measure(precision, warmup, steps, rounds)
+        ours = tokens_per_step / seconds["ours"]
+        for name, s in seconds.items():
+            tps = tokens_per_step / s
+            rows.append([precision, name, f"{s * 1000:.0f}", f"{tps:,.0f}",
+                         f"{100 * flops_per_step / s / peak:.1f}%", f"{peak / 1e9:.0f}",
+                         "1.00" if name == "ours" else f"{ours / tps:.2f}x"])
+        print(f"{precision}: " + ", ".join(f"{n} {tokens_per_step / s:,.0f} tok/s"
+                                          for n, s in seconds.items()), flush=True)
+    table = markdown_table(["precision", "trainer", "ms/step", "tokens/s", "MFU",
+                            "matmul peak (GFLOP/s)", "ours / this"], rows)
+    body = (f"## Training throughput (`benchmarks/train_throughput.py`)\n\n"
+            f"Machine: {machine_description()}.\n\n"
+            f"Model: {c['num_layers']} layers, hidden {c['hidden_size']}, "
+            f"{c['num_attention_heads']} heads, seq {c['seq_length']}, micro batch "
+            f"{c['micro_batch']}, vocab {c['vocab_size']}, AdamW, clip 1.0, dropout 0. "
+            f"Median step time of {steps * rounds} steps per trainer after {warmup} warm-up "
+            f"steps, trainers taking turns. MFU = (6N + 12·L·h·s)·tokens / time / the "
+            f"matmul peak measured in the same run.\n\n{table}\n")
+    print("\n" + body)
+    if not args.no_docs and not args.quick:
+        update_docs_section("train_throughput", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Learning-rate schedule: linear warmup, then linear / cosine / exponential / constant decay.
+
+The formula is Megatron-LM 1.1.5's `AnnealingLR.get_lr`, with n = number of steps taken:
+
+    n <= warmup_steps (and warmup_steps > 0):  lr = max_lr * n / warmup_steps
+    n >  decay_steps:                          lr = min_lr
+    otherwise, ratio = (n - warmup_steps) / (decay_steps - warmup_steps) in [0, 1] and
+        linear       lr = max_lr * (1 - ratio)
+        cosine       lr = max_lr * (1 + cos(pi * ratio)) / 2
+        exponential  lr = max_lr * exp(-0.693 * ratio)      (exp(-0.693) ~ 1/2)
+        constant     lr = max_lr
+    and the result is floored: lr = max(lr, min_lr).
+
+So decay runs over `decay_steps - warmup_steps` steps (counted after warmup) and ends at step
+`decay_steps`. Two consequences of keeping 1.1.5's rule that users sometimes miss: the first
+iteration with warmup runs at lr 0 (the schedule is stepped after each update), and
+`exponential` and `constant` only reach half of / all of max_lr at `decay_steps`, then drop to
+min_lr for every later step.
+
+Checkpoint values versus command-line values on resume (Megatron's rule):
+    override_lr_scheduler=True          the constructor's values win, the step count is loaded
+    use_checkpoint_lr_scheduler=True    the checkpoint's values win
+    neither                             values must agree, else ConfigError naming the flag
+"""
+
+import math
+
+from megatron.errors import CheckpointError, ConfigError
+
+DECAY_STYLES = ("linear", "cosine", "exponential", "constant")
+
+# state_dict key -> (attribute, what the user sets it with). The keys are Megatron 1.1.5's,
+# so its checkpoints load here and ours load there.
+_CHECKED_FIELDS = (
+    ("start_lr", "max_lr", "--lr"),
+    ("min_lr", "min_lr", "--min-lr"),
+    ("warmup_iter", "warmup_steps", "--warmup / --warmup-iters"),
+    ("end_iter", "decay_steps", "--lr-decay-iters"),
+    ("decay_style", "decay_style", "--lr-decay-style"),
+)
+# Megatron 2.x names for the same values, accepted on load.
+_NEWER_KEY_NAMES = {"start_lr": "max_lr", "warmup_iter": "warmup_steps",
+                    "end_iter": "decay_steps", "num_iters": "num_steps"}
+
+
+class AnnealingLR:
+    """Sets `lr` on every param group of `optimizer` from the number of steps taken."""
+
+    def __init__(self, optimizer, max_lr, min_lr, warmup_steps, decay_steps, decay_style,
+                 use_checkpoint_lr_scheduler=True, override_lr_scheduler=False):
+        _validate(max_lr, min_lr, warmup_steps, decay_steps, decay_style)
+        if override_lr_scheduler and use_checkpoint_lr_scheduler:
+            raise ConfigError("--override-lr-scheduler and --use-checkpoint-lr-scheduler "
+                              "contradict each other; pass at most one")
+        self.optimizer = optimizer
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.warmup_steps = int(warmup_steps)
+        self.decay_steps = int(decay_steps)
+        self.decay_style = decay_style
+        self.use_checkpoint_lr_scheduler = use_checkpoint_lr_scheduler
+        self.override_lr_scheduler = override_lr_scheduler
+        self.num_steps = 0
+        self.step(0)
+
+    def get_lr(self):
+        n = self.num_steps
+        if self.warmup_steps > 0 and n <= self.warmup_steps:
+            return self.max_lr * n / self.warmup_steps
+        if n > self.decay_steps:
+            return self.min_lr
+        ratio = (n - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
+        if self.decay_style == "linear":
+            lr = self.max_lr * (1.0 - ratio)
+        elif self.decay_style == "cosine":
+            lr = self.max_lr * 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        elif self.decay_style == "exponential":
+            lr = self.max_lr * math.exp(-0.693 * ratio)
+        else:
+            lr = self.max_lr
+        return max(lr, self.min_lr)
+
+    def step(self, increment=1):
+        """Advance by `increment` steps and set the new lr on every param group."""
+        self.num_steps += increment
+        new_lr = self.get_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = new_lr
+
+    def state_dict(self):
+        return {"start_lr": self.max_lr, "warmup_iter": self.warmup_steps,
+                "num_iters": self.num_steps, "decay_style": self.decay_style,
+                "end_iter": self.decay_steps, "min_lr": self.min_lr}
+
+    def load_state_dict(self, state_dict):
+        sd = {old: state_dict[new] for old, new in _NEWER_KEY_NAMES.items() if new in state_dict}
+        sd.update(state_dict)
+        for key, attribute, flag in _CHECKED_FIELDS:
+            if key not in sd:
+                raise _missing_key_error(key)
+            setattr(self, attribute, self._choose(getattr(self, attribute), sd[key], flag))
+        if "num_iters" not in sd:
+            raise _missing_key_error("num_iters")
+        _validate(self.max_lr, self.min_lr, self.warmup_steps, self.decay_steps,
+                  self.decay_style)
+        self.num_steps = int(sd["num_iters"])
+        self.step(0)
+
+    def _choose(self, ours, checkpoint_value, flag):
+        if self.override_lr_scheduler:
+            return ours
+        if not self.use_checkpoint_lr_scheduler and ours != checkpoint_value:
+            raise ConfigError(
+                f"learning-rate schedule: the checkpoint has {flag} = {checkpoint_value!r} but "
+                f"the command line gives {ours!r}. Pass --override-lr-scheduler to use the "
+                "command-line schedule, or --use-checkpoint-lr-scheduler to keep the "
+                "checkpoint's")
+        return checkpoint_value
+
+
+def _validate(max_lr, min_lr, warmup_steps, decay_steps, decay_style):
+    if decay_style not in DECAY_STYLES:
+        raise ConfigError(f"--lr-decay-style {decay_style!r} is not one of "
+                          f"{', '.join(DECAY_STYLES)}")
+    if max_lr < 0 or min_lr < 0 or min_lr > max_lr:
+        raise ConfigError(f"learning rates must satisfy 0 <= --min-lr ({min_lr}) <= --lr "
+                          f"({max_lr})")
+    if decay_steps <= 0:
+        raise ConfigError(f"--lr-decay-iters must be positive, got {decay_steps} "
+                          "(it defaults to --train-iters)")
+    if warmup_steps < 0 or warmup_steps > decay_steps:
+        raise ConfigError(f"warmup iterations ({warmup_steps}, from --warmup or --warmup-iters) "
+                          f"must lie between 0 and --lr-decay-iters ({decay_steps})")
+
+
+def _missing_key_error(key):
+    return CheckpointError(f"the checkpoint's lr_scheduler state has no {key!r}; it was not "
+                           "written by AnnealingLR. Load it with --no-load-optim")

@@ -1,0 +1,234 @@
+"""Timers, the per-interval training log line, metrics.jsonl and TensorBoard scalars.
+
+Rank 0 prints one Megatron-style line per log interval, appends the same numbers as one JSON
+object per line to `<log_dir>/metrics.jsonl` (append mode, so a resumed run continues the
+file), and writes them to TensorBoard when a directory is given. Other ranks do nothing.
+MFU values are fractions (0.413) in the record, the JSON and TensorBoard; the line shows %.
+"""
+
+import json
+import math
+import os
+import time
+
+import torch
+
+from megatron import device as device_mod
+from megatron.errors import ConfigError
+
+METRICS_FILENAME = "metrics.jsonl"
+
+# record key -> JSON key, in the order they are written. `train_iters` only goes to the line.
+_JSON_KEYS = ("iteration", "consumed_samples", "lm_loss", "lr", "loss_scale", "grad_norm",
+              "ms_per_iter", "tokens_per_s", "mfu", "skipped_iters")
+_TENSORBOARD_TAGS = {"lm_loss": "lm-loss", "lr": "learning-rate", "loss_scale": "loss-scale",
+                     "grad_norm": "grad-norm", "tokens_per_s": "tokens-per-s", "mfu": "mfu"}
+
+
+def mfu(tokens_per_s, flops_per_token, peak_flops):
+    """Model FLOPs utilisation as a fraction: achieved model FLOP/s over the device peak.
+
+    The units only need to agree: samples/s with FLOPs per sample works as well.
+    """
+    if not peak_flops or peak_flops <= 0:
+        return None
+    return tokens_per_s * flops_per_token / peak_flops
+
+
+def transformer_flops_per_token(num_params, num_layers, hidden_size, seq_length):
+    """Training FLOPs per token: 6·N for the weights plus 12·L·h·s for attention scores.
+
+    N should include the (tied) word embedding, whose matrix does the logit matmul; the
+    attention term counts the full s×s score matrix of QK^T and AV (forward 4·s·h per layer,
+    backward twice that), as in the PaLM MFU definition.
+    """
+    return 6 * num_params + 12 * num_layers * hidden_size * seq_length
+
+
+class _Timer:
+    def __init__(self, name, synchronize):
+        self.name = name
+        self._synchronize = synchronize
+        self._elapsed = 0.0
+        self._started_at = None
+
+    def start(self):
+        assert self._started_at is None, f"timer {self.name!r} already started"
+        self._synchronize()
+        self._started_at = time.perf_counter()
+
+    def stop(self):
+        assert self._started_at is not None, f"timer {self.name!r} is not started"
+        self._synchronize()
+        self._elapsed += time.perf_counter() - self._started_at
+        self._started_at = None
+
+    def reset(self):
+        self._elapsed = 0.0
+        self._started_at = None
+
+    def elapsed(self, reset=True):
+        """Seconds accumulated so far (a running timer is included up to now)."""
+        running = self._started_at is not None
+        if running:
+            self.stop()
+        total = self._elapsed
+        if reset:
+            self._elapsed = 0.0
+        if running:
+            self.start()
+        return total
+
+
+class Timers:
+    """Named accumulating timers: `timers("forward").start()` ... `.stop()`.
+
+    Start and stop synchronise the device first, so GPU work queued before them is counted
+    where it runs: pass `device` (uses megatron.device.synchronize) or a `synchronize`
+    callable; with neither, nothing is synchronised (CPU).
+    """
+
+    def __init__(self, device=None, synchronize=None):
+        if synchronize is None:
+            synchronize = (lambda: device_mod.synchronize(device)) if device is not None \
+                else (lambda: None)
+        self._synchronize = synchronize
+        self._timers = {}
+
+    def __call__(self, name):
+        if name not in self._timers:
+            self._timers[name] = _Timer(name, self._synchronize)
+        return self._timers[name]
+
+    def log_string(self, names, normalizer=1.0, reset=True):
+        """' time (ms) | forward: 12.34 | backward: 20.00' for the named, existing timers."""
+        assert normalizer > 0.0
+        parts = [f"{name}: {self._timers[name].elapsed(reset=reset) * 1000.0 / normalizer:.2f}"
+                 for name in names if name in self._timers]
+        return " time (ms) | " + " | ".join(parts)
+
+
+class TrainingLogger:
+    def __init__(self, log_dir, tensorboard_dir, rank0):
+        self.rank0 = rank0
+        self._jsonl = None
+        self._writer = None
+        if not rank0:
+            return
+        if log_dir:
+            path = os.path.join(log_dir, METRICS_FILENAME)
+            try:
+                os.makedirs(log_dir, exist_ok=True)
+                self._jsonl = open(path, "a", encoding="utf-8")
+            except OSError as error:
+                raise ConfigError(f"cannot write {path} ({error.strerror}); give --log-dir a "
+                                  "writable directory") from error
+        if tensorboard_dir:
+            self._writer = _open_tensorboard(tensorboard_dir)
+
+    def log_train(self, record):
+        if not self.rank0:
+            return
+        print(format_train_line(record), flush=True)
+        entry = {key: record.get(key) for key in _JSON_KEYS}
+        entry.update({k: v for k, v in record.items() if k not in entry and k != "train_iters"})
+        self._write_json(entry)
+        if self._writer is not None:
+            iteration = record["iteration"]
+            for key, tag in _TENSORBOARD_TAGS.items():
+                if record.get(key) is not None:
+                    self._writer.add_scalar(tag, _number(record[key]), iteration)
+            if record.get("lm_loss") is not None and record.get("consumed_samples") is not None:
+                self._writer.add_scalar("lm-loss vs samples", _number(record["lm_loss"]),
+                                        record["consumed_samples"])
+
+    def log_eval(self, iteration, split, loss):
+        if not self.rank0:
+            return
+        loss = _number(loss)
+        ppl = math.exp(min(loss, 20.0))  # capped so a diverged run does not overflow
+        label = "validation" if split in ("valid", "validation", "val") else split
+        line = (f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} |"
+                f" lm loss PPL: {ppl:.6E} |")
+        print("-" * (len(line) + 1), line, "-" * (len(line) + 1), sep="\n", flush=True)
+        self._write_json({"iteration": iteration, "split": split, "loss": loss, "ppl": ppl})
+        if self._writer is not None:
+            self._writer.add_scalar(f"lm-loss-{split}", loss, iteration)
+            self._writer.add_scalar(f"lm-loss-{split}-ppl", ppl, iteration)
+
+    def log_timers(self, timers, names, iteration, normalizer=1.0):
+        """Print the named timers (ms per `normalizer`) and write them as '<name>-time'."""
+        if not self.rank0:
+            return
+        if self._writer is not None:
+            for name in names:
+                seconds = timers(name).elapsed(reset=False)
+                self._writer.add_scalar(f"{name}-time", seconds * 1000.0 / normalizer, iteration)
+        print(timers.log_string(names, normalizer=normalizer), flush=True)
+
+    def close(self):
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
+
+    def _write_json(self, entry):
+        if self._jsonl is None:
+            return
+        clean = {k: _json_value(v) for k, v in entry.items()}
+        self._jsonl.write(json.dumps(clean, allow_nan=False) + "\n")
+        self._jsonl.flush()  # a crash must not lose the lines already logged
+
+
+def format_train_line(record):
+    """The Megatron log line; fields whose value is None (e.g. grad norm on a skip) are left out."""
+    fields = [
+        f" iteration {int(record['iteration']):8d}/{int(record['train_iters']):8d} |",
+        f" consumed samples {int(record['consumed_samples']):12d} |",
+        _field("elapsed time per iteration (ms): {:.1f}", record.get("ms_per_iter")),
+        _field("learning rate: {:.3E}", record.get("lr")),
+        _field("lm loss: {:.6E}", record.get("lm_loss")),
+        _field("loss scale: {:.1f}", record.get("loss_scale")),
+        _field("grad norm: {:.3f}", record.get("grad_norm")),
+        _field("tokens/s: {:.0f}", record.get("tokens_per_s")),
+        _field("MFU: {:.1f}%", None if record.get("mfu") is None else 100.0 * record["mfu"]),
+        _field("skipped: {:d}", _as_int(record.get("skipped_iters"))),
+        _field("nan iterations: {:d}", _as_int(record.get("nan_iters"))),
+    ]
+    return "".join(fields)
+
+
+def _field(template, value):
+    return "" if value is None else " " + template.format(_number(value)) + " |"
+
+
+def _as_int(value):
+    return None if value is None else int(_number(value))
+
+
+def _number(value):
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    return value
+
+
+def _json_value(value):
+    # Strict JSON has no NaN/Infinity: a non-finite number is written as null.
+    value = _number(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _open_tensorboard(tensorboard_dir):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print(f"WARNING: --tensorboard-dir {tensorboard_dir} was given but the tensorboard "
+              "package is not installed (pip install tensorboard); continuing without "
+              "TensorBoard logging", flush=True)
+        return None
+    return SummaryWriter(log_dir=tensorboard_dir)

@@ -1,0 +1,22 @@
+import os
+import tempfile
+
+
+def atomic_write_bytes(path, data):
+    """Write `data` to `path` so that readers see either the old file or the whole new one.
+
+    The bytes go to a temporary file in the same directory (same filesystem, so os.replace is
+    atomic), are fsynced, and only then replace `path`; a crash leaves no half-written file.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+        raise

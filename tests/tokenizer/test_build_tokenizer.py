@@ -1,0 +1,107 @@
+import json
+
+import pytest
+
+from megatron.errors import ConfigError, TokenizerError
+from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
+from megatron.tokenizer.gpt2_bpe import byte_symbols_in_vocab_order
+
+
+def write_vocab(path, tokens):
+    path.write_text(json.dumps({t: i for i, t in enumerate(tokens)}), encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture
+def good_vocab(tmp_path):
+    return write_vocab(tmp_path / "vocab.json", byte_symbols_in_vocab_order() + ["he", "<|endoftext|>"])
+
+
+@pytest.fixture
+def good_merges(tmp_path):
+    path = tmp_path / "merges.txt"
+    path.write_text("#version: 0.2\nh e\n", encoding="utf-8")
+    return str(path)
+
+
+def test_builds_gpt2(good_vocab, good_merges):
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=good_vocab, merge_file=good_merges)
+    assert tok.name == "GPT2BPETokenizer" and tok.vocab_size == 258 and tok.eod == 257
+    assert tok.tokenize("he") == [256] and tok.detokenize([256, 257]) == "he<|endoftext|>"
+
+
+@pytest.mark.parametrize(
+    "vocab_content, expected",
+    [
+        ("{not json", r"vocab\.json.*not valid UTF-8 JSON.*train_tokenizer\.py"),
+        ("[1, 2, 3]", r"vocab\.json.*must hold a non-empty JSON object.*found list"),
+        ('{"a": 0, "b": 5}', r"vocab\.json.*ids must be the integers 0\.\.1.*'b': 5"),
+        ('{"a": 0, "b": "1"}', r"vocab\.json.*ids must be the integers"),
+    ],
+)
+def test_bad_vocab(tmp_path, good_merges, vocab_content, expected):
+    (tmp_path / "vocab.json").write_text(vocab_content, encoding="utf-8")
+    with pytest.raises(TokenizerError, match=expected):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"), merge_file=good_merges)
+
+
+def test_missing_files(tmp_path, good_vocab, good_merges):
+    with pytest.raises(TokenizerError, match=r"nope\.json.*--vocab-file.*does not exist.*train_tokenizer\.py"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "nope.json"), merge_file=good_merges)
+    with pytest.raises(TokenizerError, match=r"nope\.txt.*--merge-file.*does not exist"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=good_vocab, merge_file=str(tmp_path / "nope.txt"))
+    with pytest.raises(TokenizerError, match="needs --vocab-file.*and --merge-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=good_vocab)
+    with pytest.raises(TokenizerError, match="needs --tokenizer-model"):
+        build_tokenizer("SentencePieceTokenizer")
+
+
+@pytest.mark.parametrize(
+    "merges_content, expected",
+    [
+        ("#version: 0.2\nh e\nthree sym bols\n", r"merges\.txt' line 3: expected two symbols.*'three sym bols'"),
+        ("h e\n#version: 0.2\n", r"merges\.txt' line 2: expected two symbols"),
+        ("h  e\n", r"merges\.txt' line 1: expected two symbols"),
+        ("h e\nx y\n", r"merges\.txt' line 2 \('x y'\) uses 'xy'.*not in vocab file.*do not belong together"),
+    ],
+)
+def test_bad_merges(tmp_path, good_vocab, merges_content, expected):
+    (tmp_path / "merges.txt").write_text(merges_content, encoding="utf-8")
+    with pytest.raises(TokenizerError, match=expected):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=good_vocab, merge_file=str(tmp_path / "merges.txt"))
+
+
+def test_vocab_without_eod(tmp_path, good_merges):
+    vocab = write_vocab(tmp_path / "v.json", byte_symbols_in_vocab_order() + ["he"])
+    with pytest.raises(TokenizerError, match=r"v\.json.*no '<\|endoftext\|>' token"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=good_merges)
+
+
+def test_vocab_missing_a_byte_symbol_fails_when_that_byte_is_tokenized(tmp_path, good_merges):
+    tokens = [s for s in byte_symbols_in_vocab_order() if s != "z"] + ["he", "<|endoftext|>"]
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=write_vocab(tmp_path / "v.json", tokens), merge_file=good_merges)
+    assert tok.tokenize("he") == [255]
+    with pytest.raises(TokenizerError, match="'z'.*all 256 byte symbols"):
+        tok.tokenize("zebra")
+
+
+def test_unknown_type():
+    with pytest.raises(TokenizerError, match="unknown --tokenizer-type 'BertWordPieceLowerCase'.*GPT2BPETokenizer, SentencePieceTokenizer"):
+        build_tokenizer("BertWordPieceLowerCase")
+
+
+@pytest.mark.parametrize(
+    "size, divisible_by, mp, expected",
+    [(50257, 128, 1, 50304), (50257, 128, 2, 50432), (50257, 128, 4, 50688), (8192, 128, 1, 8192),
+     (8193, 128, 1, 8320), (8192, 128, 8, 8192), (1000, 1, 1, 1000), (1000, 1, 3, 1002)],
+)
+def test_vocab_padding(size, divisible_by, mp, expected):
+    padded = vocab_size_with_padding(size, divisible_by, mp)
+    assert padded == expected and padded % (divisible_by * mp) == 0 and 0 <= padded - size < divisible_by * mp
+
+
+def test_vocab_padding_rejects_bad_flags():
+    with pytest.raises(ConfigError, match="--make-vocab-size-divisible-by"):
+        vocab_size_with_padding(100, 0, 1)
+    with pytest.raises(ConfigError, match="--model-parallel-size"):
+        vocab_size_with_padding(100, 128, 0)

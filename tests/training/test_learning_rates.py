@@ -1,0 +1,122 @@
+import io
+
+import pytest
+import torch
+
+from megatron.errors import ConfigError
+from megatron.learning_rates import AnnealingLR
+
+MAX_LR, MIN_LR, WARMUP, DECAY = 1.0, 0.05, 10, 110  # decay window = 100 steps after warmup
+
+
+class _FakeOptimizer:
+    def __init__(self, num_groups=2):
+        self.param_groups = [{"lr": -1.0} for _ in range(num_groups)]
+
+
+def _scheduler(style, optimizer=None, **kwargs):
+    options = dict(max_lr=MAX_LR, min_lr=MIN_LR, warmup_steps=WARMUP, decay_steps=DECAY,
+                   decay_style=style)
+    options.update(kwargs)
+    return AnnealingLR(optimizer or _FakeOptimizer(), **options)
+
+
+def _lr_at(scheduler, step):
+    scheduler.step(step - scheduler.num_steps)
+    return scheduler.get_lr()
+
+
+# Expected values computed by hand from Megatron 1.1.5's formula:
+# ratio = (n - 10) / 100; linear 1-ratio, cosine (1+cos(pi*ratio))/2, exponential exp(-0.693*ratio).
+@pytest.mark.parametrize("style,expected", [
+    ("linear", {0: 0.0, 5: 0.5, 10: 1.0, 35: 0.75, 60: 0.5, 100: 0.1, 105: 0.05, 110: 0.05,
+                111: 0.05, 500: 0.05}),
+    ("cosine", {0: 0.0, 5: 0.5, 10: 1.0, 35: 0.8535533905932737, 60: 0.5, 110: 0.05,
+                111: 0.05}),
+    ("exponential", {0: 0.0, 5: 0.5, 10: 1.0, 35: 0.8409273567242722,
+                     60: 0.7071588192872713, 110: 0.5000735956957677, 111: 0.05}),
+    ("constant", {0: 0.0, 5: 0.5, 10: 1.0, 60: 1.0, 110: 1.0, 111: 0.05}),
+])
+def test_schedule_values(style, expected):
+    optimizer = _FakeOptimizer()
+    scheduler = _scheduler(style, optimizer)
+    for step, lr in sorted(expected.items()):
+        assert _lr_at(scheduler, step) == pytest.approx(lr, abs=1e-12), (style, step)
+        assert all(g["lr"] == pytest.approx(lr, abs=1e-12) for g in optimizer.param_groups)
+
+
+def test_no_warmup_starts_at_max_lr():
+    scheduler = _scheduler("linear", warmup_steps=0, decay_steps=100)
+    assert scheduler.get_lr() == 1.0
+    assert _lr_at(scheduler, 50) == pytest.approx(0.5)
+
+
+def test_increment_counts_several_steps():
+    scheduler = _scheduler("linear")
+    scheduler.step(increment=60)
+    assert scheduler.num_steps == 60
+    assert scheduler.get_lr() == pytest.approx(0.5)
+
+
+def test_state_dict_round_trip_resumes_identically():
+    first = _scheduler("cosine")
+    for _ in range(37):
+        first.step()
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    optimizer = _FakeOptimizer()
+    second = _scheduler("cosine", optimizer, use_checkpoint_lr_scheduler=False)
+    second.load_state_dict(state)
+    assert second.num_steps == 37
+    assert optimizer.param_groups[0]["lr"] == first.get_lr()
+    for _ in range(80):
+        first.step()
+        second.step()
+        assert second.get_lr() == first.get_lr()
+
+
+def test_checkpoint_values_win_with_use_checkpoint_flag():
+    saved = _scheduler("linear", max_lr=2.0)
+    saved.step(60)
+    resumed = _scheduler("cosine", max_lr=1.0, use_checkpoint_lr_scheduler=True)
+    resumed.load_state_dict(saved.state_dict())
+    assert (resumed.max_lr, resumed.decay_style) == (2.0, "linear")
+    assert resumed.get_lr() == pytest.approx(1.0)  # 2.0 * (1 - 0.5)
+
+
+def test_command_line_values_win_with_override_flag():
+    saved = _scheduler("linear", max_lr=2.0)
+    saved.step(60)
+    resumed = _scheduler("linear", max_lr=1.0, use_checkpoint_lr_scheduler=False,
+                         override_lr_scheduler=True)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.num_steps == 60
+    assert resumed.get_lr() == pytest.approx(0.5)
+
+
+def test_conflict_without_flags_is_a_config_error():
+    saved = _scheduler("linear", max_lr=2.0)
+    resumed = _scheduler("linear", max_lr=1.0, use_checkpoint_lr_scheduler=False)
+    with pytest.raises(ConfigError, match="--lr.*--override-lr-scheduler"):
+        resumed.load_state_dict(saved.state_dict())
+
+
+def test_loads_megatron_2_key_names():
+    resumed = _scheduler("linear", use_checkpoint_lr_scheduler=False)
+    resumed.load_state_dict({"max_lr": MAX_LR, "min_lr": MIN_LR, "warmup_steps": WARMUP,
+                             "decay_steps": DECAY, "decay_style": "linear", "num_steps": 60})
+    assert resumed.get_lr() == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"decay_style": "step"}, "--lr-decay-style"),
+    ({"min_lr": 2.0}, "--min-lr"),
+    ({"decay_steps": 0, "warmup_steps": 0}, "--lr-decay-iters"),
+    ({"warmup_steps": 200}, "warmup"),
+    ({"override_lr_scheduler": True}, "--override-lr-scheduler"),
+])
+def test_bad_settings_raise_config_error(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        _scheduler(kwargs.pop("decay_style", "linear"), **kwargs)

@@ -1,0 +1,165 @@
+import glob
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from megatron.metrics import (TrainingLogger, Timers, format_train_line, mfu,
+                              transformer_flops_per_token)
+
+RECORD = {"iteration": 20, "train_iters": 200, "consumed_samples": 640, "ms_per_iter": 91.2,
+          "lr": 1.5e-4, "lm_loss": 6.912345, "loss_scale": 1.0, "grad_norm": 1.234,
+          "tokens_per_s": 7012.4, "mfu": 0.413, "skipped_iters": 0}
+EXPECTED_LINE = (" iteration       20/     200 | consumed samples          640 |"
+                 " elapsed time per iteration (ms): 91.2 | learning rate: 1.500E-04 |"
+                 " lm loss: 6.912345E+00 | loss scale: 1.0 | grad norm: 1.234 |"
+                 " tokens/s: 7012 | MFU: 41.3% | skipped: 0 |")
+JSON_KEYS = ["iteration", "consumed_samples", "lm_loss", "lr", "loss_scale", "grad_norm",
+             "ms_per_iter", "tokens_per_s", "mfu", "skipped_iters"]
+
+
+def _lines(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_train_line_exact_format(tmp_path, capsys):
+    logger = TrainingLogger(str(tmp_path), None, rank0=True)
+    logger.log_train(dict(RECORD))
+    logger.close()
+    assert capsys.readouterr().out == EXPECTED_LINE + "\n"
+
+
+def test_train_line_accepts_tensors_and_omits_missing_values():
+    record = dict(RECORD, lm_loss=torch.tensor(6.912345), grad_norm=None, nan_iters=2)
+    line = format_train_line(record)
+    assert "grad norm" not in line and "lm loss: 6.912345E+00 |" in line
+    assert line.endswith(" skipped: 0 | nan iterations: 2 |")
+
+
+def test_jsonl_keys_values_and_append_mode(tmp_path, capsys):
+    for iteration in (20, 40):
+        logger = TrainingLogger(str(tmp_path), None, rank0=True)  # a resumed run reopens
+        logger.log_train(dict(RECORD, iteration=iteration, nan_iters=1))
+        logger.close()
+    records = _lines(tmp_path / "metrics.jsonl")
+    assert [r["iteration"] for r in records] == [20, 40]
+    assert list(records[0]) == JSON_KEYS + ["nan_iters"]
+    assert records[0]["lm_loss"] == 6.912345 and records[0]["mfu"] == 0.413
+    assert records[0]["consumed_samples"] == 640 and records[0]["skipped_iters"] == 0
+
+
+def test_non_finite_values_become_null(tmp_path, capsys):
+    logger = TrainingLogger(str(tmp_path), None, rank0=True)
+    logger.log_train(dict(RECORD, lm_loss=float("nan"), grad_norm=None))
+    logger.close()
+    record = _lines(tmp_path / "metrics.jsonl")[0]
+    assert record["lm_loss"] is None and record["grad_norm"] is None
+
+
+def test_eval_block_and_record(tmp_path, capsys):
+    logger = TrainingLogger(str(tmp_path), None, rank0=True)
+    logger.log_eval(100, "valid", 5.1)
+    logger.log_eval(100, "test", 25.0)
+    logger.close()
+    out = capsys.readouterr().out.splitlines()
+    line = " validation loss at iteration 100 | lm loss value: 5.100000E+00 |" \
+           " lm loss PPL: 1.640219E+02 |"
+    assert out[:3] == ["-" * (len(line) + 1), line, "-" * (len(line) + 1)]
+    assert out[4].startswith(" test loss at iteration 100 |")
+    valid, test = _lines(tmp_path / "metrics.jsonl")
+    assert valid == {"iteration": 100, "split": "valid", "loss": 5.1,
+                     "ppl": pytest.approx(164.0219072999017)}
+    assert test["ppl"] == pytest.approx(math.exp(20.0))  # loss capped at 20 for the PPL
+
+
+def test_unwritable_log_dir_is_a_config_error(tmp_path):
+    from megatron.errors import ConfigError
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="--log-dir"):
+        TrainingLogger(str(blocker / "logs"), None, rank0=True)
+
+
+def test_only_rank0_prints_and_writes(tmp_path, capsys):
+    logger = TrainingLogger(str(tmp_path / "logs"), str(tmp_path / "tb"), rank0=False)
+    logger.log_train(dict(RECORD))
+    logger.log_eval(1, "valid", 1.0)
+    logger.close()
+    assert capsys.readouterr().out == ""
+    assert not os.path.exists(tmp_path / "logs") and not os.path.exists(tmp_path / "tb")
+
+
+def test_tensorboard_event_file_has_the_scalars(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    logger = TrainingLogger(None, str(tmp_path), rank0=True)
+    logger.log_train(dict(RECORD))
+    logger.log_eval(20, "valid", 5.0)
+    logger.close()
+    assert glob.glob(str(tmp_path / "events.out.tfevents.*"))
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm-loss", "learning-rate", "loss-scale", "grad-norm", "tokens-per-s", "mfu",
+            "lm-loss vs samples", "lm-loss-valid", "lm-loss-valid-ppl"} <= tags
+    by_samples = events.Scalars("lm-loss vs samples")[0]
+    assert by_samples.step == 640 and by_samples.value == pytest.approx(6.912345)
+    assert events.Scalars("learning-rate")[0].step == 20
+
+
+def test_missing_tensorboard_warns_once_and_continues(tmp_path, capsys, monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *args, **kwargs):
+        if name == "torch.utils.tensorboard":
+            raise ImportError("No module named 'tensorboard'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    logger = TrainingLogger(str(tmp_path), str(tmp_path / "tb"), rank0=True)
+    logger.log_train(dict(RECORD))
+    logger.close()
+    out = capsys.readouterr().out
+    assert out.count("WARNING") == 1 and "tensorboard" in out
+    assert len(_lines(tmp_path / "metrics.jsonl")) == 1
+
+
+def test_mfu_and_flops_helpers():
+    assert mfu(1000.0, 6e9, 1.2e13) == pytest.approx(0.5)
+    assert mfu(1000.0, 6e9, 0) is None
+    # 124M-parameter GPT-2: 6N + 12 * 12 layers * 768 * 1024
+    assert transformer_flops_per_token(124_000_000, 12, 768, 1024) == 744_000_000 + 113_246_208
+
+
+def test_timers_accumulate_and_synchronize(monkeypatch):
+    import megatron.metrics as metrics_mod
+    syncs = []
+    timers = Timers(synchronize=lambda: syncs.append(1))
+    clock = iter([1.0, 1.5, 3.0, 3.25])
+    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: next(clock))
+    for _ in range(2):
+        timers("forward").start()
+        timers("forward").stop()
+    monkeypatch.undo()
+    assert len(syncs) == 4
+    assert timers("forward").elapsed(reset=False) == pytest.approx(0.75)
+    assert timers.log_string(["forward", "absent"], normalizer=2.0) == \
+        " time (ms) | forward: 375.00"
+    assert timers("forward").elapsed() == 0.0  # log_string reset it
+
+
+def test_timers_with_device_use_megatron_device(monkeypatch):
+    from megatron import device as device_mod
+    seen = []
+    monkeypatch.setattr(device_mod, "synchronize", lambda dev: seen.append(dev))
+    timers = Timers(device=torch.device("cpu"))
+    timers("step").start()
+    assert timers("step").elapsed() >= 0.0  # elapsed on a running timer keeps it running
+    timers("step").stop()
+    assert seen and all(d == torch.device("cpu") for d in seen)
+    with pytest.raises(AssertionError):
+        timers("step").stop()

@@ -1,0 +1,135 @@
+"""pretrain_gpt2.py end to end on a tiny model: resume, layouts, errors, outputs."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import pretrain_gpt2
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--lr", "3e-3",
+        "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--warmup-iters", "2",
+        "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
+        "--num-workers", "0", "--split", "90,9,1", "--threads", "1"]
+
+
+def run(corpus, tmp_path, *extra, iters=6, log_dir="run"):
+    argv = TINY + ["--batch-size", "4", "--train-iters", str(iters),
+                   "--data-path", corpus["prefix"], "--vocab-file", corpus["vocab"],
+                   "--merge-file", corpus["merges"], "--log-dir", str(tmp_path / log_dir)]
+    return pretrain_gpt2.main(argv + list(extra))
+
+
+def losses(tmp_path, log_dir="run"):
+    with open(tmp_path / log_dir / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    return {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in records if "lm_loss" in r}
+
+
+@pytest.mark.parametrize("precision", [[], ["--fp16"], ["--bf16"]],
+                         ids=["fp32", "fp16", "bf16"])
+def test_resume_is_exact(corpus, tmp_path, precision):
+    """2N iterations == N, stop, resume, N more: bit for bit, with dropout on."""
+    assert run(corpus, tmp_path, *precision, log_dir="full") == 0
+    save = str(tmp_path / "ckpt")
+    assert run(corpus, tmp_path, *precision, "--save", save, "--exit-interval", "3",
+               log_dir="split") == 0
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "3"
+    assert run(corpus, tmp_path, *precision, "--save", save, "--load", save,
+               log_dir="split") == 0
+    full, split = losses(tmp_path, "full"), losses(tmp_path, "split")
+    assert sorted(full) == sorted(split) == list(range(1, 7))
+    assert full == split
+
+
+def test_checkpoint_layout_and_safe_loading(corpus, tmp_path):
+    save = tmp_path / "ckpt"
+    assert run(corpus, tmp_path, "--save", str(save), "--save-interval", "2", iters=4) == 0
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    for it in (2, 4):
+        path = save / f"iter_{it:07d}" / "mp_rank_00" / "model_optim_rng.pt"
+        state = torch.load(path, weights_only=True)
+        assert state["iteration"] == it
+        assert state["args"]["hidden_size"] == 32
+        emb = state["model"]["language_model"]["embedding"]["word_embeddings"]["weight"]
+        assert emb.shape == (512, 32)  # 512 tokens already a multiple of 128
+        assert "layers.0.attention.query_key_value.weight" in \
+            state["model"]["language_model"]["transformer"]
+        assert {"optimizer", "lr_scheduler", "torch_rng_state"} <= set(state)
+    assert not [p for p in save.rglob("*.tmp*")]
+
+
+def test_no_save_optim_and_finetune(corpus, tmp_path):
+    save = tmp_path / "ckpt"
+    assert run(corpus, tmp_path, "--save", str(save), "--no-save-optim", "--no-save-rng",
+               iters=2) == 0
+    state = torch.load(save / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt",
+                       weights_only=True)
+    assert "optimizer" not in state and "torch_rng_state" not in state
+    # Resuming needs optimizer state; --finetune takes the weights and starts at iteration 0.
+    assert run(corpus, tmp_path, "--load", str(save), iters=4, log_dir="r1") == 2
+    assert run(corpus, tmp_path, "--load", str(save), "--finetune", iters=3, log_dir="ft") == 0
+    assert sorted(losses(tmp_path, "ft")) == [1, 2, 3]
+
+
+def test_checkpoint_for_another_shape_lists_the_differences(corpus, tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    assert run(corpus, tmp_path, "--save", str(save), iters=2) == 0
+    argv = ["--load", str(save), "--num-layers", "3", "--hidden-size", "64"]
+    assert run(corpus, tmp_path, *argv, iters=4, log_dir="r") == 2
+    err = capsys.readouterr().err
+    assert "--num-layers: checkpoint 2, flags 3" in err
+    assert "--hidden-size: checkpoint 32, flags 64" in err
+    assert "Traceback" not in err
+
+
+def test_gradient_accumulation_matches_one_big_batch(corpus, tmp_path):
+    common = ["--attention-dropout", "0", "--hidden-dropout", "0", "--global-batch-size", "8"]
+    assert run(corpus, tmp_path, *common, "--batch-size", "8", log_dir="big") == 0
+    assert run(corpus, tmp_path, *common, "--batch-size", "2", log_dir="accum") == 0
+    big, accum = losses(tmp_path, "big"), losses(tmp_path, "accum")
+    for it in big:
+        assert big[it][0] == pytest.approx(accum[it][0], rel=1e-5)
+
+
+def test_loss_falls_and_outputs_are_written(corpus, tmp_path, capsys):
+    tb = tmp_path / "tb"
+    assert run(corpus, tmp_path, "--tensorboard-dir", str(tb), "--eval-interval", "20",
+               "--eval-iters", "2", iters=40) == 0
+    curve = losses(tmp_path)
+    first, last = curve[1][0], curve[40][0]
+    assert first > 6.0 and last < first - 1.5, (first, last)
+    records = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
+    evals = [r for r in records if "split" in r]
+    assert {r["split"] for r in evals} >= {"valid", "test"}
+    keys = {"iteration", "lm_loss", "lr", "loss_scale", "grad_norm", "ms_per_iter",
+            "tokens_per_s", "mfu", "skipped_iters", "consumed_samples"}
+    assert keys <= set(records[0])
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb))
+    out = capsys.readouterr().out
+    assert " iteration       40/      40 | consumed samples          160 |" in out
+    assert "metrics.jsonl" in out and "tensorboard --logdir" in out
+
+
+def test_train_data_loose_json_is_tokenized_on_first_use(corpus, tmp_path):
+    import shutil
+    json_path = tmp_path / "webtext" / "data.json"
+    json_path.parent.mkdir()
+    shutil.copy(corpus["json"], json_path)
+    argv = TINY + ["--batch-size", "2", "--train-iters", "2", "--train-data", str(json_path),
+                   "--vocab-file", corpus["vocab"], "--merge-file", corpus["merges"]]
+    assert pretrain_gpt2.main(argv) == 0
+    assert (tmp_path / "webtext" / "data_text_document.idx").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data-path", "/nonexistent/prefix"], "preprocess_data.py"),
+    (["--vocab-file", "/nonexistent/vocab.json"], "vocab.json"),
+], ids=["missing-data", "missing-vocab"])
+def test_bad_paths_are_clear_errors(corpus, tmp_path, capsys, argv, message):
+    assert run(corpus, tmp_path, *argv, iters=3) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err

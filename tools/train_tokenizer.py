@@ -1,0 +1,154 @@
+"""Train a tokenizer from loose-JSON corpora (one JSON object per line).
+
+    python tools/train_tokenizer.py --input corpus.json --tokenizer-type GPT2BPETokenizer \
+        --vocab-size 8192 --output-dir tokenizer/
+    -> tokenizer/vocab.json + tokenizer/merges.txt   (--vocab-file / --merge-file)
+
+    python tools/train_tokenizer.py --input corpus.json --tokenizer-type SentencePieceTokenizer \
+        --vocab-size 8192 --output-dir tokenizer/
+    -> tokenizer/tokenizer.model                      (--tokenizer-model)
+
+Lines that are not JSON objects with a string under each --json-keys key are counted and
+reported, never fatal.  Each key's text is one document.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+from megatron.errors import ConfigError, DataError, MegatronError  # noqa: E402
+from megatron.tokenizer import TOKENIZER_TYPES, SentencePieceTokenizer  # noqa: E402
+from megatron.tokenizer.bpe_trainer import count_pretokens, train_byte_level_bpe, write_gpt2_files  # noqa: E402
+from megatron.tokenizer.sentencepiece_tokenizer import train_sentencepiece  # noqa: E402
+
+MALFORMED_EXAMPLES_SHOWN = 5
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH", help="loose-JSON files")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="keys whose text to train on")
+    parser.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    parser.add_argument("--vocab-size", type=int, default=8192, help="tokens in the vocab, <|endoftext|> included")
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument(
+        "--min-frequency", type=int, default=None,
+        help="GPT2BPETokenizer only: stop merging when the best pair occurs fewer times (default 2)",
+    )
+    return parser.parse_args(argv)
+
+
+def validate_args(args):
+    for path in args.input:
+        if not os.path.isfile(path):
+            raise DataError(f"--input file '{path}' does not exist")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        raise ConfigError(f"--output-dir '{args.output_dir}' exists and is not a directory")
+    if args.tokenizer_type == "GPT2BPETokenizer" and args.vocab_size < 257:
+        raise ConfigError(f"--vocab-size {args.vocab_size} is too small: GPT2BPETokenizer needs at least 257 (256 byte symbols + <|endoftext|>)")
+    if args.tokenizer_type == "SentencePieceTokenizer" and args.min_frequency is not None:
+        raise ConfigError("--min-frequency applies to GPT2BPETokenizer only; sentencepiece has no such option")
+    if args.min_frequency is not None and args.min_frequency < 1:
+        raise ConfigError(f"--min-frequency must be >= 1, got {args.min_frequency}")
+
+
+class LooseJsonReader:
+    """The texts under `json_keys` in loose-JSON files, counting documents and malformed lines."""
+
+    def __init__(self, paths, json_keys):
+        self.paths = paths
+        self.json_keys = json_keys
+        self.documents = 0
+        self.text_bytes = 0
+        self.malformed = 0
+        self.malformed_examples = []
+
+    def texts(self):
+        for path in self.paths:
+            with open(path, "rb") as f:
+                for line_number, raw_line in enumerate(f, start=1):
+                    if raw_line.strip():
+                        yield from self._line_texts(path, line_number, raw_line)
+
+    def _line_texts(self, path, line_number, raw_line):
+        try:
+            record = json.loads(raw_line)
+        except ValueError:  # includes bad UTF-8 and bad JSON
+            return self._skip(path, line_number, "not valid UTF-8 JSON")
+        if not isinstance(record, dict):
+            return self._skip(path, line_number, f"a JSON {type(record).__name__}, not an object")
+        missing = [k for k in self.json_keys if not isinstance(record.get(k), str)]
+        if missing:
+            return self._skip(path, line_number, f"no string under key '{missing[0]}'")
+        texts = [record[k] for k in self.json_keys]
+        self.documents += len(texts)
+        self.text_bytes += sum(len(t.encode("utf-8")) for t in texts)
+        return texts
+
+    def _skip(self, path, line_number, reason):
+        self.malformed += 1
+        if len(self.malformed_examples) < MALFORMED_EXAMPLES_SHOWN:
+            self.malformed_examples.append(f"{path}:{line_number} ({reason})")
+        return []
+
+
+def train_gpt2_bpe(reader, args):
+    counts = count_pretokens(reader.texts())
+    require_documents(reader)
+    min_frequency = 2 if args.min_frequency is None else args.min_frequency
+    model = train_byte_level_bpe(counts, args.vocab_size, min_frequency)
+    paths = write_gpt2_files(model, args.output_dir)
+    return len(model.vocab), paths
+
+
+def train_sentencepiece_model(reader, args):
+    # sentencepiece trains on sentences: feed the non-empty lines of every document.
+    sentences = [line for text in reader.texts() for line in text.split("\n") if line]
+    require_documents(reader)
+    os.makedirs(args.output_dir, exist_ok=True)
+    model_path = train_sentencepiece(sentences, args.vocab_size, os.path.join(args.output_dir, "tokenizer.model"))
+    return SentencePieceTokenizer(model_path).vocab_size, (model_path,)
+
+
+def require_documents(reader):
+    if reader.documents == 0:
+        raise DataError(
+            f"no usable documents in {', '.join(reader.paths)}: each line must be a JSON object with "
+            f"a string under --json-keys {' '.join(reader.json_keys)} ({reader.malformed} malformed lines)"
+        )
+
+
+def print_summary(reader, args, vocab_size, paths, seconds):
+    print(f"read {reader.documents} documents ({reader.text_bytes / 1e6:.2f} MB of text) from {len(args.input)} file(s)")
+    if reader.malformed:
+        print(f"skipped {reader.malformed} malformed line(s): {'; '.join(reader.malformed_examples)}"
+              + (" ..." if reader.malformed > len(reader.malformed_examples) else ""))
+    else:
+        print("skipped 0 malformed lines")
+    note = "" if vocab_size == args.vocab_size else f" (asked for {args.vocab_size}: the corpus has no more frequent pairs)"
+    print(f"{args.tokenizer_type}: vocab size {vocab_size}{note}, trained in {seconds:.1f} s")
+    print(f"wrote {', '.join(paths)}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        validate_args(args)
+        reader = LooseJsonReader(args.input, args.json_keys)
+        start = time.perf_counter()
+        train = train_gpt2_bpe if args.tokenizer_type == "GPT2BPETokenizer" else train_sentencepiece_model
+        vocab_size, paths = train(reader, args)
+        print_summary(reader, args, vocab_size, paths, time.perf_counter() - start)
+    except MegatronError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
