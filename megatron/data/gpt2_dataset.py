@@ -1,0 +1,140 @@
+"""GPT-2 training samples: fixed windows of seq_length+1 tokens over a shuffled document stream."""
+
+import os
+
+import numpy as np
+import torch
+
+from megatron.data.index_maps import build_index_mappings, index_map_paths
+from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.rank_zero import log_rank_zero
+from megatron.errors import DataError
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def parse_splits(splits_string):
+    """'949,50,1' or '949/50/1' (fewer entries pad with 0) -> three weights summing to 1."""
+    separator = "," if "," in splits_string else "/"
+    try:
+        weights = [float(part) for part in splits_string.split(separator)]
+    except ValueError:
+        raise DataError(f"--split {splits_string!r} is not a list of numbers; use e.g. "
+                        f"'949,50,1' (train,valid,test weights)") from None
+    if len(weights) > 3:
+        raise DataError(f"--split {splits_string!r} has {len(weights)} entries; it takes at "
+                        f"most 3 (train,valid,test)")
+    if any(not np.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise DataError(f"--split {splits_string!r} needs non-negative weights with a positive "
+                        f"sum, e.g. '949,50,1'")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def split_document_ranges(splits_string, num_documents):
+    """Boundaries [0, a, b, num_documents]: split k is documents [bounds[k], bounds[k+1])."""
+    bounds = [0]
+    for weight in parse_splits(splits_string):
+        bounds.append(bounds[-1] + int(round(weight * float(num_documents))))
+    # Rounding can overshoot or undershoot; Megatron shifts every boundary by the difference.
+    # Clamping keeps a boundary from going negative (e.g. '0,1,1' over 3 documents).
+    excess = bounds[-1] - num_documents
+    shifted = [0] + [min(max(b - excess, 0), num_documents) for b in bounds[1:]]
+    return [max(shifted[:k + 1]) for k in range(len(shifted))]
+
+
+class GPT2Dataset(torch.utils.data.Dataset):
+    """Sample i is `{"text": int64 [seq_length + 1]}`; consecutive samples overlap by one token."""
+
+    def __init__(self, name, data_prefix, documents, indexed_dataset, num_samples, seq_length,
+                 seed, group=None):
+        self.name = name
+        self.indexed_dataset = indexed_dataset
+        self.seq_length = seq_length
+        assert 0 <= documents.min() and documents.max() < len(indexed_dataset)
+        self.doc_idx, self.sample_idx, self.shuffle_idx = build_index_mappings(
+            name, data_prefix, documents, indexed_dataset.sizes, num_samples, seq_length, seed,
+            group)
+
+    def __len__(self):
+        # All samples of the epochs the maps cover; at least the number asked for.
+        return self.sample_idx.shape[0] - 1
+
+    def __getitem__(self, idx):
+        if not 0 <= idx < len(self):
+            raise IndexError(f"{self.name} sample {idx} out of range (length {len(self)})")
+        idx = int(self.shuffle_idx[idx])
+        first_row, first_offset = (int(v) for v in self.sample_idx[idx])
+        last_row, last_offset = (int(v) for v in self.sample_idx[idx + 1])
+        get = self.indexed_dataset.get
+        if first_row == last_row:
+            pieces = [get(self.doc_idx[first_row], offset=first_offset,
+                          length=last_offset - first_offset + 1)]
+        else:
+            pieces = [get(self.doc_idx[first_row], offset=first_offset)]
+            pieces += [get(self.doc_idx[row]) for row in range(first_row + 1, last_row)]
+            pieces.append(get(self.doc_idx[last_row], length=last_offset + 1))
+        tokens = np.concatenate(pieces).astype(np.int64)  # [seq_length + 1]
+        if len(tokens) != self.seq_length + 1:
+            raise DataError(f"{self.name} sample {idx} has {len(tokens)} tokens instead of "
+                            f"{self.seq_length + 1}: the cached index maps do not match "
+                            f"{self.indexed_dataset.prefix}; delete its *_indexmap_*.npy files")
+        return {"text": tokens}
+
+
+def _split_documents(data_prefix, splits_string, skip_warmup):
+    indexed_dataset = MMapIndexedDataset(data_prefix, skip_warmup=skip_warmup)
+    bounds = split_document_ranges(splits_string, len(indexed_dataset))
+    log_rank_zero(f" > {data_prefix}: {len(indexed_dataset)} documents; split "
+                  + ", ".join(f"{name} [{bounds[k]}, {bounds[k + 1]})"
+                              for k, name in enumerate(SPLIT_NAMES)))
+    return indexed_dataset, bounds
+
+
+def _check_num_samples(train_valid_test_num_samples):
+    if len(train_valid_test_num_samples) != 3:
+        raise ValueError("train_valid_test_num_samples needs 3 entries (train, valid, test)")
+    for n in train_valid_test_num_samples:
+        if int(n) < 0:
+            raise ValueError(f"number of samples must be >= 0, got {n}")
+
+
+def build_train_valid_test_datasets(data_prefix, splits_string, train_valid_test_num_samples,
+                                    seq_length, seed, skip_warmup=True, group=None):
+    """(train, valid, test) GPT2Datasets; None for a split with no documents or 0 samples.
+
+    group: the process group whose ranks all call this (default: every rank).  Its rank 0
+    builds missing index maps while the others wait.
+    """
+    if seq_length < 1:
+        raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+    _check_num_samples(train_valid_test_num_samples)
+    indexed_dataset, bounds = _split_documents(data_prefix, splits_string, skip_warmup)
+    datasets = []
+    for k, name in enumerate(SPLIT_NAMES):
+        num_samples = int(train_valid_test_num_samples[k])
+        if bounds[k + 1] <= bounds[k] or num_samples == 0:
+            datasets.append(None)
+            continue
+        documents = np.arange(bounds[k], bounds[k + 1], dtype=np.int32)
+        datasets.append(GPT2Dataset(name, data_prefix, documents, indexed_dataset, num_samples,
+                                    seq_length, seed, group))
+    return tuple(datasets)
+
+
+def build_index_mappings_only(data_prefix, splits_string, train_valid_test_num_samples,
+                              seq_length, seed):
+    """Pre-build (or validate) the cached index maps of every split, e.g. from a login node
+    before a job starts, so no GPU waits on rank 0.  Returns the .npy paths.
+    """
+    datasets = build_train_valid_test_datasets(data_prefix, splits_string,
+                                               train_valid_test_num_samples, seq_length, seed)
+    paths = []
+    for k, dataset in enumerate(datasets):
+        if dataset is not None:
+            paths += index_map_paths(data_prefix, SPLIT_NAMES[k],
+                                     int(train_valid_test_num_samples[k]), seq_length,
+                                     seed).values()
+    assert all(os.path.exists(p) for p in paths)
+    return paths

@@ -1,0 +1,76 @@
+"""Tokenize a loose-JSON corpus into Megatron mmap `.bin/.idx` files for `--data-path`.
+
+    python tools/preprocess_data.py --input data/webtext/data.json --output-prefix data/my-gpt2 \
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt \
+        --append-eod --workers 4
+
+writes data/my-gpt2_text_document.bin/.idx; pass `--data-path data/my-gpt2_text_document`.
+Lines that are not JSON objects with a string under every --json-keys key are counted, quoted
+in the final report and skipped; they never stop the run.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.data.preprocessing import (TokenizerFactory, format_summary,  # noqa: E402
+                                         tokenize_loose_json)
+from megatron.errors import ConfigError, MegatronError  # noqa: E402
+from megatron.tokenizer import TOKENIZER_TYPES  # noqa: E402
+
+
+def get_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", required=True, help="loose JSON file, one object per line")
+    group.add_argument("--json-keys", nargs="+", default=["text"],
+                       help="keys to extract from each JSON object; one output per key")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    group.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
+    group.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
+    group.add_argument("--append-eod", action="store_true",
+                       help="append the end-of-document token to every document")
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", required=True,
+                       help="outputs are {prefix}_{key}_document.bin/.idx")
+    group.add_argument("--dataset-impl", default="mmap", choices=["mmap"],
+                       help="only Megatron's mmap MMIDIDX format is written")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1,
+                       help="processes, each tokenizing one contiguous part of the input")
+    group.add_argument("--log-interval", type=int, default=100,
+                       help="print progress every this many documents")
+    return parser.parse_args(argv)
+
+
+def run(args):
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {args.workers}")
+    if args.log_interval < 1:
+        raise ConfigError(f"--log-interval must be at least 1, got {args.log_interval}")
+    factory = TokenizerFactory(args.tokenizer_type, args.vocab_file, args.merge_file,
+                               args.tokenizer_model)
+    start = time.perf_counter()
+    outputs, stats = tokenize_loose_json(args.input, args.output_prefix, factory,
+                                         json_keys=args.json_keys, append_eod=args.append_eod,
+                                         workers=args.workers, log_interval=args.log_interval)
+    print(format_summary(outputs, stats, time.perf_counter() - start), flush=True)
+    return outputs, stats
+
+
+def main(argv=None):
+    try:
+        run(get_args(argv))
+    except MegatronError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
