@@ -217,8 +217,10 @@ def train(forward_step_func, model, optimizer, lr_scheduler, datasets, ctx, stat
                         logger)
         if datasets[1] is not None and args.eval_iters > 0 and \
                 iteration % args.eval_interval == 0 and iteration != args.train_iters:
+            eval_start = time.perf_counter()
             logger.log_eval(iteration, "valid",
                             evaluate(forward_step_func, model, datasets[1], ctx))
+            window["start"] += time.perf_counter() - eval_start  # keep eval out of ms/iter
         exiting = args.exit_interval and iteration % args.exit_interval == 0
         if args.save and (iteration % args.save_interval == 0 or exiting):
             checkpointing.save_checkpoint(iteration, model, optimizer, lr_scheduler, args,
