@@ -9,6 +9,7 @@ Usage from a test:
     results = run_distributed(_body, world_size=2, args=(x,))   # list indexed by rank
 """
 
+import io
 import os
 import socket
 import tempfile
@@ -31,7 +32,11 @@ def _worker(rank, world_size, init_file, fn, args, queue):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Serialise: tensors sent through the queue as shared-memory handles die with the
+        # worker before the parent reads them.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
     except BaseException:  # report everything, including assertion failures, to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -63,7 +68,7 @@ def run_distributed(fn, world_size, args=(), timeout=240):
                 errors.append(f"timed out after {timeout}s waiting for ranks; exited: {dead}")
                 break
             if ok:
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break

@@ -1,0 +1,147 @@
+"""GPT-2 (Megatron-LM 1.1.5 layout): configuration, named sizes, parameter/FLOP counts, model."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megatron import mpu
+from megatron.errors import ConfigError
+from megatron.model.language_model import TransformerLanguageModel, parallel_lm_logits
+# Re-exported: the data pipeline and the optimizer find them next to the model.
+from megatron.model.utils import (get_ltor_masks_and_position_ids,  # noqa: F401
+                                  param_groups_for_weight_decay)  # noqa: F401
+
+# Architecture of the named sizes; vocab and sequence length come from tokenizer and flags.
+MODEL_SIZES = {
+    "gpt2-tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4),
+    "gpt2-small-test": dict(num_layers=4, hidden_size=128, num_attention_heads=4),
+    "gpt2-124m": dict(num_layers=12, hidden_size=768, num_attention_heads=12),
+    "gpt2-345m": dict(num_layers=24, hidden_size=1024, num_attention_heads=16),
+    "gpt2-774m": dict(num_layers=36, hidden_size=1280, num_attention_heads=20),
+    "gpt2-1.5b": dict(num_layers=48, hidden_size=1600, num_attention_heads=25),
+}
+
+_PARAMS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class GPTConfig:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int  # already padded (to a multiple of 128 * model_parallel_size)
+    max_position_embeddings: int
+    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    checkpoint_activations: bool = False
+    checkpoint_num_layers: int = 1
+    params_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        self.validate(model_parallel_size=1)
+
+    @classmethod
+    def from_size(cls, name, vocab_size, max_position_embeddings, **overrides):
+        """GPTConfig for a named size in MODEL_SIZES, e.g. "gpt2-124m"."""
+        if name not in MODEL_SIZES:
+            raise ConfigError(f"unknown model size {name!r}; known sizes: "
+                              f"{', '.join(MODEL_SIZES)}")
+        return cls(vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
+                   **{**MODEL_SIZES[name], **overrides})
+
+    def validate(self, model_parallel_size):
+        """Raise ConfigError, with the arithmetic, if this model cannot be built at this TP."""
+        positive = dict(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                        num_attention_heads=self.num_attention_heads,
+                        vocab_size=self.vocab_size, ffn_hidden_size=self.ffn_hidden_size,
+                        max_position_embeddings=self.max_position_embeddings)
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                  f"got {value!r}")
+        _require_divides(self.num_attention_heads, "--num-attention-heads",
+                         self.hidden_size, "--hidden-size")
+        for value, flag in ((self.num_attention_heads, "--num-attention-heads"),
+                            (self.vocab_size, "the padded vocab size"),
+                            (self.ffn_hidden_size, "--ffn-hidden-size (default 4 * hidden)")):
+            _require_divides(model_parallel_size, "--model-parallel-size", value, flag)
+        if self.checkpoint_activations:
+            _require_divides(self.checkpoint_num_layers, "--checkpoint-num-layers",
+                             self.num_layers, "--num-layers")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got "
+                                  f"{getattr(self, name)}")
+        if self.params_dtype not in _PARAMS_DTYPES:
+            raise ConfigError(f"params_dtype must be one of {_PARAMS_DTYPES}, got "
+                              f"{self.params_dtype}")
+
+
+def _require_divides(divisor, divisor_name, value, value_name):
+    if divisor < 1 or value % divisor != 0:
+        raise ConfigError(f"{divisor_name} {divisor} must divide {value_name} {value} "
+                          f"({value} % {divisor} = {value % max(divisor, 1)})")
+
+
+def num_parameters(config):
+    """Total parameter count of the unsharded model (the output layer is tied, not counted)."""
+    h, f, layers = config.hidden_size, config.ffn_hidden_size, config.num_layers
+    per_layer = (2 * h                # input_layernorm
+                 + 3 * h * h + 3 * h  # query_key_value
+                 + h * h + h          # attention.dense
+                 + 2 * h              # post_attention_layernorm
+                 + h * f + f          # dense_h_to_4h
+                 + f * h + h)         # dense_4h_to_h
+    embeddings = (config.vocab_size + config.max_position_embeddings) * h
+    return embeddings + layers * per_layer + 2 * h  # + final_layernorm
+
+
+def flops_per_token(config, seq_length):
+    """Training FLOPs per token (forward + backward = 3 x forward), for MFU.
+
+        6 * N + 12 * L * h * s
+
+    N = L * (4 h^2 + 2 h f) + V * h counts the weights used in matmuls: QKV, attention
+    dense, both MLP projections and the (tied) output layer, each costing 2 FLOPs per weight
+    per token forward.  The attention scores QK^T and the weighted sum of V cost 2 * 2 * s * h
+    per layer per token forward (the causal half is counted in full, as Megatron does).
+    Biases, LayerNorm, softmax and embedding lookups are left out.
+    """
+    h, f, layers = config.hidden_size, config.ffn_hidden_size, config.num_layers
+    matmul_weights = layers * (4 * h * h + 2 * h * f) + config.vocab_size * h
+    return 6 * matmul_weights + 12 * layers * h * seq_length
+
+
+class GPT2Model(nn.Module):
+    """GPT-2 with tensor parallelism; state-dict keys as Megatron-LM 1.1.5.
+
+    forward(input_ids [b, s], position_ids [b, s], attention_mask=None, labels=None):
+      * labels [b, s] given: per-token loss [b, s] in fp32 (mask and average it outside);
+      * otherwise logits [b, s, v/p] (vocab-parallel) or, without parallel_output, [b, s, v].
+    attention_mask None means plain causal attention (the fast path); a bool [b|1, 1, s, s]
+    mask with True = masked comes from get_ltor_masks_and_position_ids(reset_attention_mask).
+    """
+
+    def __init__(self, config, parallel_output=True):
+        super().__init__()
+        config.validate(mpu.get_model_parallel_world_size())
+        self.config = config
+        self.parallel_output = parallel_output
+        self.language_model = TransformerLanguageModel(config)
+        if config.params_dtype != torch.float32:
+            self.to(config.params_dtype)  # initialised in fp32 on CPU, then cast
+
+    def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
+        hidden_states = self.language_model(input_ids, position_ids, attention_mask)
+        word_embeddings_weight = self.language_model.embedding.word_embeddings.weight
+        if labels is not None:
+            logits = parallel_lm_logits(hidden_states, word_embeddings_weight, True)
+            return mpu.vocab_parallel_cross_entropy(logits, labels)  # [b, s] fp32
+        return parallel_lm_logits(hidden_states, word_embeddings_weight, self.parallel_output)

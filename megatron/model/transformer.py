@@ -1,0 +1,132 @@
+"""Pre-LayerNorm GPT-2 transformer layers, split across tensor-parallel ranks.
+
+Activations are [b, s, h] (batch first): the QKV projection then views into the
+[b, np, s, hn] layout that scaled_dot_product_attention wants without a copy, and its
+output transposes back to [b, s, h] for free.  `config` is a `GPTConfig`.
+"""
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron import mpu
+
+
+class ParallelSelfAttention(nn.Module):
+    """Causal self-attention; each tensor-parallel rank owns num_heads / p whole heads.
+
+    query_key_value rows are ordered per head as [np, 3, hn] (Megatron checkpoint version
+    2.0), so the column split gives each rank the Q, K and V of its own heads.
+    """
+
+    def __init__(self, config, init_method, output_layer_init_method):
+        super().__init__()
+        hidden_size = config.hidden_size
+        self.head_dim = mpu.divide(hidden_size, config.num_attention_heads)
+        self.num_heads_per_partition = mpu.divide(config.num_attention_heads,
+                                                  mpu.get_model_parallel_world_size())
+        self.attention_dropout = config.attention_dropout
+        self.query_key_value = mpu.ColumnParallelLinear(
+            hidden_size, 3 * hidden_size, gather_output=False, init_method=init_method)
+        self.dense = mpu.RowParallelLinear(
+            hidden_size, hidden_size, input_is_parallel=True,
+            init_method=output_layer_init_method)
+
+    def forward(self, hidden_states, allowed_mask):
+        # hidden_states: [b, s, h]; allowed_mask: None (causal) or bool [b|1, 1, s, s],
+        # True where a query may attend to a key.
+        batch, seq, _ = hidden_states.shape
+        mixed, _ = self.query_key_value(hidden_states)  # [b, s, np * 3 * hn]
+        mixed = mixed.view(batch, seq, self.num_heads_per_partition, 3, self.head_dim)
+        # Three strided views [b, np, s, hn]; SDPA reads them without a copy.
+        query, key, value = (t.transpose(1, 2) for t in mixed.unbind(3))
+        dropout_p = self.attention_dropout if self.training else 0.0
+        # Each rank drops out its own heads: a per-rank stream, not the replicated one.
+        rng = mpu.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext()
+        with rng:
+            context = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=allowed_mask, dropout_p=dropout_p,
+                is_causal=allowed_mask is None)  # [b, np, s, hn]
+        context = context.transpose(1, 2).reshape(batch, seq, -1)  # [b, s, np * hn]
+        output, _ = self.dense(context)  # [b, s, h]
+        return output
+
+
+class ParallelMLP(nn.Module):
+    """h -> 4h (column split) -> GeLU -> h (row split): one all-reduce per MLP."""
+
+    def __init__(self, config, init_method, output_layer_init_method):
+        super().__init__()
+        self.dense_h_to_4h = mpu.ColumnParallelLinear(
+            config.hidden_size, config.ffn_hidden_size, gather_output=False,
+            init_method=init_method)
+        self.dense_4h_to_h = mpu.RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, input_is_parallel=True,
+            init_method=output_layer_init_method)
+
+    def forward(self, hidden_states):
+        intermediate, _ = self.dense_h_to_4h(hidden_states)  # [b, s, 4h / p]
+        # GPT-2's GeLU is the tanh approximation.
+        output, _ = self.dense_4h_to_h(F.gelu(intermediate, approximate="tanh"))
+        return output  # [b, s, h]
+
+
+class ParallelTransformerLayer(nn.Module):
+    """x + Dropout(Attention(LN(x))), then x + Dropout(MLP(LN(x)))."""
+
+    def __init__(self, config, init_method, output_layer_init_method):
+        super().__init__()
+        h, eps = config.hidden_size, config.layernorm_epsilon
+        self.input_layernorm = nn.LayerNorm(h, eps=eps)
+        self.attention = ParallelSelfAttention(config, init_method, output_layer_init_method)
+        self.post_attention_layernorm = nn.LayerNorm(h, eps=eps)
+        self.mlp = ParallelMLP(config, init_method, output_layer_init_method)
+        self.hidden_dropout = config.hidden_dropout
+
+    def _dropout(self, tensor):
+        if self.training and self.hidden_dropout > 0:
+            return F.dropout(tensor, self.hidden_dropout, training=True)
+        return tensor
+
+    def forward(self, hidden_states, allowed_mask):
+        # hidden_states: [b, s, h]
+        attention_output = self.attention(self.input_layernorm(hidden_states), allowed_mask)
+        hidden_states = hidden_states + self._dropout(attention_output)
+        mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states + self._dropout(mlp_output)
+
+
+class ParallelTransformer(nn.Module):
+    """A stack of layers and a final LayerNorm, with optional activation checkpointing."""
+
+    def __init__(self, config, init_method, output_layer_init_method):
+        super().__init__()
+        self.checkpoint_activations = config.checkpoint_activations
+        self.checkpoint_num_layers = config.checkpoint_num_layers
+        self.layers = nn.ModuleList(
+            ParallelTransformerLayer(config, init_method, output_layer_init_method)
+            for _ in range(config.num_layers))
+        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+
+    def _run_layers(self, start, end):
+        def run(hidden_states, allowed_mask):
+            for layer in self.layers[start:end]:
+                hidden_states = layer(hidden_states, allowed_mask)
+            return hidden_states
+        return run
+
+    def forward(self, hidden_states, attention_mask=None):
+        # hidden_states: [b, s, h]; attention_mask: None (causal) or bool [b|1, 1, s, s] with
+        # Megatron's convention True = masked.  SDPA's bool mask means the opposite.
+        allowed_mask = None if attention_mask is None else ~attention_mask
+        num_layers = len(self.layers)
+        if self.checkpoint_activations and self.training and torch.is_grad_enabled():
+            for start in range(0, num_layers, self.checkpoint_num_layers):
+                end = min(start + self.checkpoint_num_layers, num_layers)
+                hidden_states = mpu.checkpoint(self._run_layers(start, end), hidden_states,
+                                               allowed_mask)
+        else:
+            hidden_states = self._run_layers(0, num_layers)(hidden_states, allowed_mask)
+        return self.final_layernorm(hidden_states)

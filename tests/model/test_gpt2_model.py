@@ -1,0 +1,165 @@
+import pytest
+import torch
+
+from megatron import mpu
+from megatron.errors import ConfigError
+from megatron.model import (MODEL_SIZES, GPT2Model, GPTConfig, flops_per_token,
+                            num_parameters, param_groups_for_weight_decay)
+from tests.model.cases import tiny_config
+
+
+def _inputs(batch=2, seq=8, vocab=64):
+    tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return tokens, torch.arange(seq).expand(batch, seq)
+
+
+def test_shapes_and_dtypes():
+    torch.manual_seed(0)
+    model = GPT2Model(tiny_config())
+    tokens, positions = _inputs()
+    logits = model(tokens, positions)
+    assert logits.shape == (2, 8, 64)
+    losses = model(tokens, positions, labels=tokens)
+    assert losses.shape == (2, 8) and losses.dtype == torch.float32
+
+
+def test_megatron_state_dict_keys():
+    model = GPT2Model(tiny_config(num_layers=1))
+    prefix = "language_model.transformer.layers.0."
+    expected = ["language_model.embedding.word_embeddings.weight",
+                "language_model.embedding.position_embeddings.weight"]
+    for module in ("input_layernorm", "attention.query_key_value", "attention.dense",
+                   "post_attention_layernorm", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"):
+        expected += [f"{prefix}{module}.weight", f"{prefix}{module}.bias"]
+    expected += ["language_model.transformer.final_layernorm.weight",
+                 "language_model.transformer.final_layernorm.bias"]
+    assert list(model.state_dict()) == expected
+    assert model.state_dict()[prefix + "attention.query_key_value.weight"].shape == (96, 32)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(ffn_hidden_size=48, num_layers=3)])
+def test_parameter_count_matches_analytic(overrides):
+    config = tiny_config(**overrides)
+    model = GPT2Model(config)
+    assert sum(p.numel() for p in model.parameters()) == num_parameters(config)
+
+
+def test_named_sizes_have_the_published_parameter_counts():
+    # Hugging Face gpt2 / gpt2-medium / gpt2-large / gpt2-xl (vocab 50257, 1024 positions).
+    published = {"gpt2-124m": 124_439_808, "gpt2-345m": 354_823_168,
+                 "gpt2-774m": 774_030_080, "gpt2-1.5b": 1_557_611_200}
+    for name, count in published.items():
+        config = GPTConfig.from_size(name, vocab_size=50257, max_position_embeddings=1024)
+        assert num_parameters(config) == count, name
+    assert {"gpt2-tiny", "gpt2-small-test"} <= set(MODEL_SIZES)
+    with pytest.raises(ConfigError, match="gpt2-124m"):
+        GPTConfig.from_size("gpt2-huge", 50304, 1024)
+
+
+def test_flops_per_token_matches_megatron_formula():
+    # Narayanan et al. 2021: 72 B s L h^2 (1 + s / 6h + V / 12hL) per iteration (f = 4h).
+    config = GPTConfig.from_size("gpt2-345m", vocab_size=50304, max_position_embeddings=1024)
+    s, h, layers, v = 1024, 1024, 24, 50304
+    megatron = 72 * s * layers * h * h * (1 + s / (6 * h) + v / (12 * h * layers))
+    assert flops_per_token(config, s) * s == pytest.approx(megatron, rel=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_attention_heads=5), "--num-attention-heads 5 must divide --hidden-size 32"),
+    (dict(checkpoint_activations=True, checkpoint_num_layers=3, num_layers=4),
+     "--checkpoint-num-layers 3 must divide --num-layers 4"),
+    (dict(hidden_dropout=1.0), "--hidden-dropout"),
+    (dict(vocab_size=0), "--vocab-size"),
+    (dict(params_dtype=torch.int32), "params_dtype"),
+])
+def test_config_errors(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        tiny_config(**kwargs)
+
+
+def test_tensor_parallel_divisibility_is_checked_against_the_model_parallel_size():
+    config = tiny_config(vocab_size=66, num_attention_heads=4)
+    with pytest.raises(ConfigError, match="--model-parallel-size 4 must divide the padded "
+                                          "vocab size 66"):
+        config.validate(model_parallel_size=4)
+    with pytest.raises(ConfigError, match="--model-parallel-size 8 must divide "
+                                          "--num-attention-heads 4"):
+        tiny_config(vocab_size=64).validate(model_parallel_size=8)
+    try:  # GPT2Model checks against the live tensor-parallel size
+        mpu.set_model_parallel_world_size(4)
+        with pytest.raises(ConfigError, match="vocab size 66"):
+            GPT2Model(config)
+    finally:
+        mpu.destroy_model_parallel()
+
+
+def test_weight_decay_groups():
+    model = GPT2Model(tiny_config(num_layers=1))
+    decay, no_decay = param_groups_for_weight_decay(model)
+    assert no_decay["weight_decay"] == 0.0 and "weight_decay" not in decay
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    assert no_decay_names == {n for n in names.values() if n.endswith("bias")
+                              or "layernorm" in n}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(names)
+    assert len(decay["params"]) == 6  # 2 embeddings + 4 linear weights
+
+
+def test_init_distribution():
+    torch.manual_seed(0)
+    model = GPT2Model(GPTConfig(num_layers=8, hidden_size=64, num_attention_heads=4,
+                                vocab_size=256, max_position_embeddings=32))
+    layer = model.language_model.transformer.layers[0]
+    assert abs(layer.mlp.dense_h_to_4h.weight.std().item() - 0.02) < 2e-3
+    assert abs(layer.mlp.dense_4h_to_h.weight.std().item() - 0.02 / 4) < 5e-4
+    assert abs(layer.attention.dense.weight.std().item() - 0.02 / 4) < 5e-4
+    assert torch.all(layer.attention.query_key_value.bias == 0)
+    assert torch.all(layer.input_layernorm.weight == 1)
+
+
+def test_bf16_params():
+    model = GPT2Model(tiny_config(params_dtype=torch.bfloat16))
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.language_model.transformer.layers[0].attention.dense.weight.model_parallel
+    tokens, positions = _inputs()
+    losses = model(tokens, positions, labels=tokens)
+    assert losses.dtype == torch.float32 and torch.isfinite(losses).all()
+
+
+def test_attention_is_causal():
+    model = GPT2Model(tiny_config()).eval()
+    tokens, positions = _inputs()
+    changed = tokens.clone()
+    changed[:, 5:] = (changed[:, 5:] + 1) % 64
+    with torch.no_grad():
+        a, b = model(tokens, positions), model(changed, positions)
+    torch.testing.assert_close(a[:, :5], b[:, :5])
+    assert not torch.allclose(a[:, 5:], b[:, 5:])
+
+
+def test_checkpoint_activations_gradients_equal_with_dropout():
+    grads = []
+    for checkpoint_activations in (False, True):
+        torch.manual_seed(3)
+        mpu.model_parallel_cuda_manual_seed(3)
+        model = GPT2Model(tiny_config(num_layers=4, hidden_dropout=0.3, attention_dropout=0.3,
+                                      checkpoint_activations=checkpoint_activations,
+                                      checkpoint_num_layers=2))
+        tokens, positions = _inputs()
+        model(tokens, positions, labels=tokens).mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for plain, checkpointed in zip(*grads):
+        assert torch.equal(plain, checkpointed)
+
+
+def test_overfits_one_batch():
+    torch.manual_seed(0)
+    model = GPT2Model(tiny_config(hidden_size=64, num_layers=2))
+    tokens, positions = _inputs(batch=4, seq=16)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(100):
+        loss = model(tokens, positions, labels=tokens.roll(-1, dims=1)).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.5
