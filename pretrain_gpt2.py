@@ -11,19 +11,18 @@ Multi-process: `torchrun --nproc_per_node N pretrain_gpt2.py ... --model-paralle
 import sys
 
 from megatron.arguments import parse_args
-from megatron.errors import MegatronError
+from megatron.cli import run_cli
+
+
+def train(argv):
+    from megatron.gpt2 import forward_step, model_provider, train_valid_test_datasets_provider
+    from megatron.training import pretrain
+    args = parse_args(argv, defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, args)
 
 
 def main(argv=None):
-    from megatron.gpt2 import forward_step, model_provider, train_valid_test_datasets_provider
-    from megatron.training import pretrain
-    try:
-        args = parse_args(argv, defaults={"tokenizer_type": "GPT2BPETokenizer"})
-        pretrain(train_valid_test_datasets_provider, model_provider, forward_step, args)
-    except MegatronError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+    return run_cli(train, argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.data.preprocessing import (TokenizerFactory, format_summary,  # noqa: E402
                                          tokenize_loose_json)
-from megatron.errors import ConfigError, MegatronError  # noqa: E402
+from megatron.cli import run_cli  # noqa: E402
+from megatron.errors import ConfigError  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES  # noqa: E402
 
 
@@ -64,12 +65,7 @@ def run(args):
 
 
 def main(argv=None):
-    try:
-        run(get_args(argv))
-    except MegatronError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(lambda: run(get_args(argv)))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
-from megatron.errors import ConfigError, DataError, MegatronError  # noqa: E402
+from megatron.cli import run_cli  # noqa: E402
+from megatron.errors import ConfigError, DataError  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES, SentencePieceTokenizer  # noqa: E402
 from megatron.tokenizer.bpe_trainer import count_pretokens, train_byte_level_bpe, write_gpt2_files  # noqa: E402
 from megatron.tokenizer.sentencepiece_tokenizer import train_sentencepiece  # noqa: E402
@@ -135,19 +136,17 @@ def print_summary(reader, args, vocab_size, paths, seconds):
     print(f"wrote {', '.join(paths)}")
 
 
+def train_tokenizer(args):
+    validate_args(args)
+    reader = LooseJsonReader(args.input, args.json_keys)
+    start = time.perf_counter()
+    train = train_gpt2_bpe if args.tokenizer_type == "GPT2BPETokenizer" else train_sentencepiece_model
+    vocab_size, paths = train(reader, args)
+    print_summary(reader, args, vocab_size, paths, time.perf_counter() - start)
+
+
 def main(argv=None):
-    args = parse_args(argv)
-    try:
-        validate_args(args)
-        reader = LooseJsonReader(args.input, args.json_keys)
-        start = time.perf_counter()
-        train = train_gpt2_bpe if args.tokenizer_type == "GPT2BPETokenizer" else train_sentencepiece_model
-        vocab_size, paths = train(reader, args)
-        print_summary(reader, args, vocab_size, paths, time.perf_counter() - start)
-    except MegatronError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(train_tokenizer, parse_args(argv))
 
 
 if __name__ == "__main__":
