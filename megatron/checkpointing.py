@@ -18,6 +18,7 @@ leaves the previous checkpoint and tracker intact.
 
 import os
 import random
+import re
 
 import numpy as np
 import torch
@@ -242,12 +243,16 @@ def load_checkpoint(model, optimizer, lr_scheduler, args, device):
                                   "at a directory written by --save")
         return None  # nothing to resume: start from scratch (Megatron behaviour)
     path = get_checkpoint_name(args.load, iteration, release=release)
+    directory = os.path.dirname(os.path.dirname(path))
     if not os.path.isfile(path):
+        # Without our rank's file, the rank directories present tell the saved size.
+        _check_model_parallel_size(args, directory, _count_rank_files(directory))
         raise CheckpointError(f"{get_checkpoint_tracker_filename(args.load)} names iteration "
-                              f"{iteration}, but {path} is missing (checkpoint saved at another "
-                              "--model-parallel-size, or incomplete)")
+                              f"{iteration}, but {path} is missing: the checkpoint is "
+                              "incomplete. Resume from an earlier iteration or save again")
     state = safe_load(path)
     if "args" in state:
+        _check_model_parallel_size(args, directory, state["args"].get("model_parallel_size"))
         check_checkpoint_args(state["args"], args, path)
     _load_model_weights(model, state, path)
     if args.finetune or release:
@@ -269,6 +274,29 @@ def load_checkpoint(model, optimizer, lr_scheduler, args, device):
     train_state.setdefault("consumed_train_samples",
                            train_state["iteration"] * args.global_batch_size)
     return train_state
+
+
+def _count_rank_files(directory):
+    """How many tensor-parallel ranks wrote into an iteration directory (None if none)."""
+    if not os.path.isdir(directory):
+        return None
+    ranks = [d for d in os.listdir(directory) if re.fullmatch(r"mp_rank_\d{2}", d) and
+             os.path.isfile(os.path.join(directory, d, "model_optim_rng.pt"))]
+    return len(ranks) or None
+
+
+def _check_model_parallel_size(args, directory, saved_size):
+    """A checkpoint saved at another TP size must be converted, not loaded: say how."""
+    ours = args.model_parallel_size
+    if saved_size is None or saved_size == ours:
+        return
+    converted = f"{os.path.normpath(args.load)}_mp{ours}"
+    raise CheckpointError(
+        f"checkpoint {directory} was saved with --model-parallel-size {saved_size}, but this "
+        f"run uses --model-parallel-size {ours}. Convert it to the new size first:\n"
+        f"  python tools/merge_mp_partitions.py --load {args.load} "
+        f"--target-model-parallel-size {ours} --save {converted}\n"
+        f"then resume with --load {converted} (or run with --model-parallel-size {saved_size})")
 
 
 def _load_model_weights(model, state, path):

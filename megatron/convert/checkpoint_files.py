@@ -1,0 +1,125 @@
+"""Read every tensor-parallel shard of a Megatron-layout checkpoint, and write a new set.
+
+    <dir>/latest_checkpointed_iteration.txt      "200" or "release"
+    <dir>/iter_0000200/mp_rank_{00..N-1}/model_optim_rng.pt
+"""
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from typing import List
+
+from megatron.checkpointing import (TRACKER_FILENAME, atomic_torch_save, atomic_write_text,
+                                    get_checkpoint_name, read_tracker, safe_load)
+from megatron.errors import CheckpointError
+
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})")
+
+
+@dataclass
+class ShardedCheckpoint:
+    """One iteration of a checkpoint: the loaded file of each tensor-parallel rank."""
+    load_dir: str
+    iteration: int
+    release: bool
+    shards: List[dict]  # model_optim_rng.pt contents, indexed by tensor-parallel rank
+
+    @property
+    def args(self):
+        return self.shards[0]["args"]
+
+    @property
+    def model_parallel_size(self):
+        return len(self.shards)
+
+
+def read_sharded_checkpoint(load_dir, iteration=None):
+    """Load all shards of `iteration` (default: the one the tracker names)."""
+    iteration, release = _resolve_iteration(load_dir, iteration)
+    directory = os.path.dirname(os.path.dirname(
+        get_checkpoint_name(load_dir, iteration, mp_rank=0, release=release)))
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{os.path.join(load_dir, TRACKER_FILENAME)} names iteration "
+                              f"{'release' if release else iteration}, but {directory} does "
+                              "not exist; fix the tracker or pass --iteration")
+    first_path = get_checkpoint_name(load_dir, iteration, mp_rank=0, release=release)
+    first = safe_load(first_path)
+    if not isinstance(first, dict) or not isinstance(first.get("args"), dict) \
+            or "model" not in first:
+        raise CheckpointError(f"{first_path} has no 'model' and 'args' entries: it was not "
+                              "saved by pretrain_gpt2.py and cannot be converted")
+    size = first["args"].get("model_parallel_size", 1)
+    _check_rank_dirs(directory, size)
+    shards = [first]
+    for rank in range(1, size):
+        path = get_checkpoint_name(load_dir, iteration, mp_rank=rank, release=release)
+        shard = safe_load(path)
+        saved_size = shard.get("args", {}).get("model_parallel_size")
+        if saved_size != size or shard.get("iteration") != first.get("iteration"):
+            raise CheckpointError(
+                f"{path} (model_parallel_size {saved_size}, iteration "
+                f"{shard.get('iteration')}) does not belong with {first_path} "
+                f"(model_parallel_size {size}, iteration {first.get('iteration')}); the "
+                "directory mixes two checkpoints")
+        shards.append(shard)
+    return ShardedCheckpoint(load_dir, iteration, release, shards)
+
+
+def _resolve_iteration(load_dir, iteration):
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir} is not a directory")
+    if iteration is not None:
+        directory = os.path.join(load_dir, f"iter_{iteration:07d}")
+        if not os.path.isdir(directory):
+            found = sorted(d for d in os.listdir(load_dir) if re.fullmatch(r"iter_\d{7}", d))
+            raise CheckpointError(f"--iteration {iteration}: {directory} does not exist; "
+                                  f"saved iterations here: {', '.join(found) or 'none'}")
+        return iteration, False
+    tracked, release = read_tracker(load_dir)
+    if tracked is None:
+        raise CheckpointError(f"--load {load_dir} is not a checkpoint directory: it has no "
+                              f"{TRACKER_FILENAME}. Point --load at a directory written by "
+                              "pretrain_gpt2.py --save, or name an iteration with --iteration")
+    return tracked, release
+
+
+def _check_rank_dirs(directory, size):
+    """All of mp_rank_00..size-1 present, nothing beyond."""
+    ranks = sorted(int(m.group(1)) for m in map(_RANK_DIR.fullmatch, os.listdir(directory))
+                   if m)
+    missing = [r for r in range(size) if not os.path.isfile(
+        os.path.join(directory, f"mp_rank_{r:02d}", "model_optim_rng.pt"))]
+    if missing:
+        names = ", ".join(f"mp_rank_{r:02d}/model_optim_rng.pt" for r in missing)
+        raise CheckpointError(f"{directory} is incomplete: it was saved with "
+                              f"model_parallel_size {size} but {names} is missing. Copy the "
+                              "missing rank files, or convert another iteration")
+    extra = [r for r in ranks if r >= size]
+    if extra:
+        raise CheckpointError(f"{directory} holds mp_rank_{extra[0]:02d}, but its mp_rank_00 "
+                              f"says model_parallel_size {size}; remove the stray rank "
+                              "directories left by another run")
+
+
+def write_sharded_checkpoint(save_dir, iteration, release, shards):
+    """Write one file per rank under a temporary name, rename it into place, then the tracker.
+
+    A crash leaves either no new iteration directory or a complete one, and the tracker is
+    only advanced once every rank's file is in place.  Returns the file paths.
+    """
+    final = os.path.dirname(os.path.dirname(
+        get_checkpoint_name(save_dir, iteration, mp_rank=0, release=release)))
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} already exists; choose another --save directory or "
+                              "delete it first")
+    staging = os.path.join(save_dir, f".{os.path.basename(final)}.tmp.{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    for rank, shard in enumerate(shards):
+        atomic_torch_save(shard, os.path.join(staging, f"mp_rank_{rank:02d}",
+                                              "model_optim_rng.pt"))
+    os.replace(staging, final)
+    atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME),
+                      "release" if release else str(iteration))
+    return [get_checkpoint_name(save_dir, iteration, mp_rank=rank, release=release)
+            for rank in range(len(shards))]

@@ -1,0 +1,154 @@
+"""The trainer's optimizer state, merged to full tensors and split again like the model.
+
+What `megatron.optimizer.MegatronOptimizer.state_dict()` saves on each tensor-parallel rank:
+
+    {"optimizer": AdamW state_dict {"state": {index: {"step", "exp_avg", "exp_avg_sq"}},
+                                    "param_groups": [{"params": [index, ...], "lr", ...}]},
+     "fp32_from_fp16_params": [[fp32 master or None, one per param] per group],
+     "grad_scaler": loss-scaler state or None}
+
+Indices count parameters group by group.  The groups are [weight decay, no weight decay]
+with empty ones dropped, each in model order (`megatron.optimizer.get_param_groups`), so the
+key map's weight-decay column names the parameter behind every index.  Adam moments and fp32
+masters have their parameter's shape and are sharded like it; `step` is one scalar per
+parameter, the same on every rank.  The number and order of parameters do not depend on the
+tensor-parallel size, so the param_groups (hyper-parameters and indices) carry over unchanged.
+"""
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from megatron.convert.tp_layout import REPLICATED, merge_shards, parameter_layout, split_full
+from megatron.errors import CheckpointError
+
+
+@dataclass
+class FullOptimizerState:
+    param_groups: List[dict]          # rank 0's AdamW param_groups, indices included
+    group_names: List[List[str]]      # the parameter name behind each index, group by group
+    moments: Dict[str, Optional[dict]]  # name -> {"step": scalar, "exp_avg": full, ...} or None
+    masters: Dict[str, Optional[torch.Tensor]]  # name -> full fp32 master (None: fp32 param)
+    grad_scaler: Any
+
+
+def optimizer_group_names(model_names):
+    """Parameter names of each optimizer group, in the trainer's order."""
+    decay = [name for name in model_names if parameter_layout(name).weight_decay]
+    no_decay = [name for name in model_names if not parameter_layout(name).weight_decay]
+    return [group for group in (decay, no_decay) if group]
+
+
+def merge_optimizer_states(states, models):
+    """FullOptimizerState from each rank's saved optimizer state and flat model state dict."""
+    group_names = optimizer_group_names(list(models[0]))
+    param_groups = states[0]["optimizer"]["param_groups"]
+    _check_groups(group_names, param_groups)
+    moments, masters = {}, {}
+    for group_index, names in enumerate(group_names):
+        indices = param_groups[group_index]["params"]
+        for position, (name, index) in enumerate(zip(names, indices)):
+            shard_models = [model[name] for model in models]
+            per_rank = [state["optimizer"]["state"].get(index) for state in states]
+            moments[name] = _merge_moments(name, per_rank, shard_models)
+            saved = [state.get("fp32_from_fp16_params") for state in states]
+            per_rank_masters = [None if s is None else s[group_index][position] for s in saved]
+            masters[name] = _merge_tensors(name, "fp32 master", per_rank_masters, shard_models,
+                                           check_replicas=True)
+    return FullOptimizerState(param_groups, group_names, moments, masters,
+                              states[0].get("grad_scaler"))
+
+
+def _check_groups(group_names, param_groups):
+    expected = [len(names) for names in group_names]
+    saved = [len(group["params"]) for group in param_groups]
+    if expected != saved:
+        raise CheckpointError(
+            f"the optimizer state has parameter groups of sizes {saved}, but this trainer "
+            f"groups the model's parameters as {expected} (weight decay, no weight decay); it "
+            "was not saved by pretrain_gpt2.py. Convert a checkpoint saved with "
+            "--no-save-optim, then resume with --no-load-optim")
+
+
+def _merge_moments(name, per_rank, shard_models):
+    """{"step": rank 0's, each parameter-shaped tensor: merged}, or None if never stepped."""
+    if per_rank[0] is None:
+        return None
+    merged = {}
+    for key, value in per_rank[0].items():
+        if torch.is_tensor(value) and value.dim() > 0:  # exp_avg, exp_avg_sq
+            merged[key] = _merge_tensors(name, key, [s[key] for s in per_rank], shard_models,
+                                         check_replicas=False)
+        else:
+            merged[key] = value  # the step count: the same on every rank
+    return merged
+
+
+def _merge_tensors(name, what, tensors, shard_models, check_replicas):
+    """Merge one optimizer tensor per rank that is shaped like the parameter's shard."""
+    if all(t is None for t in tensors):
+        return None
+    for rank, (tensor, param) in enumerate(zip(tensors, shard_models)):
+        if tensor is None or tensor.shape != param.shape:
+            shape = None if tensor is None else tuple(tensor.shape)
+            raise CheckpointError(
+                f"{what} of {name} on mp_rank_{rank:02d} has shape {shape}, but the parameter "
+                f"has shape {tuple(param.shape)}: the optimizer state does not match the model")
+    split = parameter_layout(name).split
+    # Moments of replicated parameters agree in exact arithmetic; rank 0's are used.
+    return merge_shards(f"{what} of {name}", tensors, split,
+                        check_replicas=check_replicas and split == REPLICATED)
+
+
+def map_optimizer_tensors(full, name, function):
+    """Apply `function` to every parameter-shaped tensor of `name` (e.g. a vocab resize)."""
+    if full.masters.get(name) is not None:
+        full.masters[name] = function(full.masters[name])
+    moments = full.moments.get(name)
+    if moments is not None:
+        for key, value in moments.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                moments[key] = function(value)
+
+
+def split_optimizer_state(full, num_partitions):
+    """One saved optimizer state dict per target rank."""
+    moment_shards, master_shards = {}, {}
+    for names in full.group_names:
+        for name in names:
+            split = parameter_layout(name).split
+            moment_shards[name] = _split_moments(full.moments[name], split, num_partitions)
+            master = full.masters[name]
+            master_shards[name] = [None] * num_partitions if master is None else \
+                split_full(master, split, num_partitions)
+    states = []
+    for rank in range(num_partitions):
+        adam_state = {}
+        for group, names in zip(full.param_groups, full.group_names):
+            for index, name in zip(group["params"], names):
+                if moment_shards[name] is not None:
+                    adam_state[index] = moment_shards[name][rank]
+        states.append({
+            "optimizer": {"state": adam_state, "param_groups": copy.deepcopy(full.param_groups)},
+            "fp32_from_fp16_params": [[master_shards[name][rank] for name in names]
+                                      for names in full.group_names],
+            "grad_scaler": copy.deepcopy(full.grad_scaler),
+        })
+    return states
+
+
+def _split_moments(moments, split, num_partitions):
+    """[{"step": ..., "exp_avg": shard, ...} per rank], or None if never stepped."""
+    if moments is None:
+        return None
+    per_rank = [{} for _ in range(num_partitions)]
+    for key, value in moments.items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            parts = split_full(value, split, num_partitions)
+        else:
+            parts = [value.clone() if torch.is_tensor(value) else value] * num_partitions
+        for rank, part in enumerate(parts):
+            per_rank[rank][key] = part
+    return per_rank

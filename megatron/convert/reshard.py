@@ -1,0 +1,245 @@
+"""Change the tensor-parallel (TP) size of a checkpoint through a full, unsharded form.
+
+    TP=N shards --merge--> FullCheckpoint --re-pad vocab--> --split--> TP=M shards
+
+Everything sharded is converted: model weights, Adam moments and fp32 master weights, so
+training resumes at the new size with the loss it would have had at the old one.  The word
+embeddings are padded to a multiple of make_vocab_size_divisible_by * TP; the real rows are
+kept, the padding is cut or zero-extended to the target's multiple (`resize_vocab_rows`).
+Padding rows are part of the output softmax, so the loss is only unchanged when the padded
+size is the same at both TP sizes; new zero rows (logit 0) add mass to its denominator.
+
+RNG states: python/numpy/torch/cuda generators are the same on every TP rank by design, so
+every target rank gets rank 0's.  The tracker's per-rank dropout stream ("model-parallel-rng",
+used for attention dropout) continues from source rank r on target rank r; ranks that did not
+exist get a fresh stream seeded as `mpu.model_parallel_cuda_manual_seed` seeds that rank.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List, NamedTuple, Optional
+
+import torch
+
+from megatron.checkpointing import to_flat_state_dict, to_nested_state_dict
+from megatron.convert.checkpoint_files import read_sharded_checkpoint, write_sharded_checkpoint
+from megatron.convert.optimizer_state import (FullOptimizerState, map_optimizer_tensors,
+                                              merge_optimizer_states, split_optimizer_state)
+from megatron.convert.tp_layout import (WORD_EMBEDDINGS, merge_shards, parameter_layout,
+                                        resize_vocab_rows, split_full)
+from megatron.errors import CheckpointError, ConfigError
+from megatron.mpu.random import RNGStatesTracker
+from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
+
+_TP_RNG_STREAM = "model-parallel-rng"
+_TP_RNG_SEED_OFFSET = 2718  # mpu.model_parallel_cuda_manual_seed: seed + 2718 + tp_rank
+_PER_RANK_KEYS = ("model", "optimizer", "rng_tracker_states")
+
+
+@dataclass
+class FullCheckpoint:
+    """A checkpoint with every tensor whole, independent of the TP size it was saved at."""
+    model: Dict[str, torch.Tensor]    # flat keys; word embeddings [padded vocab, h]
+    vocab_size: int                   # real tokens: the leading rows of the word embeddings
+    optimizer: Optional[FullOptimizerState]
+    common: dict                      # iteration, args, lr_scheduler, train_state, RNG, ...
+    rng_tracker_states: List[dict]    # per source TP rank (empty without saved RNG)
+
+    @property
+    def args(self):
+        return self.common["args"]
+
+    @property
+    def padded_vocab_size(self):
+        return self.model[WORD_EMBEDDINGS].shape[0]
+
+
+def merge_checkpoint(sharded, vocab_size):
+    """FullCheckpoint from a ShardedCheckpoint; `vocab_size` = the tokenizer's, unpadded."""
+    models = [to_flat_state_dict(shard["model"]) for shard in sharded.shards]
+    for rank, model in enumerate(models[1:], start=1):
+        if list(model) != list(models[0]):
+            raise CheckpointError(f"mp_rank_{rank:02d} holds other parameters than mp_rank_00; "
+                                  "the shards do not come from one model")
+    full_model = {name: merge_shards(name, [m[name] for m in models],
+                                     parameter_layout(name).split) for name in models[0]}
+    optimizer = None
+    with_optimizer = ["optimizer" in shard for shard in sharded.shards]
+    if any(with_optimizer) and not all(with_optimizer):
+        raise CheckpointError(f"mp_rank_{with_optimizer.index(False):02d} has no optimizer "
+                              f"state but mp_rank_{with_optimizer.index(True):02d} has: the "
+                              "shards come from different saves")
+    if all(with_optimizer):
+        optimizer = merge_optimizer_states([s["optimizer"] for s in sharded.shards], models)
+    common = {k: v for k, v in sharded.shards[0].items() if k not in _PER_RANK_KEYS}
+    trackers = [s["rng_tracker_states"] for s in sharded.shards if "rng_tracker_states" in s]
+    full = FullCheckpoint(full_model, vocab_size, optimizer, common, trackers)
+    rows = full.padded_vocab_size
+    if rows < vocab_size or rows != full.args.get("padded_vocab_size", rows):
+        raise CheckpointError(f"the word embeddings have {rows} rows, but the checkpoint's "
+                              f"args say padded_vocab_size {full.args.get('padded_vocab_size')}"
+                              f" and the vocab has {vocab_size} tokens")
+    return full
+
+
+def resize_vocab(full, padded_vocab_size):
+    """Re-pad the word embeddings (weights, fp32 master, Adam moments) to a new size."""
+    if padded_vocab_size < full.vocab_size:
+        raise ValueError(f"padded vocab {padded_vocab_size} < vocab {full.vocab_size}")
+    full.model[WORD_EMBEDDINGS] = resize_vocab_rows(full.model[WORD_EMBEDDINGS],
+                                                    padded_vocab_size)
+    if full.optimizer is not None:
+        map_optimizer_tensors(full.optimizer, WORD_EMBEDDINGS,
+                              lambda t: resize_vocab_rows(t, padded_vocab_size))
+    full.common["args"] = dict(full.args, padded_vocab_size=padded_vocab_size)
+
+
+def split_checkpoint(full, target_tp):
+    """The model_optim_rng.pt contents of each of `target_tp` ranks."""
+    model_shards = {name: split_full(tensor, parameter_layout(name).split, target_tp)
+                    for name, tensor in full.model.items()}
+    optimizer_shards = None
+    if full.optimizer is not None:
+        optimizer_shards = split_optimizer_state(full.optimizer, target_tp)
+    shards = []
+    for rank in range(target_tp):
+        shard = dict(full.common, args=dict(full.args, model_parallel_size=target_tp))
+        shard["model"] = to_nested_state_dict({n: parts[rank] for n, parts in
+                                               model_shards.items()})
+        if optimizer_shards is not None:
+            shard["optimizer"] = optimizer_shards[rank]
+        if full.rng_tracker_states:
+            shard["rng_tracker_states"] = _tracker_states_for_rank(full, rank)
+        shards.append(shard)
+    return shards
+
+
+def _tracker_states_for_rank(full, rank):
+    if rank < len(full.rng_tracker_states):
+        return full.rng_tracker_states[rank]
+    base = full.rng_tracker_states[0]
+    derived = RNGStatesTracker()
+    derived.add(_TP_RNG_STREAM, full.args.get("seed", 1234) + _TP_RNG_SEED_OFFSET + rank)
+    states = {name: dict(per_device) for name, per_device in base.items()}
+    fresh = derived.get_states()[_TP_RNG_STREAM]
+    # A CUDA stream cannot be seeded on a machine without CUDA: keep rank 0's there.
+    states[_TP_RNG_STREAM] = {device: fresh.get(device, state)
+                              for device, state in base.get(_TP_RNG_STREAM, fresh).items()}
+    return states
+
+
+# ------------------------------------------------------------------------- vocab size
+
+def resolve_vocab_size(args, vocab_size=None, tokenizer_files=None):
+    """The unpadded vocab size: given, or from the tokenizer the checkpoint was trained with.
+
+    `tokenizer_files` ({"vocab_file", "merge_file", "tokenizer_model"}) override the paths
+    recorded in the checkpoint's args.  The result must pad to the checkpoint's vocab rows.
+    """
+    if vocab_size is None and not tokenizer_files and args.get("orig_vocab_size"):
+        vocab_size = args["orig_vocab_size"]  # recorded by the trainer since it existed
+    if vocab_size is None:
+        vocab_size = _tokenizer_vocab_size(args, tokenizer_files or {})
+    divisible_by = args.get("make_vocab_size_divisible_by", 128)
+    source_tp = args.get("model_parallel_size", 1)
+    padded = vocab_size_with_padding(vocab_size, divisible_by, source_tp)
+    if padded != args.get("padded_vocab_size", padded):
+        raise CheckpointError(
+            f"vocab size {vocab_size} pads to {padded} (multiple of {divisible_by} x "
+            f"{source_tp}), but the checkpoint's vocab is padded to "
+            f"{args['padded_vocab_size']}: give the --vocab-size or tokenizer files the model "
+            "was trained with")
+    return vocab_size
+
+
+def _tokenizer_vocab_size(args, overrides):
+    tokenizer_type = args.get("tokenizer_type")
+    flags = {"vocab_file": "--vocab-file", "merge_file": "--merge-file",
+             "tokenizer_model": "--tokenizer-model"}
+    needed = ("tokenizer_model",) if tokenizer_type == "SentencePieceTokenizer" else \
+        ("vocab_file", "merge_file")
+    paths = {key: overrides.get(key) or args.get(key) for key in flags}
+    missing = [f"{flags[key]} {paths[key]}" for key in needed
+               if not paths[key] or not os.path.isfile(paths[key])]
+    if missing:
+        raise CheckpointError(
+            "removing the vocab padding needs the tokenizer's vocab size, but the tokenizer "
+            f"files ({', '.join(missing)}) are not found from {os.getcwd()}; pass "
+            "--vocab-size N, or the tokenizer files with " +
+            " ".join(flags[key] for key in needed))
+    return build_tokenizer(tokenizer_type, paths["vocab_file"], paths["merge_file"],
+                           paths["tokenizer_model"]).vocab_size
+
+
+# ------------------------------------------------------------------------- entry points
+
+def load_unsharded_checkpoint(load_dir, iteration=None, vocab_size=None, tokenizer_files=None):
+    """Read all TP shards of a checkpoint and return its FullCheckpoint."""
+    sharded = read_sharded_checkpoint(load_dir, iteration)
+    vocab_size = resolve_vocab_size(sharded.args, vocab_size, tokenizer_files)
+    return merge_checkpoint(sharded, vocab_size)
+
+
+def unsharded_state_dict(load_dir, iteration=None, vocab_size=None, tokenizer_files=None):
+    """The full model state dict (flat Megatron keys), word embeddings cut to [vocab, h].
+
+    The canonical TP-free intermediate that other formats (e.g. Hugging Face) convert from.
+    """
+    full = load_unsharded_checkpoint(load_dir, iteration, vocab_size, tokenizer_files)
+    resize_vocab(full, full.vocab_size)
+    return full.model
+
+
+def check_target_size(args, target_tp):
+    """ConfigError, with the arithmetic, if the model cannot be split `target_tp` ways."""
+    if target_tp < 1:
+        raise ConfigError(f"--target-model-parallel-size must be >= 1, got {target_tp}")
+    heads = args["num_attention_heads"]
+    ffn = args.get("ffn_hidden_size") or 4 * args["hidden_size"]
+    for value, name in ((heads, "num_attention_heads"), (ffn, "ffn_hidden_size")):
+        if value % target_tp != 0:
+            raise ConfigError(f"--target-model-parallel-size {target_tp} must divide the "
+                              f"checkpoint's {name} {value} ({value} % {target_tp} = "
+                              f"{value % target_tp})")
+
+
+class ReshardResult(NamedTuple):
+    iteration: int
+    release: bool
+    source_tp: int
+    target_tp: int
+    vocab_size: int
+    source_padded_vocab_size: int
+    target_padded_vocab_size: int
+    optimizer_converted: bool
+    paths: List[str]
+
+
+def reshard_checkpoint(load_dir, save_dir, target_tp, iteration=None, vocab_size=None,
+                       tokenizer_files=None, source_tp=None):
+    """Convert `load_dir` (at its saved TP size) to a TP=`target_tp` checkpoint in `save_dir`.
+
+    `source_tp`, when given, must be the TP size the checkpoint was saved at.
+    """
+    if os.path.abspath(save_dir) == os.path.abspath(load_dir):
+        raise ConfigError("--save must differ from --load: the converted checkpoint would mix "
+                          "two tensor-parallel sizes in one directory")
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise ConfigError(f"--save {save_dir} exists and is not a directory")
+    sharded = read_sharded_checkpoint(load_dir, iteration)
+    if source_tp is not None and source_tp != sharded.model_parallel_size:
+        raise ConfigError(f"--model-parallel-size {source_tp} (the source size) disagrees with "
+                          f"the checkpoint, which was saved with model_parallel_size "
+                          f"{sharded.model_parallel_size}; drop the flag, it is read from "
+                          "the checkpoint")
+    check_target_size(sharded.args, target_tp)
+    vocab_size = resolve_vocab_size(sharded.args, vocab_size, tokenizer_files)
+    full = merge_checkpoint(sharded, vocab_size)
+    source_padded = full.padded_vocab_size
+    divisible_by = full.args.get("make_vocab_size_divisible_by", 128)
+    resize_vocab(full, vocab_size_with_padding(vocab_size, divisible_by, target_tp))
+    paths = write_sharded_checkpoint(save_dir, sharded.iteration, sharded.release,
+                                     split_checkpoint(full, target_tp))
+    return ReshardResult(sharded.iteration, sharded.release, sharded.model_parallel_size,
+                         target_tp, vocab_size, source_padded, full.padded_vocab_size,
+                         full.optimizer is not None, paths)

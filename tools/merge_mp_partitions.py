@@ -1,0 +1,90 @@
+"""Change the tensor-parallel size of a Megatron-layout checkpoint: N -> 1, 1 -> N, N -> M.
+
+    python tools/merge_mp_partitions.py --load checkpoints/gpt2 --target-model-parallel-size 1
+    # writes checkpoints/gpt2_mp1/{latest_checkpointed_iteration.txt, iter_XXXXXXX/mp_rank_00/}
+    python pretrain_gpt2.py --load checkpoints/gpt2_mp1 --model-parallel-size 1 ...
+
+The source size is read from the checkpoint.  Model weights, Adam moments and fp32 master
+weights are all converted, so training continues where it stopped.  The vocab padding
+(a multiple of --make-vocab-size-divisible-by x TP) is redone for the target size, which needs
+the unpadded vocab size: it comes from the tokenizer files recorded in the checkpoint, or
+from --vocab-file/--merge-file/--tokenizer-model, or --vocab-size.  Trained padding rows are
+kept where the target has them and new ones are zeros; padding logits enter the softmax, so
+the loss is unchanged when the padded size stays the same and rises a little when it grows
+(by about log(new padded / old padded) for an untrained model, less once training sharpens
+the real logits).
+
+RNG states: every target rank gets rank 0's python/numpy/torch generators (identical on all
+TP ranks anyway); the per-rank attention-dropout stream continues on ranks that existed and
+is re-derived from --seed for new ones, as the trainer seeds them.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.convert import reshard_checkpoint  # noqa: E402
+from megatron.errors import MegatronError  # noqa: E402
+
+
+def get_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--load", required=True,
+                        help="checkpoint directory (holds latest_checkpointed_iteration.txt)")
+    parser.add_argument("--iteration", type=int, default=None,
+                        help="iteration to convert (default: the one the tracker names)")
+    parser.add_argument("--target-model-parallel-size", type=int, default=1,
+                        help="tensor-parallel size to convert to (default 1: merge)")
+    parser.add_argument("--model-parallel-size", type=int, default=None,
+                        help="the SOURCE size (Megatron's flag); optional, it is read from the "
+                             "checkpoint and must agree")
+    parser.add_argument("--save", default=None,
+                        help="output directory (default: <load>_mp<target size>); must not "
+                             "already hold the same iteration")
+    group = parser.add_argument_group("vocab size (to redo the vocab padding)")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="the tokenizer's vocab size, unpadded")
+    group.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
+    group.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
+    args = parser.parse_args(argv)
+    if args.save is None:
+        args.save = f"{os.path.normpath(args.load)}_mp{args.target_model_parallel_size}"
+    return args
+
+
+def run(args):
+    tokenizer_files = {"vocab_file": args.vocab_file, "merge_file": args.merge_file,
+                       "tokenizer_model": args.tokenizer_model}
+    result = reshard_checkpoint(args.load, args.save, args.target_model_parallel_size,
+                                iteration=args.iteration, vocab_size=args.vocab_size,
+                                tokenizer_files=tokenizer_files,
+                                source_tp=args.model_parallel_size)
+    name = "release" if result.release else f"iteration {result.iteration}"
+    optimizer = "converted" if result.optimizer_converted else "none in the source checkpoint"
+    print("\n".join([
+        f" converted {args.load} ({name}): tensor-parallel size {result.source_tp} -> "
+        f"{result.target_tp}",
+        f" vocab: {result.vocab_size} tokens, padded {result.source_padded_vocab_size} -> "
+        f"{result.target_padded_vocab_size}",
+        f" optimizer state: {optimizer}",
+        f" wrote {len(result.paths)} file(s) under {os.path.dirname(result.paths[0])}/..",
+        f" resume with: python pretrain_gpt2.py --load {args.save} "
+        f"--model-parallel-size {result.target_tp} ...",
+    ]), flush=True)
+    return result
+
+
+def main(argv=None):
+    try:
+        run(get_args(argv))
+    except MegatronError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
