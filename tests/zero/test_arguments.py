@@ -1,0 +1,74 @@
+"""DeepSpeed's flags (spec §1.2) and the rules choosing the config (spec §1.1)."""
+
+import argparse
+
+import pytest
+
+from zero import ConfigError, add_config_arguments, resolve_config_from_args
+from zero.arguments import apply_mpi_environment
+
+
+def parse(*argv):
+    return add_config_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def test_flags_and_defaults():
+    args = parse()
+    assert (args.deepspeed, args.deepspeed_config, args.deepscale, args.deepscale_config,
+            args.deepspeed_mpi) == (False, None, False, None, False)
+    args = parse("--deepspeed", "--deepspeed_config", "ds.json", "--deepspeed_mpi")
+    assert args.deepspeed and args.deepspeed_config == "ds.json" and args.deepspeed_mpi
+    group_titles = [g.title for g in add_config_arguments(argparse.ArgumentParser())
+                    ._action_groups]
+    assert "DeepSpeed" in group_titles
+
+
+def test_deprecated_deepscale_sets_deepspeed():
+    args = parse("--deepscale")
+    assert args.deepscale and args.deepspeed
+
+
+def test_config_from_flag_or_call():
+    assert resolve_config_from_args(parse("--deepspeed_config", "a.json")) == "a.json"
+    assert resolve_config_from_args(parse(), {"train_batch_size": 1}) == {"train_batch_size": 1}
+    assert resolve_config_from_args(None, "b.json") == "b.json"
+
+
+def test_deepscale_config_is_moved_into_deepspeed_config():
+    args = parse("--deepscale_config", "old.json")
+    assert resolve_config_from_args(args) == "old.json"
+    assert (args.deepspeed_config, args.deepscale_config) == ("old.json", None)
+
+
+@pytest.mark.parametrize("argv, config, piece", [
+    (["--deepscale_config", "a.json", "--deepspeed_config", "b.json"], None, "keep only"),
+    (["--deepspeed_config", "a.json"], {"train_batch_size": 1}, "given twice"),
+    ([], None, "needs a DeepSpeed config"),
+])
+def test_config_choice_errors(argv, config, piece):
+    with pytest.raises(ConfigError, match=piece):
+        resolve_config_from_args(parse(*argv), config)
+
+
+def test_mpi_environment_open_mpi():
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "MASTER_ADDR": "node0"}
+    assert apply_mpi_environment(env) == (3, 8, 1)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_PORT"]) == \
+        ("3", "8", "1", "29500")
+
+
+def test_mpi_environment_mpich_keeps_master_port():
+    env = {"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "6000"}
+    assert apply_mpi_environment(env) == (0, 2, 0)
+    assert env["MASTER_PORT"] == "6000"
+
+
+@pytest.mark.parametrize("env, piece", [
+    ({}, "none of the MPI rank variables"),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2"}, "MASTER_ADDR"),
+    ({"PMI_RANK": "x", "PMI_SIZE": "2", "MASTER_ADDR": "h"}, "not integers"),
+])
+def test_mpi_environment_errors(env, piece):
+    with pytest.raises(ConfigError, match=piece):
+        apply_mpi_environment(env)

@@ -1,0 +1,326 @@
+"""The sections of a DeepSpeed JSON config as typed dataclasses (DeepSpeed key names).
+
+Defaults are DeepSpeed's code defaults (deepspeed_spec.md §2), except where the spec lists a
+docs/code mismatch; those choices are noted next to the field. Sections for features that are
+not built yet (offload, activation checkpointing, aio) parse completely; the engine decides
+what to reject.
+"""
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from zero.config_fields import (DISABLED_SECTION, deprecated_bool, fail, key_path, option,
+                                section)
+
+logger = logging.getLogger("zero.config")
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass
+class FP16Config:
+    enabled: bool = option(False)
+    loss_scale: float = option(0.0, minimum=0.0)  # 0 = dynamic scaling
+    initial_scale_power: int = option(16, maximum=127)  # dynamic scaling starts at 2**power
+    loss_scale_window: int = option(1000, minimum=1)
+    hysteresis: int = option(2, minimum=1)
+    consecutive_hysteresis: bool = option(False)
+    min_loss_scale: float = option(1.0)
+
+    DEFAULT_ONLY = {"auto_cast": False, "fp16_master_weights_and_grads": False}
+
+    @property
+    def dynamic_loss_scale(self):
+        return self.loss_scale == 0
+
+    def check(self, source, path):
+        if self.enabled and self.dynamic_loss_scale:
+            if not self.min_loss_scale > 0:
+                fail(source, f"'{path}.min_loss_scale' must be > 0 with dynamic loss scaling, "
+                             f"got {self.min_loss_scale}")
+            if 2.0 ** self.initial_scale_power < self.min_loss_scale:
+                fail(source, f"'{path}': the initial loss scale 2**initial_scale_power = "
+                             f"2**{self.initial_scale_power} = {2.0 ** self.initial_scale_power:g}"
+                             f" is below min_loss_scale = {self.min_loss_scale:g}")
+
+
+@dataclass
+class BF16Config:
+    enabled: bool = option(False)
+
+    # v0.19.6 additions; zero's bf16 path has no overflow check, no bf16 masters/states
+    DEFAULT_ONLY = {"immediate_grad_update": False, "check_grad_overflow": False,
+                    "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
+
+
+@dataclass
+class OptimizerSection:
+    type: Optional[str] = option(None)  # as given; compared case-insensitively
+    params: dict = option({})
+
+    DEFAULT_ONLY = {"legacy_fusion": False}
+
+    def check(self, source, path):
+        if not self.type:
+            fail(source, f"'{path}' needs a \"type\" (e.g. \"AdamW\")")
+
+
+@dataclass
+class SchedulerSection:
+    type: Optional[str] = option(None)
+    params: dict = option({})
+
+    def check(self, source, path):
+        if not self.type:
+            fail(source, f"'{path}' needs a \"type\" (e.g. \"WarmupDecayLR\")")
+
+
+@dataclass
+class OffloadOptimizerConfig:
+    device: str = option("none", choices=OFFLOAD_DEVICES)
+    nvme_path: Optional[str] = option(None)
+    pin_memory: bool = option(False)  # v0.16.5 default; v0.19.5 made it true (needs CUDA)
+    buffer_count: int = option(4, minimum=0)
+    pipeline_read: bool = option(False)
+    pipeline_write: bool = option(False)
+    fast_init: bool = option(False)
+    ratio: float = option(1.0, minimum=0.0, maximum=1.0)
+
+    DEFAULT_ONLY = {"super_offload": False, "cpuadam_cores_perc": 0.8}
+
+    def check(self, source, path):
+        _check_nvme_path(self.device, self.nvme_path, source, path)
+
+
+@dataclass
+class OffloadParamConfig:
+    device: str = option("none", choices=OFFLOAD_DEVICES)
+    nvme_path: Optional[str] = option(None)
+    pin_memory: bool = option(False)
+    buffer_count: int = option(5, minimum=0)
+    buffer_size: int = option(100_000_000, minimum=0)
+    max_in_cpu: int = option(1_000_000_000, minimum=0)
+
+    def check(self, source, path):
+        _check_nvme_path(self.device, self.nvme_path, source, path)
+
+
+def _check_nvme_path(device, nvme_path, source, path):
+    if device == "nvme" and not nvme_path:
+        fail(source, f"'{path}.device' is \"nvme\" but '{path}.nvme_path' is not set; "
+                     "give the directory on the NVMe drive to swap to")
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = option(0, minimum=0, maximum=3)
+    contiguous_gradients: bool = option(True)
+    overlap_comm: Optional[bool] = option(None)  # None: true for stage 3, false for 1/2
+    reduce_scatter: bool = option(True)
+    reduce_bucket_size: int = option(500_000_000, minimum=1)
+    allgather_partitions: bool = option(True)
+    allgather_bucket_size: int = option(500_000_000, minimum=1)
+    round_robin_gradients: bool = option(False)
+    load_from_fp32_weights: bool = option(True)
+    elastic_checkpoint: bool = option(False)
+    ignore_unused_parameters: bool = option(True)
+    offload_optimizer: Optional[OffloadOptimizerConfig] = section(OffloadOptimizerConfig,
+                                                                  optional=True)
+    offload_param: Optional[OffloadParamConfig] = section(OffloadParamConfig, optional=True)
+    sub_group_size: int = option(1_000_000_000, minimum=1)
+    stage3_prefetch_bucket_size: int = option(50_000_000, minimum=0,
+                                               aliases=("prefetch_bucket_size",))
+    stage3_param_persistence_threshold: int = option(
+        100_000, minimum=0, aliases=("param_persistence_threshold",))
+    stage3_model_persistence_threshold: int = option(
+        sys.maxsize, minimum=0, aliases=("model_persistence_threshold",))
+    stage3_max_live_parameters: int = option(1_000_000_000, minimum=0,
+                                              aliases=("max_live_parameters",))
+    stage3_max_reuse_distance: int = option(1_000_000_000, minimum=0,
+                                             aliases=("max_reuse_distance",))
+    stage3_gather_16bit_weights_on_model_save: bool = option(
+        False, aliases=("gather_16bit_weights_on_model_save",))
+
+    # ZeRO++ / MiCS / tuning knobs of DeepSpeed that zero does not implement.
+    DEFAULT_ONLY = {
+        "use_multi_rank_bucket_allreduce": True, "legacy_stage1": False,
+        "module_granularity_threshold": 0, "stage3_module_granularity_threshold": 0,
+        "use_all_reduce_for_fetch_params": False, "stage3_use_all_reduce_for_fetch_params": False,
+        "stage3_allgather_sequential": False, "zero_hpz_partition_size": 1,
+        "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False,
+        "zero_quantized_gradients": False, "zeropp_loco_param": None, "mics_shard_size": -1,
+        "mics_hierarchical_params_gather": False, "memory_efficient_linear": True,
+        "pipeline_loading_checkpoint": False, "override_module_apply": True,
+        "log_trace_cache_warnings": False, "enable_sanity_checks": False,
+    }
+    DEPRECATED_KEYS = ("cpu_offload", "cpu_offload_param", "cpu_offload_params",
+                       "cpu_offload_use_pin_memory", "stage3_gather_fp16_weights_on_model_save")
+
+    @staticmethod
+    def translate_deprecated(raw, source, path):
+        pin = deprecated_bool(raw, "cpu_offload_use_pin_memory", source, path)
+        old_offloads = [("cpu_offload", "offload_optimizer"),
+                        ("cpu_offload_param", "offload_param"),
+                        ("cpu_offload_params", "offload_param")]
+        translated = False
+        for old, new in old_offloads:
+            enabled = deprecated_bool(raw, old, source, path)
+            if enabled is None:
+                continue
+            _refuse_both(raw, old, new, source, path)
+            _warn_deprecated(path, old, new)
+            if enabled:
+                raw[new] = {"device": "cpu", "pin_memory": bool(pin)}
+                translated = True
+        if pin and not translated:
+            fail(source, f"'{key_path(path, 'cpu_offload_use_pin_memory')}' only applies together "
+                         "with the old 'cpu_offload' / 'cpu_offload_param' keys; set "
+                         "\"pin_memory\": true inside 'offload_optimizer' / 'offload_param'")
+        old_gather = deprecated_bool(raw, "stage3_gather_fp16_weights_on_model_save", source, path)
+        if old_gather is not None:
+            new = "stage3_gather_16bit_weights_on_model_save"
+            for current in (new, "gather_16bit_weights_on_model_save"):
+                _refuse_both(raw, "stage3_gather_fp16_weights_on_model_save", current, source, path)
+            _warn_deprecated(path, "stage3_gather_fp16_weights_on_model_save", new)
+            raw[new] = old_gather
+        return raw
+
+    def check(self, source, path):
+        if self.overlap_comm is None:
+            self.overlap_comm = self.stage == 3
+        # device "none" means no offload: normalise so the engine tests `is None` only
+        if self.offload_optimizer is not None and self.offload_optimizer.device == "none":
+            self.offload_optimizer = None
+        if self.offload_param is not None and self.offload_param.device == "none":
+            self.offload_param = None
+        if self.offload_param is not None and self.stage != 3:
+            fail(source, f"'{path}.offload_param' needs ZeRO stage 3 (only stage 3 partitions "
+                         f"parameters), but '{path}.stage' is {self.stage}")
+        if self.offload_optimizer is not None:
+            if self.stage == 0:
+                fail(source, f"'{path}.offload_optimizer' needs ZeRO stage 1, 2 or 3, but "
+                             f"'{path}.stage' is 0")
+            if self.offload_optimizer.ratio < 1 and self.stage != 3:
+                fail(source, f"'{path}.offload_optimizer.ratio' < 1 (partial offload) needs ZeRO "
+                             f"stage 3, but '{path}.stage' is {self.stage}")
+
+
+def _refuse_both(raw, old, new, source, path):
+    if new in raw:
+        fail(source, f"'{key_path(path, old)}' is the deprecated spelling of "
+                     f"'{key_path(path, new)}'; give only '{new}'")
+
+
+def _warn_deprecated(path, old, new):
+    logger.warning("DeepSpeed config: '%s' is deprecated, use '%s' instead",
+                   key_path(path, old), key_path(path, new))
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    partition_activations: bool = option(False)
+    cpu_checkpointing: bool = option(False)
+    contiguous_memory_optimization: bool = option(False)
+    number_checkpoints: Optional[int] = option(None, minimum=1)
+    synchronize_checkpoint_boundary: bool = option(False)
+    profile: bool = option(False)
+
+
+@dataclass
+class AioConfig:
+    block_size: int = option(1_048_576, minimum=1)
+    queue_depth: int = option(8, minimum=1)
+    thread_count: int = option(1, minimum=1, aliases=("intra_op_parallelism",))
+    single_submit: bool = option(False)
+    overlap_events: bool = option(True)
+
+    DEFAULT_ONLY = {"use_gds": False}
+
+
+@dataclass
+class TensorboardConfig:
+    enabled: bool = option(False)
+    output_path: Optional[str] = option("")
+    job_name: str = option("DeepSpeedJobName")
+
+    def check(self, source, path):
+        if self.output_path is None:  # the docs show null; the code default is ""
+            self.output_path = ""
+
+
+# Top-level DeepSpeed keys zero does not implement, accepted only at their defaults.
+UNIMPLEMENTED_TOP_LEVEL = {
+    "sparse_gradients": False, "dump_state": False, "memory_breakdown": False,
+    "dataloader_drop_last": False, "zero_force_ds_cpu_optimizer": True,
+    "communication_data_type": None, "sequence_parallel_size": 1,
+    "checkpoint": {"tag_validation": "Warn", "load_universal": False,
+                   "use_node_local_storage": False},
+    "data_types": {"grad_accum_dtype": None},
+    **{name: DISABLED_SECTION for name in (
+        "amp", "flops_profiler", "wandb", "csv_monitor", "comet", "comms_logger", "elasticity",
+        "hybrid_engine", "autotuning", "nebula", "eigenvalue", "progressive_layer_drop",
+        "curriculum_learning")},
+}
+
+
+@dataclass
+class TopLevelConfig:
+    train_batch_size: Optional[int] = option(None)
+    train_micro_batch_size_per_gpu: Optional[int] = option(None)
+    gradient_accumulation_steps: Optional[int] = option(None)
+    steps_per_print: Optional[int] = option(None, minimum=0)  # None/0: never (code default)
+    wall_clock_breakdown: bool = option(False)
+    gradient_clipping: float = option(0.0, minimum=0.0)  # 0 = off (v0.16.5 code default)
+    prescale_gradients: bool = option(False)
+    gradient_predivide_factor: float = option(1.0)
+    zero_allow_untested_optimizer: bool = option(False)
+    gradient_checkpointing: bool = option(False)  # our extension
+    fp16: FP16Config = section(FP16Config)
+    bf16: BF16Config = section(BF16Config, aliases=("bfloat16",))
+    optimizer: Optional[OptimizerSection] = section(OptimizerSection, optional=True)
+    scheduler: Optional[SchedulerSection] = section(SchedulerSection, optional=True)
+    zero_optimization: ZeroConfig = section(ZeroConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = section(
+        ActivationCheckpointingConfig)
+    aio: AioConfig = section(AioConfig)
+    tensorboard: TensorboardConfig = section(TensorboardConfig)
+
+    DEFAULT_ONLY = UNIMPLEMENTED_TOP_LEVEL
+    DEPRECATED_KEYS = ("allgather_size",)
+
+    @staticmethod
+    def translate_deprecated(raw, source, path):
+        zero = raw.get("zero_optimization")
+        allgather_size = raw.pop("allgather_size", None)
+        if isinstance(zero, bool):  # ZeRO-1 era: true = stage 1, false = off
+            logger.warning("DeepSpeed config: a boolean 'zero_optimization' is deprecated; "
+                           "use {\"stage\": %d}", int(zero))
+            raw["zero_optimization"] = {"stage": int(zero)}
+            if allgather_size is not None and zero:
+                raw["zero_optimization"]["allgather_bucket_size"] = allgather_size
+        elif allgather_size is not None:
+            fail(source, "'allgather_size' only applies to the old boolean "
+                         "\"zero_optimization\": true; set "
+                         "'zero_optimization.allgather_bucket_size' instead")
+        return raw
+
+    def check(self, source, path):
+        if self.fp16.enabled and self.bf16.enabled:
+            fail(source, "'fp16.enabled' and 'bf16.enabled' are both true; pick one precision")
+        if not self.gradient_predivide_factor > 0:
+            fail(source, f"'gradient_predivide_factor' must be > 0, got "
+                         f"{self.gradient_predivide_factor}")
+        zero = self.zero_optimization
+        if zero.stage >= 2 and zero.reduce_scatter:
+            # DeepSpeed asserts both: its reduce-scatter averages with a fixed 1/dp
+            if self.prescale_gradients:
+                fail(source, "'prescale_gradients': true is not supported with ZeRO stage "
+                             f"{zero.stage} and 'zero_optimization.reduce_scatter': true; "
+                             "set one of them to false")
+            if self.gradient_predivide_factor != 1.0:
+                fail(source, f"'gradient_predivide_factor' must be 1.0 with ZeRO stage "
+                             f"{zero.stage} and 'zero_optimization.reduce_scatter': true, got "
+                             f"{self.gradient_predivide_factor}; set reduce_scatter to false to "
+                             "use it")
