@@ -142,8 +142,20 @@ def _add_distributed_args(parser):
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank",
                    help="set by torch.distributed.launch; torchrun uses LOCAL_RANK instead")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="a collective (or the start-up rendezvous) that waits longer than "
+                        "this for another rank fails instead of hanging; fractions allowed")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads per process (default: cores / local processes)")
+    g.add_argument("--DDP-impl", default="local", choices=["local", "torch"], dest="DDP_impl",
+                   help="data-parallel gradient all-reduce: local (bucketed, overlapped with "
+                        "backward; megatron/distributed.py) or torch "
+                        "(torch.nn.parallel.DistributedDataParallel)")
+    g.add_argument("--ddp-bucket-size", type=float, default=25.0, metavar="MB",
+                   help="megabytes of gradients per all-reduce bucket; smaller buckets start "
+                        "communicating earlier in backward, larger ones make fewer calls")
+    g.add_argument("--fp32-allreduce", action="store_true",
+                   help="all-reduce 16-bit (--fp16/--bf16) gradients in fp32")
 
 
 def _add_validation_args(parser):
@@ -258,6 +270,9 @@ def _fill_model_size(args):
 def _validate_parallel(args, world_size):
     tp = args.model_parallel_size
     _require(tp >= 1, "--model-parallel-size must be >= 1")
+    _require(args.ddp_bucket_size > 0,
+             f"--ddp-bucket-size must be a positive number of megabytes, got "
+             f"{args.ddp_bucket_size}")
     _require(world_size % tp == 0,
              f"world size {world_size} is not divisible by --model-parallel-size {tp} "
              f"({world_size} % {tp} = {world_size % tp})")

@@ -2,12 +2,14 @@
 
 Data flow of one iteration (global batch G = micro batch b x data-parallel size d x A):
 
-    A micro batches -> forward_step -> loss / A -> backward  (gradients accumulate)
-    all-reduce gradients over the data-parallel group (mean)
+    A micro batches -> forward_step -> loss / A -> backward  (gradients accumulate; the
+        last backward also launches the bucketed data-parallel all-reduces, --DDP-impl)
+    finish the gradient all-reduce (mean over the data-parallel group)
     optimizer.step(): unscale, skip on inf/nan, clip (tensor-parallel aware norm), Adam
     lr_scheduler.step()
 """
 
+import contextlib
 import math
 import os
 import time
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from megatron import checkpointing, mpu
 from megatron import device as device_mod
+from megatron.distributed import wrap_data_parallel
 from megatron.initialize import Runtime, destroy, initialize_megatron
 from megatron.learning_rates import AnnealingLR
 from megatron.metrics import TrainingLogger, mfu
@@ -47,6 +50,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file,
                                     args.tokenizer_model)
+        args.orig_vocab_size = tokenizer.vocab_size  # saved in checkpoints for converters
         args.padded_vocab_size = vocab_size_with_padding(
             tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.model_parallel_size)
         ctx = TrainContext(args, tokenizer, runtime)
@@ -94,10 +98,13 @@ def _num_samples(args):
 
 def setup_model_and_optimizer(model_provider, ctx):
     args = ctx.args
-    model = model_provider(ctx)
-    model.to(device=ctx.runtime.device, dtype=DTYPES[args.params_dtype])
+    module = model_provider(ctx)
+    module.to(device=ctx.runtime.device, dtype=DTYPES[args.params_dtype])
+    # Wrap before the optimizer copies weights: torch's DDP broadcasts rank 0's on creation.
+    model = wrap_data_parallel(module, args.DDP_impl, mpu.get_data_parallel_group(),
+                               args.ddp_bucket_size, args.fp32_allreduce)
     optimizer = build_optimizer(
-        model, lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        module, lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
         params_dtype=DTYPES[args.params_dtype], loss_scaler=_loss_scaler(args),
         grad_norm_fn=mpu.clip_grad_norm)
@@ -107,7 +114,7 @@ def setup_model_and_optimizer(model_provider, ctx):
         use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler,
         override_lr_scheduler=args.override_lr_scheduler)
     if ctx.runtime.is_rank0:
-        n_local = sum(p.numel() for p in model.parameters())
+        n_local = sum(p.numel() for p in module.parameters())
         print(f" > parameters on tensor-parallel rank 0: {n_local:,}", flush=True)
     return model, optimizer, lr_scheduler
 
@@ -131,23 +138,6 @@ def _data_iterator(dataset, consumed_samples, args):
     return iter(loader)
 
 
-def allreduce_gradients(model):
-    """Average gradients over the data-parallel group, one flat buffer per dtype."""
-    if mpu.get_data_parallel_world_size() == 1:
-        return
-    group = mpu.get_data_parallel_group()
-    by_dtype = {}
-    for param in model.parameters():
-        if param.grad is not None:
-            by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
-    for grads in by_dtype.values():
-        flat = torch._utils._flatten_dense_tensors(grads)
-        flat.div_(mpu.get_data_parallel_world_size())
-        dist.all_reduce(flat, group=group)
-        for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            grad.copy_(synced)
-
-
 def _average_over_data_parallel(value, device):
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
     if mpu.get_data_parallel_world_size() > 1:
@@ -161,11 +151,13 @@ def train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler,
     args = ctx.args
     optimizer.zero_grad()
     total = torch.zeros((), dtype=torch.float32, device=ctx.runtime.device)
-    for _ in range(args.num_micro_batches):
-        loss = forward_step_func(next(data_iterator), model, ctx)
-        optimizer.scale_loss(loss / args.num_micro_batches).backward()
+    for i in range(args.num_micro_batches):
+        last = i == args.num_micro_batches - 1
+        with contextlib.nullcontext() if last else model.no_sync():  # accumulate locally
+            loss = forward_step_func(next(data_iterator), model, ctx)
+            optimizer.scale_loss(loss / args.num_micro_batches).backward()
         total += loss.detach().float()
-    allreduce_gradients(model)
+    model.finish_gradient_synchronization()
     updated, grad_norm, _ = optimizer.step()
     if updated:
         lr_scheduler.step()

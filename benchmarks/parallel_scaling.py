@@ -1,0 +1,282 @@
+"""Tensor- and data-parallel scaling on this machine: tokens/s, time split, bytes on the wire.
+
+One GPT-2 model and one global batch, trained with the trainer's own `train_step` in several
+layouts (gloo, one torch thread per process unless stated):
+
+    TP=1 DP=1 (1 and 2 threads), TP=2 DP=1, TP=1 DP=2 with --DDP-impl local (25 MB buckets,
+    and 2 MB buckets to overlap the all-reduce with backward) and torch
+
+For each layout: median ms per iteration and tokens/s after warm-up; the time split into
+compute, tensor-parallel all-reduces (synchronous, timed around each call) and the wait for
+the data-parallel gradient all-reduce (local DDP only: torch's DDP waits inside backward);
+the bytes each rank sent per iteration, measured from the kernel's count of bytes the process
+wrote (/proc/self/io `wchar`: gloo sends with writev on TCP sockets), against the analytic
+ring all-reduce volume 2 (N - 1) / N x payload, with payloads from first principles:
+    data parallel:   the gradients, numel x 4 bytes (fp32)
+    tensor parallel: (4 L + 2) all-reduces of [b, s, h] activations (embedding, two per layer
+                     forward and backward, the logits' input in backward) + 3 of [b, s]
+                     (vocab-parallel cross entropy) per micro batch, fp32 (and one scalar
+                     for the gradient norm, left out).
+
+    python benchmarks/parallel_scaling.py [--quick] [--no-docs]
+"""
+
+import argparse
+import os
+import statistics
+import time
+from types import SimpleNamespace
+
+from common import machine_description, markdown_table, update_docs_section
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+FULL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128,
+            vocab_size=8192, global_batch=8, warmup=2, steps=6, rounds=2)
+QUICK = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+             vocab_size=1024, global_batch=4, warmup=1, steps=3, rounds=1)
+
+# (label, processes, tensor-parallel size, --DDP-impl, --ddp-bucket-size, threads per process)
+LAYOUTS = [("TP=1 DP=1", 1, 1, "local", 25.0, 1),
+           ("TP=1 DP=1, 2 threads", 1, 1, "local", 25.0, 2),
+           ("TP=2 DP=1", 2, 2, "local", 25.0, 1),
+           ("TP=1 DP=2, local DDP", 2, 1, "local", 25.0, 1),
+           ("TP=1 DP=2, local DDP, 2 MB buckets", 2, 1, "local", 2.0, 1),
+           ("TP=1 DP=2, torch DDP", 2, 1, "torch", 25.0, 1)]
+
+
+def _bytes_written():
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("wchar:")).split()[1])
+
+
+class _TensorParallelTimer:
+    """Wraps dist.all_reduce to time and count the synchronous tensor-parallel calls."""
+
+    def __init__(self, group, active):
+        self.group, self.active = group, active
+        self.seconds, self.payload_bytes = 0.0, 0
+        self._all_reduce = dist.all_reduce
+        dist.all_reduce = self._timed  # mpu looks dist.all_reduce up at call time
+
+    def _timed(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if not (self.active and group is self.group and not async_op):
+            return self._all_reduce(tensor, op=op, group=group, async_op=async_op)
+        start = time.perf_counter()
+        result = self._all_reduce(tensor, op=op, group=group, async_op=async_op)
+        self.seconds += time.perf_counter() - start
+        self.payload_bytes += tensor.numel() * tensor.element_size()
+        return result
+
+    def reset(self):
+        self.seconds, self.payload_bytes = 0.0, 0
+
+
+def _build(config, impl, bucket_mb, rank):
+    """Model, optimizer, scheduler, ctx and a batch iterator, the way pretrain() builds them."""
+    from megatron import mpu
+    from megatron.distributed import wrap_data_parallel
+    from megatron.initialize import Runtime
+    from megatron.learning_rates import AnnealingLR
+    from megatron.model import GPT2Model, GPTConfig
+    from megatron.optimizer import build_optimizer
+    from megatron.training import TrainContext
+    c = config
+    torch.manual_seed(1234)
+    mpu.model_parallel_cuda_manual_seed(1234)
+    module = GPT2Model(GPTConfig(
+        num_layers=c["num_layers"], hidden_size=c["hidden_size"],
+        num_attention_heads=c["num_attention_heads"], vocab_size=c["vocab_size"],
+        max_position_embeddings=c["seq_length"], hidden_dropout=0.0, attention_dropout=0.0))
+    model = wrap_data_parallel(module, impl, mpu.get_data_parallel_group(), bucket_mb)
+    optimizer = build_optimizer(module, lr=1e-4, weight_decay=0.01, adam_beta1=0.9,
+                                adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0,
+                                params_dtype=torch.float32, grad_norm_fn=mpu.clip_grad_norm)
+    scheduler = AnnealingLR(optimizer, max_lr=1e-4, min_lr=0.0, warmup_steps=0,
+                            decay_steps=10 ** 9, decay_style="constant")
+    micro_batch = c["global_batch"] // mpu.get_data_parallel_world_size()
+    args = SimpleNamespace(num_micro_batches=1, reset_position_ids=False,
+                           reset_attention_mask=False, eod_mask_loss=False)
+    ctx = TrainContext(args, SimpleNamespace(eod=0),
+                       Runtime(device=torch.device("cpu"), rank=rank,
+                               world_size=dist.get_world_size(), local_rank=rank))
+    generator = torch.Generator().manual_seed(mpu.get_data_parallel_rank())
+    data = torch.randint(0, c["vocab_size"], (micro_batch, c["seq_length"] + 1),
+                         generator=generator)
+    batches = iter(lambda: {"text": data}, None)
+    numel = sum(p.numel() for p in module.parameters())
+    return model, optimizer, scheduler, ctx, batches, numel, micro_batch
+
+
+def _worker(rank, world_size, layout, config, port, queue):
+    _, _, tp, impl, bucket_mb, threads = layout
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    try:
+        queue.put((rank, _measure(rank, tp, impl, bucket_mb, config)))
+    finally:
+        from megatron import mpu
+        mpu.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _measure(rank, tp, impl, bucket_mb, config):
+    from megatron import mpu
+    from megatron.distributed import COMM_STATS
+    from megatron.gpt2 import forward_step
+    from megatron.training import train_step
+    mpu.initialize_model_parallel(tp)
+    model, optimizer, scheduler, ctx, batches, numel, micro_batch = _build(
+        config, impl, bucket_mb, rank)
+    tp_timer = _TensorParallelTimer(mpu.get_model_parallel_group(), active=tp > 1)
+    records = []
+    for step in range(config["warmup"] + config["steps"]):
+        COMM_STATS.reset()
+        tp_timer.reset()
+        dist.barrier()
+        written, cpu, start = _bytes_written(), time.process_time(), time.perf_counter()
+        train_step(forward_step, batches, model, optimizer, scheduler, ctx)
+        seconds = time.perf_counter() - start
+        if step >= config["warmup"]:
+            records.append(dict(seconds=seconds, cpu=time.process_time() - cpu,
+                                dp_wait=COMM_STATS.wait_seconds,
+                                tp_seconds=tp_timer.seconds, sent=_bytes_written() - written,
+                                dp_payload=COMM_STATS.payload_bytes,
+                                tp_payload=tp_timer.payload_bytes))
+    return dict(records=records, numel=numel, micro_batch=micro_batch,
+                dp=mpu.get_data_parallel_world_size())
+
+
+def run_layout(layout, config, port):
+    label, procs = layout[:2]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    workers = [ctx.Process(target=_worker,
+                           args=(r, procs, layout, config, port, queue))
+               for r in range(procs)]
+    for worker in workers:
+        worker.start()
+    results = dict(queue.get(timeout=1800) for _ in workers)
+    for worker in workers:
+        worker.join()
+        if worker.exitcode != 0:
+            raise RuntimeError(f"{label}: a worker exited with code {worker.exitcode}")
+    return [results[r] for r in range(procs)]
+
+
+def _ring(payload, n):
+    return 2 * (n - 1) / n * payload if n > 1 else 0.0
+
+
+def analytic_bytes(config, tp, dp, numel, micro_batch):
+    """(DP payload, TP payload, ring bytes each rank sends) per iteration, fp32."""
+    c = config
+    activations = (4 * c["num_layers"] + 2) * micro_batch * c["seq_length"] * \
+        c["hidden_size"] + 3 * micro_batch * c["seq_length"]
+    dp_payload = numel * 4 if dp > 1 else 0
+    tp_payload = activations * 4 if tp > 1 else 0
+    return dp_payload, tp_payload, _ring(dp_payload, dp) + _ring(tp_payload, tp)
+
+
+def summarize(layout, config, per_rank):
+    """Medians over the measured steps of every round; bytes from the rank sending most."""
+    label, procs, tp, impl, _, threads = layout
+    records = [r for rank in per_rank for r in rank["records"]]
+    rank0 = per_rank[0]["records"]
+
+    def med(key, rows=rank0):
+        return statistics.median(r[key] for r in rows)
+    info = per_rank[0]
+    dp_payload, tp_payload, ring = analytic_bytes(config, tp, info["dp"], info["numel"],
+                                                  info["micro_batch"])
+    seconds = med("seconds")
+    sent = max(med("sent", rank["records"]) for rank in per_rank)
+    return dict(label=label, procs=procs, threads=threads, seconds=seconds, cpu=med("cpu"),
+                tokens_per_s=config["global_batch"] * config["seq_length"] / seconds,
+                compute=seconds - med("tp_seconds") - med("dp_wait"),
+                tp_seconds=med("tp_seconds"), dp_wait=med("dp_wait"),
+                dp_wait_known=impl == "local", sent=sent,
+                dp_counted=med("dp_payload", records), tp_counted=med("tp_payload", records),
+                dp_payload=dp_payload, tp_payload=tp_payload, ring=ring)
+
+
+def _mib(n):
+    return f"{n / 2 ** 20:.2f}"
+
+
+def table_rows(summaries):
+    base = summaries[0]["tokens_per_s"]
+    rows = []
+    for s in summaries:
+        ratio = f"{s['sent'] / s['ring']:.3f}" if s["ring"] else "-"
+        rows.append([
+            s["label"], f"{s['procs']} x {s['threads']}", f"{s['seconds'] * 1000:.0f}",
+            f"{s['tokens_per_s']:,.0f}", f"{s['tokens_per_s'] / base:.2f}x",
+            f"{s['cpu'] * 1000:.0f}",
+            f"{s['compute'] * 1000:.0f}", f"{s['tp_seconds'] * 1000:.1f}",
+            f"{s['dp_wait'] * 1000:.1f}" if s["dp_wait_known"] else "in backward",
+            f"{_mib(s['dp_counted'])} / {_mib(s['dp_payload'])}",
+            f"{_mib(s['tp_counted'])} / {_mib(s['tp_payload'])}",
+            _mib(s["sent"]), _mib(s["ring"]), ratio])
+    return rows
+
+
+HEADERS = ["layout", "procs x threads", "ms/iter", "tokens/s", "vs TP=1 DP=1",
+           "CPU ms/iter (rank 0)",
+           "compute ms", "TP all-reduce ms", "DP wait ms", "DP payload MiB (counted / formula)",
+           "TP payload MiB (counted / formula)", "sent MiB/rank (measured)",
+           "ring analytic MiB", "measured / analytic"]
+
+
+def main():
+    from tests.dist_utils import free_port
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
+    parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
+    args = parser.parse_args()
+    config = QUICK if args.quick else FULL
+    load_before = os.getloadavg()[0]
+    per_layout = {layout: None for layout in LAYOUTS}
+    for _ in range(config["rounds"]):  # layouts take turns, so machine drift hits all alike
+        for layout in LAYOUTS:
+            ranks = run_layout(layout, config, free_port())
+            if per_layout[layout] is None:
+                per_layout[layout] = ranks
+            else:
+                for kept, new in zip(per_layout[layout], ranks):
+                    kept["records"] += new["records"]
+            print(f"  measured {layout[0]}", flush=True)
+    summaries = [summarize(layout, config, ranks) for layout, ranks in per_layout.items()]
+    table = markdown_table(HEADERS, table_rows(summaries))
+    c = config
+    body = (f"## Tensor- and data-parallel scaling (`benchmarks/parallel_scaling.py`)\n\n"
+            f"Machine: {machine_description()}; gloo over loopback TCP; 1-minute load "
+            f"average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the run "
+            f"(the cores are shared: above ~2, other work competes with the processes).\n\n"
+            f"Model: GPT-2, {c['num_layers']} layers, hidden {c['hidden_size']}, "
+            f"{c['num_attention_heads']} heads, seq {c['seq_length']}, vocab {c['vocab_size']}, "
+            f"fp32, AdamW, clip 1.0; global batch {c['global_batch']} in every layout "
+            f"({c['global_batch'] * c['seq_length']} tokens per iteration), the trainer's "
+            f"`train_step`. Medians of {c['steps'] * c['rounds']} steps "
+            f"per layout after {c['warmup']} warm-up steps, layouts taking turns.\n\n"
+            f"{table}\n\n"
+            "CPU ms/iter: CPU time of rank 0's process (all its threads, gloo's included) "
+            "per iteration; wall time above it means the process waited for a core. "
+            "Compute = ms/iter - TP all-reduce - DP wait. TP all-reduces are synchronous (timed "
+            "around each call on the tensor-parallel group); the DP wait is the time "
+            "`finish_gradient_synchronization` blocks after backward, i.e. the part of the "
+            "gradient all-reduce that backward did not hide. Payloads: counted by "
+            "`megatron.distributed.COMM_STATS` (DP) and a wrapper around `dist.all_reduce` (TP) "
+            "against the formula in the script's docstring. Sent bytes are measured by the "
+            "kernel (/proc/self/io wchar; gloo writes to TCP sockets); analytic = "
+            "2 (N - 1) / N x payload per all-reduce (ring).\n")
+    print("\n" + body)
+    if not args.no_docs and not args.quick:
+        update_docs_section("parallel_scaling", body)
+
+
+if __name__ == "__main__":
+    main()
