@@ -1,0 +1,142 @@
+"""A tiny language model, its data, and training loops shared by the engine tests.
+
+The reference loop is plain PyTorch on one process (the whole global batch at once, torch's
+AdamW, torch's clip_grad_norm_), so engine results are compared against independent math.
+Functions run inside `tests/dist_utils.run_distributed` workers are module-level here.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import zero
+
+VOCAB, HIDDEN, SEQ = 32, 16, 8
+LR = 1e-2
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding -> LayerNorm -> residual MLP -> LayerNorm -> head tied to the embedding."""
+
+    def __init__(self, with_frozen=False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        torch.nn.init.normal_(self.embed.weight, std=0.1)  # small logits: loss starts ~ln(V)
+        self.norm1 = torch.nn.LayerNorm(HIDDEN)
+        self.fc1 = torch.nn.Linear(HIDDEN, 4 * HIDDEN)
+        self.fc2 = torch.nn.Linear(4 * HIDDEN, HIDDEN)
+        self.norm2 = torch.nn.LayerNorm(HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied: one parameter under two names
+        self.register_buffer("position_bias", torch.linspace(-0.1, 0.1, HIDDEN))
+        self.frozen = None
+        if with_frozen:
+            self.frozen = torch.nn.Linear(HIDDEN, HIDDEN)
+            self.frozen.requires_grad_(False)
+
+    def forward(self, tokens, labels):
+        h = self.embed(tokens) + self.position_bias  # [b, s, h]
+        if self.frozen is not None:
+            h = h + 0.1 * self.frozen(h)
+        h = h + self.fc2(F.gelu(self.fc1(self.norm1(h))))
+        logits = self.head(self.norm2(h))  # [b, s, v]
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def make_model(seed=1234, with_frozen=False):
+    torch.manual_seed(seed)
+    return TinyLM(with_frozen)
+
+
+def param_groups(model):
+    """Megatron-style: no weight decay for biases and LayerNorm weights."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if name.endswith("bias") or "norm" in name else decay).append(param)
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def global_batch(step, size):
+    """(tokens, labels) [size, SEQ] of one global batch; depends on the step only."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (size, SEQ + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def ds_config(stage, global_batch_size=16, gas=2, clip=1.0, precision="fp32", **zero_options):
+    config = {"train_batch_size": global_batch_size, "gradient_accumulation_steps": gas,
+              "gradient_clipping": clip,
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, **zero_options}}
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    return config
+
+
+def train_reference(steps, global_batch_size=16, clip=1.0, start=0, model=None, optimizer=None):
+    """Plain single-process training on the full global batch; returns (losses, model, opt)."""
+    model = model or make_model()
+    optimizer = optimizer or torch.optim.AdamW(param_groups(model), lr=LR)
+    losses = []
+    for step in range(start, start + steps):
+        tokens, labels = global_batch(step, global_batch_size)
+        optimizer.zero_grad()
+        loss = model(tokens, labels)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model, optimizer
+
+
+def make_engine(config, model=None, mpu=None):
+    model = model or make_model()
+    optimizer = torch.optim.AdamW(param_groups(model), lr=LR)
+    engine, _, _, _ = zero.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+    return engine
+
+
+def train_steps(engine, steps, start=0):
+    """Global-batch losses (mean over DP ranks) of `steps` optimizer steps from `start`."""
+    dp_rank, dp = engine.dp_rank, engine.dp_world_size
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    dtype = next(engine.module.parameters()).dtype
+    losses = []
+    for step in range(start, start + steps):
+        tokens, labels = global_batch(step, engine.train_batch_size())
+        mine = slice(dp_rank * micro * gas, (dp_rank + 1) * micro * gas)
+        tokens, labels = tokens[mine], labels[mine]
+        total = torch.zeros(())
+        for i in range(gas):
+            part = slice(i * micro, (i + 1) * micro)
+            loss = engine(tokens[part], labels[part])
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float() / gas
+        if dp > 1:
+            dist.all_reduce(total, group=engine.dp_comm.group)
+            total /= dp
+        losses.append(total.item())
+        assert dtype == next(engine.module.parameters()).dtype
+    return losses
+
+
+def fp32_weights(engine):
+    """{name: fp32 weight} as the fp32 masters hold them (gathered over data parallel)."""
+    from zero.checkpoint import partial_natural_partition
+    optimizer = engine.optimizer
+    names = {p: n for n, p in engine.module.named_parameters()}
+    result = {}
+    for group in optimizer.groups:
+        comm = optimizer.dp_comm if group.layout.world_size > 1 else None
+        natural = partial_natural_partition(group, comm)(group.master.detach())
+        parts = [torch.zeros_like(natural) for _ in range(group.layout.world_size)]
+        if comm is None:
+            parts = [natural]
+        else:
+            dist.all_gather(parts, natural, group=comm.group)
+        flat = torch.cat(parts)
+        for param, offset, numel in zip(group.params, group.layout.offsets, group.layout.numels):
+            result[names[param]] = flat[offset:offset + numel].view(param.shape).clone()
+    return result

@@ -1,0 +1,175 @@
+"""zero.initialize and the engine's API: what it returns, accumulation, errors, monitoring."""
+
+import copy
+import glob
+
+import pytest
+import torch
+
+import zero
+from tests.zero import engine_cases as cases
+from zero.errors import ConfigError, ZeroError
+from zero.stage1_2 import ZeroOptimizer
+
+
+def _config(**overrides):
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+              "zero_optimization": {"stage": 1}}
+    config.update(overrides)
+    return config
+
+
+def _batch(step=0, size=4):
+    return cases.global_batch(step, size)
+
+
+def test_initialize_returns_engine_optimizer_loader_and_scheduler():
+    config = _config(scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.0,
+                                                                "warmup_max_lr": 1e-2,
+                                                                "warmup_num_steps": 4,
+                                                                "warmup_type": "linear"}})
+    engine, optimizer, loader, scheduler = zero.initialize(model=cases.make_model(),
+                                                           config=config)
+    assert isinstance(engine, torch.nn.Module) and optimizer is engine.optimizer
+    assert isinstance(optimizer, ZeroOptimizer) and loader is None
+    assert scheduler is engine.lr_scheduler and engine.get_lr() == [0.0]
+    assert optimizer.param_groups[0]["fused"] is True  # fused Adam on the flat partition
+    for step in range(2):
+        engine.backward(engine(*_batch(step)))
+        engine.step()
+    assert engine.get_lr() == [pytest.approx(1e-2 * 1 / 4)]  # it = 1 after two steps
+    assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+            engine.gradient_accumulation_steps()) == (4, 4, 1)
+
+
+def test_client_optimizer_and_scheduler_callables():
+    model = cases.make_model()
+    config = _config()
+    del config["optimizer"]
+    engine, optimizer, _, scheduler = zero.initialize(
+        model=model, config=config,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=0.5),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1))
+    engine.backward(engine(*_batch()))
+    engine.step()
+    assert engine.get_lr() == [pytest.approx(0.05)]
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)
+
+
+def test_accumulation_boundary_and_counters():
+    engine, *_ = zero.initialize(model=cases.make_model(),
+                                 config=_config(gradient_accumulation_steps=3))
+    weight = engine.module.fc1.weight
+    start = weight.detach().clone()
+    pattern = []
+    for micro in range(6):
+        pattern.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(engine(*_batch(micro)))
+        engine.step()
+        if micro < 2:
+            assert torch.equal(weight, start)  # no update before the boundary
+    assert pattern == [False, False, True] * 2
+    assert (engine.global_steps, engine.global_samples, engine.micro_steps) == (2, 24, 6)
+    assert not torch.equal(weight, start)
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    """GAS=4 x micro 2 gives the update of one batch of 8: loss / GAS, grads summed."""
+    config = _config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4,
+                     gradient_clipping=0.5)
+    engine, *_ = zero.initialize(model=cases.make_model(), config=config)
+    tokens, labels = _batch(0, 8)
+    for i in range(4):
+        engine.backward(engine(tokens[2 * i:2 * i + 2], labels[2 * i:2 * i + 2]))
+        engine.step()
+    reference = cases.make_model()
+    reference(tokens, labels).backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1).step()
+    assert engine.get_global_grad_norm() == pytest.approx(norm.item(), rel=1e-5)
+    for (name, param), ref in zip(engine.module.named_parameters(), reference.parameters()):
+        assert torch.allclose(param, ref, atol=1e-6), name
+
+
+def test_config_and_argument_errors_are_zero_errors(tmp_path):
+    model = cases.make_model()
+    with pytest.raises(ZeroError, match="requires a model"):
+        zero.initialize(config=_config())
+    with pytest.raises(ConfigError, match="stage 3"):
+        zero.initialize(model=model, config=_config(zero_optimization={"stage": 3}))
+    with pytest.raises(ConfigError, match="offload_optimizer"):
+        zero.initialize(model=model, config=_config(zero_optimization={
+            "stage": 2, "offload_optimizer": {"device": "cpu"}}))
+    with pytest.raises(ConfigError, match="reduce_bucket_sise"):
+        zero.initialize(model=model, config=_config(zero_optimization={
+            "stage": 2, "reduce_bucket_sise": 10}))
+    args = type("Args", (), {"deepspeed_config": str(tmp_path / "ds.json")})()
+    with pytest.raises(ConfigError, match="given twice"):
+        zero.initialize(args=args, model=model, config=_config())
+    with pytest.raises(ConfigError, match="RMSprop"):
+        zero.initialize(model=model, config=_config(), optimizer=torch.optim.RMSprop(
+            model.parameters(), lr=1e-3))
+    engine, *_ = zero.initialize(model=model, config=_config(zero_allow_untested_optimizer=True),
+                                 optimizer=torch.optim.RMSprop(model.parameters(), lr=1e-3))
+    engine.backward(engine(*_batch()))
+    engine.step()
+
+
+def test_config_from_json_file_and_args(tmp_path):
+    path = tmp_path / "ds_config.json"
+    import json
+    path.write_text(json.dumps(_config()))
+    parser = zero.add_config_arguments(__import__("argparse").ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    engine, *_ = zero.initialize(args=args, model=cases.make_model())
+    assert engine.train_batch_size() == 4 and engine.zero_optimization_stage() == 1
+
+
+def test_unused_parameters():
+    model = cases.make_model()
+    model.unused = torch.nn.Linear(2, 2)
+    config = _config(zero_optimization={"stage": 2, "ignore_unused_parameters": False})
+    engine, *_ = zero.initialize(model=copy.deepcopy(model), config=config)
+    with pytest.raises(ZeroError, match="received no gradient"):
+        engine.backward(engine(*_batch()))
+    config["zero_optimization"]["ignore_unused_parameters"] = True
+    engine, *_ = zero.initialize(model=model, config=config)
+    before = model.unused.weight.detach().clone()
+    engine.backward(engine(*_batch()))
+    engine.step()
+    assert torch.equal(model.unused.weight, before * (1 - 1e-2 * 0.1))  # decay only
+
+
+def test_training_data_gives_a_loader_of_micro_batches():
+    dataset = torch.utils.data.TensorDataset(torch.arange(10.0))
+    _, _, loader, _ = zero.initialize(model=cases.make_model(), config=_config(),
+                                      training_data=dataset)
+    sizes = [len(batch[0]) for batch in loader]
+    assert sizes == [4, 4, 2]
+
+
+def test_progress_lines_and_tensorboard(tmp_path, capsys):
+    config = _config(steps_per_print=2, wall_clock_breakdown=True,
+                     tensorboard={"enabled": True, "output_path": str(tmp_path),
+                                  "job_name": "job"})
+    engine, *_ = zero.initialize(model=cases.make_model(), config=config)
+    for step in range(4):
+        engine.backward(engine(*_batch(step)))
+        engine.step()
+    out = capsys.readouterr().out
+    assert "[zero] step=2, skipped=0, lr=[0.01], mom=[(0.9, 0.999)]" in out
+    assert "step=4" in out and "forward:" in out and "backward:" in out and "step:" in out
+    assert glob.glob(str(tmp_path / "job" / "events.out.tfevents.*"))
+
+
+def test_train_eval_and_zero_grad_reach_the_module():
+    engine, *_ = zero.initialize(model=cases.make_model(),
+                                 config=_config(zero_optimization={"stage": 0}))
+    engine.eval()
+    assert not engine.module.training
+    engine.train()
+    engine.backward(engine(*_batch()))
+    assert engine.module.fc1.weight.grad.abs().sum() > 0  # stage 0 keeps readable grads
+    engine.zero_grad()
+    assert engine.module.fc1.weight.grad.abs().sum() == 0

@@ -1,0 +1,311 @@
+"""DeepSpeed-layout checkpoints: contents, exact resume, other DP sizes, zero_to_fp32, errors."""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.zero import engine_cases as cases
+from zero.checkpoint import natural_partition_numel
+from zero.errors import CheckpointError
+from zero.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
+                               get_fp32_state_dict_from_zero_checkpoint)
+
+N = 4  # steps before and after the checkpoint
+
+
+def _engine(stage=2, precision="fp32", with_frozen=False, gas=2):
+    return cases.make_engine(cases.ds_config(stage, precision=precision, gas=gas),
+                             model=cases.make_model(with_frozen=with_frozen))
+
+
+def _load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ----- layout and contents -----
+
+def test_layout_and_keys_follow_deepspeed(tmp_path):
+    engine = _engine(stage=2, with_frozen=True)
+    cases.train_steps(engine, 2)
+    engine.save_checkpoint(str(tmp_path), client_state={"iteration": 2, "rng": torch.arange(3)})
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    assert (tmp_path / "zero_to_fp32.py").read_bytes() == \
+        open(os.path.join(os.path.dirname(cases.zero.__file__), "zero_to_fp32.py"), "rb").read()
+    tag_dir = tmp_path / "global_step2"
+    assert sorted(os.listdir(tag_dir)) == ["mp_rank_00_model_states.pt",
+                                           "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    states = _load(tag_dir / "mp_rank_00_model_states.pt")
+    for key in ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+                "frozen_param_fragments", "shared_params", "lr_scheduler", "skipped_steps",
+                "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+                "ds_version"):
+        assert key in states, key
+    assert states["optimizer"] is None and states["global_steps"] == 2
+    assert states["global_samples"] == 2 * 16 and states["dp_world_size"] == 1
+    assert states["iteration"] == 2 and torch.equal(states["rng"], torch.arange(3))
+    assert states["shared_params"] == {"head.weight": "embed.weight"}
+    assert states["buffer_names"] == ["position_bias"]
+    assert list(states["frozen_param_shapes"]) == ["frozen.weight", "frozen.bias"]
+    shapes = [dict(group) for group in states["param_shapes"]]
+    assert shapes[0]["fc1.weight"] == torch.Size([64, 16]) and "norm1.weight" in shapes[1]
+    optim = _load(tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    zero_state = optim["optimizer_state_dict"]
+    assert zero_state["zero_stage"] == 2 and zero_state["partition_count"] == [1, 1]
+    fp32 = zero_state["single_partition_of_fp32_groups"]
+    assert [t.numel() for t in fp32] == [sum(math.prod(s) for s in g.values()) for g in shapes]
+    exp_avg = zero_state["base_optimizer_state"]["state"][0]["exp_avg"]
+    assert exp_avg.numel() == natural_partition_numel(fp32[0].numel(), 1)
+
+
+def test_16bit_model_and_bf16_file_names(tmp_path):
+    engine = _engine(stage=1, precision="bf16")
+    cases.train_steps(engine, 1)
+    assert engine.save_16bit_model(str(tmp_path), "model.bin")
+    saved = _load(tmp_path / "model.bin")
+    assert saved["fc1.weight"].dtype == torch.bfloat16
+    assert torch.equal(saved["fc1.weight"], engine.module.fc1.weight.detach())
+    assert saved["fc1.weight"].untyped_storage().nbytes() == 64 * 16 * 2  # not the flat buffer
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    assert "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in os.listdir(tmp_path / "ckpt" / "t")
+
+
+# ----- exact resume -----
+
+@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"),
+                                             (2, "fp16"), (0, "bf16")])
+def test_resume_is_bit_exact(tmp_path, stage, precision):
+    straight = cases.train_steps(_engine(stage, precision), 2 * N)
+    first = _engine(stage, precision)
+    head = cases.train_steps(first, N)
+    first.save_checkpoint(str(tmp_path))
+    second = _engine(stage, precision)
+    path, client_state = second.load_checkpoint(str(tmp_path))
+    assert path.endswith(os.path.join(f"global_step{N}", "mp_rank_00_model_states.pt"))
+    assert client_state == {}
+    assert (second.global_steps, second.global_samples) == (N, N * 16)
+    assert second.cur_scale == first.cur_scale and second.get_lr() == first.get_lr()
+    assert head + cases.train_steps(second, N, start=N) == straight
+
+
+def test_masters_from_16bit_weights_when_asked(tmp_path):
+    first = _engine(stage=1, precision="fp16")
+    cases.train_steps(first, 2)
+    first.save_checkpoint(str(tmp_path))
+    for from_fp32 in (True, False):
+        config = cases.ds_config(1, precision="fp16", load_from_fp32_weights=from_fp32)
+        second = cases.make_engine(config)
+        second.load_checkpoint(str(tmp_path))
+        masters = cases.fp32_weights(second)
+        assert torch.equal(masters["fc1.weight"], cases.fp32_weights(first)["fc1.weight"]
+                           if from_fp32 else second.module.fc1.weight.float())
+    assert not torch.equal(cases.fp32_weights(first)["fc1.weight"],
+                           first.module.fc1.weight.float())  # the two sources do differ
+
+
+def test_fp16_overflow_skips_step_and_scaler_state_resumes(tmp_path):
+    config = cases.ds_config(2, precision="fp16", gas=1)
+    config["fp16"].update({"initial_scale_power": 8, "hysteresis": 1})
+    engine = cases.make_engine(config)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    tokens, labels = cases.global_batch(0, 16)
+    engine.backward(engine(tokens, labels) * float("inf"))
+    engine.step()
+    assert engine.skipped_steps == 1 and engine.global_steps == 1 and engine.cur_scale == 128
+    assert all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+    engine.save_checkpoint(str(tmp_path))
+    resumed = cases.make_engine(config)
+    resumed.load_checkpoint(str(tmp_path))
+    assert resumed.cur_scale == 128 and resumed.skipped_steps == 1
+
+
+# ----- other data-parallel sizes -----
+
+def _dp2_run(rank, world_size, save_dir, load_dir):
+    """Uninterrupted 2N steps; N steps saved to save_dir; N steps resumed from load_dir."""
+    results = {"straight": cases.train_steps(_engine(stage=2), 2 * N)}
+    engine = _engine(stage=2)
+    results["head"] = cases.train_steps(engine, N)
+    engine.save_checkpoint(save_dir)
+    results["weights"] = {n: p.detach().clone() for n, p in engine.module.state_dict().items()}
+    if load_dir is not None:
+        resumed = _engine(stage=1)  # and another stage
+        resumed.load_checkpoint(load_dir)
+        results["resumed"] = cases.train_steps(resumed, N, start=N)
+    return results
+
+
+@pytest.fixture(scope="module")
+def resize_runs(tmp_path_factory):
+    """DP=2 saves; DP=1 resumes it. DP=1 saves; DP=2 resumes it. Two spawns in all."""
+    from_dp2 = str(tmp_path_factory.mktemp("from_dp2"))
+    from_dp1 = str(tmp_path_factory.mktemp("from_dp1"))
+    dp1 = _engine(stage=1)
+    dp1_head = cases.train_steps(dp1, N)
+    dp1.save_checkpoint(from_dp1)
+    dp2 = run_distributed(_dp2_run, 2, args=(from_dp2, from_dp1))
+    resumed_on_dp1 = _engine(stage=2)
+    resumed_on_dp1.load_checkpoint(from_dp2)
+    return {"dp2": dp2, "dp1_head": dp1_head, "from_dp2": from_dp2,
+            "dp1_resumed": cases.train_steps(resumed_on_dp1, N, start=N)}
+
+
+def _close(a, b, tolerance=1e-5):
+    return all(abs(x - y) <= tolerance * abs(y) for x, y in zip(a, b))
+
+
+def test_dp2_checkpoint_resumes_on_dp1(resize_runs):
+    straight = resize_runs["dp2"][0]["straight"]
+    assert resize_runs["dp2"][0]["head"] == straight[:N]
+    assert _close(resize_runs["dp1_resumed"], straight[N:])
+
+
+def test_dp1_checkpoint_resumes_on_dp2(resize_runs):
+    straight = resize_runs["dp2"][0]["straight"]
+    assert _close(resize_runs["dp1_head"], straight[:N])
+    for rank in range(2):
+        assert _close(resize_runs["dp2"][rank]["resumed"], straight[N:])
+
+
+def test_zero_to_fp32_consolidates_dp2_partitions(resize_runs):
+    live = resize_runs["dp2"][0]["weights"]  # fp32 training: the module holds the masters
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(resize_runs["from_dp2"])
+    assert set(consolidated) == set(live)
+    for name, tensor in live.items():
+        assert torch.equal(consolidated[name], tensor.float()), name
+    assert consolidated["head.weight"] is consolidated["embed.weight"]
+
+
+# ----- zero_to_fp32 as a script -----
+
+def test_zero_to_fp32_script_runs_standalone(tmp_path):
+    engine = _engine(stage=2, precision="fp16", with_frozen=True)
+    cases.train_steps(engine, 2)
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    masters = cases.fp32_weights(engine)
+    out = tmp_path / "out.bin"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, str(tmp_path / "ckpt" / "zero_to_fp32.py"),
+                          str(tmp_path / "ckpt"), str(out)], capture_output=True, text=True,
+                         cwd=str(tmp_path), env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    saved = _load(out)
+    for name, master in masters.items():
+        assert torch.equal(saved[name], master), name
+    assert saved["frozen.weight"].dtype == torch.float32
+    assert torch.equal(saved["frozen.weight"], engine.module.frozen.weight.float())
+    assert torch.equal(saved["position_bias"], engine.module.position_bias.float())
+    assert saved["head.weight"].data_ptr() == saved["embed.weight"].data_ptr()
+    excluded = convert_zero_checkpoint_to_fp32_state_dict(
+        str(tmp_path / "ckpt"), str(tmp_path) + os.sep, exclude_frozen_parameters=True)
+    assert excluded.endswith("pytorch_model.bin") and "frozen.weight" not in _load(excluded)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero_to_fp32_reads_stage0_checkpoints(tmp_path, precision):
+    engine = _engine(stage=0, precision=precision)
+    cases.train_steps(engine, 2)
+    engine.save_checkpoint(str(tmp_path))
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+    for name, master in cases.fp32_weights(engine).items():
+        assert torch.equal(consolidated[name], master), name
+
+
+def test_zero_to_fp32_reads_the_stage3_layout(tmp_path):
+    """A stage-3 checkpoint built by hand after deepspeed_spec.md §5.4 (2 ranks)."""
+    weights = {"a": torch.arange(5.0), "b": torch.arange(6.0).view(2, 3) + 10}
+    world, flats = 2, [[], []]
+    for tensor in weights.values():
+        per_rank = math.ceil(tensor.numel() / world)
+        padded = torch.cat([tensor.reshape(-1), torch.zeros(per_rank * world - tensor.numel())])
+        for rank in range(world):
+            flats[rank].append(padded[rank * per_rank:(rank + 1) * per_rank])
+    tag_dir = tmp_path / "global_step1"
+    tag_dir.mkdir()
+    (tmp_path / "latest").write_text("global_step1")
+    shapes = [{"a": torch.Size([5]), "b": torch.Size([2, 3])}]
+    for rank in range(world):
+        torch.save({"optimizer_state_dict": {"zero_stage": 3, "partition_count": world,
+                                             "fp32_flat_groups": [torch.cat(flats[rank])]}},
+                   tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+        torch.save({"module": {}, "param_shapes": shapes, "buffer_names": [],
+                    "shared_params": {}, "frozen_param_shapes": None},
+                   tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+    result = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+    assert torch.equal(result["a"], weights["a"]) and torch.equal(result["b"], weights["b"])
+
+
+# ----- errors and atomicity -----
+
+def test_missing_tag_lists_the_available_ones(tmp_path):
+    engine = _engine()
+    engine.save_checkpoint(str(tmp_path), tag="first")
+    engine.save_checkpoint(str(tmp_path), tag="second", save_latest=False)
+    with pytest.raises(CheckpointError, match="'third' not found.*first, second"):
+        engine.load_checkpoint(str(tmp_path), tag="third")
+    assert _engine().load_checkpoint(str(tmp_path / "empty")) == (None, None)
+    assert _engine().load_checkpoint(str(tmp_path))[0].endswith(
+        os.path.join("first", "mp_rank_00_model_states.pt"))
+
+
+def test_other_tensor_parallel_size_and_missing_optimizer_states(tmp_path):
+    engine = _engine()
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    tag_dir = tmp_path / "t"
+    optim = tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    os.rename(optim, tmp_path / "optim.pt")
+    with pytest.raises(CheckpointError, match="optimizer states missing.*load_optimizer_states"):
+        _engine().load_checkpoint(str(tmp_path), tag="t")
+    _engine().load_checkpoint(str(tmp_path), tag="t", load_optimizer_states=False)
+    os.rename(tmp_path / "optim.pt", optim)
+    states = _load(tag_dir / "mp_rank_00_model_states.pt")
+    states["mp_world_size"] = 2
+    torch.save(states, tag_dir / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match="tensor-parallel size 2, this run uses 1"):
+        _engine().load_checkpoint(str(tmp_path), tag="t")
+    os.rename(tag_dir / "mp_rank_00_model_states.pt", tag_dir / "mp_rank_01_model_states.pt")
+    with pytest.raises(CheckpointError, match="tensor-parallel"):
+        _engine().load_checkpoint(str(tmp_path), tag="t")
+
+
+def test_wrong_model_and_client_state_clash(tmp_path):
+    engine = _engine()
+    with pytest.raises(CheckpointError, match="clash"):
+        engine.save_checkpoint(str(tmp_path), client_state={"module": 1})
+    with pytest.raises(CheckpointError, match=r"client_state\['rng'\]\[1\] is a numpy.ndarray"):
+        engine.save_checkpoint(str(tmp_path), client_state={"rng": ("MT19937", np.zeros(3))})
+    engine.save_checkpoint(str(tmp_path))
+    other = cases.make_engine(cases.ds_config(2), model=cases.make_model(with_frozen=True))
+    with pytest.raises(CheckpointError, match="does not fit the model"):
+        other.load_checkpoint(str(tmp_path))
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    engine = _engine()
+    cases.train_steps(engine, 1)
+    engine.save_checkpoint(str(tmp_path))
+    before = sorted(os.listdir(tmp_path / "global_step1"))
+    cases.train_steps(engine, 1, start=1)
+    real_save = torch.save
+
+    def failing_save(obj, path, *args, **kwargs):
+        if "model_states" in str(path):
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(CheckpointError, match="No space left"):
+        engine.save_checkpoint(str(tmp_path))
+    with pytest.raises(CheckpointError, match="No space left"):
+        engine.save_checkpoint(str(tmp_path), tag="global_step1")  # re-saving the same tag
+    monkeypatch.setattr(torch, "save", real_save)
+    assert (tmp_path / "latest").read_text() == "global_step1"
+    assert sorted(os.listdir(tmp_path / "global_step1")) == before
+    assert not (tmp_path / "global_step2").exists()
+    resumed = _engine()
+    resumed.load_checkpoint(str(tmp_path))
+    assert resumed.global_steps == 1

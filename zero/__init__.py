@@ -1,0 +1,19 @@
+"""zero: a self-contained, DeepSpeed-compatible training engine (torch and numpy only).
+
+`zero.initialize(...)` gives what `deepspeed.initialize(...)` gives; DeepSpeed JSON configs
+and the `--deepspeed`/`--deepspeed_config` flags work unchanged. zero never imports megatron.
+"""
+
+from zero.arguments import add_config_arguments, resolve_config_from_args
+from zero.config import DeepSpeedConfig
+from zero.errors import CheckpointError, ConfigError, ZeroError
+from zero.loss_scaler import DynamicLossScaler, StaticLossScaler, build_loss_scaler
+from zero.lr_schedules import (LRRangeTest, WarmupCosineLR, WarmupDecayLR, WarmupLR,
+                               build_lr_scheduler)
+from zero.optimizers import build_optimizer
+
+# --- engine (added by the engine engineer) -------------------------------------------------
+from zero.engine import initialize
+from zero.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
+                               get_fp32_state_dict_from_zero_checkpoint,
+                               load_state_dict_from_zero_checkpoint)

@@ -1,0 +1,508 @@
+"""DeepSpeed's checkpoint layout (deepspeed_spec.md §5): atomic saves, re-partitioning loads.
+
+    <save_dir>/latest                                     the tag, rewritten last
+    <save_dir>/zero_to_fp32.py                            standalone consolidation script
+    <save_dir>/<tag>/mp_rank_{mp:02d}_model_states.pt     DP rank 0 of every TP rank
+    <save_dir>/<tag>/[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   stage 1/2
+
+Files hold plain containers, numbers and tensors only (`torch.load(weights_only=True)` reads
+them). The fp32 masters and optimizer states are saved in DeepSpeed's partitioning -- the
+flat group padded to a multiple of 2·dp and cut into dp contiguous slices -- so DeepSpeed's own
+zero_to_fp32.py can consolidate them. In memory the engine partitions differently (bucket
+chunks, zero/stage1_2.py); saving gathers each bucket once to cut out DeepSpeed's slice.
+Loading reads, from each saved slice (memory-mapped), only the elements this rank owns, so a
+checkpoint loads at any data-parallel size and from any ZeRO stage 0-2.
+
+A save writes into `<save_dir>/.<tag>.partial/`; only when every rank has written its files
+does rank 0 rename the directory to `<tag>` and then rewrite `latest`, so a crash at any moment
+leaves the previous checkpoint and tracker intact.
+"""
+
+import glob
+import logging
+import math
+import os
+import re
+import shutil
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+
+from zero.errors import CheckpointError
+
+logger = logging.getLogger("zero.checkpoint")
+
+DS_VERSION = "0.16.5+zero"  # the DeepSpeed release whose layout these files reproduce
+MODEL_STATE_KEYS = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+    "frozen_param_fragments", "shared_params", "lr_scheduler", "data_sampler", "random_ltd",
+    "sparse_tensor_module_names", "csr_tensor_module_names", "skipped_steps", "global_steps",
+    "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version"}
+ZERO_TO_FP32 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_to_fp32.py")
+
+
+def natural_partition_numel(numel, world_size):
+    """DeepSpeed's slice size: the group padded to a multiple of 2·world, cut into `world`."""
+    align = 2 * world_size
+    return math.ceil(numel / align) * align // world_size
+
+
+def model_states_name(mp_rank):
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def optim_states_name(dp_rank, mp_rank, bf16=False):
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+def save_checkpoint(engine, save_dir, tag, client_state, save_latest):
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    _check_tag(tag)
+    clashes = sorted(MODEL_STATE_KEYS & set(client_state))
+    if clashes:
+        raise CheckpointError(f"client_state keys {clashes} clash with the checkpoint's own keys; "
+                              "rename them")
+    _check_plain(client_state, "client_state")
+    partial_dir = os.path.join(save_dir, f".{tag}.partial")
+    _on_rank0_then_agree(engine, lambda: _fresh_dir(partial_dir), f"create {partial_dir}")
+    stage = engine.zero_optimization_stage()
+    zero_state = None  # stage 0: one full partition, kept in the model states of DP rank 0
+    if stage > 0 or engine.dp_rank == 0:
+        zero_state = zero_optimizer_state(engine.optimizer)  # collective over DP in stage 1/2
+    writes = []
+    if stage > 0:
+        name = optim_states_name(engine.dp_rank, engine.mp_rank, engine.bfloat16_enabled())
+        writes.append((name, {"optimizer_state_dict": zero_state,
+                              "ds_config": engine.config.raw, "ds_version": DS_VERSION}))
+    if engine.dp_rank == 0:
+        states = _model_states(engine, zero_state if stage == 0 else None)
+        states.update(client_state)
+        writes.append((model_states_name(engine.mp_rank), states))
+    _all_agree(engine, _try(lambda: [_durable_save(obj, os.path.join(partial_dir, name))
+                                     for name, obj in writes]), f"write into {partial_dir}")
+    _on_rank0_then_agree(engine, lambda: _publish(save_dir, partial_dir, tag, save_latest),
+                         f"publish {tag} in {save_dir}")
+    return True
+
+
+_PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.Size,
+                 torch.dtype, torch.device)
+
+
+def _check_plain(value, where):
+    """Checkpoints hold what torch.load(weights_only=True) reads: say where anything else is."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain(key, f"{where} key {key!r}")
+            _check_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple, set)) and not isinstance(value, torch.Size):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+    elif not isinstance(value, _PLAIN_LEAVES) or type(value).__module__ == "numpy":
+        raise CheckpointError(
+            f"{where} is a {type(value).__module__}.{type(value).__name__}; checkpoints hold only "
+            "plain containers, numbers, strings and tensors (so torch.load(weights_only=True) "
+            "reads them). Convert it first, e.g. vars(args), array.tolist() or "
+            "torch.from_numpy(array)")
+
+
+def _check_tag(tag):
+    if not tag or tag.startswith(".") or os.sep in tag or tag in ("latest", "zero_to_fp32.py"):
+        raise CheckpointError(f"checkpoint tag {tag!r} is not usable as a directory name; use a "
+                              "plain name such as 'global_step100'")
+
+
+def _durable_save(obj, path):
+    torch.save(obj, path)
+    with open(path, "rb") as f:  # on disk before the directory is renamed into place
+        os.fsync(f.fileno())
+
+
+def _fresh_dir(path):
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+
+
+def _publish(save_dir, partial_dir, tag, save_latest):
+    final_dir = os.path.join(save_dir, tag)
+    old_dir = os.path.join(save_dir, f".{tag}.old")
+    if os.path.isdir(final_dir):  # re-saving a tag: keep the old one until the new is in place
+        shutil.rmtree(old_dir, ignore_errors=True)
+        os.replace(final_dir, old_dir)
+    os.replace(partial_dir, final_dir)
+    shutil.rmtree(old_dir, ignore_errors=True)
+    _atomic_copy(ZERO_TO_FP32, os.path.join(save_dir, "zero_to_fp32.py"))
+    if save_latest:
+        _atomic_write_text(os.path.join(save_dir, "latest"), tag)
+
+
+def _atomic_write_text(path, text):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_copy(src, dst):
+    tmp = f"{dst}.tmp-{os.getpid()}"
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def _model_states(engine, optimizer_state):
+    module = engine.module
+    names = {p: n for n, p in module.named_parameters()}
+    frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+    persistent = set(module.state_dict().keys())
+    scheduler = engine.lr_scheduler
+    return {
+        "module": module_state_on_cpu(module),
+        "buffer_names": [n for n, _ in module.named_buffers() if n in persistent],
+        "optimizer": optimizer_state,
+        "param_shapes": [OrderedDict((names[p], p.shape) for p in group.params)
+                         for group in engine.optimizer.groups],
+        "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen),
+        "frozen_param_fragments": {n: p.detach().to("cpu", copy=True) for n, p in frozen},
+        "shared_params": _shared_params(module),
+        "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "sparse_tensor_module_names": set(),
+        "skipped_steps": engine.skipped_steps,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "dp_world_size": engine.dp_world_size,
+        "mp_world_size": engine.mp_world_size,
+        "ds_config": engine.config.raw,
+        "ds_version": DS_VERSION,
+    }
+
+
+def module_state_on_cpu(module):
+    """module.state_dict() as compact CPU copies; tied tensors stay one tensor."""
+    copies, state = {}, OrderedDict()
+    for name, tensor in module.state_dict().items():
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if key not in copies:
+            copies[key] = tensor.detach().to("cpu", copy=True)
+        state[name] = copies[key]
+    return state
+
+
+def _shared_params(module):
+    """{alias name: name it is stored under} for parameters registered under several names."""
+    first, shared = {}, {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if param in first:
+            shared[name] = first[param]
+        else:
+            first[param] = name
+    return shared
+
+
+def zero_optimizer_state(optimizer):
+    """This rank's optimizer state in DeepSpeed's stage 1/2 format (collective over DP)."""
+    base = optimizer.optimizer.state_dict()
+    state, fp32_groups, paddings, counts = {}, [], [], []
+    for g, group in enumerate(optimizer.groups):
+        comm = optimizer.dp_comm if group.layout.world_size > 1 else None
+        natural = partial_natural_partition(group, comm)
+        state[g] = {key: natural(value) if _per_element(value, group.layout.partition_numel)
+                    else _on_cpu(value) for key, value in base["state"].get(g, {}).items()}
+        size = natural_partition_numel(group.layout.numel, group.layout.world_size)
+        valid = max(0, min(size, group.layout.numel - group.rank * size))
+        if optimizer.settings.stage > 0 or not group.master_is_flat:
+            # (fp32 stage 0 leaves it out: the master is the module's weights)
+            fp32_groups.append(natural(group.master.detach())[:valid])
+        paddings.append(size - valid)
+        counts.append(group.layout.world_size)
+    scaler = optimizer.loss_scaler
+    result = {
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "dynamic_loss_scale": bool(getattr(scaler, "dynamic", False)),
+        "overflow": optimizer.overflow,
+        "clip_grad": optimizer.settings.gradient_clipping,
+        "base_optimizer_state": {"state": state, "param_groups": base["param_groups"]},
+        "zero_stage": optimizer.settings.stage,
+        "group_paddings": paddings,
+        "partition_count": counts,
+        "ds_version": DS_VERSION,
+    }
+    if len(fp32_groups) == len(optimizer.groups):
+        result["single_partition_of_fp32_groups"] = fp32_groups
+    return result
+
+
+def _on_cpu(value):
+    return value.to("cpu") if torch.is_tensor(value) else value
+
+
+def _per_element(value, partition_numel):
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == partition_numel
+
+
+def partial_natural_partition(group, comm):
+    """A function: tensor in the engine's partition layout [K·C] -> this rank's DeepSpeed
+    slice (zero padded). Collective over `comm` when there are several partitions."""
+    lay = group.layout
+    size = natural_partition_numel(lay.numel, lay.world_size)
+    lo = group.rank * size
+    hi = min(lo + size, lay.numel)
+
+    def natural(tensor):
+        if comm is None:  # one partition: the layouts agree on a prefix (zeros past numel)
+            return tensor.narrow(0, 0, size).to("cpu")
+        out = torch.zeros(size, dtype=tensor.dtype, device="cpu")
+        for k in range(lay.num_buckets):
+            bucket = torch.empty(lay.bucket, dtype=tensor.dtype, device=tensor.device)
+            comm.all_gather(bucket, tensor.narrow(0, k * lay.chunk, lay.chunk))
+            a, b = max(lo, k * lay.bucket), min(hi, (k + 1) * lay.bucket)
+            if a < b:
+                out.narrow(0, a - lo, b - a).copy_(bucket.narrow(0, a - k * lay.bucket, b - a))
+        return out
+    return natural
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+def load_checkpoint(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                    load_module_only):
+    if tag is None:
+        tag = read_latest(load_dir)
+        if tag is None:
+            logger.warning("no 'latest' file in %s and no tag given: nothing loaded", load_dir)
+            return None, None
+    ckpt_dir = find_tag_dir(load_dir, tag)
+    path = os.path.join(ckpt_dir, model_states_name(engine.mp_rank))
+    states = _load_model_states(path, ckpt_dir, engine.mp_world_size)
+    try:
+        engine.module.load_state_dict(states["module"], strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path} does not fit the model: {e}") from None
+    client_state = {k: v for k, v in states.items() if k not in MODEL_STATE_KEYS}
+    if load_module_only:
+        engine.optimizer.refresh_masters_from_model()
+        return path, client_state
+    masters_loaded = False
+    if load_optimizer_states:
+        masters_loaded = load_zero_optimizer_state(engine, ckpt_dir, states)
+    if not masters_loaded:
+        engine.optimizer.refresh_masters_from_model()
+    if load_lr_scheduler_states and engine.lr_scheduler is not None \
+            and states.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
+    engine.global_steps = states["global_steps"]
+    engine.global_samples = states.get("global_samples",
+                                       engine.global_steps * engine.train_batch_size())
+    engine.skipped_steps = states["skipped_steps"]
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    return path, client_state
+
+
+def read_latest(load_dir):
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def available_tags(load_dir):
+    if not os.path.isdir(load_dir):
+        return []
+    return sorted(d for d in os.listdir(load_dir) if not d.startswith(".")
+                  and glob.glob(os.path.join(load_dir, d, "*_model_states.pt")))
+
+
+def find_tag_dir(load_dir, tag):
+    ckpt_dir = os.path.join(load_dir, str(tag))
+    if os.path.isdir(ckpt_dir):
+        return ckpt_dir
+    interrupted = os.path.join(load_dir, f".{tag}.old")  # a re-save of this tag was cut short
+    if os.path.isdir(interrupted):
+        logger.warning("using %s: the save that was replacing it did not finish", interrupted)
+        return interrupted
+    tags = available_tags(load_dir)
+    listing = ", ".join(tags) if tags else "none"
+    raise CheckpointError(f"checkpoint tag '{tag}' not found in {load_dir}; available tags: "
+                          f"{listing}")
+
+
+def _load_model_states(path, ckpt_dir, mp_world_size):
+    if not os.path.isfile(path):
+        saved = glob.glob(os.path.join(ckpt_dir, "mp_rank_*_model_states.pt"))
+        if saved:
+            raise CheckpointError(f"{ckpt_dir} was saved with {len(saved)} tensor-parallel "
+                                  f"rank(s) but this run uses {mp_world_size}; missing "
+                                  f"{os.path.basename(path)}. Resume with the saved "
+                                  "--model-parallel-size or convert the checkpoint first")
+        raise CheckpointError(f"{ckpt_dir} holds no model states file ({os.path.basename(path)}); "
+                              "it is not a complete zero/DeepSpeed checkpoint")
+    states = _torch_load(path)
+    saved_mp = states.get("mp_world_size", 1)
+    if saved_mp != mp_world_size:
+        raise CheckpointError(f"{path} was saved with tensor-parallel size {saved_mp}, this run "
+                              f"uses {mp_world_size}; resume with the saved size or convert the "
+                              "checkpoint first")
+    return states
+
+
+def _torch_load(path, mmap=False):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # noqa: BLE001 -- truncated files, pickled classes, ...
+        raise CheckpointError(f"cannot read {path}: {e}. The file is damaged or was not written "
+                              "by zero (DeepSpeed's own files pickle classes; convert them with "
+                              "DeepSpeed's zero_to_fp32.py)") from None
+
+
+def _optim_files(ckpt_dir, mp_rank):
+    pattern = re.compile(rf"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_{mp_rank:02d}_?optim_states\.pt$")
+    found = {}
+    for name in os.listdir(ckpt_dir):
+        match = pattern.match(name)
+        if match:
+            found[int(match.group(2))] = os.path.join(ckpt_dir, name)
+    return [found[r] for r in sorted(found)]
+
+
+def load_zero_optimizer_state(engine, ckpt_dir, states):
+    """Fill the optimizer from the saved slices; True when fp32 masters were restored."""
+    optimizer = engine.optimizer
+    if states.get("optimizer") is not None:  # a stage 0 checkpoint: one full "slice"
+        sources = [lambda: states["optimizer"]]
+    else:
+        files = _optim_files(ckpt_dir, engine.mp_rank)
+        expected = states.get("dp_world_size")
+        if not files or len(files) != expected:
+            raise CheckpointError(
+                f"optimizer states missing in {ckpt_dir}: expected {expected} "
+                f"zero_pp_rank_*_mp_rank_{engine.mp_rank:02d}_optim_states.pt file(s), found "
+                f"{len(files)}. Pass load_optimizer_states=False to load the weights only")
+        sources = [lambda path=path: _torch_load(path, mmap=True)["optimizer_state_dict"]
+                   for path in files]
+    _check_param_shapes(engine, states.get("param_shapes"), ckpt_dir)
+    # load_from_fp32_weights: false rebuilds the masters from the (16-bit) module weights
+    restore = _PartitionRestore(optimizer, engine.config.zero_optimization.load_from_fp32_weights)
+    for s, load_source in enumerate(sources):
+        restore.take(s, load_source(), len(sources))
+    return restore.finish()
+
+
+def _check_param_shapes(engine, saved, ckpt_dir):
+    names = {p: n for n, p in engine.module.named_parameters()}
+    current = [[(names[p], tuple(p.shape)) for p in g.params] for g in engine.optimizer.groups]
+    saved = [[(n, tuple(s)) for n, s in group.items()] for group in (saved or [])]
+    if saved != current:
+        raise CheckpointError(
+            f"the optimizer parameter groups in {ckpt_dir} ({[len(g) for g in saved]} params "
+            f"per group) do not match this model's ({[len(g) for g in current]}), or names or "
+            "shapes differ; pass load_optimizer_states=False to load the weights only")
+
+
+class _PartitionRestore:
+    """Copies, slice by saved slice, the elements this rank owns into masters and states."""
+
+    def __init__(self, optimizer, use_fp32_weights):
+        self.optimizer = optimizer
+        self.states = [{} for _ in optimizer.groups]
+        self.has_fp32 = use_fp32_weights
+        self.first = None
+
+    def take(self, s, saved, count):
+        groups = self.optimizer.groups
+        if s == 0:
+            self.first = saved
+            if len(saved.get("partition_count", [])) != len(groups):
+                raise CheckpointError(f"the checkpoint has {len(saved.get('partition_count', []))}"
+                                      f" parameter groups, the optimizer {len(groups)}")
+        self.has_fp32 &= "single_partition_of_fp32_groups" in saved
+        base_state = saved["base_optimizer_state"]["state"]
+        for g, group in enumerate(groups):
+            numel = group.layout.numel
+            size = natural_partition_numel(numel, saved["partition_count"][g])
+            lo, hi = s * size, min((s + 1) * size, numel)
+            runs = group.layout.partition_runs(group.rank, lo, hi)
+            if self.has_fp32:
+                self._copy_runs(saved["single_partition_of_fp32_groups"][g], group.master.data,
+                                runs, lo)
+            for key, value in base_state.get(g, {}).items():
+                if _per_element(value, size):
+                    target = self.states[g].setdefault(
+                        key, torch.zeros(group.layout.partition_numel, dtype=value.dtype))
+                    self._copy_runs(value, target, runs, lo)
+                elif s == 0:
+                    self.states[g][key] = value.clone() if torch.is_tensor(value) else value
+
+    @staticmethod
+    def _copy_runs(source, target, runs, lo):
+        with torch.no_grad():
+            for flat_start, part_start, length in runs:
+                source_run = source.narrow(0, flat_start - lo, length)
+                target.narrow(0, part_start, length).copy_(source_run)
+
+    def finish(self):
+        optimizer, saved = self.optimizer, self.first
+        try:
+            optimizer.optimizer.load_state_dict(
+                {"state": {g: s for g, s in enumerate(self.states) if s},
+                 "param_groups": saved["base_optimizer_state"]["param_groups"]})
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"saved optimizer state does not fit this optimizer: {e}") \
+                from None
+        if optimizer.loss_scaler is not None and saved.get("loss_scaler") is not None:
+            optimizer.loss_scaler.load_state_dict(saved["loss_scaler"])
+        if self.has_fp32:
+            optimizer.publish_masters()
+        return self.has_fp32
+
+
+# ---------------------------------------------------------------------------------------------
+# 16-bit model and collective bookkeeping
+
+def save_16bit_model(engine, save_dir, save_filename):
+    """Global rank 0 writes module.state_dict() (the model dtype) to save_dir/save_filename."""
+    path = os.path.join(save_dir, save_filename)
+
+    def write():
+        os.makedirs(save_dir, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        torch.save(module_state_on_cpu(engine.module), tmp)
+        os.replace(tmp, path)
+    _on_rank0_then_agree(engine, write, f"save {path}")
+    return True
+
+
+def _try(action):
+    try:
+        action()
+        return None
+    except Exception as e:  # noqa: BLE001 -- re-raised after every rank has heard of it
+        return e
+
+
+def _on_rank0_then_agree(engine, action, what):
+    error = _try(action) if engine.global_rank == 0 else None
+    _all_agree(engine, error, what)
+
+
+def _all_agree(engine, error, what):
+    """Every rank learns whether any rank failed, so no rank waits forever or goes on alone."""
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":
+            failed = failed.cuda()
+        dist.all_reduce(failed)
+    if isinstance(error, OSError):
+        raise CheckpointError(f"could not {what}: {error}") from None
+    if error is not None:
+        raise error
+    if failed.item() > 0:
+        raise CheckpointError(f"could not {what}: another rank failed (see its error)")

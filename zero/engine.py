@@ -1,0 +1,397 @@
+"""`zero.initialize` and the engine it returns: what `deepspeed.initialize` gives.
+
+    engine, optimizer, _, scheduler = zero.initialize(model=model, config="ds_config.json",
+                                                      model_parameters=model.parameters())
+    for batch in batches:                   # one micro-batch per call
+        loss = engine(batch)
+        engine.backward(loss)               # / gradient_accumulation_steps, x loss scale
+        engine.step()                       # acts at accumulation boundaries only
+    engine.save_checkpoint("checkpoints")   # DeepSpeed's layout; zero_to_fp32.py alongside
+
+Data parallelism is over `mpu.get_data_parallel_group()` when an `mpu` (Megatron's) is given,
+else over the whole world. The optimizer is always a `ZeroOptimizer` (stage 0 = plain data
+parallel over the same flat buffers); fp16 and bf16 keep fp32 master weights in it.
+
+How `zero_optimization` keys act here: `stage`, `reduce_bucket_size`, `overlap_comm`,
+`reduce_scatter` (false: all-reduce each bucket, keep this rank's chunk),
+`ignore_unused_parameters` and `load_from_fp32_weights` as in DeepSpeed. Four need no switch:
+every bucket is already split evenly over all ranks (what `round_robin_gradients` arranges),
+gradients always go through contiguous buckets (`contiguous_gradients`), parameters are
+all-gathered per reduce bucket in one collective each (`allgather_partitions`,
+`allgather_bucket_size`, which DeepSpeed also ignores when all_gather_into_tensor exists), and
+every checkpoint loads at any data-parallel size (`elastic_checkpoint`). Stage 3 and offload
+are refused with a ConfigError until they exist.
+"""
+
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from zero import checkpoint as ckpt
+from zero.arguments import apply_mpi_environment, resolve_config_from_args
+from zero.comm import Communicator
+from zero.config import DeepSpeedConfig
+from zero.errors import ConfigError, ZeroError
+from zero.loss_scaler import build_loss_scaler
+from zero.lr_schedules import build_lr_scheduler
+from zero.optimizers import build_optimizer, check_zero_supported
+from zero.stage1_2 import ZeroOptimizer, ZeroSettings
+
+logger = logging.getLogger("zero.engine")
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None,
+               config=None, config_params=None):
+    """-> (engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler)."""
+    if model is None:
+        raise ZeroError("zero.initialize requires a model (model=...)")
+    if config is not None and config_params is not None:
+        raise ConfigError("zero.initialize got both config= and config_params= (an alias of "
+                          "config); pass only config=")
+    source = resolve_config_from_args(args, config if config is not None else config_params)
+    if args is not None and getattr(args, "deepspeed_mpi", False):
+        apply_mpi_environment()
+    init_distributed(dist_init_required)
+    engine = DeepSpeedEngine(model, source, optimizer=optimizer,
+                             model_parameters=model_parameters, training_data=training_data,
+                             lr_scheduler=lr_scheduler, mpu=mpu, collate_fn=collate_fn)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def init_distributed(dist_init_required=None):
+    """Start torch.distributed from the launcher's environment (env:// rendezvous) unless it is
+    running already or `dist_init_required` is False. nccl on CUDA, gloo on CPU. Without a
+    launcher (no WORLD_SIZE/RANK) the engine runs as a single process without a group."""
+    if dist_init_required is False or dist.is_initialized():
+        return
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        if dist_init_required:
+            raise ZeroError("dist_init_required=True but RANK and WORLD_SIZE are not set; "
+                            "launch with torchrun (or deepspeed/mpirun with --deepspeed_mpi)")
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+class DeepSpeedEngine(torch.nn.Module):
+    """Wraps `model` for data-parallel training with ZeRO stages 0-2 (see module docstring)."""
+
+    def __init__(self, model, config, optimizer=None, model_parameters=None, training_data=None,
+                 lr_scheduler=None, mpu=None, collate_fn=None):
+        super().__init__()
+        self.module = model
+        self.mpu = mpu
+        self._set_parallel_groups(mpu)
+        self.config = config if isinstance(config, DeepSpeedConfig) \
+            else DeepSpeedConfig(config, self.dp_world_size)
+        if self.config.dp_world_size != self.dp_world_size:
+            raise ConfigError(f"the DeepSpeedConfig was built for {self.config.dp_world_size} "
+                              f"data-parallel ranks, but this run has {self.dp_world_size}")
+        self._check_supported_features()
+        self.global_steps = self.global_samples = self.skipped_steps = self.micro_steps = 0
+        self.device = self._place_module()
+        self.optimizer = self._zero_optimizer(self._base_optimizer(optimizer, model_parameters))
+        self._broadcast_from_first_dp_rank()
+        self.lr_scheduler = self._lr_scheduler(lr_scheduler)
+        self.training_dataloader = self._dataloader(training_data, collate_fn)
+        self.monitor = _Monitor(self.config, self.global_rank)
+
+    # ----- setup -----
+
+    def _set_parallel_groups(self, mpu):
+        initialized = dist.is_initialized()
+        self.global_rank = dist.get_rank() if initialized else 0
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if mpu is None:
+            self.dp_comm, self.mp_comm, self.mp_rank, self.mp_world_size = \
+                Communicator(None), None, 0, 1
+        else:
+            self.dp_comm = Communicator(mpu.get_data_parallel_group())
+            self.mp_rank = mpu.get_model_parallel_rank()
+            self.mp_world_size = mpu.get_model_parallel_world_size()
+            self.mp_comm = Communicator(mpu.get_model_parallel_group()) \
+                if self.mp_world_size > 1 else None
+        self.dp_world_size = self.dp_comm.world_size
+        self.dp_rank = self.dp_comm.rank
+
+    def _check_supported_features(self):
+        zero = self.config.zero_optimization
+        if zero.stage == 3:
+            raise ConfigError(f"DeepSpeed config {self.config.source}: ZeRO stage 3 is not "
+                              "available in this engine yet; use stage 0, 1 or 2")
+        if zero.offload_optimizer is not None:
+            raise ConfigError(f"DeepSpeed config {self.config.source}: "
+                              "'zero_optimization.offload_optimizer' (device "
+                              f"{zero.offload_optimizer.device!r}) is not available in this "
+                              "engine yet; remove it to keep the optimizer on the device")
+        if not zero.contiguous_gradients and zero.stage == 2:
+            logger.info("zero_optimization.contiguous_gradients=false: stage 2 always reduces "
+                        "through contiguous bucket buffers here; results are the same")
+
+    def _zero_optimizer(self, base_optimizer):
+        """The partitioning wrapper for the configured stage (the seam for stage 3/offload)."""
+        param_order = {p: i for i, p in enumerate(self.module.parameters())}
+        return ZeroOptimizer(base_optimizer, param_order, self._zero_settings(), self.dp_comm,
+                             self.mp_comm, self.mp_rank, build_loss_scaler(self.config))
+
+    def _zero_settings(self):
+        zero = self.config.zero_optimization
+        return ZeroSettings(stage=zero.stage, reduce_bucket_size=zero.reduce_bucket_size,
+                            overlap_comm=bool(zero.overlap_comm),
+                            reduce_scatter=zero.reduce_scatter,
+                            prescale_gradients=self.config.prescale_gradients,
+                            gradient_predivide_factor=self.config.gradient_predivide_factor,
+                            gradient_clipping=self.config.gradient_clipping,
+                            ignore_unused_parameters=zero.ignore_unused_parameters)
+
+    def _place_module(self):
+        """Move to this rank's GPU (if any) and cast to fp16/bf16, as DeepSpeed does."""
+        device = torch.device("cpu")
+        if torch.cuda.is_available() and (not dist.is_initialized()
+                                          or dist.get_backend() == "nccl"):
+            device = torch.device("cuda", torch.cuda.current_device())
+            self.module.to(device)
+        if self.config.fp16.enabled:
+            self.module.half()
+        elif self.config.bf16.enabled:
+            self.module.bfloat16()
+        return device
+
+    def _base_optimizer(self, client_optimizer, model_parameters):
+        if model_parameters is None:
+            model_parameters = self.module.parameters()
+        if client_optimizer is None:
+            base = build_optimizer(self.config, model_parameters)
+        else:
+            if self.config.optimizer is not None:
+                logger.warning("an optimizer was passed to initialize(); the config's "
+                               "'optimizer' section (%s) is not used", self.config.optimizer.type)
+            base = client_optimizer if isinstance(client_optimizer, torch.optim.Optimizer) \
+                else client_optimizer(model_parameters)
+        check_zero_supported(base, self.config)
+        return base
+
+    def _lr_scheduler(self, client_scheduler):
+        # Schedules get the torch optimizer (torch's classes insist on one); its param_groups
+        # are the ones the ZeroOptimizer steps, so lr changes reach the partitions.
+        base = self.optimizer.optimizer
+        if client_scheduler is None:
+            return build_lr_scheduler(self.config, base)
+        if self.config.scheduler is not None:
+            logger.warning("an lr_scheduler was passed to initialize(); the config's "
+                           "'scheduler' section (%s) is not used", self.config.scheduler.type)
+        if isinstance(client_scheduler, type) or (callable(client_scheduler)
+                                                  and not hasattr(client_scheduler, "step")):
+            return client_scheduler(base)
+        scheduled = getattr(client_scheduler, "optimizer", None)
+        if isinstance(scheduled, torch.optim.Optimizer) and scheduled is not base:
+            # Megatron + DeepSpeed's classic mistake: the schedule was built around an
+            # optimizer that the config's 'optimizer' section replaced
+            logger.warning("the lr_scheduler passed to initialize() steps another optimizer "
+                           "than the engine's, so its learning rates never reach training; "
+                           "pass lr_scheduler as a callable taking the optimizer instead")
+        return client_scheduler
+
+    @torch.no_grad()
+    def _broadcast_from_first_dp_rank(self):
+        """Every data-parallel rank starts from DP rank 0's weights and buffers."""
+        if self.dp_world_size == 1:
+            return
+        flat_ptrs = set()
+        for group in self.optimizer.groups:
+            self.dp_comm.broadcast(group.flat)
+            flat_ptrs.update(p.data_ptr() for p in group.params)
+        for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+            if tensor.data_ptr() not in flat_ptrs:
+                self.dp_comm.broadcast(tensor.data)
+        self.optimizer.refresh_masters_from_model()
+
+    def _dataloader(self, training_data, collate_fn):
+        if training_data is None:
+            return None
+        sampler = torch.utils.data.DistributedSampler(
+            training_data, num_replicas=self.dp_world_size, rank=self.dp_rank)
+        return torch.utils.data.DataLoader(training_data,
+                                           batch_size=self.train_micro_batch_size_per_gpu(),
+                                           sampler=sampler, collate_fn=collate_fn)
+
+    # ----- training -----
+
+    def forward(self, *inputs, **kwargs):
+        with self.monitor.timed("forward"):
+            return self.module(*inputs, **kwargs)
+
+    def backward(self, loss, scale_wrt_gas=True):
+        """Backward of `loss` / gradient_accumulation_steps (x the loss scale); reduces the
+        gradients over data parallel on the last micro-step (every micro-step in stage 2)."""
+        self.monitor.record_loss(loss)
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            loss = loss / self.gradient_accumulation_steps()
+        with self.monitor.timed("backward"):
+            self.optimizer.backward(loss, reduce_gradients=self.is_gradient_accumulation_boundary())
+        return loss
+
+    def is_gradient_accumulation_boundary(self):
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def step(self):
+        """At an accumulation boundary: optimizer step (skipped on fp16 overflow), lr schedule,
+        counters. Call it after every backward."""
+        if self.is_gradient_accumulation_boundary():
+            with self.monitor.timed("step"):
+                applied = self.optimizer.step()
+            if applied and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            if not applied:
+                self.skipped_steps += 1
+            self.optimizer.zero_grad()
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self.monitor.report(self)
+        self.micro_steps += 1
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+    # ----- queries (DeepSpeed's names) -----
+
+    def train_batch_size(self):
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self):
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self):
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self):
+        return self.config.zero_optimization.stage
+
+    def fp16_enabled(self):
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self):
+        return self.config.bf16.enabled
+
+    def get_lr(self):
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self):
+        return self.optimizer.global_grad_norm
+
+    @property
+    def cur_scale(self):
+        return self.optimizer.cur_scale
+
+    @property
+    def loss_scale(self):
+        return self.optimizer.loss_scale
+
+    # ----- checkpoints (zero/checkpoint.py) -----
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+        """Must be called on every rank. Returns True."""
+        return ckpt.save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False):
+        """-> (path, client_state); (None, None) when there is no tag and no `latest` file."""
+        return ckpt.load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                                    load_lr_scheduler_states, load_module_only)
+
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin"):
+        return ckpt.save_16bit_model(self, save_dir, save_filename)
+
+    save_fp16_model = save_16bit_model
+
+
+class _Monitor:
+    """steps_per_print progress lines, wall_clock_breakdown timers and TensorBoard scalars,
+    all from global rank 0."""
+
+    def __init__(self, config, global_rank):
+        self.config, self.enabled = config, global_rank == 0
+        self.elapsed, self._loss_sum, self._loss_count = {}, 0.0, 0
+        self._writer = None
+        self._timing = config.wall_clock_breakdown
+
+    def timed(self, name):
+        return _Timer(self, name) if self._timing else _NULL_TIMER
+
+    def record_loss(self, loss):
+        if self.enabled and self.config.tensorboard.enabled:
+            self._loss_sum += float(loss.detach().float().mean())
+            self._loss_count += 1
+
+    def report(self, engine):
+        if not self.enabled:
+            return
+        every = self.config.steps_per_print
+        if every and engine.global_steps % every == 0:
+            print(f"[zero] step={engine.global_steps}, skipped={engine.skipped_steps}, "
+                  f"lr={engine.get_lr()}, mom={_momentum(engine.optimizer)}", flush=True)
+            if self._timing:
+                parts = " | ".join(f"{k}: {v * 1000:.2f}" for k, v in self.elapsed.items())
+                print(f"[zero] time (ms) | {parts}", flush=True)
+        self._write_tensorboard(engine)
+        self.elapsed = {}
+
+    def _write_tensorboard(self, engine):
+        tb = self.config.tensorboard
+        if not tb.enabled:
+            return
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+            self._writer = SummaryWriter(log_dir=os.path.join(tb.output_path, tb.job_name))
+        x = engine.global_samples
+        if self._loss_count:
+            mean_loss = self._loss_sum / self._loss_count
+            self._writer.add_scalar("Train/Samples/train_loss", mean_loss, x)
+        self._writer.add_scalar("Train/Samples/lr", engine.get_lr()[0], x)
+        if engine.fp16_enabled():
+            self._writer.add_scalar("Train/Samples/loss_scale", engine.cur_scale, x)
+        for name, seconds in self.elapsed.items():
+            self._writer.add_scalar(f"Train/Samples/elapsed_time_ms_{name}", seconds * 1000, x)
+        self._writer.flush()
+        self._loss_sum, self._loss_count = 0.0, 0
+
+
+def _momentum(optimizer):
+    moms = []
+    for group in optimizer.param_groups:
+        moms.append(group["betas"] if "betas" in group else group.get("momentum"))
+    return moms
+
+
+class _Timer:
+    def __init__(self, monitor, name):
+        self.monitor, self.name = monitor, name
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        elapsed = self.monitor.elapsed
+        elapsed[self.name] = elapsed.get(self.name, 0.0) + time.perf_counter() - self.start
+
+
+class _NullTimer:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL_TIMER = _NullTimer()

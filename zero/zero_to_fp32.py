@@ -1,0 +1,248 @@
+#!/usr/bin/env python
+"""Consolidate a ZeRO checkpoint's fp32 master weights into one plain state dict.
+
+    python zero_to_fp32.py <checkpoint_dir> <output_file_or_dir> [-t TAG]
+
+`checkpoint_dir` is the folder holding `latest` (the save_dir); the tag defaults to its
+content. The output is `torch.save` of {name: fp32 tensor}; given a directory, the file is
+`<dir>/pytorch_model.bin`. Needs torch only, so it runs where the checkpoint was copied to.
+
+Reads DeepSpeed's layout (deepspeed_spec.md §5.4) as written by zero's engine:
+- stage 1/2: each `*_optim_states.pt` holds, per param group, one rank's contiguous slice of
+  the flat fp32 group (`single_partition_of_fp32_groups`); rank slices concatenated in rank
+  order are the params of `param_shapes` packed in order.
+- stage 3: each rank holds `fp32_flat_groups`; every param is split into ceil(numel / world)
+  pieces, one per rank, at the same offset on every rank.
+- stage 0: the model states hold the whole fp32 group (16-bit training) or the module is fp32.
+Files are memory-mapped and each param is copied out on its own, so memory stays at the size
+of the result plus one param.
+"""
+
+import argparse
+import glob
+import math
+import os
+import re
+import sys
+from collections import OrderedDict
+
+import torch
+
+try:
+    from zero.errors import CheckpointError
+except ImportError:  # run standalone from a checkpoint folder
+    class CheckpointError(Exception):
+        """A checkpoint that is missing, incomplete, or not in the expected layout."""
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None,
+                                             exclude_frozen_parameters=False):
+    """{name: fp32 CPU tensor} for the model saved in `checkpoint_dir` (tag or `latest`)."""
+    ckpt_dir = _tag_dir(checkpoint_dir, tag)
+    optim_files = _sorted_by_rank(glob.glob(os.path.join(ckpt_dir, "*_optim_states.pt")))
+    model_files = _sorted_by_rank(glob.glob(os.path.join(ckpt_dir, "*_model_states.pt")))
+    if not model_files:
+        raise CheckpointError(f"no *_model_states.pt in {ckpt_dir}: not a ZeRO checkpoint")
+    tp_ranks = [f for f in model_files if re.match(r"mp_rank_\d+_model_states\.pt$",
+                                                   os.path.basename(f))]
+    if len(tp_ranks) > 1:
+        raise CheckpointError(f"{ckpt_dir} holds {len(tp_ranks)} tensor-parallel ranks; this "
+                              "script consolidates data-parallel partitions only (merge the "
+                              "tensor-parallel shards with a model-specific tool)")
+    model_states = _load(model_files[0])
+    if not optim_files:
+        state_dict = _stage0_params(model_states)
+    else:
+        optim = [_load(f)["optimizer_state_dict"] for f in optim_files]
+        stage = optim[0]["zero_stage"]
+        world = max(_as_list(optim[0]["partition_count"]))
+        if len(optim) != world:
+            raise CheckpointError(f"expected {world} *_optim_states.pt files in {ckpt_dir}, found "
+                                  f"{len(optim)} (checkpoints with tensor parallelism > 1 are "
+                                  "not handled: consolidate each TP rank's files separately)")
+        if stage <= 2:
+            slices = [[o["single_partition_of_fp32_groups"][g] for o in optim]
+                      for g in range(len(model_states["param_shapes"]))]
+            state_dict = _unpack_groups(model_states["param_shapes"], slices, world)
+        else:
+            state_dict = _stage3_params(model_files, optim, world)
+    if not exclude_frozen_parameters:
+        state_dict.update(_frozen_params(model_states, model_files, stage3=_is_stage3(optim_files)))
+    for name in model_states.get("buffer_names", []):
+        state_dict[name] = model_states["module"][name].float()
+    for alias, target in model_states.get("shared_params", {}).items():
+        if target in state_dict:
+            state_dict[alias] = state_dict[target]
+    return state_dict
+
+
+def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
+    """Loads the consolidated fp32 weights into `model` (moved to CPU); returns the model."""
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state_dict, strict=False)
+    return model
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_path, tag=None,
+                                               exclude_frozen_parameters=False):
+    """Writes the consolidated state dict to `output_path` (a file, or a directory ->
+    `pytorch_model.bin` inside it). Returns the file written."""
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag,
+                                                          exclude_frozen_parameters)
+    if os.path.isdir(output_path) or output_path.endswith(os.sep):
+        os.makedirs(output_path, exist_ok=True)
+        output_path = os.path.join(output_path, "pytorch_model.bin")
+    tmp = f"{output_path}.tmp-{os.getpid()}"
+    torch.save(state_dict, tmp)
+    os.replace(tmp, output_path)
+    return output_path
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _tag_dir(checkpoint_dir, tag):
+    if tag is None:
+        latest = os.path.join(checkpoint_dir, "latest")
+        if not os.path.isfile(latest):
+            raise CheckpointError(f"unable to find 'latest' file at {latest}; give the tag "
+                                  "(-t global_stepN)")
+        with open(latest) as f:
+            tag = f.read().strip()
+    ckpt_dir = os.path.join(checkpoint_dir, tag)
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"checkpoint folder {ckpt_dir} does not exist")
+    return ckpt_dir
+
+
+def _sorted_by_rank(paths):
+    def key(path):  # natural order: zero_pp_rank_10 after zero_pp_rank_9
+        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", os.path.basename(path))]
+    return sorted(paths, key=key)
+
+
+def _load(path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"cannot read {path}: {e} (files written by DeepSpeed itself "
+                              "pickle its classes: use DeepSpeed's own zero_to_fp32.py)") from None
+
+
+def _as_list(value):
+    return value if isinstance(value, (list, tuple)) else [value]
+
+
+def _is_stage3(optim_files):
+    return bool(optim_files) and "fp32_flat_groups" in _load(optim_files[0])["optimizer_state_dict"]
+
+
+class _Concat:
+    """Reads ranges of the virtual concatenation of tensors without building it."""
+
+    def __init__(self, tensors):
+        self.tensors = [t.reshape(-1) for t in tensors]
+        self.starts = [0]
+        for t in self.tensors:
+            self.starts.append(self.starts[-1] + t.numel())
+
+    @property
+    def numel(self):
+        return self.starts[-1]
+
+    def read(self, lo, hi):
+        pieces = []
+        for t, start, end in zip(self.tensors, self.starts, self.starts[1:]):
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                pieces.append(t.narrow(0, a - start, b - a))
+        return torch.cat(pieces).float() if pieces else torch.empty(0)
+
+
+def _unpack_groups(param_shapes, slices, world):
+    """Stage <= 2: params packed in order in each group's rank slices."""
+    state_dict = OrderedDict()
+    for shapes, group_slices in zip(param_shapes, slices):
+        flat, offset = _Concat(group_slices), 0
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            state_dict[name] = flat.read(offset, offset + numel).view(shape).clone()
+            offset += numel
+        align = 2 * world
+        if math.ceil(offset / align) != math.ceil(flat.numel / align):
+            raise CheckpointError(f"consumed {offset} numels out of {flat.numel} - the "
+                                  "param_shapes do not match the saved fp32 partitions")
+    return state_dict
+
+
+def _stage3_params(model_files, optim, world):
+    """Stage 3: each param is ceil(numel / world) elements on every rank, at one offset."""
+    param_shapes = OrderedDict()
+    for shapes in _load(model_files[0])["param_shapes"]:
+        param_shapes.update(shapes)
+    flats = [_Concat(_as_list(o["fp32_flat_groups"])) for o in optim]
+    state_dict, offset = OrderedDict(), 0
+    for name, shape in param_shapes.items():
+        numel = math.prod(shape)
+        per_rank = math.ceil(numel / world)
+        pieces = [flat.read(offset, offset + per_rank) for flat in flats]
+        state_dict[name] = torch.cat(pieces)[:numel].view(shape).clone()
+        offset += per_rank
+    if offset * world != sum(flat.numel for flat in flats):
+        raise CheckpointError(f"consumed {offset * world} numels out of "
+                              f"{sum(flat.numel for flat in flats)} - stage 3 partitions do "
+                              "not match param_shapes")
+    return state_dict
+
+
+def _stage0_params(model_states):
+    """No optim files: 16-bit stage 0 keeps the fp32 group in `optimizer`; fp32 stage 0 trains
+    the module's own fp32 weights."""
+    optimizer = model_states.get("optimizer") or {}
+    if "single_partition_of_fp32_groups" in optimizer:
+        slices = [[t] for t in optimizer["single_partition_of_fp32_groups"]]
+        return _unpack_groups(model_states["param_shapes"], slices, 1)
+    state_dict = OrderedDict()
+    for shapes in model_states.get("param_shapes", []):
+        for name in shapes:
+            state_dict[name] = model_states["module"][name].float().clone()
+    if not state_dict:
+        raise CheckpointError("the checkpoint holds neither optim-states files nor fp32 groups")
+    return state_dict
+
+
+def _frozen_params(model_states, model_files, stage3):
+    shapes = model_states.get("frozen_param_shapes") or {}
+    if not shapes:
+        return {}
+    if not stage3:
+        fragments = model_states["frozen_param_fragments"]
+        return {name: fragments[name].float().clone() for name in shapes}
+    per_rank = [_load(f)["frozen_param_fragments"] for f in model_files]
+    result = {}
+    for name, shape in shapes.items():
+        full = torch.cat([frags[name].reshape(-1) for frags in per_rank])
+        result[name] = full[:math.prod(shape)].view(shape).float().clone()
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser.add_argument("checkpoint_dir", help="the save_dir holding 'latest' and the tags")
+    parser.add_argument("output_path", help="output file, or a directory for pytorch_model.bin")
+    parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: 'latest')")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true",
+                        help="leave out parameters with requires_grad=False")
+    args = parser.parse_args(argv)
+    try:
+        path = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_path,
+                                                          args.tag, args.exclude_frozen_parameters)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"saved fp32 state dict to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
