@@ -5,7 +5,6 @@ accepted (argparse says so) rather than parsed and ignored.
 """
 
 import argparse
-import os
 
 from megatron.errors import ConfigError
 
@@ -14,7 +13,7 @@ def parse_args(argv=None, extra_args_provider=None, defaults=None, world_size=No
     """Parse and validate the command line.
 
     `defaults` fills flags the user did not give (Megatron's `args_defaults`).  `world_size`
-    defaults to the WORLD_SIZE environment variable set by torchrun (1 when absent).
+    defaults to what the launcher says (torchrun, SLURM or OpenMPI variables; 1 when absent).
     """
     parser = build_parser()
     if extra_args_provider is not None:
@@ -24,7 +23,8 @@ def parse_args(argv=None, extra_args_provider=None, defaults=None, world_size=No
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        from megatron.initialize import discover_launch_environment
+        world_size = discover_launch_environment().world_size  # torchrun, SLURM or OpenMPI
     validate(args, world_size)
     return args
 

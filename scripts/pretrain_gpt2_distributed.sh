@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Pretrain the small GPT-2 of pretrain_gpt2.sh with several processes per machine and on
+# several machines, launched by torchrun (Megatron's scripts/pretrain_gpt2_distributed.sh).
+#
+#   bash scripts/pretrain_gpt2_distributed.sh    # one process per GPU, or 2 on a CPU machine
+#
+# Every node runs this same script; only NODE_RANK differs (or nothing, with a rendezvous):
+#   node 0:  NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash scripts/pretrain_gpt2_distributed.sh
+#   node 1:  NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 bash scripts/pretrain_gpt2_distributed.sh
+#   or, with a rendezvous, on each node in any order:
+#            NNODES=2 RDZV_ENDPOINT=node0:29400 RDZV_ID=run1 \
+#                bash scripts/pretrain_gpt2_distributed.sh
+#
+# Launch variables (the original script's names):
+#   GPUS_PER_NODE  processes per node (default: the GPUs torch sees; 2 CPU processes without)
+#   NNODES=1 NODE_RANK=0 MASTER_ADDR=localhost MASTER_PORT=6000   (torchrun's static rendezvous)
+#   RDZV_ENDPOINT=host:port RDZV_ID=gpt2_small   (when RDZV_ENDPOINT is set: torchrun's c10d
+#                  rendezvous instead, hosted at that address; NODE_RANK, MASTER_* unused)
+#   MP_SIZE=1      tensor-parallel size (pretrain_gpt2_model_parallel.sh defaults it to 2);
+#                  data-parallel size = NNODES * GPUS_PER_NODE / MP_SIZE
+#   OMP_NUM_THREADS  CPU threads per process (default: cores / GPUS_PER_NODE)
+# Any extra arguments are passed on to pretrain_gpt2.py.  Data: scripts/prepare_default_data.sh,
+# the same corpus, tokenizer and .bin/.idx as pretrain_gpt2.sh.  Every node prepares what its
+# DATA_DIR lacks, so with a DATA_DIR shared by the nodes run
+# `bash scripts/prepare_default_data.sh` once before launching.
+#
+# Sizes are pretrain_gpt2.sh's, with the micro batch per process and the global batch derived:
+#   NLAYERS=6 NHIDDEN=384 NHEADS=6 SEQ_LEN=256 MICRO_BATCH=4 GLOBAL_BATCH=(micro x data-parallel)
+#   TRAIN_ITERS=300 LR=1e-3 MIN_LR=1e-4 WARMUP_ITERS=30 VOCAB_SIZE=8192 PRECISION=bf16|fp16|fp32
+#   DATA_DIR=data  CHECKPOINT_DIR=checkpoints/gpt2_small_distributed
+#   RUN_DIR=runs/gpt2_small_distributed
+#   LOG_INTERVAL=10 EVAL_INTERVAL=100 EVAL_ITERS=5 SAVE_INTERVAL=(train iters) WORKERS=2
+#
+# Compute arithmetic for the defaults on a 2-core machine without GPUs (2 processes, DP=2):
+#   params N ~ 12*L*h^2 + (V + S)*h = 12*6*384^2 + (8192+256)*384 = 10.6M + 3.2M = 13.9M
+#   tokens   = TRAIN_ITERS * GLOBAL_BATCH * SEQ_LEN = 300 * (4*2) * 256 = 614k (pretrain_gpt2.sh's)
+#   FLOPs    ~ 6*N*tokens (+ attention 12*L*h*S per token) ~ 5.4e13, split over the 2 processes
+#              (one core each), plus per iteration an all-reduce of the 13.9M gradients.
+#              Measured 1.5-1.8 s per iteration on the 2 cores while shared with other work:
+#              under 10 minutes.  On 8 GPUs the global batch is 32, so 4x the tokens and FLOPs.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"
+MASTER_ADDR="${MASTER_ADDR:-localhost}"; MASTER_PORT="${MASTER_PORT:-6000}"
+RDZV_ENDPOINT="${RDZV_ENDPOINT:-}"; RDZV_ID="${RDZV_ID:-gpt2_small}"
+MP_SIZE="${MP_SIZE:-1}"
+
+NLAYERS="${NLAYERS:-6}"; NHIDDEN="${NHIDDEN:-384}"; NHEADS="${NHEADS:-6}"
+SEQ_LEN="${SEQ_LEN:-256}"; MICRO_BATCH="${MICRO_BATCH:-4}"
+TRAIN_ITERS="${TRAIN_ITERS:-300}"; LR="${LR:-1e-3}"; MIN_LR="${MIN_LR:-1e-4}"
+WARMUP_ITERS="${WARMUP_ITERS:-$(( TRAIN_ITERS / 10 ))}"; VOCAB_SIZE="${VOCAB_SIZE:-8192}"
+PRECISION="${PRECISION:-bf16}"
+DATA_DIR="${DATA_DIR:-$ROOT/data}"
+CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small_distributed}"
+RUN_DIR="${RUN_DIR:-$ROOT/runs/gpt2_small_distributed}"
+LOG_INTERVAL="${LOG_INTERVAL:-10}"; EVAL_INTERVAL="${EVAL_INTERVAL:-100}"
+EVAL_ITERS="${EVAL_ITERS:-5}"; SAVE_INTERVAL="${SAVE_INTERVAL:-$TRAIN_ITERS}"
+WORKERS="${WORKERS:-2}"
+
+source scripts/prepare_default_data.sh  # sets PY, TOKENIZER_DIR, DATA_PREFIX
+
+if [ -z "${GPUS_PER_NODE:-}" ]; then
+    GPUS_PER_NODE=0
+    if command -v nvidia-smi >/dev/null 2>&1; then  # torch's count honours CUDA_VISIBLE_DEVICES
+        GPUS_PER_NODE="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
+    fi
+    [ "$GPUS_PER_NODE" -gt 0 ] || GPUS_PER_NODE=2  # no GPU: 2 CPU processes talking over gloo
+fi
+CORES_PER_PROCESS=$(( $(nproc) / GPUS_PER_NODE ))
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES_PER_PROCESS > 0 ? CORES_PER_PROCESS : 1 ))}"
+
+WORLD_SIZE=$(( GPUS_PER_NODE * NNODES ))
+if (( WORLD_SIZE % MP_SIZE != 0 )); then
+    echo "MP_SIZE=$MP_SIZE does not divide the $WORLD_SIZE processes" \
+         "(NNODES=$NNODES x GPUS_PER_NODE=$GPUS_PER_NODE)" >&2
+    exit 2
+fi
+GLOBAL_BATCH="${GLOBAL_BATCH:-$(( MICRO_BATCH * WORLD_SIZE / MP_SIZE ))}"
+print_compute_estimate "$NLAYERS" "$NHIDDEN" "$VOCAB_SIZE" "$SEQ_LEN" "$TRAIN_ITERS" "$GLOBAL_BATCH"
+echo "[launch] $NNODES node(s) x $GPUS_PER_NODE processes: tensor-parallel $MP_SIZE," \
+     "data-parallel $(( WORLD_SIZE / MP_SIZE )), global batch $GLOBAL_BATCH"
+
+PRECISION_FLAGS=()
+case "$PRECISION" in
+    bf16) PRECISION_FLAGS=(--bf16) ;;
+    fp16) PRECISION_FLAGS=(--fp16) ;;
+    fp32) ;;
+    *) echo "PRECISION must be bf16, fp16 or fp32 (got $PRECISION)" >&2; exit 2 ;;
+esac
+
+# `python -m torch.distributed.run` is torchrun, taken from the venv's torch.
+DISTRIBUTED_ARGS=(--nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES")
+if [ -n "$RDZV_ENDPOINT" ]; then
+    DISTRIBUTED_ARGS+=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID")
+else
+    DISTRIBUTED_ARGS+=(--node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR"
+                       --master_port "$MASTER_PORT")
+fi
+
+MODEL_ARGS=(--model-parallel-size "$MP_SIZE"
+            --num-layers "$NLAYERS" --hidden-size "$NHIDDEN" --num-attention-heads "$NHEADS"
+            --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN")
+TRAIN_ARGS=(--batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
+            --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine
+            --warmup-iters "$WARMUP_ITERS" --weight-decay 1e-2 --clip-grad 1.0
+            --attention-dropout 0.0 --hidden-dropout 0.0 "${PRECISION_FLAGS[@]}")
+DATA_ARGS=(--data-path "${DATA_PREFIX}_text_document" --split 949,50,1
+           --tokenizer-type GPT2BPETokenizer --vocab-file "$TOKENIZER_DIR/vocab.json"
+           --merge-file "$TOKENIZER_DIR/merges.txt" --num-workers 1)
+OUTPUT_ARGS=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL"
+             --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL"
+             --eval-iters "$EVAL_ITERS" --tensorboard-dir "$RUN_DIR")
+
+exec "$PY" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt2.py \
+    "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Pretrain the small GPT-2 with tensor (model) parallelism: each layer's weights are split
+# over MP_SIZE adjacent processes (Megatron's scripts/pretrain_gpt2_model_parallel.sh).
+#
+#   bash scripts/pretrain_gpt2_model_parallel.sh               # MP_SIZE=2 over 2 processes here
+#   MP_SIZE=4 GPUS_PER_NODE=8 bash scripts/pretrain_gpt2_model_parallel.sh   # TP 4 x DP 2
+#
+# This is pretrain_gpt2_distributed.sh with MP_SIZE=2, a micro batch of 8 per tensor-parallel
+# group and its own checkpoint directory; every variable of that script works here too
+# (GPUS_PER_NODE, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, RDZV_ENDPOINT, RDZV_ID, sizes,
+# paths), and so does running the same script on every node.  Keep MP_SIZE <= GPUS_PER_NODE:
+# tensor-parallel groups are adjacent ranks, so they stay inside a node, on its fastest links.
+# MP_SIZE must divide NHEADS (and the hidden and MLP sizes); the vocabulary is padded to a
+# multiple of 128 x MP_SIZE.  Checkpoints hold one file per tensor-parallel rank
+# (iter_*/mp_rank_00, mp_rank_01, ...); tools/merge_mp_partitions.py changes MP_SIZE of one.
+#
+# Compute arithmetic for the defaults on a 2-core machine without GPUs (2 processes, TP=2, DP=1):
+#   params N ~ 13.9M (as pretrain_gpt2.sh); 7.0M per process, of which 0.1M (position
+#            embeddings, LayerNorms, the biases added after a reduction) are replicated
+#   tokens   = TRAIN_ITERS * GLOBAL_BATCH * SEQ_LEN = 300 * 8 * 256 = 614k
+#   FLOPs    ~ 5.4e13 in all, half per process, plus per layer two all-reduces of the
+#            [s, b, h] activations in forward and two in backward (256 * 8 * 384 values each).
+#            Measured 1.5-2.3 s per iteration on the 2 cores while shared with other work:
+#            about 10 minutes.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+export MP_SIZE="${MP_SIZE:-2}"
+export MICRO_BATCH="${MICRO_BATCH:-8}"
+export CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small_mp$MP_SIZE}"
+export RUN_DIR="${RUN_DIR:-$ROOT/runs/gpt2_small_mp$MP_SIZE}"
+exec bash "$ROOT/scripts/pretrain_gpt2_distributed.sh" "$@"
