@@ -62,7 +62,7 @@ class PlainGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)               # tied head
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 # ------------------------------------------------------------------------------ runners
@@ -100,9 +100,10 @@ def hf_runner(precision):
     config = GPT2Config(vocab_size=c["vocab_size"], n_positions=c["seq_length"],
                         n_embd=c["hidden_size"], n_layer=c["num_layers"],
                         n_head=c["num_attention_heads"], resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0)
+                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "sdpa"  # the fused attention kernel, as ours uses
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(config, attn_implementation="sdpa")
+    model = GPT2LMHeadModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
 
     class Wrapped(nn.Module):
@@ -125,7 +126,12 @@ def ours_runner(precision):
     from megatron.learning_rates import AnnealingLR
     from megatron.training import TrainContext, train_step
     from megatron import mpu
+    from megatron.distributed import wrap_data_parallel
+    import torch.distributed as dist
     c = CONFIG
+    if not dist.is_initialized():  # the trainer always runs inside a (here 1-process) group
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        mpu.initialize_model_parallel(1)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     torch.manual_seed(0)
     model = GPT2Model(GPTConfig(num_layers=c["num_layers"], hidden_size=c["hidden_size"],
@@ -133,12 +139,13 @@ def ours_runner(precision):
                                 vocab_size=c["vocab_size"],
                                 max_position_embeddings=c["seq_length"], hidden_dropout=0.0,
                                 attention_dropout=0.0)).to(dtype=dtype)
-    optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.01, adam_beta1=0.9,
+    model = wrap_data_parallel(model, "local", mpu.get_data_parallel_group())
+    optimizer = build_optimizer(model.module, lr=1e-4, weight_decay=0.01, adam_beta1=0.9,
                                 adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0,
                                 params_dtype=dtype, grad_norm_fn=mpu.clip_grad_norm)
     scheduler = AnnealingLR(optimizer, max_lr=1e-4, min_lr=0.0, warmup_steps=0,
                             decay_steps=10 ** 9, decay_style="constant")
-    args = SimpleNamespace(num_micro_batches=1, reset_position_ids=False,
+    args = SimpleNamespace(num_micro_batches=1, deepspeed=False, reset_position_ids=False,
                            reset_attention_mask=False, eod_mask_loss=False)
     ctx = TrainContext(args, SimpleNamespace(eod=0),
                        Runtime(device=torch.device("cpu"), rank=0, world_size=1, local_rank=0))
