@@ -94,7 +94,7 @@ def peak_flops(device, dtype):
 _measured_peaks = {}
 
 
-def measure_matmul_flops(device, dtype, size=1024, repeats=5):
+def measure_matmul_flops(device, dtype, size=2048, repeats=5):
     """Best-of-`repeats` FLOP/s of a square matmul: the practical peak of this device."""
     import time
     key = (str(device), dtype)
