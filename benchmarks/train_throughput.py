@@ -55,6 +55,16 @@ class PlainGPT(nn.Module):
         self.blocks = nn.ModuleList(_Block(h, c["num_attention_heads"])
                                     for _ in range(c["num_layers"]))
         self.ln_f = nn.LayerNorm(h)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        # GPT-2's initialisation, as ours and HF's use (torch's defaults give N(0, 1)
+        # embeddings, whose tiny Adam updates end up as denormals that slow fp32 CPU math).
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, tokens, labels):
         pos = torch.arange(tokens.shape[1], device=tokens.device)

@@ -6,6 +6,9 @@ accepted (argparse says so) rather than parsed and ignored.
 
 import argparse
 
+from megatron.deepspeed_config import (add_deepspeed_arguments, apply_mpi_environment_if_asked,
+                                       reconcile_deepspeed_config,
+                                       reject_deepspeed_flags_without_deepspeed)
 from megatron.errors import ConfigError
 
 
@@ -19,6 +22,7 @@ def parse_args(argv=None, extra_args_provider=None, defaults=None, world_size=No
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     args = parser.parse_args(argv)
+    apply_mpi_environment_if_asked(args)  # --deepspeed_mpi: before the world size is read
     for key, value in (defaults or {}).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -42,6 +46,7 @@ def build_parser():
     _add_validation_args(parser)
     _add_data_args(parser)
     _add_logging_args(parser)
+    add_deepspeed_arguments(parser)  # --deepspeed, --deepspeed_config, --zero-*
     return parser
 
 
@@ -67,7 +72,9 @@ def _add_regularization_args(parser):
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--clip-grad", type=float, default=None,
+                   help="0 disables clipping (default 1.0; under --deepspeed the config's "
+                        "gradient_clipping)")
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
@@ -150,7 +157,8 @@ def _add_distributed_args(parser):
     g.add_argument("--DDP-impl", default="local", choices=["local", "torch"], dest="DDP_impl",
                    help="data-parallel gradient all-reduce: local (bucketed, overlapped with "
                         "backward; megatron/distributed.py) or torch "
-                        "(torch.nn.parallel.DistributedDataParallel)")
+                        "(torch.nn.parallel.DistributedDataParallel); not used under "
+                        "--deepspeed, where the zero engine reduces the gradients")
     g.add_argument("--ddp-bucket-size", type=float, default=25.0, metavar="MB",
                    help="megabytes of gradients per all-reduce bucket; smaller buckets start "
                         "communicating earlier in backward, larger ones make fewer calls")
@@ -241,7 +249,14 @@ def validate(args, world_size):
                  "--output-dir DIR)")
     else:
         _require(args.tokenizer_model, "SentencePieceTokenizer needs --tokenizer-model")
+    global_batch_given = args.global_batch_size is not None
     _validate_parallel(args, world_size)
+    if args.deepspeed:  # the DeepSpeed JSON may set batch sizes, precision and clipping
+        reconcile_deepspeed_config(args, global_batch_given)
+    else:
+        reject_deepspeed_flags_without_deepspeed(args)
+        if args.clip_grad is None:
+            args.clip_grad = 1.0
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.warmup_iters is None:

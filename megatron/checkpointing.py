@@ -11,6 +11,9 @@ reads it.  The model is stored in Megatron 1.1.5's nested form
 `model['language_model']['transformer']['layers.0.attention.query_key_value.weight']`), which
 the usual converters understand; flat state dicts are accepted on load as well.
 
+Under --deepspeed the zero engine writes DeepSpeed's layout instead (`<save>/global_step200/`,
+`<save>/latest`), plus the same tracker file; see megatron/deepspeed_glue.py.
+
 Atomicity: every file is written to a temporary name, fsynced and renamed; the tracker is
 rewritten (the same way) only after every rank's file is complete.  A crash at any moment
 leaves the previous checkpoint and tracker intact.
@@ -183,7 +186,14 @@ def _unwrap(model):
 
 
 def save_checkpoint(iteration, model, optimizer, lr_scheduler, args, train_state, device):
-    """Write this rank's shard (if DP rank 0), then atomically advance the tracker."""
+    """Write this rank's shard (if DP rank 0), then atomically advance the tracker.
+
+    Under --deepspeed `model` is the zero engine, which writes DeepSpeed's layout
+    (megatron/deepspeed_glue.py); the tracker file is written as well.
+    """
+    if getattr(args, "deepspeed", False):
+        from megatron import deepspeed_glue
+        return deepspeed_glue.save_checkpoint(iteration, model, args, train_state, device)
     if mpu.get_data_parallel_rank() == 0:
         state = {
             "iteration": iteration,
@@ -235,7 +245,13 @@ def check_checkpoint_args(saved_args, args, path):
 
 
 def load_checkpoint(model, optimizer, lr_scheduler, args, device):
-    """Resume from args.load. Returns the train_state dict to continue from (or None)."""
+    """Resume from args.load. Returns the train_state dict to continue from (or None).
+
+    Under --deepspeed the zero engine (`model`) loads its own layout (deepspeed_glue.py).
+    """
+    if getattr(args, "deepspeed", False):
+        from megatron import deepspeed_glue
+        return deepspeed_glue.load_checkpoint(model, args, device)
     iteration, release = read_tracker(args.load)
     if iteration is None:
         if os.path.isdir(args.load) and os.listdir(args.load):

@@ -3,15 +3,18 @@
 import sys
 
 from megatron.errors import MegatronError
+from zero.errors import ZeroError
 
 USER_ERROR_EXIT_CODE = 2
+# The zero engine (behind --deepspeed) never imports megatron, so it has its own user-error base.
+USER_ERRORS = (MegatronError, ZeroError)
 
 
 def run_cli(main, *args, **kwargs):
-    """Call `main(*args, **kwargs)`; a MegatronError becomes `error: ...` and exit code 2."""
+    """Call `main(*args, **kwargs)`; a user error becomes `error: ...` and exit code 2."""
     try:
         main(*args, **kwargs)
-    except MegatronError as error:
+    except USER_ERRORS as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
     return 0

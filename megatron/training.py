@@ -7,6 +7,9 @@ Data flow of one iteration (global batch G = micro batch b x data-parallel size 
     finish the gradient all-reduce (mean over the data-parallel group)
     optimizer.step(): unscale, skip on inf/nan, clip (tensor-parallel aware norm), Adam
     lr_scheduler.step()
+
+Under --deepspeed the zero engine does the last three lines (megatron/deepspeed_glue.py):
+per micro batch `engine.backward(loss); engine.step()`.
 """
 
 import contextlib
@@ -100,6 +103,11 @@ def setup_model_and_optimizer(model_provider, ctx):
     args = ctx.args
     module = model_provider(ctx)
     module.to(device=ctx.runtime.device, dtype=DTYPES[args.params_dtype])
+    if args.deepspeed:  # the zero engine reduces gradients: no data-parallel wrapper here
+        from megatron.deepspeed_glue import setup_engine
+        model, optimizer, lr_scheduler = setup_engine(module, args)
+        _print_parameter_count(ctx, module)
+        return model, optimizer, lr_scheduler
     # Wrap before the optimizer copies weights: torch's DDP broadcasts rank 0's on creation.
     model = wrap_data_parallel(module, args.DDP_impl, mpu.get_data_parallel_group(),
                                args.ddp_bucket_size, args.fp32_allreduce)
@@ -113,10 +121,14 @@ def setup_model_and_optimizer(model_provider, ctx):
         decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,
         use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler,
         override_lr_scheduler=args.override_lr_scheduler)
+    _print_parameter_count(ctx, module)
+    return model, optimizer, lr_scheduler
+
+
+def _print_parameter_count(ctx, module):
     if ctx.runtime.is_rank0:
         n_local = sum(p.numel() for p in module.parameters())
         print(f" > parameters on tensor-parallel rank 0: {n_local:,}", flush=True)
-    return model, optimizer, lr_scheduler
 
 
 def _loss_scaler(args):
@@ -149,6 +161,19 @@ def _average_over_data_parallel(value, device):
 def train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler, ctx):
     """One iteration over a global batch. Returns (mean loss, update done, grad norm)."""
     args = ctx.args
+    if args.deepspeed:  # the engine steps its optimizer and lr schedule itself
+        from megatron.deepspeed_glue import train_step as engine_step
+        total, updated, grad_norm = engine_step(forward_step_func, data_iterator, model, ctx)
+    else:
+        total, updated, grad_norm = _megatron_step(forward_step_func, data_iterator, model,
+                                                   optimizer, lr_scheduler, ctx)
+    mean_loss = _average_over_data_parallel(total / args.num_micro_batches, ctx.runtime.device)
+    return mean_loss, updated, grad_norm
+
+
+def _megatron_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler, ctx):
+    """Returns (summed micro-batch losses on this rank, update done, grad norm)."""
+    args = ctx.args
     optimizer.zero_grad()
     total = torch.zeros((), dtype=torch.float32, device=ctx.runtime.device)
     for i in range(args.num_micro_batches):
@@ -161,9 +186,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, lr_scheduler,
     updated, grad_norm, _ = optimizer.step()
     if updated:
         lr_scheduler.step()
-    mean_loss = _average_over_data_parallel(total.item() / args.num_micro_batches,
-                                            ctx.runtime.device)
-    return mean_loss, updated, grad_norm
+    return total.item(), updated, grad_norm
 
 
 @torch.no_grad()
@@ -245,7 +268,8 @@ def _log_window(window, state, optimizer, lr_scheduler, flops_per_sample, peak, 
     logger.log_train({
         "iteration": state["iteration"], "train_iters": args.train_iters,
         "consumed_samples": state["consumed_train_samples"],
-        "ms_per_iter": seconds_per_iter * 1000.0, "lr": lr_scheduler.get_lr(),
+        "ms_per_iter": seconds_per_iter * 1000.0,
+        "lr": optimizer.param_groups[0]["lr"],  # what the schedule set (ours or the config's)
         "lm_loss": window["loss"] / window["iters"], "loss_scale": optimizer.loss_scale,
         "grad_norm": window["grad_norm"],
         "tokens_per_s": samples_per_s * args.seq_length,
@@ -261,8 +285,9 @@ def _print_summary(ctx, state):
         return
     lines = [f" training finished at iteration {state['iteration']}"]
     if args.save:
-        lines.append(f" checkpoint:   {os.path.abspath(args.save)} "
-                     f"(iter_{state['iteration']:07d})")
+        tag = f"global_step{state['iteration']}" if args.deepspeed \
+            else f"iter_{state['iteration']:07d}"
+        lines.append(f" checkpoint:   {os.path.abspath(args.save)} ({tag})")
     if args.log_dir:
         lines.append(f" metrics:      {os.path.abspath(os.path.join(args.log_dir, 'metrics.jsonl'))}")
     if args.tensorboard_dir:
