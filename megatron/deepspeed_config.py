@@ -180,6 +180,15 @@ def _reject_unbuilt_features(final, args, source):
             raise ConfigError(f"DeepSpeed config {source}: 'zero_optimization.{key}' (CPU/NVMe "
                               "offload) is not built yet; remove it to keep the optimizer and "
                               "parameters on the device")
+    options = final.get("activation_checkpointing") or {}
+    enabled = sorted(key for key, value in options.items() if value not in (None, False, 0))
+    if enabled:
+        raise ConfigError(f"DeepSpeed config {source}: 'activation_checkpointing' options "
+                          f"{', '.join(enabled)} (partitioned/CPU/contiguous checkpoints) are "
+                          "not built yet; remove them. Plain recomputation works: "
+                          "--checkpoint-activations or \"gradient_checkpointing\": true")
+    if final.get("gradient_checkpointing"):
+        args.checkpoint_activations = True  # our extension: DeepSpeed ignores this key
 
 
 def _reconcile_batch(args, config, source, global_batch_given):

@@ -310,3 +310,28 @@ def test_config_mistakes_are_one_error_line(corpus, tmp_path, capsys, entries, p
     if path is None:
         assert f"DeepSpeed config {config}:" in err  # the user's file, not "(dict)"
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_unbuilt_activation_checkpointing_options_are_refused(corpus, tmp_path, capsys):
+    config = stage_config(tmp_path, 1, activation_checkpointing={"partition_activations": True})
+    assert run(corpus, tmp_path / "log", 2, "--deepspeed", "--deepspeed_config", config) == 2
+    err = capsys.readouterr().err
+    assert "'activation_checkpointing' options partition_activations" in err, err
+
+
+def test_gradient_checkpointing_key_turns_on_recomputation(corpus, tmp_path):
+    """Our extension: "gradient_checkpointing": true recomputes each layer in backward, which
+    changes nothing numerically (dropout 0 here) but must be switched on."""
+    plain = stage_config(tmp_path, 1)
+    recompute = write_config(tmp_path, "recompute.json", gradient_checkpointing=True,
+                             zero_optimization={"stage": 1}, gradient_clipping=1.0)
+    assert run(corpus, tmp_path / "a", 2, *NO_DROPOUT, "--deepspeed", "--deepspeed_config",
+               plain) == 0
+    assert run(corpus, tmp_path / "b", 2, *NO_DROPOUT, "--deepspeed", "--deepspeed_config",
+               recompute) == 0
+    a, b = read_losses(tmp_path / "a"), read_losses(tmp_path / "b")
+    assert all(a[i][0] == pytest.approx(b[i][0], rel=1e-6) for i in a)
+    argv = trainer_argv(corpus, tmp_path / "c", 2, "--deepspeed", "--deepspeed_config",
+                        recompute, "--tokenizer-type", "GPT2BPETokenizer")
+    args = parse_args(argv, world_size=1)
+    assert args.checkpoint_activations
