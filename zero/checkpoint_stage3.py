@@ -1,0 +1,329 @@
+"""ZeRO stage 3 checkpoints in DeepSpeed's layout (deepspeed_spec.md §5), loadable at any DP size.
+
+Every DP rank writes two files into the tag directory (zero/checkpoint.py does the atomic
+partial-directory dance around them):
+
+    zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt
+        module (partitioned params are empty placeholders; buffers are real), buffer_names,
+        param_shapes (one OrderedDict name -> shape per sub-group, in flat order),
+        frozen_param_shapes + frozen_param_fragments (this rank's pieces), shared_params,
+        lr_scheduler, counters, dp/mp world sizes, ds_config, ds_version, client_state
+    [bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt
+        {"optimizer_state_dict": {zero_stage: 3, partition_count: dp, loss_scaler, overflow,
+         dynamic_loss_scale, optimizer_state_dict: torch state of the sub-group masters,
+         fp32_flat_groups: [this rank's fp32 flat per sub-group, per-param padding included]},
+         ds_config, ds_version}
+
+A parameter of n elements holds ceil(n / dp) elements on every rank at the same offset of the
+concatenated fp32_flat_groups, which is what DeepSpeed's zero_to_fp32.py reads. Loading walks
+the parameters one at a time: each parameter (and each Adam moment) is reassembled from the
+saved ranks' memory-mapped pieces and this rank's new piece is cut out, so a checkpoint loads
+at any data-parallel size. fp32 weights always come from fp32_flat_groups (a stage 3
+checkpoint holds no full 16-bit module), whatever `load_from_fp32_weights` says.
+"""
+
+import logging
+import os
+from collections import OrderedDict
+
+import torch
+
+from zero import checkpoint as common
+from zero.errors import CheckpointError
+from zero.offload.param_swapper import read_shard, write_shard
+from zero.partition_parameters import GatheredParameters, is_zero_param
+
+logger = logging.getLogger("zero.checkpoint")
+
+
+def model_states_name(dp_rank, mp_rank):
+    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+def stage3_files(engine, client_state):
+    """[(file name, object)] this rank writes."""
+    optimizer = engine.optimizer
+    states = _model_states(engine)
+    states.update(client_state)
+    optim = {
+        "zero_stage": 3,
+        "loss_scaler": optimizer.loss_scaler.state_dict() if optimizer.loss_scaler else None,
+        "dynamic_loss_scale": bool(getattr(optimizer.loss_scaler, "dynamic", False)),
+        "overflow": optimizer.overflow,
+        "partition_count": engine.dp_world_size,
+        "optimizer_state_dict": _on_cpu(optimizer.base_state_dict()),  # swapped in (NVMe)
+        "fp32_flat_groups": [optimizer.master_partition(i).to("cpu", copy=True)
+                             for i in range(len(optimizer.sub_groups))],
+        "ds_version": common.DS_VERSION,
+    }
+    optim_name = common.optim_states_name(engine.dp_rank, engine.mp_rank,
+                                          engine.bfloat16_enabled())
+    return [(optim_name, {"optimizer_state_dict": optim, "ds_config": engine.config.raw,
+                          "ds_version": common.DS_VERSION}),
+            (model_states_name(engine.dp_rank, engine.mp_rank), states)]
+
+
+def _on_cpu(value):
+    if torch.is_tensor(value):
+        return value.to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_on_cpu(v) for v in value]
+    return value
+
+
+def _model_states(engine):
+    module, optimizer = engine.module, engine.optimizer
+    names = {p: n for n, p in module.named_parameters()}
+    frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+    persistent = set(module.state_dict().keys())
+    scheduler = engine.lr_scheduler
+    return {
+        "module": common.module_state_on_cpu(module),
+        "buffer_names": [n for n, _ in module.named_buffers() if n in persistent],
+        "optimizer": None,
+        "param_shapes": [OrderedDict((names[p], torch.Size(p.ds_shape)) for p in g.params)
+                         for g in optimizer.sub_groups],
+        "frozen_param_shapes": OrderedDict((n, torch.Size(_shape(p))) for n, p in frozen),
+        "frozen_param_fragments": {n: _piece(p) for n, p in frozen},
+        "shared_params": common._shared_params(module),
+        "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "sparse_tensor_module_names": set(),
+        "skipped_steps": engine.skipped_steps,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "dp_world_size": engine.dp_world_size,
+        "mp_world_size": engine.mp_world_size,
+        "ds_config": engine.config.raw,
+        "ds_version": common.DS_VERSION,
+    }
+
+
+def _shape(param):
+    return param.ds_shape if is_zero_param(param) else tuple(param.shape)
+
+
+def _piece(param):
+    source = read_shard(param) if is_zero_param(param) else param.detach().reshape(-1)
+    return source.to("cpu", copy=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+def load_stage3(engine, ckpt_dir, load_optimizer_states, load_module_only):
+    """Fill the partitions (and optimizer state) from a stage 3 checkpoint saved at any DP
+    size. Returns (path of this rank's model states, model states dict)."""
+    saved = _SavedStage3(ckpt_dir, engine)
+    states = saved.model_states(engine.dp_rank)
+    _load_buffers(engine.module, states, saved.path)
+    optimizer = engine.optimizer
+    optimizer.coordinator.release_all()
+    with_state = load_optimizer_states and not load_module_only
+    restored = saved.restore(optimizer, with_state)
+    if with_state:
+        torch_state = saved.first_optim["optimizer_state_dict"]
+        groups = _regroup(torch_state["param_groups"], optimizer.optimizer.param_groups)
+        index = {id(g.master): i for i, g in enumerate(optimizer.sub_groups)}
+        try:
+            optimizer.load_base_state_dict(
+                {"state": {index[id(g.master)]: s for g, s in restored.items() if s},
+                 "param_groups": groups})
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"saved optimizer state does not fit this optimizer: {e}") \
+                from None
+        scaler_state = saved.first_optim.get("loss_scaler")
+        if optimizer.loss_scaler is not None and scaler_state is not None:
+            optimizer.loss_scaler.load_state_dict(scaler_state)
+    optimizer.commit_restored_masters()
+    optimizer.publish_masters()
+    _load_frozen(engine.module, saved)
+    return saved.path, states
+
+
+def _regroup(saved_groups, current_groups):
+    """Saved hyperparameters with this run's sub-group indices (sub-group counts may differ)."""
+    if len(saved_groups) != len(current_groups):
+        raise CheckpointError(f"the checkpoint has {len(saved_groups)} optimizer param groups, "
+                              f"the optimizer {len(current_groups)}")
+    groups, next_index = [], 0
+    for saved, current in zip(saved_groups, current_groups):
+        count = len(current["params"])
+        groups.append({**saved, "params": list(range(next_index, next_index + count))})
+        next_index += count
+    return groups
+
+
+def _load_buffers(module, states, path):
+    saved = states.get("module", {})
+    for name in states.get("buffer_names", []):
+        if name not in saved:
+            raise CheckpointError(f"{path} lacks buffer {name}")
+        with torch.no_grad():
+            module.get_buffer(name).copy_(saved[name])
+
+
+def _load_frozen(module, saved):
+    for name, param in module.named_parameters():
+        if param.requires_grad or not is_zero_param(param):
+            continue
+        full = saved.frozen_full(name, param.ds_numel)
+        piece = torch.empty(param.ds_tensor.shape, dtype=param.ds_tensor.dtype)
+        _cut_into(piece, full, param.ds_comm.rank)
+        write_shard(param, piece)  # (in memory, or its NVMe swap file)
+
+
+def _cut_into(target, full, rank):
+    """target [s] <- elements [rank*s, (rank+1)*s) of full, zero padded."""
+    size = target.numel()
+    lo, hi = rank * size, min(full.numel(), (rank + 1) * size)
+    with torch.no_grad():
+        target.zero_()
+        if lo < hi:
+            target.narrow(0, 0, hi - lo).copy_(full.narrow(0, lo, hi - lo))
+
+
+class _SavedStage3:
+    """The saved ranks' files, memory-mapped, and where each parameter's pieces are."""
+
+    def __init__(self, ckpt_dir, engine):
+        self.ckpt_dir, self.mp_rank = ckpt_dir, engine.mp_rank
+        self.path = os.path.join(ckpt_dir, model_states_name(engine.dp_rank, engine.mp_rank))
+        first = os.path.join(ckpt_dir, model_states_name(0, engine.mp_rank))
+        if not os.path.isfile(first):
+            other = common.model_states_name(engine.mp_rank)
+            hint = (" It was saved at ZeRO stage 0-2: resume it with that stage, or load its "
+                    "weights with zero.load_state_dict_from_zero_checkpoint") \
+                if os.path.isfile(os.path.join(ckpt_dir, other)) else ""
+            raise CheckpointError(f"{ckpt_dir} holds no ZeRO stage 3 model states "
+                                  f"({os.path.basename(first)}).{hint}")
+        self.states0 = common._torch_load(first, mmap=True)
+        saved_mp = self.states0.get("mp_world_size", 1)
+        if saved_mp != engine.mp_world_size:
+            raise CheckpointError(f"{first} was saved with tensor-parallel size {saved_mp}, "
+                                  f"this run uses {engine.mp_world_size}; resume with the "
+                                  "saved size or convert the checkpoint first")
+        self.world = self.states0["dp_world_size"]
+        files = common._optim_files(ckpt_dir, engine.mp_rank)
+        if len(files) != self.world:
+            raise CheckpointError(f"optimizer states missing in {ckpt_dir}: expected "
+                                  f"{self.world} zero_pp_rank_*_mp_rank_{engine.mp_rank:02d}_"
+                                  f"optim_states.pt file(s), found {len(files)}")
+        self.optim = [common._torch_load(f, mmap=True)["optimizer_state_dict"] for f in files]
+        self.first_optim = self.optim[0]
+        if self.first_optim.get("zero_stage") != 3:
+            raise CheckpointError(f"{ckpt_dir} was saved at ZeRO stage "
+                                  f"{self.first_optim.get('zero_stage')}, this run uses stage 3;"
+                                  " resume with the saved stage")
+        self.where = {}  # name -> (sub-group, offset, piece size)
+        for g, shapes in enumerate(self.states0["param_shapes"]):
+            offset = 0
+            for name, shape in shapes.items():
+                size = -(-torch.Size(shape).numel() // self.world)
+                self.where[name] = (g, offset, size)
+                offset += size
+
+    def model_states(self, dp_rank):
+        if dp_rank < self.world and os.path.isfile(self.path):
+            return common._torch_load(self.path)
+        return dict(self.states0)  # a larger DP size than saved: the shared parts agree
+
+    def _full(self, name, numel, tensors_of_rank):
+        g, offset, size = self.where[name]
+        pieces = [tensors_of_rank(r)[g].narrow(0, offset, size) for r in range(self.world)]
+        return torch.cat(pieces)[:numel]
+
+    def frozen_full(self, name, numel):
+        pieces = [common._torch_load(os.path.join(self.ckpt_dir, model_states_name(
+            r, self.mp_rank)), mmap=True)["frozen_param_fragments"][name].reshape(-1)
+            for r in range(self.world)]
+        return torch.cat(pieces)[:numel]
+
+    def restore(self, optimizer, with_state):
+        """Write masters (and per-element optimizer state) of every sub-group. Returns
+        {sub-group: {state key: tensor}} for the torch optimizer."""
+        names = dict(_named(optimizer))
+        missing = [n for n in names.values() if n not in self.where]
+        if missing:
+            raise CheckpointError(f"{self.ckpt_dir} has no saved values for parameter(s) "
+                                  f"{missing[:5]}; the model differs from the saved one")
+        flats = [o["fp32_flat_groups"] for o in self.optim]
+        saved_states = [o["optimizer_state_dict"]["state"] for o in self.optim]
+        restored = {}
+        for index, sub_group in enumerate(optimizer.sub_groups):
+            state = restored.setdefault(sub_group, {})
+            for param, offset, size in zip(sub_group.params, sub_group.offsets, sub_group.sizes):
+                name = names[param]
+                rank = param.ds_comm.rank
+                full = self._full(name, param.ds_numel, lambda r: flats[r])
+                _cut_into(optimizer.master_restore_target(index).narrow(0, offset, size), full,
+                          rank)
+                if not with_state:
+                    continue
+                g = self.where[name][0]
+                for key, value in saved_states[0].get(g, {}).items():
+                    if torch.is_tensor(value) and value.dim() == 1 \
+                            and value.numel() == flats[0][g].numel():
+                        target = state.setdefault(key, torch.zeros(
+                            sub_group.master.shape, dtype=sub_group.master.dtype))
+                        full = self._full(name, param.ds_numel,
+                                          lambda r, k=key: _per_group(saved_states[r], k))
+                        _cut_into(target.narrow(0, offset, size), full, rank)
+                    elif key not in state:
+                        state[key] = value.clone() if torch.is_tensor(value) else value
+        return restored
+
+
+def _per_group(state, key):
+    return {g: s[key] for g, s in state.items()}
+
+
+def _named(optimizer):
+    module_names = optimizer.param_names
+    return [(p, module_names[p]) for g in optimizer.sub_groups for p in g.params]
+
+
+# ---------------------------------------------------------------------------------------------
+# 16-bit model
+
+def save_16bit_model_stage3(engine, save_dir, save_filename):
+    """Gathers module by module; global rank 0 writes the full 16-bit state dict. Needs
+    stage3_gather_16bit_weights_on_model_save (else returns False, as DeepSpeed does)."""
+    if not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        logger.warning("Did not save the model %s because "
+                       "stage3_gather_16bit_weights_on_model_save is False",
+                       os.path.join(save_dir, save_filename))
+        return False
+    module, state = engine.module, OrderedDict()
+    engine.optimizer.coordinator.release_all()
+    keep = engine.global_rank == 0
+    copies = {}
+    for prefix, submodule in module.named_modules():
+        params = [(n, p) for n, p in submodule.named_parameters(recurse=False,
+                                                                  remove_duplicate=False)]
+        with GatheredParameters([p for _, p in params]):
+            for name, param in params:
+                if keep:
+                    if id(param) not in copies:
+                        copies[id(param)] = param.detach().to("cpu", copy=True)
+                    state[f"{prefix}.{name}" if prefix else name] = copies[id(param)]
+    if keep:
+        persistent = module.state_dict(keep_vars=True)
+        for name, buffer in module.named_buffers():
+            if name in persistent:
+                state[name] = buffer.detach().to("cpu", copy=True)
+    path = os.path.join(save_dir, save_filename)
+
+    def write():
+        os.makedirs(save_dir, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    common._on_rank0_then_agree(engine, write, f"save {path}")
+    return True

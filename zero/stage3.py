@@ -1,0 +1,402 @@
+"""ZeRO stage 3: partitioned parameters, gradients and optimizer state (spec §4.2).
+
+Parameters are partitioned one by one (zero/partition_parameters.py) and gathered on demand
+(zero/stage3_coordinator.py). This module owns what the optimizer needs:
+
+- sub-groups: the trainable parameters of each optimizer param group, in order, cut into runs
+  of at most `sub_group_size` partition elements. Per sub-group the parameters' partitions
+  (`ds_tensor`) become views of one flat buffer of the model dtype, and the fp32 master is
+  that buffer itself (fp32) or an fp32 copy (fp16/bf16). The torch optimizer steps the masters,
+  so its state exists for this rank's partition only.
+- gradients: when a parameter's gradient is complete (post-accumulate-grad hook) it joins a
+  bucket; a full bucket (`reduce_bucket_size` elements) is laid out rank-major -- piece r of
+  every gradient in row r -- pre-divided by the world size and reduce-scattered, so each rank
+  receives its piece of every gradient, which is added to the fp32 partition gradient. This
+  happens every micro-step (as in DeepSpeed); `overlap_comm` keeps two buckets in flight.
+- step: release all gathered parameters, check overflow (fp16), global norm over DP and TP
+  (replicated params counted on TP rank 0 only), unscale and clip in one multiplication, step,
+  copy fp32 masters back into the partitions.
+"""
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from zero.comm import Pending
+from zero.errors import ZeroError
+from zero.partition_parameters import ParamStatus, is_zero_param
+from zero.stage3_coordinator import ParamCoordinator, Stage3Knobs
+
+NOT_PARTITIONABLE = (torch.optim.LBFGS, torch.optim.SparseAdam)
+
+
+@dataclass
+class Stage3Settings:
+    reduce_bucket_size: int = 500_000_000
+    overlap_comm: bool = True
+    reduce_scatter: bool = True
+    gradient_clipping: float = 0.0
+    sub_group_size: int = 1_000_000_000
+    knobs: Stage3Knobs = field(default_factory=Stage3Knobs)
+    stage: int = 3
+
+
+def check_partitionable(optimizer):
+    """Stage 3 steps each rank's slice of flat parameters: the optimizer must be a torch
+    optimizer whose update is element-wise."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ZeroError(f"ZeRO stage 3 needs a torch.optim.Optimizer (it replaces the param "
+                        f"groups' tensors by this rank's partitions); got "
+                        f"{type(optimizer).__module__}.{type(optimizer).__name__}")
+    if isinstance(optimizer, NOT_PARTITIONABLE):
+        raise ZeroError(f"ZeRO stage 3 cannot partition torch.optim.{type(optimizer).__name__}:"
+                        " its step needs whole parameters (LBFGS: the full flat vector and a "
+                        "closure; SparseAdam: sparse gradients). Use Adam, AdamW, SGD, Adagrad")
+
+
+class SubGroup:
+    """A run of parameters whose partitions are packed into one flat buffer and one master."""
+
+    def __init__(self, params, mp_rank):
+        self.params = params
+        self.sizes = [p.ds_tensor.numel() for p in params]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
+        first = params[0].ds_tensor
+        total = sum(self.sizes)
+        self.flat = torch.empty(total, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for param, offset, size in zip(params, self.offsets, self.sizes):
+                view = self.flat.narrow(0, offset, size)
+                view.copy_(param.ds_tensor)
+                param.ds_tensor = view
+        if self.flat.dtype == torch.float32:
+            self.master = torch.nn.Parameter(self.flat)  # shares storage: no extra copy
+        else:
+            self.master = torch.nn.Parameter(self.flat.float())
+        self.master.grad = torch.zeros_like(self.master)
+        # (start, length) of params replicated over TP: their norm counts on TP rank 0 only
+        self.replicated_runs = [] if mp_rank == 0 else [
+            (o, s) for p, o, s in zip(params, self.offsets, self.sizes)
+            if not (getattr(p, "model_parallel", False)
+                    or getattr(p, "tensor_model_parallel", False))]
+
+    @property
+    def master_is_flat(self):
+        return self.master.data_ptr() == self.flat.data_ptr()
+
+    @torch.no_grad()
+    def publish(self):
+        if not self.master_is_flat:
+            self.flat.copy_(self.master)
+
+    @torch.no_grad()
+    def refresh_master(self):
+        if not self.master_is_flat:
+            self.master.copy_(self.flat)
+
+
+class Stage3Optimizer:
+    """Wraps a torch optimizer for ZeRO stage 3 (the interface of zero.stage1_2.ZeroOptimizer).
+
+    `module`'s parameters must already be ZeRO parameters over `dp_comm`.
+    """
+
+    def __init__(self, optimizer, module, settings, dp_comm, mp_comm=None, mp_rank=0,
+                 loss_scaler=None):
+        check_partitionable(optimizer)
+        self.optimizer, self.settings = optimizer, settings
+        self.dp_comm, self.mp_comm, self.mp_rank = dp_comm, mp_comm, mp_rank
+        self.loss_scaler = loss_scaler
+        self.partition_count = dp_comm.world_size
+        self.overflow, self.global_grad_norm = False, None
+        self.coordinator = ParamCoordinator(module, settings.knobs)
+        self.param_names = {p: n for n, p in module.named_parameters()}
+        self.sub_groups = self._build_sub_groups(module)
+        self.location = {}  # param -> (sub-group, offset in its flat)
+        for sub_group in self.sub_groups:
+            for param, offset in zip(sub_group.params, sub_group.offsets):
+                self.location[param] = (sub_group, offset)
+                param.ds_on_partition_update = self._partition_updated
+        self._use_fused_adam()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
+                       for p in self.location]
+        self._hooks += [p.register_hook(partial(_shape_for_accumulation, p))
+                        for p in self.location]
+        self._bucket, self._bucket_numel, self._in_flight = [], 0, []
+
+    # ----- construction -----
+
+    def _build_sub_groups(self, module):
+        model_params = {id(p) for p in module.parameters()}
+        sub_groups = []
+        for group in self.optimizer.param_groups:
+            params = [p for p in group["params"] if p.requires_grad]
+            for p in group["params"]:
+                self.optimizer.state.pop(p, None)
+            if any(id(p) not in model_params or not is_zero_param(p) for p in params):
+                raise ZeroError("the optimizer holds parameters that are not parameters of the "
+                                "model given to zero.initialize")
+            runs = self._cut(params)
+            group["params"] = []
+            for run in runs:
+                kinds = {(p.ds_tensor.dtype, str(p.ds_tensor.device)) for p in run}
+                if len(kinds) > 1:
+                    raise ZeroError("all parameters of one optimizer param group must share "
+                                    f"dtype and device; found {sorted(kinds, key=str)}")
+                sub_group = self._new_sub_group(run)
+                group["params"].append(sub_group.master)
+                sub_groups.append(sub_group)
+        return sub_groups
+
+    def _new_sub_group(self, params):
+        """(zero/offload/stage3.py keeps the masters on the host or in swap files instead)"""
+        return SubGroup(params, self.mp_rank)
+
+    def _cut(self, params):
+        runs, run, numel = [], [], 0
+        for param in params:
+            size = param.ds_tensor.numel()
+            if run and numel + size > self.settings.sub_group_size:
+                runs.append(run)
+                run, numel = [], 0
+            run.append(param)
+            numel += size
+        return runs + ([run] if run else [])
+
+    def _use_fused_adam(self):
+        """torch's fused Adam on flat fp32 tensors is much faster than the default on CPU."""
+        if type(self.optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            return
+        for group in self.optimizer.param_groups:
+            if group.get("fused") is None and not group.get("foreach") \
+                    and not group.get("differentiable") and not group.get("capturable"):
+                group["fused"] = True
+
+    def _partition_updated(self, param):
+        """GatheredParameters(modifier_rank=...) changed param's partition: follow in fp32."""
+        sub_group, offset = self.location[param]
+        if not sub_group.master_is_flat:
+            with torch.no_grad():
+                sub_group.master.narrow(0, offset, param.ds_tensor.numel()).copy_(
+                    param.ds_tensor)
+
+    # ----- what DeepSpeed's optimizers expose -----
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def cur_scale(self):
+        return self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
+
+    loss_scale = cur_scale
+
+    def forward_context(self):
+        """Wrap the module's forward: saved parameters become re-gatherable references."""
+        return self.coordinator.saved_tensor_hooks()
+
+    # ----- backward: bucketed reduce-scatter into the partition gradients -----
+
+    def backward(self, loss, reduce_gradients=True):
+        """loss.backward() with loss scaling; gradients are reduced every micro-step."""
+        scaled = loss * self.cur_scale if self.loss_scaler is not None else loss
+        try:
+            with self.coordinator.saved_tensor_hooks():  # recomputation inside backward
+                scaled.backward()
+            self._flush()
+            while self._in_flight:
+                self._in_flight.pop(0).wait()
+        finally:
+            self._bucket, self._bucket_numel = [], 0
+            self.coordinator.end_backward()
+
+    def _grad_ready(self, param):
+        grad, param.grad = param.grad, None
+        if param.ds_status is ParamStatus.NOT_AVAILABLE:  # drop the shape-only placeholder
+            param.data = torch.empty(0, dtype=param.data.dtype, device=param.data.device)
+        if grad is not None:
+            self._bucket.append((param, grad))
+            self._bucket_numel += grad.numel()
+            if self._bucket_numel >= self.settings.reduce_bucket_size:
+                self._flush()
+        self.coordinator.release_after_backward(param)
+
+    def _flush(self):
+        if not self._bucket:
+            return
+        items = sorted(self._bucket, key=lambda item: item[0].ds_id)  # same order on all ranks
+        self._bucket, self._bucket_numel = [], 0
+        world = self.dp_comm.world_size
+        sizes = [p.ds_tensor.numel() for p, _ in items]
+        total = sum(sizes)
+        rows = torch.zeros(world, total, dtype=items[0][1].dtype, device=items[0][1].device)
+        offset = 0
+        for (param, grad), size in zip(items, sizes):
+            _copy_rank_major(rows.narrow(1, offset, size), grad.reshape(-1), size)
+            offset += size
+        params = [p for p, _ in items]
+        del items  # the full gradients can go now
+        if world > 1:
+            rows.mul_(1.0 / world)
+        out = torch.empty(total, dtype=rows.dtype, device=rows.device)
+        async_op = self.settings.overlap_comm
+        while async_op and len(self._in_flight) >= 2:  # bound the buckets in flight
+            self._in_flight.pop(0).wait()
+        flat = rows.view(-1)
+        if self.settings.reduce_scatter:
+            pending = self.dp_comm.reduce_scatter(out, flat, async_op=async_op)
+        else:
+            pending = Pending(self.dp_comm.all_reduce(flat, async_op=async_op),
+                              partial(out.copy_, rows[self.dp_comm.rank]))
+        self._in_flight.append(Pending(pending, partial(self._accumulate, params, sizes, out)))
+        if not async_op:
+            self._in_flight.pop().wait()
+
+    def _accumulate(self, params, sizes, reduced):
+        offset = 0
+        for param, size in zip(params, sizes):
+            sub_group, start = self.location[param]
+            sub_group.master.grad.narrow(0, start, size).add_(reduced.narrow(0, offset, size))
+            offset += size
+
+    # ----- step -----
+
+    def zero_grad(self, set_to_none=True):
+        for sub_group in self.sub_groups:
+            sub_group.master.grad.zero_()
+        for param in self.location:
+            param.grad = None
+
+    def step(self):
+        """Release gathered params, unscale, check overflow, clip, step, publish. False if
+        the step was skipped (fp16 overflow)."""
+        self.coordinator.end_step()
+        scale = self.cur_scale
+        norm_sq, overflow = self._grad_norm_sq()
+        # inf/nan gradients are skipped in every precision, as stages 0-2 do
+        self.overflow = bool(overflow)
+        self.global_grad_norm = math.sqrt(norm_sq) / scale if math.isfinite(norm_sq) else norm_sq
+        if self.overflow:
+            if self.loss_scaler is not None:
+                self.loss_scaler.update_scale(True)
+            self.zero_grad()
+            return False
+        combined = scale
+        clip = self.settings.gradient_clipping
+        if clip > 0 and math.isfinite(norm_sq):
+            coefficient = (self.global_grad_norm + 1e-6) / clip
+            if coefficient > 1:
+                combined = coefficient * scale
+        if combined != 1.0:
+            for sub_group in self.sub_groups:
+                sub_group.master.grad.mul_(1.0 / combined)
+        self._step_partitions()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        return True
+
+    def _step_partitions(self):
+        """Step the fp32 masters and copy them into the partitions."""
+        self.optimizer.step()
+        self.publish_masters()
+
+    def publish_masters(self):
+        for sub_group in self.sub_groups:
+            sub_group.publish()
+
+    def _grad_norm_sq(self):
+        """(squared norm of the averaged, loss-scaled gradient over DP and TP, overflow)."""
+        device = self.dp_comm.scalar_device(self.sub_groups[0].master if self.sub_groups
+                                            else torch.empty(0))
+        counted = torch.zeros((), dtype=torch.float64, device=device)
+        everything = counted.clone()
+        for sub_group in self.sub_groups:
+            grad = sub_group.master.grad
+            whole = torch.linalg.vector_norm(grad).double().to(device) ** 2
+            everything += whole
+            replicated = [grad.narrow(0, s, n) for s, n in sub_group.replicated_runs]
+            if replicated:
+                rep = torch.stack(torch._foreach_norm(replicated)).double().pow(2).sum()
+                whole = (whole - rep.to(device)).clamp(min=0)
+            counted += whole
+        packed = torch.stack([counted, (~torch.isfinite(everything)).double()])
+        self.dp_comm.all_reduce(packed)
+        if self.mp_comm is not None:
+            self.mp_comm.all_reduce(packed)
+        norm_sq, overflow = packed.tolist()
+        return norm_sq, overflow > 0 or not math.isfinite(norm_sq)
+
+    def refresh_masters_from_model(self):
+        for sub_group in self.sub_groups:
+            sub_group.refresh_master()
+
+    # ----- checkpoints (zero/checkpoint_stage3.py; offload overrides these) -----
+
+    def master_partition(self, index):
+        """The fp32 master of sub-group `index` as a tensor in memory."""
+        return self.sub_groups[index].master.detach()
+
+    def master_restore_target(self, index):
+        """Where a checkpoint's fp32 master of sub-group `index` is written."""
+        return self.sub_groups[index].master.data
+
+    def commit_restored_masters(self):
+        """After the restore targets are filled (NVMe: write them to the swap files)."""
+
+    def base_state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_base_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)
+
+    def remove_hooks(self):
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.coordinator.remove_hooks()
+
+    # ----- accounting (benchmarks, tests) -----
+
+    def model_state_bytes(self):
+        """This rank's model-state bytes by category (what the ZeRO paper's formulas count)."""
+        def nbytes(t):
+            return t.numel() * t.element_size()
+        partitions = sum(nbytes(g.flat) for g in self.sub_groups)
+        frozen = sum(nbytes(p.ds_tensor) for p in self.coordinator.owner
+                     if p not in self.location)
+        masters = sum(nbytes(g.master) for g in self.sub_groups if not g.master_is_flat)
+        states = sum(nbytes(v) for s in self.optimizer.state.values() for v in s.values()
+                     if torch.is_tensor(v) and v.dim() > 0)
+        gathered = sum(nbytes(p.ds_full) for p in self.coordinator.owner
+                       if p.ds_full is not None)
+        return {"parameters": partitions + frozen,
+                "gradients": sum(nbytes(g.master.grad) for g in self.sub_groups),
+                "master_weights": masters, "optimizer_states": states,
+                "gathered_parameters": gathered}
+
+
+def _shape_for_accumulation(param, grad):
+    """Before autograd accumulates a gradient into a released parameter (one backward did not
+    need, e.g. an embedding table): give it its shape without memory -- a zero-stride view --
+    since autograd lays the new .grad out like the parameter."""
+    if param.ds_status is ParamStatus.NOT_AVAILABLE and param.data.numel() != param.ds_numel:
+        param.data = torch.zeros(1, dtype=param.data.dtype,
+                                 device=param.data.device).expand(param.ds_shape)
+    return None
+
+
+def _copy_rank_major(rows, flat, size):
+    """rows [world, size] <- flat [numel] cut into pieces of `size` (last piece zero padded)."""
+    full = flat.numel() // size if size else 0
+    if full:
+        rows.narrow(0, 0, full).copy_(flat.narrow(0, 0, full * size).view(full, size))
+    rest = flat.numel() - full * size
+    if rest:
+        rows[full].narrow(0, 0, rest).copy_(flat.narrow(0, full * size, rest))

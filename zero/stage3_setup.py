@@ -1,0 +1,82 @@
+"""How the engine turns a model into a ZeRO stage 3 one (called from DeepSpeedEngine).
+
+1. Parameters not built under `zero.Init` are partitioned now (each rank keeps its piece of
+   DP rank 0's values), over the engine's data-parallel group.
+2. Partitions follow what was done to the module after `zero.Init`: `module.half()`,
+   `.bfloat16()`, `.to(device)` only change the empty placeholders, so the partitions are
+   cast/moved to match (except partitions kept in host memory by remote_device "cpu").
+3. Buffers are broadcast from DP rank 0, as for the other stages.
+4. The Stage3Optimizer wraps the base optimizer with the config's stage 3 knobs; with
+   offload_optimizer, the OffloadStage3Optimizer (zero/offload/stage3.py) steps on the host.
+   offload_param "nvme" puts the shards in swap files (zero/offload/param_swapper.py).
+"""
+
+import torch
+
+from zero.errors import ConfigError
+from zero.offload.param_swapper import read_shard
+from zero.partition_parameters import (is_zero_param, normalize_remote_device, param_swapper_for,
+                                       partition_module)
+from zero.stage3 import Stage3Optimizer, Stage3Settings
+from zero.stage3_coordinator import Stage3Knobs
+
+
+def remote_device_of(config):
+    """The partitions' home from the config: offload_param's device, else the device."""
+    offload = config.zero_optimization.offload_param
+    return normalize_remote_device(offload.device if offload is not None else None)
+
+
+def build_stage3_optimizer(engine, base_optimizer, loss_scaler):
+    config, zero = engine.config, engine.config.zero_optimization
+    offload = zero.offload_param
+    remote = remote_device_of(config)
+    if remote == "nvme" and zero.offload_optimizer is None:
+        raise ConfigError(f"DeepSpeed config {config.source}: 'zero_optimization.offload_param' "
+                          "device \"nvme\" needs 'offload_optimizer' (\"cpu\" or \"nvme\") too: "
+                          "the fp32 masters cannot share memory with swapped parameter shards")
+    pin = bool(getattr(offload, "pin_memory", False)) if offload is not None else False
+    module = engine.module
+    swapper = param_swapper_for(config, remote, engine.global_rank)
+    partition_module(module, engine.dp_comm, remote_device=remote, pin_memory=pin,
+                     swapper=swapper)
+    _match_placeholders(module)
+    with torch.no_grad():
+        for buffer in module.buffers():
+            engine.dp_comm.broadcast(buffer.data)
+    knobs = Stage3Knobs(
+        prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
+        max_live_parameters=zero.stage3_max_live_parameters,
+        max_reuse_distance=zero.stage3_max_reuse_distance,
+        param_persistence_threshold=zero.stage3_param_persistence_threshold,
+        model_persistence_threshold=zero.stage3_model_persistence_threshold)
+    overlap = True if zero.overlap_comm is None else bool(zero.overlap_comm)  # DeepSpeed: on
+    settings = Stage3Settings(reduce_bucket_size=zero.reduce_bucket_size, overlap_comm=overlap,
+                              reduce_scatter=zero.reduce_scatter,
+                              gradient_clipping=config.gradient_clipping,
+                              sub_group_size=zero.sub_group_size, knobs=knobs)
+    if zero.offload_optimizer is not None:  # zero/offload/stage3.py: CPUAdam over a store
+        from zero.offload import OptimizerOffload
+        from zero.offload.stage3 import OffloadStage3Optimizer
+        return OffloadStage3Optimizer(
+            base_optimizer, module, settings, engine.dp_comm, engine.mp_comm, engine.mp_rank,
+            loss_scaler, offload=OptimizerOffload.from_config(config, engine.global_rank))
+    return Stage3Optimizer(base_optimizer, module, settings, engine.dp_comm, engine.mp_comm,
+                           engine.mp_rank, loss_scaler)
+
+
+@torch.no_grad()
+def _match_placeholders(module):
+    for param in module.parameters():
+        if not is_zero_param(param):
+            continue
+        want = param.data
+        shard = param.ds_tensor
+        if getattr(param, "ds_swapper", None) is not None:
+            if shard.dtype != want.dtype:  # e.g. module.half() after zero.Init: rewrite the file
+                values = read_shard(param).to(want.dtype)
+                param.ds_tensor = param.ds_swapper.offload(param, values)
+            continue
+        device = shard.device if param.ds_remote_device == "cpu" else want.device
+        if shard.dtype != want.dtype or shard.device != device:
+            param.ds_tensor = shard.to(dtype=want.dtype, device=device)
