@@ -1,0 +1,194 @@
+"""ZeRO memory and communication: our stages 0-3 against the ZeRO paper and against peers.
+
+    python benchmarks/zero_memory_comm.py [--quick] [--dp 2 4] [--model small|gpt-91m]
+                                          [--no-deepspeed] [--no-compat] [--no-docs]
+
+For one GPT (fp32, AdamW, `--model small`: 4 layers, hidden 256, seq 128, vocab 8192, 5.3M
+params, micro batch 2 per rank; `--model gpt-91m`: 12 layers, hidden 768, vocab 32768, the
+issue's 91.5M comparison) at each data-parallel size, every runner is started as fresh gloo
+processes (one thread each, benchmarks/zero_memory_comm_worker.py) so peak RSS is its own:
+  ours      zero.initialize stages 0-3 (stage 3 builds the model under zero.Init)
+  peers     torch DDP, ZeroRedundancyOptimizer (+DDP), FSDP2 fully_shard with
+            reshard_after_forward True / False, and DeepSpeed stages 0-3 from its own venv
+            (benchmarks/install_deepspeed_venv.sh), skipped with a note when it is absent.
+Reported per rank (rank 0): model-state bytes measured from the tensors each runner holds,
+next to the ZeRO paper's formulas (deepspeed_spec.md §4.5) in their fp32 form; bytes sent per
+step (ours: zero/comm.py's counters; peers: patched torch.distributed + a DDP comm hook) in
+units of Ψ·4 B·(N-1)/N, next to 2Ψ/2Ψ/2Ψ/3Ψ; median step time; peak RSS (VmHWM). Then the
+ratios ours/peer. Also records the DeepSpeed checkpoint compatibility check
+(benchmarks/deepspeed_compat.py) unless --no-compat. Timings on this shared 2-core machine are
+noisy; DP=4 oversubscribes the 2 cores (4 ranks x 1 thread), so compare within a column.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from common import REPO_ROOT, machine_description, markdown_table, update_docs_section
+
+import deepspeed_venv
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+WORKER = "zero_memory_comm_worker.py"
+STAGES = (0, 1, 2, 3)
+TORCH_PEERS = ("ddp", "zero_redundancy", "fsdp2_reshard", "fsdp2_keep")
+PEER_NAMES = {"ddp": "torch DDP", "zero_redundancy": "ZeroRedundancyOptimizer",
+              "fsdp2_reshard": "FSDP2 (reshard)", "fsdp2_keep": "FSDP2 (no reshard)"}
+# fp32 form of the ZeRO paper's per-rank model states (bytes per parameter): params 4,
+# grads 4, fp32 master 4 (only where it is a separate, partitioned copy), Adam moments 8.
+FORMULAS = {0: ("16Ψ", lambda n: 16.0), 1: ("8Ψ+12Ψ/N", lambda n: 8 + 12 / n),
+            2: ("4Ψ+16Ψ/N", lambda n: 4 + 16 / n), 3: ("20Ψ/N", lambda n: 20 / n)}
+PAPER = {0: "16Ψ", 1: "4Ψ+12Ψ/N", 2: "2Ψ+14Ψ/N", 3: "16Ψ/N"}  # mixed precision, K=12
+COMM = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
+STATE_KEYS = ("params", "grads", "masters", "optimizer state")
+
+
+def run_runner(runner, stage, dp, args, work):
+    """Start `dp` worker processes; -> rank 0's result dict, or {'error': text}."""
+    prefix = os.path.join(work, f"{runner}{stage}_dp{dp}")
+    argv = [WORKER, "--runner", runner, "--stage", stage, "--model", args.model,
+            "--steps", args.steps, "--warmup", args.warmup, "--micro-batch", args.micro_batch,
+            "--out", prefix]
+    python = None if runner == "deepspeed" else sys.executable
+    env = None if runner == "deepspeed" else {"PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"}
+    try:
+        deepspeed_venv.launch_ranks(dp, argv, env_extra=env, python=python, timeout=1200)
+    except RuntimeError as e:
+        lines = [line for line in str(e).splitlines() if "Error" in line or "error" in line]
+        return {"error": (lines[-1] if lines else str(e).splitlines()[0])[:200]}
+    with open(f"{prefix}.rank0.json") as f:
+        return json.load(f)
+
+
+def model_states(result):
+    return sum(result["held"].get(key, 0) for key in STATE_KEYS)
+
+
+def mb(nbytes):
+    return f"{nbytes / 2 ** 20:.1f}"
+
+
+def comm_units(result, dp):
+    unit = result["numel"] * 4 * (dp - 1) / dp
+    return f"{result['sent_per_step'] / unit:.2f}Ψ"
+
+
+def ours_table(results, dp):
+    rows = []
+    for stage in STAGES:
+        r = results.get(("ours", stage))
+        if r is None or "error" in r:
+            rows.append([f"ZeRO-{stage}", (r or {}).get("error", "not run")] + [""] * 8)
+            continue
+        held, numel = r["held"], r["numel"]
+        name, per_param = FORMULAS[stage]
+        formula = per_param(dp) * numel
+        rows.append([f"ZeRO-{stage}", " / ".join(mb(held.get(k, 0)) for k in STATE_KEYS),
+                     mb(model_states(r)), f"{name} = {mb(formula)} (paper, mixed: {PAPER[stage]})",
+                     f"{model_states(r) / formula:.3f}", mb(held.get("other", 0)),
+                     f"{comm_units(r, dp)} (paper {COMM[stage]:.0f}Ψ)", f"{r['step_s']:.3f}",
+                     mb(r["peak_rss"])])
+    return markdown_table(["ours", "params / grads / masters / optim (MB)", "model states MB",
+                           "formula (fp32)", "measured / formula", "buffers MB",
+                           "sent per step", "step s", "peak RSS MB"], rows)
+
+
+def peers_table(results, dp):
+    rows = []
+    for (runner, stage), r in results.items():
+        if runner == "ours":
+            continue
+        name = f"DeepSpeed ZeRO-{stage}" if runner == "deepspeed" else PEER_NAMES[runner]
+        if "error" in r:
+            rows.append([name, r["error"], "", "", "", ""])
+            continue
+        rows.append([name, mb(model_states(r)), mb(r["held"].get("other", 0)), comm_units(r, dp),
+                     f"{r['step_s']:.3f}", mb(r["peak_rss"])])
+    return markdown_table(["peer", "model states MB", "buffers MB", "sent per step", "step s",
+                           "peak RSS MB"], rows)
+
+
+def ratio_table(results):
+    peers = [(k, r) for k, r in results.items() if k[0] != "ours" and "error" not in r]
+    if not peers:
+        return ""
+    headers = ["ours / peer: step time, peak RSS"] + [
+        f"DeepSpeed-{s}" if n == "deepspeed" else PEER_NAMES[n] for (n, s), _ in peers]
+    rows = []
+    for stage in STAGES:
+        ours = results.get(("ours", stage))
+        if ours is None or "error" in ours:
+            continue
+        rows.append([f"ZeRO-{stage}"] + [f"{ours['step_s'] / r['step_s']:.2f}, "
+                                         f"{ours['peak_rss'] / r['peak_rss']:.2f}"
+                                         for _, r in peers])
+    fastest = min(r["step_s"] for _, r in peers)
+    leanest = min(r["peak_rss"] for _, r in peers)
+    verdict = [f"ZeRO-{s}: step {results[('ours', s)]['step_s'] / fastest:.2f}x the fastest "
+               f"peer, peak RSS {results[('ours', s)]['peak_rss'] / leanest:.2f}x the leanest"
+               for s in STAGES if "error" not in results.get(("ours", s), {"error": 1})]
+    return markdown_table(headers, rows) + "\n\n" + "; ".join(verdict) + "."
+
+
+def runners(args):
+    chosen = [("ours", s) for s in STAGES] + [(p, 0) for p in TORCH_PEERS]
+    if not args.no_deepspeed and deepspeed_venv.deepspeed_python():
+        chosen += [("deepspeed", s) for s in STAGES]
+    return chosen
+
+
+def compat_section():
+    import deepspeed_compat
+    version = deepspeed_venv.deepspeed_version()
+    if version is None:
+        return "DeepSpeed checkpoint compatibility: not checked (no DeepSpeed venv here)."
+    with tempfile.TemporaryDirectory() as root:
+        return deepspeed_compat.markdown(deepspeed_compat.run_all(root), version)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="DP=2 only, 2 timed steps")
+    parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--model", choices=["small", "gpt-91m"], default="small")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed peer")
+    parser.add_argument("--no-compat", action="store_true",
+                        help="skip the DeepSpeed checkpoint compatibility check")
+    parser.add_argument("--no-docs", action="store_true", help="print only")
+    args = parser.parse_args()
+    if args.quick:
+        args.dp, args.steps = [2], 2
+    sections = [f"Machine: {machine_description()}; model `{args.model}`, fp32, micro batch "
+                f"{args.micro_batch} per rank, median of {args.steps} steps after "
+                f"{args.warmup} warm-up; rank 0's numbers; 1 thread per rank."]
+    ds_version = None if args.no_deepspeed else deepspeed_venv.deepspeed_version()
+    sections.append(f"DeepSpeed: {ds_version}" if ds_version else
+                    "DeepSpeed: not run (no venv; bash benchmarks/install_deepspeed_venv.sh)")
+    with tempfile.TemporaryDirectory() as work:
+        for dp in args.dp:
+            results = {}
+            for runner, stage in runners(args):
+                print(f"[zero_memory_comm] DP={dp} {runner} stage {stage}", flush=True)
+                results[(runner, stage)] = run_runner(runner, stage, dp, args, work)
+                print(f"[zero_memory_comm]   {json.dumps(results[(runner, stage)])}", flush=True)
+            sections += [f"### DP={dp}", ours_table(results, dp), peers_table(results, dp),
+                         ratio_table(results)]
+            print("\n\n".join(sections[-4:]), flush=True)
+    if not args.no_compat:
+        sections.append(compat_section())
+        print(sections[-1])
+    if not args.no_docs:
+        update_docs_section(f"zero_memory_comm_{args.model}",
+                            f"## ZeRO memory and communication (`{args.model}`)\n\n"
+                            f"`python benchmarks/zero_memory_comm.py --model {args.model}`\n\n"
+                            + "\n\n".join(sections))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""tools/merge_mp_partitions.py --deepspeed: a ZeRO checkpoint becomes a Megatron-layout one.
+
+A --deepspeed run (ZeRO stage 2) saves at iteration 3; the tool consolidates the fp32
+partitions and writes TP=1 and TP=2 Megatron checkpoints. The TP=1 one resumes without
+--deepspeed (fresh optimizer: --no-load-optim) and its first loss is the one the
+uninterrupted --deepspeed run had at iteration 4 (same weights, same data position).
+"""
+
+import importlib.util
+import os
+
+import torch
+
+from megatron.convert import unsharded_state_dict
+from tests.training.test_deepspeed import NO_DROPOUT, read_losses, run, stage_config
+from zero.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))), "tools", "merge_mp_partitions.py")
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("merge_mp_partitions_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_deepspeed_checkpoint_converts_and_resumes_without_deepspeed(corpus, tmp_path, capsys):
+    ds = ["--deepspeed", "--deepspeed_config", stage_config(tmp_path, 2)]
+    common = [*NO_DROPOUT, "--global-batch-size", 8]
+    assert run(corpus, tmp_path / "straight", 4, *common, *ds) == 0
+    save = tmp_path / "ds_ckpt"
+    assert run(corpus, tmp_path / "head", 4, *common, *ds, "--save", save,
+               "--exit-interval", 3) == 0
+    tool = _tool()
+    for target in (1, 2):
+        assert tool.main(["--deepspeed", "--load", str(save), "--save",
+                          str(tmp_path / f"mp{target}"),
+                          "--target-model-parallel-size", str(target)]) == 0
+    out = capsys.readouterr().out
+    assert "not converted (ZeRO partitions)" in out and "--no-load-optim" in out
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(save))
+    vocab = fp32["language_model.embedding.word_embeddings.weight"].shape[0]
+    for target in (1, 2):
+        assert (tmp_path / f"mp{target}" / "latest_checkpointed_iteration.txt").read_text() == "3"
+        merged = unsharded_state_dict(str(tmp_path / f"mp{target}"), vocab_size=vocab)
+        assert set(merged) == set(fp32)
+        for name, tensor in fp32.items():
+            assert torch.equal(merged[name][:tensor.shape[0]], tensor), (target, name)
+    assert run(corpus, tmp_path / "resumed", 4, *common, "--load", tmp_path / "mp1",
+               "--no-load-optim") == 0
+    resumed, straight = read_losses(tmp_path / "resumed"), read_losses(tmp_path / "straight")
+    assert list(resumed) == [4]
+    assert abs(resumed[4][0] - straight[4][0]) <= 1e-4 * abs(straight[4][0])
+
+
+def test_deepspeed_flag_on_a_megatron_checkpoint_is_a_clear_error(corpus, tmp_path, capsys):
+    save = tmp_path / "megatron_ckpt"
+    assert run(corpus, tmp_path / "log", 3, "--save", save) == 0
+    capsys.readouterr()
+    code = _tool().main(["--deepspeed", "--load", str(save), "--save", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "no 'latest' file" in err
+    code = _tool().main(["--deepspeed", "--load", str(save), "--iteration", "7",
+                         "--save", str(tmp_path / "out")])
+    assert code == 2 and "global_step7 does not exist" in capsys.readouterr().err
