@@ -1,0 +1,261 @@
+"""--memory-centric-tiled-linear: the transformer's linears as grids of tiles (ZeRO-Infinity).
+
+`TiledColumnParallelLinear` / `TiledRowParallelLinear` compute exactly what
+`mpu.ColumnParallelLinear` / `mpu.RowParallelLinear` compute, but hold this rank's weight shard
+A_r^T as a `zero.TiledLinearReturnBias` grid of tiles, each its own submodule, so that ZeRO
+stage 3 gathers one tile at a time.
+
+Why the tensor-parallel split is outside the tiling (not one parallel linear per tile, as
+DeepSpeed's Megatron does): with a ColumnParallelLinear per tile, rank r would hold slice r of
+every tile, which interleaves the [heads, 3, head_dim] rows of the QKV projection so a rank no
+longer owns whole heads, and a RowParallelLinear per tile would all-reduce once per tile.
+Tiling the local shard keeps every rank's layout, and its one all-reduce, as in the untiled
+model, so a tiled model computes the same function at any tensor-parallel size.
+
+Same weights as untiled: each layer first builds the untiled mpu layer (which draws the
+master weight from the seeded generator in the layout-independent way) and copies its shard
+into the tiles, so the RNG stream and every value match the untiled model.
+
+Checkpoints keep the untiled keys (`...query_key_value.weight`, `.bias`): state_dict() joins
+the tiles and load_state_dict() cuts an untiled weight into them, so tiled and untiled
+checkpoints load into either model and the checkpoint tools keep working.
+"""
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron import mpu
+from megatron.errors import ConfigError
+
+
+class LocalLinearTile(nn.Module):
+    """One tile: Y = X W^T (+ b), Megatron's (output, bias) convention, no communication.
+
+    Parameters start uninitialised (nothing is drawn from the generator): the tiled layer
+    copies them from the untiled layer.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, skip_bias_add=False,
+                 dtype=torch.float32):
+        super().__init__()
+        self.skip_bias_add = skip_bias_add
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, input_):
+        if self.skip_bias_add:
+            return F.linear(input_, self.weight), self.bias
+        return F.linear(input_, self.weight, self.bias), None
+
+
+def check_tile_factor(tile_factor, hidden_size, ffn_hidden_size, model_parallel_size):
+    """ConfigError, with the arithmetic, if a tile grid does not divide a layer's local shard."""
+    if not isinstance(tile_factor, int) or tile_factor < 1:
+        raise ConfigError(f"--tile-factor must be a positive integer, got {tile_factor!r}")
+    f, p = tile_factor, model_parallel_size
+    # (what is split, its size on one tensor-parallel rank, number of tiles along it)
+    dims = [("--hidden-size (input of QKV and h->4h, output of dense and 4h->h)",
+             hidden_size, f),
+            ("QKV output 3 * hidden / model-parallel-size", 3 * hidden_size // p, 3 * f),
+            ("dense input hidden / model-parallel-size", hidden_size // p, f),
+            ("h->4h output ffn-hidden / model-parallel-size", ffn_hidden_size // p, 4 * f),
+            ("4h->h input ffn-hidden / model-parallel-size", ffn_hidden_size // p, 4 * f)]
+    for what, size, tiles in dims:
+        if size % tiles != 0:
+            raise ConfigError(f"--tile-factor {f} does not divide the layers: {what} = {size} "
+                              f"is not divisible by {tiles} tiles ({size} % {tiles} = "
+                              f"{size % tiles}); choose a tile factor that divides it")
+
+
+def _tag_params(tiled, is_parallel, partition_dim, bias_is_parallel):
+    for _, _, tile in tiled.tiles():
+        mpu.set_model_parallel_attributes(tile.weight, is_parallel, partition_dim=partition_dim)
+        if tile.bias is not None:
+            mpu.set_model_parallel_attributes(tile.bias, bias_is_parallel, partition_dim=0)
+
+
+class _UntiledStateDictMixin:
+    """state_dict()/load_state_dict() in the untiled keys: `<prefix>weight` (and the bias)."""
+
+    def _register_untiled_state_dict_hooks(self):
+        self.register_state_dict_post_hook(_join_tiles_in_state_dict)
+        self.register_load_state_dict_pre_hook(_cut_untiled_weight_into_tiles)
+
+    def _tile_key(self, o, i, name):
+        return f"tiled.linears.{o}.{i}.{name}"
+
+
+def _join_tiles_in_state_dict(module, state_dict, prefix, local_metadata):
+    tiled = module.tiled
+    rows, biases = [], []
+    for o in range(tiled.out_splits):
+        rows.append(torch.cat([state_dict.pop(prefix + module._tile_key(o, i, "weight"))
+                               for i in range(tiled.in_splits)], dim=1))
+        bias_key = prefix + module._tile_key(o, tiled.in_splits - 1, "bias")
+        if bias_key in state_dict:
+            biases.append(state_dict.pop(bias_key))
+    # Re-insert a bias the wrapper owns (row parallel) after the weight: Megatron's key order.
+    own_bias = state_dict.pop(prefix + "bias", None)
+    state_dict[prefix + "weight"] = torch.cat(rows, dim=0).detach()
+    if biases:
+        state_dict[prefix + "bias"] = torch.cat(biases, dim=0).detach()
+    elif own_bias is not None:
+        state_dict[prefix + "bias"] = own_bias
+
+
+def _cut_untiled_weight_into_tiles(module, state_dict, prefix, local_metadata, strict,
+                                   missing_keys, unexpected_keys, error_msgs):
+    tiled = module.tiled
+    weight = state_dict.get(prefix + "weight")
+    if weight is None:
+        return  # tile keys given directly, or missing: load_state_dict reports it
+    expected = (tiled.out_features, tiled.in_features)
+    if tuple(weight.shape) != expected:
+        error_msgs.append(f"size mismatch for {prefix}weight: copying a param with shape "
+                          f"{tuple(weight.shape)}, the tiled layer's shard is {expected}")
+        return
+    del state_dict[prefix + "weight"]
+    bias = state_dict.pop(prefix + "bias", None) if tiled.use_bias else None
+    for o, i, _ in tiled.tiles():
+        rows = slice(tiled.out_parts[o], tiled.out_parts[o + 1])
+        cols = slice(tiled.in_parts[i], tiled.in_parts[i + 1])
+        state_dict[prefix + module._tile_key(o, i, "weight")] = weight[rows, cols]
+        if bias is not None and i == tiled.in_splits - 1:
+            state_dict[prefix + module._tile_key(o, i, "bias")] = bias[rows]
+
+
+class TiledColumnParallelLinear(_UntiledStateDictMixin, nn.Module):
+    """ColumnParallelLinear (Y = XA, A = [A_1, ..., A_p]) with A_r^T held as a tile grid.
+
+    Built from an initialised `mpu.ColumnParallelLinear`, whose shard
+    [output_size / p, input_size] is copied into out_splits x in_splits tiles.
+    """
+
+    def __init__(self, untiled, in_splits, out_splits):
+        super().__init__()
+        from zero import TiledLinearReturnBias
+        self.input_size, self.output_size = untiled.input_size, untiled.output_size
+        self.gather_output, self.skip_bias_add = untiled.gather_output, untiled.skip_bias_add
+        self.tiled = TiledLinearReturnBias(
+            untiled.input_size, untiled.output_size_per_partition,
+            bias=untiled.bias is not None, in_splits=in_splits, out_splits=out_splits,
+            linear_cls=LocalLinearTile, init_linear=untiled, skip_bias_add=self.skip_bias_add,
+            dtype=untiled.weight.dtype)
+        _tag_params(self.tiled, True, partition_dim=0, bias_is_parallel=True)
+        self._register_untiled_state_dict_hooks()
+
+    def forward(self, input_):
+        """Y_r = X A_r + b_r (all-gathered with gather_output); returns (Y, b_r if
+        skip_bias_add else None)."""
+        input_parallel = mpu.copy_to_model_parallel_region(input_)
+        output_parallel, bias = self.tiled(input_parallel)
+        if self.gather_output:
+            return mpu.gather_from_model_parallel_region(output_parallel), bias
+        return output_parallel, bias
+
+
+class TiledRowParallelLinear(_UntiledStateDictMixin, nn.Module):
+    """RowParallelLinear (Y = sum_r X_r A_r + b) with A_r^T [output_size, input_size / p] held
+    as a tile grid; the replicated bias stays whole and is added once after the all-reduce.
+
+    Built from an initialised `mpu.RowParallelLinear`.
+    """
+
+    def __init__(self, untiled, in_splits, out_splits):
+        super().__init__()
+        from zero import TiledLinearReturnBias
+        self.input_size, self.output_size = untiled.input_size, untiled.output_size
+        self.input_is_parallel = untiled.input_is_parallel
+        self.skip_bias_add = untiled.skip_bias_add
+        self.tiled = TiledLinearReturnBias(
+            untiled.input_size_per_partition, untiled.output_size, bias=False,
+            in_splits=in_splits, out_splits=out_splits, linear_cls=LocalLinearTile,
+            init_linear=types.SimpleNamespace(weight=untiled.weight, bias=None),
+            dtype=untiled.weight.dtype)
+        _tag_params(self.tiled, True, partition_dim=1, bias_is_parallel=False)
+        self.bias = untiled.bias  # replicated; tagged so by RowParallelLinear
+        self._register_untiled_state_dict_hooks()
+
+    def forward(self, input_):
+        """Y = sum_r X_r A_r + b; returns (Y, b if skip_bias_add else None)."""
+        parallel = mpu.get_model_parallel_world_size() > 1
+        if parallel and not self.input_is_parallel:
+            input_ = mpu.scatter_to_model_parallel_region(input_)
+        output, _ = self.tiled(input_)
+        if parallel:
+            output = mpu.reduce_from_model_parallel_region(output)
+        if self.bias is None or self.skip_bias_add:
+            return output, self.bias if self.skip_bias_add else None
+        return output + self.bias, None
+
+
+# (in_splits, out_splits) of each linear of a transformer layer for --tile-factor F, as
+# DeepSpeed's Megatron (DSE-Z3) tiles them.
+def tile_grid(tile_factor):
+    f = tile_factor
+    return {"query_key_value": (f, 3 * f), "dense": (f, f),
+            "dense_h_to_4h": (f, 4 * f), "dense_4h_to_h": (4 * f, f)}
+
+
+def tile_transformer_linears(transformer, tile_factor):
+    """Replace QKV, dense, h->4h and 4h->h of every layer by their tiled equivalents.
+
+    Runs after the untiled model is built, so the initial weights (and the generator's state
+    afterwards) are exactly those of the untiled model; one linear at a time exists twice
+    while being copied.
+    """
+    grid = tile_grid(tile_factor)
+    for parent in list(transformer.modules()):  # the attention and MLP blocks of each layer
+        for name, (in_splits, out_splits) in grid.items():
+            untiled = getattr(parent, name, None)
+            if isinstance(untiled, mpu.ColumnParallelLinear):
+                setattr(parent, name, TiledColumnParallelLinear(untiled, in_splits, out_splits))
+            elif isinstance(untiled, mpu.RowParallelLinear):
+                setattr(parent, name, TiledRowParallelLinear(untiled, in_splits, out_splits))
+
+
+def add_tiling_arguments(parser):
+    g = parser.add_argument_group("memory optimizations")
+    g.add_argument("--memory-centric-tiled-linear", action="store_true",
+                   help="hold QKV, dense, h->4h and 4h->h as grids of tiles "
+                        "(zero.TiledLinearReturnBias); under ZeRO stage 3 one tile is "
+                        "gathered at a time. Same weights and losses as untiled")
+    g.add_argument("--tile-factor", type=int, default=None,
+                   help="with --memory-centric-tiled-linear (default 1): F tiles QKV F x 3F, "
+                        "dense F x F, h->4h F x 4F, 4h->h 4F x F (input x output splits)")
+    return parser
+
+
+def validate_tiling(args):
+    """--tile-factor must come with the switch and divide every tiled layer's local shard."""
+    if args.tile_factor is not None and not args.memory_centric_tiled_linear:
+        raise ConfigError(f"--tile-factor {args.tile_factor} has no effect without "
+                          "--memory-centric-tiled-linear; add that flag or drop --tile-factor")
+    if args.tile_factor is None:
+        args.tile_factor = 1
+    if args.memory_centric_tiled_linear:
+        check_tile_factor(args.tile_factor, args.hidden_size,
+                          args.ffn_hidden_size or 4 * args.hidden_size,
+                          args.model_parallel_size)
+
+
+def optimizer_state_tiling_mismatch(saved_args, args):
+    """Why a checkpoint's optimizer state cannot be loaded under these tiling flags, or None.
+
+    Model weights are saved untiled and load either way; the optimizer state is a list over
+    parameters, and tiling changes that list.
+    """
+    def grid(values):
+        tiled = bool(values.get("memory_centric_tiled_linear", False))
+        return f"--memory-centric-tiled-linear --tile-factor {values.get('tile_factor') or 1}" \
+            if tiled else "no --memory-centric-tiled-linear"
+    saved, ours = grid(saved_args), grid(vars(args))
+    if saved == ours:
+        return None
+    return (f"the checkpoint was trained with {saved} but this run has {ours}: its model "
+            "weights load either way, its optimizer state does not (tiling changes the "
+            "parameter list). Resume with --no-load-optim (or --finetune), or with the "
+            "checkpoint's tiling flags")
