@@ -1,0 +1,195 @@
+"""Stopping cleanly: on a signal or a time limit, after too many NaN losses, when a peer dies.
+
+- `--exit-signal-handler`: SIGTERM (what schedulers send before preemption) only sets a flag;
+  at the next iteration boundary the ranks all-reduce their flags, so they all stop at the same
+  iteration even when the signal reached only some of them, save, and exit 0.
+- `--exit-duration-in-mins`: the same agreement on "this job has run long enough" (each rank's
+  clock is read, the maximum wins), so no rank waits in a collective for one that already left.
+- `--max-nan-iterations N`: an iteration whose loss is NaN/inf is skipped (the optimizer skips
+  non-finite gradients) and counted; N in a row stop training with a clear message instead of
+  burning the allocation.
+- A collective that fails (a rank died, or hung past --distributed-timeout-minutes) becomes
+  a TrainingError naming the iteration, the timeout and the checkpoint to resume from.
+"""
+
+import contextlib
+import math
+import re
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron.errors import ConfigError, TrainingError
+
+
+def add_reliability_arguments(parser):
+    g = parser.add_argument_group("reliability")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, every rank saves at the next iteration boundary (when "
+                        "--save is set) and exits 0")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save and exit once the job has run this many minutes")
+    g.add_argument("--keep-last-n-checkpoints", type=int, default=None, metavar="N",
+                   help="after each save, delete all but the newest N checkpoints in --save "
+                        "(the new one is complete before any is deleted); default: keep all")
+    g.add_argument("--max-nan-iterations", type=int, default=10, metavar="N",
+                   help="stop after N consecutive iterations whose loss is NaN or inf (each is "
+                        "skipped and counted); 0 never stops")
+
+
+def validate_reliability(args):
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
+        raise ConfigError(f"--exit-duration-in-mins must be positive, got "
+                          f"{args.exit_duration_in_mins}")
+    if args.keep_last_n_checkpoints is not None:
+        if args.keep_last_n_checkpoints < 1:
+            raise ConfigError(f"--keep-last-n-checkpoints must be at least 1, got "
+                              f"{args.keep_last_n_checkpoints}")
+        if args.save is None:
+            raise ConfigError("--keep-last-n-checkpoints needs --save (the directory to prune)")
+    if args.max_nan_iterations < 0:
+        raise ConfigError(f"--max-nan-iterations must be >= 0 (0: never stop), got "
+                          f"{args.max_nan_iterations}")
+
+
+class ExitConditions:
+    """Decides, identically on every rank, whether to save and stop after this iteration."""
+
+    def __init__(self, args, device, start_time=None):
+        self.args, self.device = args, device
+        self.start_time = time.monotonic() if start_time is None else start_time
+        self.signal_received = False
+        self._previous_handler = None
+        if args.exit_signal_handler:
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.signal_received = True  # acted on at the next iteration boundary
+
+    @property
+    def active(self):
+        return bool(self.args.exit_signal_handler or self.args.exit_duration_in_mins)
+
+    def reason(self):
+        """None, or why every rank stops now. A collective when either flag is set."""
+        if not self.active:
+            return None
+        minutes = (time.monotonic() - self.start_time) / 60.0
+        # [signal received anywhere, longest run time]: MAX over all ranks for both.
+        flags = torch.tensor([float(self.signal_received), minutes], dtype=torch.float64,
+                             device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0].item() > 0:
+            return "SIGTERM received (--exit-signal-handler)"
+        limit = self.args.exit_duration_in_mins
+        if limit and flags[1].item() >= limit:
+            return f"ran {flags[1].item():.2f} minutes (--exit-duration-in-mins {limit:g})"
+        return None
+
+    def close(self):
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+
+
+class NanGuard:
+    """Counts consecutive iterations with a non-finite loss; raises after the limit."""
+
+    def __init__(self, max_nan_iterations, last_checkpoint):
+        self.limit = max_nan_iterations
+        self.last_checkpoint = last_checkpoint  # callable -> description of what to resume
+        self.consecutive = 0
+        self.total = 0
+
+    def observe(self, iteration, loss):
+        """`loss` is the data-parallel mean, so every rank sees the same value and agrees."""
+        if math.isfinite(loss):
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        self.total += 1
+        if self.limit and self.consecutive >= self.limit:
+            first = iteration - self.consecutive + 1
+            raise TrainingError(
+                f"the loss was NaN or inf for {self.consecutive} consecutive iterations "
+                f"({first}-{iteration}; --max-nan-iterations {self.limit}); each was skipped, "
+                f"the model was not updated by them. Training is diverging: "
+                f"{self.last_checkpoint()}, with a lower --lr, more warmup, --clip-grad, or "
+                f"--bf16 instead of --fp16")
+
+
+# gloo raises plain RuntimeErrors; NCCL raises torch.distributed.DistError subclasses.
+_PEER_FAILURE = re.compile(r"gloo|nccl|Timed out|Connection (reset|closed|refused)|"
+                           r"Broken pipe|Socket", re.IGNORECASE)
+
+
+@contextlib.contextmanager
+def explain_collective_failures(args, state, rank, last_checkpoint):
+    """A collective that fails because a peer died or hangs -> one clear TrainingError."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not (isinstance(error, dist.DistError) or _PEER_FAILURE.search(str(error))):
+            raise
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise TrainingError(
+            f"rank {rank}: a collective failed during iteration {state['iteration'] + 1}: "
+            f"{first_line}. Another rank most likely died or hangs (see its log); a collective "
+            f"waits at most --distributed-timeout-minutes {args.distributed_timeout_minutes:g}. "
+            f"{last_checkpoint()[0].upper()}{last_checkpoint()[1:]} (under torchrun "
+            f"--max-restarts with --load = --save, the restarted job resumes from it)") \
+            from None
+
+
+def last_checkpoint_description(args):
+    """A callable describing the checkpoint a user resumes from (read when needed)."""
+    def describe():
+        if not args.save:
+            return "no checkpoint was saved (no --save); restart from scratch"
+        from megatron.checkpointing import read_tracker
+        try:
+            iteration, _ = read_tracker(args.save)
+        except Exception:  # noqa: BLE001 -- a message about the message must not fail
+            iteration = None
+        if iteration is None:
+            return f"no checkpoint in {args.save} yet; restart from scratch"
+        return f"resume from iteration {iteration} with --load {args.save}"
+    return describe
+
+
+class TrainingGuards:
+    """What the train loop asks at each iteration boundary, in one object (see module doc)."""
+
+    def __init__(self, args, runtime, state):
+        from megatron import fault_injection
+        self.args, self.runtime, self.state = args, runtime, state
+        self.last_checkpoint = last_checkpoint_description(args)
+        self.exit_conditions = ExitConditions(args, runtime.device)
+        self.nan_guard = NanGuard(args.max_nan_iterations, self.last_checkpoint)
+        self._injection = fault_injection
+
+    def wrap_forward_step(self, forward_step_func):
+        """The forward step, with the NaN losses a test asked for (MEGATRON_FAULT_NAN_AT)."""
+        iterations = self._injection.nan_iterations()
+        if not iterations:
+            return forward_step_func
+        return self._injection.poison_loss(forward_step_func, iterations, self.state)
+
+    def before_iteration(self, iteration):
+        self._injection.rank_fault(self.runtime.rank, iteration)
+
+    def after_iteration(self, iteration, loss):
+        self.nan_guard.observe(iteration, loss)
+
+    def stop_reason(self):
+        return self.exit_conditions.reason()
+
+    def explaining_failures(self):
+        return explain_collective_failures(self.args, self.state, self.runtime.rank,
+                                           self.last_checkpoint)
+
+    def close(self):
+        self.exit_conditions.close()

@@ -1,0 +1,99 @@
+"""Files we read may come from anywhere: a pickle that would run code is refused with a clear
+error (Megatron layout, DeepSpeed layout, zero_to_fp32), and no reader in megatron/, zero/ or
+tools/ unpickles without torch's weights_only guard."""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import pretrain_gpt2
+from megatron.checkpointing import safe_load
+from megatron.errors import CheckpointError
+from tests.reliability.harness import trainer_argv
+from zero.checkpoint import _torch_load as zero_load
+from zero.errors import CheckpointError as ZeroCheckpointError
+from zero.zero_to_fp32 import main as zero_to_fp32_main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: what a booby-trapped checkpoint does."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _booby_trapped(path, marker):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": {"w": torch.zeros(2)}, "payload": _RunsCode(marker)}, path)
+    return path
+
+
+def test_megatron_layout_refuses_code(corpus, tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    save = tmp_path / "ckpt"
+    _booby_trapped(save / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", marker)
+    (save / "latest_checkpointed_iteration.txt").write_text("1")
+    with pytest.raises(CheckpointError, match="not a plain-tensor checkpoint"):
+        safe_load(save / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")
+    assert pretrain_gpt2.main(trainer_argv(corpus, tmp_path / "log", 2, "--load", save)) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: cannot read checkpoint ") and "model_optim_rng.pt" in err
+    assert not marker.exists()
+
+
+def test_deepspeed_layout_and_zero_to_fp32_refuse_code(tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    tag_dir = tmp_path / "ckpt" / "global_step1"
+    states = _booby_trapped(tag_dir / "mp_rank_00_model_states.pt", marker)
+    _booby_trapped(tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt", marker)
+    (tmp_path / "ckpt" / "latest").write_text("global_step1")
+    with pytest.raises(ZeroCheckpointError, match="cannot read .*mp_rank_00_model_states.pt"):
+        zero_load(str(states))
+    assert zero_to_fp32_main([str(tmp_path / "ckpt"), str(tmp_path / "out.bin")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot read ") and "pickled classes" in err
+    assert not marker.exists() and not (tmp_path / "out.bin").exists()
+
+
+def test_deepspeed_layout_through_the_trainer_refuses_code(corpus, tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    save = tmp_path / "ckpt"
+    _booby_trapped(save / "global_step1" / "mp_rank_00_model_states.pt", marker)
+    (save / "latest").write_text("global_step1")
+    config = tmp_path / "ds.json"
+    config.write_text('{"zero_optimization": {"stage": 1}}')
+    argv = trainer_argv(corpus, tmp_path / "log", 2, "--load", save, "--deepspeed",
+                        "--deepspeed_config", config)
+    assert pretrain_gpt2.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: cannot read checkpoint ") and "model_states.pt" in err
+    assert not marker.exists()
+
+
+_UNSAFE = [(re.compile(r"\bpickle\.loads?\(|\bcPickle\b|\bdill\b"), "pickle"),
+           (re.compile(r"allow_pickle\s*=\s*True"), "np.load(allow_pickle=True)")]
+
+
+def test_no_reader_unpickles_without_weights_only():
+    """Every torch.load in megatron/, zero/, tools/ passes weights_only=True (or goes through
+    a helper that does); no pickle.load, no np.load(allow_pickle=True)."""
+    problems = []
+    for path in [REPO / "pretrain_gpt2.py", *sorted((REPO / "megatron").rglob("*.py")),
+                 *sorted((REPO / "zero").rglob("*.py")), *sorted((REPO / "tools").rglob("*.py"))]:
+        text = path.read_text()
+        for match in re.finditer(r"torch\.load\(", text):
+            call = text[match.start():text.find(")\n", match.start()) + 1]
+            if "weights_only=True" not in call:
+                problems.append(f"{path.relative_to(REPO)}: {call.splitlines()[0]}")
+        for pattern, what in _UNSAFE:
+            if pattern.search(text):
+                problems.append(f"{path.relative_to(REPO)}: {what}")
+    assert not problems, "\n".join(problems)
