@@ -1,0 +1,77 @@
+"""Checks on `nvme_path` before anything is written, and the per-rank swap directory.
+
+Every problem is a ConfigError raised on every rank before the first swap file exists: a path
+that does not exist, is not a directory, is not writable, or whose file system has less free
+space than the swap files need (shutil.disk_usage, swap files of an earlier run of this rank
+counted as free since they are replaced).
+"""
+
+import os
+import shutil
+import tempfile
+
+import torch.distributed as dist
+
+from zero.errors import ConfigError
+
+
+def swap_dir_for(nvme_path, stage, kind, global_rank):
+    """DeepSpeed's folder layout: <nvme_path>/zero_stage_<s>/<kind>/rank<R>."""
+    return os.path.join(nvme_path, f"zero_stage_{stage}", kind, f"rank{global_rank}")
+
+
+def check_nvme_path(nvme_path, needed_bytes, swap_dir, key_name):
+    """Raise ConfigError if `nvme_path` cannot hold `needed_bytes` of swap files."""
+    if not os.path.exists(nvme_path):
+        raise ConfigError(f"'{key_name}' {nvme_path!r} does not exist; create it (mkdir -p "
+                          f"{nvme_path}) or point it at a directory on the NVMe drive")
+    if not os.path.isdir(nvme_path):
+        raise ConfigError(f"'{key_name}' {nvme_path!r} is not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=nvme_path, prefix=".zero-write-test-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"'{key_name}' {nvme_path!r} is not writable ({e.strerror}); fix its "
+                          "permissions or choose another directory") from None
+    free = shutil.disk_usage(nvme_path).free + _bytes_under(swap_dir)
+    if free < needed_bytes:
+        raise ConfigError(f"'{key_name}' {nvme_path!r} has {_gib(free)} free but the swapped "
+                          f"optimizer states of this rank need {_gib(needed_bytes)} "
+                          f"({needed_bytes} bytes: fp32 master, exp_avg and exp_avg_sq); free "
+                          "space or choose a larger drive")
+
+
+def fresh_swap_dir(swap_dir):
+    """Empty the folder (files of an earlier run of this rank are stale) and create it."""
+    shutil.rmtree(swap_dir, ignore_errors=True)
+    os.makedirs(swap_dir)
+
+
+def agree_on_errors(error):
+    """Every rank learns whether any rank's check failed, so no rank trains on alone."""
+    import torch
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":
+            failed = failed.cuda()
+        dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if failed.item() > 0:
+        raise ConfigError("optimizer offload: the nvme_path check failed on another rank "
+                          "(see its error); nothing was written")
+
+
+def _bytes_under(path):
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _gib(n):
+    return f"{n / 2**30:.2f} GiB"
