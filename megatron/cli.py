@@ -3,18 +3,23 @@
 import sys
 
 from megatron.errors import MegatronError
-from zero.errors import ZeroError
 
 USER_ERROR_EXIT_CODE = 2
-# The zero engine (behind --deepspeed) never imports megatron, so it has its own user-error base.
-USER_ERRORS = (MegatronError, ZeroError)
+
+
+def user_error_types():
+    """MegatronError, plus the zero engine's ZeroError once zero is loaded (it never imports
+    megatron, so it has its own base).  Looked up lazily: importing zero imports torch, which
+    would cost the data tools seconds per start and force spawned (not forked) workers."""
+    zero_errors = sys.modules.get("zero.errors")
+    return (MegatronError,) if zero_errors is None else (MegatronError, zero_errors.ZeroError)
 
 
 def run_cli(main, *args, **kwargs):
     """Call `main(*args, **kwargs)`; a user error becomes `error: ...` and exit code 2."""
     try:
         main(*args, **kwargs)
-    except USER_ERRORS as error:
+    except user_error_types() as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
     return 0

@@ -1,0 +1,1 @@
+"""The OpenWebText cleaning pipeline as streaming commands; see README.md here."""

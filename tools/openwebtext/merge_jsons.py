@@ -1,0 +1,80 @@
+"""Merge downloaded pages (loose JSON files of {"text", "url"} lines) into one loose JSON file.
+
+    python tools/openwebtext/merge_jsons.py --json-path pages/ --output-file merged.json \
+        [--workers 4]
+
+Every `*.json`/`*.jsonl` file under --json-path (and any files named after it) is read line by
+line.  A line is kept when it is a JSON object with string "text" and "url" values and a
+non-blank text; it is written back as one compact UTF-8 JSON line (other keys kept).  Lines that
+are not valid UTF-8 or JSON, or lack the keys, are counted as malformed and skipped.  A page
+whose URL was already seen (downloaded twice) is dropped as a duplicate, out of core.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron.cli import run_cli  # noqa: E402
+from tools.openwebtext.external import dedup_lines  # noqa: E402
+from tools.openwebtext.streaming import (dump_json_line, input_files,  # noqa: E402
+                                         parse_json_record, run_line_filter)
+
+JSON_SUFFIXES = (".json", ".jsonl")
+
+
+def page_filter(line):
+    record = parse_json_record(line, ("text", "url"))
+    if not record["text"].strip():
+        return None, "empty text"
+    return dump_json_line(record), None
+
+
+def _make_page_filter():
+    return page_filter
+
+
+def url_of_json_line(line):
+    return json.loads(line)["url"].encode("utf-8", "surrogatepass")
+
+
+def get_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json-path", "--json_path", dest="json_path", action="append",
+                        required=True, help="a directory of *.json/*.jsonl page files, or a "
+                        "file; repeat for more")
+    parser.add_argument("--output-file", "--output_file", dest="output_file", required=True)
+    parser.add_argument("--workers", type=int, default=1)
+    return parser.parse_args(argv)
+
+
+def run(args, stream=None):
+    started = time.perf_counter()
+    files = input_files(args.json_path, JSON_SUFFIXES)
+    merged = f"{args.output_file}.merged.tmp"
+    try:
+        report = run_line_filter("merge_jsons", files, merged, _make_page_filter, args.workers,
+                                 stream)
+        duplicates = dedup_lines(merged, args.output_file, url_of_json_line,
+                                 stage="merge_jsons: duplicate urls")
+    finally:
+        if os.path.exists(merged):
+            os.remove(merged)
+    report.seconds = time.perf_counter() - started
+    report.kept -= duplicates
+    if duplicates:
+        report.dropped["duplicate url"] += duplicates
+    return report
+
+
+def main(argv=None):
+    def go():
+        print(run(get_args(argv)).summary(), flush=True)
+    return run_cli(go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
