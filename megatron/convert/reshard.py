@@ -216,17 +216,18 @@ class ReshardResult(NamedTuple):
 
 
 def reshard_checkpoint(load_dir, save_dir, target_tp, iteration=None, vocab_size=None,
-                       tokenizer_files=None, source_tp=None):
+                       tokenizer_files=None, source_tp=None, reader=read_sharded_checkpoint):
     """Convert `load_dir` (at its saved TP size) to a TP=`target_tp` checkpoint in `save_dir`.
 
-    `source_tp`, when given, must be the TP size the checkpoint was saved at.
+    `source_tp`, when given, must be the TP size the checkpoint was saved at. `reader(load_dir,
+    iteration)` -> ShardedCheckpoint (deepspeed_source.read_deepspeed_checkpoint for --deepspeed).
     """
     if os.path.abspath(save_dir) == os.path.abspath(load_dir):
         raise ConfigError("--save must differ from --load: the converted checkpoint would mix "
                           "two tensor-parallel sizes in one directory")
     if os.path.exists(save_dir) and not os.path.isdir(save_dir):
         raise ConfigError(f"--save {save_dir} exists and is not a directory")
-    sharded = read_sharded_checkpoint(load_dir, iteration)
+    sharded = reader(load_dir, iteration)
     if source_tp is not None and source_tp != sharded.model_parallel_size:
         raise ConfigError(f"--model-parallel-size {source_tp} (the source size) disagrees with "
                           f"the checkpoint, which was saved with model_parallel_size "

@@ -1,0 +1,109 @@
+"""Read a `pretrain_gpt2.py --deepspeed` checkpoint (DeepSpeed's layout) as Megatron shards.
+
+    <load>/latest                                   the tag, e.g. global_step200
+    <load>/<tag>/mp_rank_{mp:02d}_model_states.pt   module, args, iteration, RNG (client state)
+    <load>/<tag>/*zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   fp32 partitions
+
+Per tensor-parallel rank the fp32 weights are consolidated over the data-parallel partitions
+by zero's own `get_fp32_state_dict_from_zero_checkpoint` (any ZeRO stage, any DP size) and
+cast to the dtype the model was trained in; the result is that rank's Megatron
+`model_optim_rng.pt` content (iteration, args, train_state, RNG), which megatron/convert then
+merges and re-splits to any TP size.  The one reader of this layout: tools/merge_mp_partitions.py
+--deepspeed and tools/convert_checkpoint.py --loader deepspeed (and so the generation and
+evaluation tools) all come through here. The Adam moments are not carried over: they live in
+ZeRO's flat partitions, not per parameter, so the converted checkpoint resumes with
+`--no-load-optim` (a fresh optimizer from the converted weights).
+"""
+
+import os
+
+import torch
+
+from megatron.checkpointing import CHECKPOINT_VERSION, to_nested_state_dict
+from megatron.convert.checkpoint_files import ShardedCheckpoint
+from megatron.errors import CheckpointError
+
+_CLIENT_KEYS = ("iteration", "consumed_train_samples", "train_state", "random_rng_state",
+                "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states")
+
+
+def _tag(load_dir, iteration):
+    """The tag to read: global_step<iteration>, else the one `latest` names."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir} is not a directory")
+    if iteration is not None:
+        return f"global_step{iteration}"
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        tags = _saved_tags(load_dir)
+        raise CheckpointError(f"{load_dir} has no 'latest' file naming the DeepSpeed tag to "
+                              f"read (tags here: {', '.join(tags) or 'none'}): it was not "
+                              "saved with --deepspeed, or its tracker is lost; write the tag "
+                              f"into it, e.g. `echo {tags[-1] if tags else 'global_step100'} > "
+                              f"{latest}` (tools/merge_mp_partitions.py also takes --iteration)")
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def _saved_tags(load_dir):
+    return sorted(d for d in os.listdir(load_dir)
+                  if os.path.isfile(os.path.join(load_dir, d, "mp_rank_00_model_states.pt")))
+
+
+def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
+    """ShardedCheckpoint (one Megatron shard per TP rank) from a --deepspeed checkpoint.
+
+    The weights are the consolidated fp32 masters, cast to the dtype the model was trained
+    in (a Megatron checkpoint's `model`), or kept in fp32 with `fp32_weights` (for
+    converters, which lose nothing that way)."""
+    from zero.errors import CheckpointError as ZeroCheckpointError
+    from zero.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    tag = _tag(load_dir, iteration)
+    tag_dir = os.path.join(load_dir, tag)
+    if not os.path.isdir(tag_dir):
+        raise CheckpointError(f"{tag_dir} does not exist; saved steps here: "
+                              f"{', '.join(_saved_tags(load_dir)) or 'none'}")
+    first = _model_states(tag_dir, 0)
+    size = int(first["args"].get("model_parallel_size", first.get("mp_world_size", 1)))
+    shards = []
+    for mp_rank in range(size):
+        states = first if mp_rank == 0 else _model_states(tag_dir, mp_rank, size)
+        try:
+            fp32 = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag, mp_rank=mp_rank)
+        except ZeroCheckpointError as e:
+            raise CheckpointError(str(e)) from None
+        module = states["module"]
+        model = {name: _master(fp32, name, tensor, fp32_weights)
+                 for name, tensor in module.items()}
+        shard = {key: states[key] for key in _CLIENT_KEYS if key in states}
+        shard.update(checkpoint_version=CHECKPOINT_VERSION, args=dict(states["args"]),
+                     model=to_nested_state_dict(model))
+        if states.get("lr_scheduler") is not None:
+            shard["lr_scheduler"] = states["lr_scheduler"]
+        shards.append(shard)
+    return ShardedCheckpoint(load_dir, int(first.get("iteration", first["global_steps"])),
+                             False, shards)
+
+
+def _master(fp32, name, tensor, keep_fp32):
+    if name not in fp32:  # not trained (no ZeRO partition): the module's own copy
+        return tensor
+    return fp32[name] if keep_fp32 else fp32[name].to(tensor.dtype)
+
+
+def _model_states(tag_dir, mp_rank, size=None):
+    path = os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
+    if not os.path.isfile(path):
+        saved = f" was saved with model_parallel_size {size} but" if size else ""
+        raise CheckpointError(f"{tag_dir}{saved} has no {os.path.basename(path)}: the "
+                              "checkpoint is incomplete (not saved by pretrain_gpt2.py "
+                              "--deepspeed, or a rank's files are missing). Copy the missing "
+                              "rank files, or convert another step")
+    try:
+        states = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 -- damaged file or not ours
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    if not isinstance(states.get("args"), dict) or "module" not in states:
+        raise CheckpointError(f"{path} has no 'args'/'module': it was not saved by "
+                              "pretrain_gpt2.py --deepspeed and cannot be converted")
+    return states

@@ -1,0 +1,157 @@
+"""Read a GPT-2 checkpoint of any supported format into one TP-free intermediate.
+
+    megatron    <dir>/latest_checkpointed_iteration.txt + iter_XXXXXXX|release/mp_rank_NN/
+                model_optim_rng.pt, at any tensor-parallel size
+    deepspeed   <dir>/latest + <tag>/mp_rank_NN_model_states.pt (+ ZeRO optim-states files),
+                any ZeRO stage, tensor- and data-parallel size
+    hf          <dir>/config.json (model_type gpt2) + model.safetensors or pytorch_model.bin
+
+The intermediate (`ModelWeights`) is the full model with flat Megatron keys, the word
+embeddings cut to the real vocabulary, plus the model arguments needed to rebuild it.
+"""
+
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Dict
+
+import torch
+
+from megatron.checkpointing import TRACKER_FILENAME, safe_load
+from megatron.convert.checkpoint_files import read_sharded_checkpoint
+from megatron.convert.deepspeed_source import read_deepspeed_checkpoint
+from megatron.convert.hf import hf_to_megatron_state_dict, model_args_from_hf_config
+from megatron.convert.reshard import merge_checkpoint, resize_vocab, resolve_vocab_size
+from megatron.convert.tp_layout import WORD_EMBEDDINGS
+from megatron.errors import CheckpointError
+
+FORMATS = ("megatron", "deepspeed", "hf")
+FORMAT_HELP = ("megatron (latest_checkpointed_iteration.txt + iter_*/mp_rank_*/"
+               "model_optim_rng.pt), deepspeed (latest + <tag>/*_model_states.pt), "
+               "hf (config.json + model.safetensors or pytorch_model.bin)")
+# Arguments that define the model's shape and tokenizer; carried into converted checkpoints.
+MODEL_ARG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                  "max_position_embeddings", "layernorm_epsilon", "orig_vocab_size",
+                  "make_vocab_size_divisible_by", "tokenizer_type", "vocab_file", "merge_file",
+                  "tokenizer_model", "init_method_std", "seq_length")
+_TOKENIZER_FILES = {"vocab_file": "vocab.json", "merge_file": "merges.txt"}
+
+
+@dataclass
+class ModelWeights:
+    """A full GPT-2: flat Megatron keys; word embeddings [orig_vocab_size, h]."""
+    state_dict: Dict[str, torch.Tensor]
+    args: dict  # MODEL_ARG_KEYS that are known (tokenizer paths may be None)
+    source_format: str
+    iteration: int = 0
+    notes: list = field(default_factory=list)
+
+    @property
+    def vocab_size(self):
+        return self.state_dict[WORD_EMBEDDINGS].shape[0]
+
+
+def detect_format(load_dir):
+    """The format of `load_dir`, judged from the files in it; CheckpointError if none fits."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load-dir {load_dir} is not a directory")
+    names = os.listdir(load_dir)
+    # DeepSpeed saves also write Megatron's tracker, so its own files decide first.
+    if "latest" in names or any(glob.glob(os.path.join(load_dir, "*", "*_model_states.pt"))):
+        return "deepspeed"
+    if TRACKER_FILENAME in names or any(re.fullmatch(r"iter_\d{7}|release", n) for n in names):
+        return "megatron"
+    if "config.json" in names:
+        return "hf"
+    raise CheckpointError(f"cannot tell the checkpoint format of {load_dir} (it holds "
+                          f"{', '.join(sorted(names)[:6]) or 'nothing'}); understood formats: "
+                          f"{FORMAT_HELP}")
+
+
+def load_model_weights(load_dir, loader=None, vocab_size=None, tokenizer_files=None):
+    """ModelWeights from `load_dir` in format `loader` (detected when None)."""
+    loader = loader or detect_format(load_dir)
+    if loader not in FORMATS:
+        raise CheckpointError(f"unknown --loader {loader!r}; understood formats: {FORMAT_HELP}")
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load-dir {load_dir} is not a directory")
+    if loader == "megatron":
+        return load_megatron(load_dir, vocab_size, tokenizer_files)
+    if loader == "deepspeed":
+        return load_deepspeed(load_dir, vocab_size, tokenizer_files)
+    return load_hf(load_dir)
+
+
+def _model_args(saved_args, vocab_size):
+    args = {key: saved_args.get(key) for key in MODEL_ARG_KEYS if key in saved_args}
+    args["orig_vocab_size"] = vocab_size
+    args.setdefault("make_vocab_size_divisible_by", 128)
+    if not args.get("ffn_hidden_size"):
+        args["ffn_hidden_size"] = 4 * args["hidden_size"]
+    args.setdefault("layernorm_epsilon", 1e-5)
+    return args
+
+
+def load_megatron(load_dir, vocab_size=None, tokenizer_files=None):
+    return _load_sharded(read_sharded_checkpoint(load_dir), "megatron", vocab_size,
+                         tokenizer_files)
+
+
+def load_deepspeed(load_dir, vocab_size=None, tokenizer_files=None):
+    """The fp32 master weights of a --deepspeed checkpoint (any ZeRO stage, TP and DP size),
+    read as Megatron shards by the reader tools/merge_mp_partitions.py --deepspeed uses."""
+    return _load_sharded(read_deepspeed_checkpoint(load_dir, fp32_weights=True), "deepspeed",
+                         vocab_size, tokenizer_files)
+
+
+def _load_sharded(sharded, source_format, vocab_size, tokenizer_files):
+    vocab_size = resolve_vocab_size(sharded.args, vocab_size, tokenizer_files)
+    full = merge_checkpoint(sharded, vocab_size)
+    resize_vocab(full, vocab_size)
+    return ModelWeights(full.model, _model_args(sharded.args, vocab_size), source_format,
+                        int(full.common.get("iteration", 0)))
+
+
+# ----------------------------------------------------------------------------------- hf
+
+def load_hf(load_dir):
+    config_path = os.path.join(load_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise CheckpointError(f"{load_dir} has no config.json: not a Hugging Face model folder")
+    with open(config_path) as f:
+        config = json.load(f)
+    args = model_args_from_hf_config(config)
+    hf_state = _read_hf_weights(load_dir)
+    state = hf_to_megatron_state_dict(hf_state, args["num_layers"], args["num_attention_heads"])
+    args["orig_vocab_size"] = state[WORD_EMBEDDINGS].shape[0]
+    args["make_vocab_size_divisible_by"] = 128
+    args["seq_length"] = args["max_position_embeddings"]
+    for key, name in _TOKENIZER_FILES.items():
+        path = os.path.join(load_dir, name)
+        args[key] = os.path.abspath(path) if os.path.isfile(path) else None
+    args["tokenizer_type"] = "GPT2BPETokenizer" if args["vocab_file"] and args["merge_file"] \
+        else None
+    state = {k: v.float() for k, v in state.items()}
+    return ModelWeights(state, args, "hf", 0)
+
+
+def _read_hf_weights(load_dir):
+    safetensors_path = os.path.join(load_dir, "model.safetensors")
+    bin_path = os.path.join(load_dir, "pytorch_model.bin")
+    if os.path.isfile(safetensors_path):
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise CheckpointError(f"{safetensors_path} needs the safetensors package: "
+                                  "EXTRAS=convert bash scripts/setup.sh") from None
+        return load_file(safetensors_path)
+    if os.path.isfile(bin_path):
+        return safe_load(bin_path)
+    sharded = glob.glob(os.path.join(load_dir, "*.index.json"))
+    hint = " (sharded weights: load and re-save them unsharded with transformers first)" \
+        if sharded else ""
+    raise CheckpointError(f"{load_dir} has config.json but neither model.safetensors nor "
+                          f"pytorch_model.bin{hint}")
+

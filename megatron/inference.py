@@ -1,0 +1,122 @@
+"""Build a GPT-2 for inference (generation, evaluation) from a checkpoint of any format.
+
+The checkpoint carries the model's shape and tokenizer, so the tools need only --load:
+
+    checkpoint (megatron at any TP | deepspeed any stage/TP/DP | hf)
+        -> full weights (megatron.convert.loaders)
+        -> vocab padded for this run's TP size, this rank's slice (tp_layout)
+        -> GPT2Model(parallel_output=False) in eval mode
+
+so a checkpoint saved at one tensor-parallel size runs at any other.
+"""
+
+import argparse
+import os
+from types import SimpleNamespace
+
+import torch
+
+from megatron import mpu
+from megatron.convert.loaders import FORMATS, load_model_weights
+from megatron.convert.tp_layout import (WORD_EMBEDDINGS, parameter_layout, resize_vocab_rows,
+                                        split_full)
+from megatron.errors import ConfigError
+from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_inference_arguments(parser):
+    """Flags every inference tool shares (Megatron names where Megatron has them)."""
+    g = parser.add_argument_group("model and runtime")
+    g.add_argument("--load", required=True, help="checkpoint folder: Megatron layout, "
+                   "--deepspeed layout or a Hugging Face GPT-2 folder (detected)")
+    g.add_argument("--deepspeed", action="store_true",
+                   help="--load holds a DeepSpeed-layout checkpoint (also detected)")
+    g.add_argument("--loader", choices=FORMATS, default=None,
+                   help="checkpoint format (default: detected from --load)")
+    g.add_argument("--model-parallel-size", type=int, default=1,
+                   help="tensor-parallel size of this run (any: the checkpoint is resharded "
+                        "in memory); launch that many processes with torchrun")
+    g.add_argument("--tokenizer-type", default=None,
+                   choices=["GPT2BPETokenizer", "SentencePieceTokenizer"],
+                   help="default: the one recorded in the checkpoint")
+    g.add_argument("--vocab-file", default=None, help="default: from the checkpoint")
+    g.add_argument("--merge-file", default=None, help="default: from the checkpoint")
+    g.add_argument("--tokenizer-model", default=None, help="default: from the checkpoint")
+    g.add_argument("--precision", choices=sorted(DTYPES), default="fp32",
+                   help="dtype of the weights at inference (default fp32)")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--threads", type=int, default=None, help="CPU threads per process")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    return parser
+
+
+def initialize_inference(args):
+    """Process group (torchrun or a single process), TP groups, seeds; returns a Runtime."""
+    from megatron.initialize import discover_launch_environment, initialize_megatron
+    world_size = discover_launch_environment().world_size
+    if world_size % args.model_parallel_size != 0:
+        raise ConfigError(f"world size {world_size} is not divisible by --model-parallel-size "
+                          f"{args.model_parallel_size}")
+    runtime_args = SimpleNamespace(
+        local_rank=None, world_size=world_size, device=args.device, threads=args.threads,
+        distributed_backend=None, distributed_timeout_minutes=args.distributed_timeout_minutes,
+        model_parallel_size=args.model_parallel_size, seed=args.seed)
+    return initialize_megatron(runtime_args)
+
+
+def load_inference_model(args, device=torch.device("cpu")):
+    """(model, tokenizer, model args) for `args` from add_inference_arguments, on this rank."""
+    loader = "deepspeed" if args.deepspeed and args.loader is None else args.loader
+    overrides = {k: getattr(args, k) for k in ("vocab_file", "merge_file", "tokenizer_model")
+                 if getattr(args, k)}
+    weights = load_model_weights(args.load, loader, tokenizer_files=overrides or None)
+    model_args = dict(weights.args)
+    model_args.update({k: os.path.abspath(v) for k, v in overrides.items()})
+    if args.tokenizer_type:
+        model_args["tokenizer_type"] = args.tokenizer_type
+    tokenizer = _build_tokenizer(model_args)
+    if tokenizer.vocab_size != weights.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the "
+                          f"checkpoint's vocab has {weights.vocab_size}; give the tokenizer "
+                          "files the model was trained with")
+    model = build_model_from_weights(weights, DTYPES[args.precision], device)
+    return model, tokenizer, model_args
+
+
+def build_model_from_weights(weights, dtype=torch.float32, device=torch.device("cpu")):
+    """GPT2Model for this rank (of the current TP size) holding `weights`, eval mode."""
+    from megatron.model import GPT2Model, GPTConfig
+    a = weights.args
+    tp, rank = mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()
+    padded = vocab_size_with_padding(weights.vocab_size,
+                                     a.get("make_vocab_size_divisible_by") or 128, tp)
+    config = GPTConfig(num_layers=a["num_layers"], hidden_size=a["hidden_size"],
+                       num_attention_heads=a["num_attention_heads"], vocab_size=padded,
+                       max_position_embeddings=a["max_position_embeddings"],
+                       ffn_hidden_size=a.get("ffn_hidden_size"), hidden_dropout=0.0,
+                       attention_dropout=0.0, layernorm_epsilon=a.get("layernorm_epsilon", 1e-5))
+    model = GPT2Model(config, parallel_output=False)  # its random init is overwritten below
+    state = {}
+    for name, tensor in weights.state_dict.items():
+        if name == WORD_EMBEDDINGS:
+            tensor = resize_vocab_rows(tensor, padded)
+        state[name] = split_full(tensor, parameter_layout(name).split, tp)[rank].to(dtype)
+    model.load_state_dict(state)
+    return model.to(device).eval()
+
+
+def _build_tokenizer(model_args):
+    tokenizer_type = model_args.get("tokenizer_type")
+    if tokenizer_type is None:
+        raise ConfigError("the checkpoint records no tokenizer; pass --tokenizer-type with "
+                          "--vocab-file/--merge-file or --tokenizer-model")
+    return build_tokenizer(tokenizer_type, model_args.get("vocab_file"),
+                           model_args.get("merge_file"), model_args.get("tokenizer_model"))
+
+
+def inference_parser(description):
+    return add_inference_arguments(argparse.ArgumentParser(description=description,
+                                                           allow_abbrev=False))

@@ -1,0 +1,98 @@
+"""Key/value cache for incremental decoding (text generation).
+
+Each attention layer keeps the keys and values of the tokens it has already seen in buffers
+preallocated for the longest sequence, [b, np, max_len, hn] (np: this tensor-parallel rank's
+heads), so a decoding step writes one position and allocates nothing for the cache.  A step
+then costs one token's matmuls plus attention over the cached positions, instead of a
+forward pass over the whole sequence.
+
+    cache = KVCache.for_model(model, batch_size=1, max_len=256)
+    with attach_kv_cache(model, cache):
+        logits = model(prompt, positions_0_to_n)        # fills positions 0..n-1
+        logits = model(next_token, position_n)          # attends to 0..n
+    cache.reset()                                       # next sequence
+
+The caller passes position ids that continue from `cache.length` (GPT-2's learned position
+embeddings need them) and no attention mask: causality over cached + new tokens is the
+cache's job (`LayerKVCache.update`).
+"""
+
+import contextlib
+
+import torch
+
+from megatron import mpu
+
+
+class LayerKVCache:
+    """One layer's keys and values: [b, np, max_len, hn] each, filled up to `length`."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+        self.length = 0
+
+    def update(self, key, value):
+        """Append key/value [b, np, s, hn]; returns (keys, values, allowed_mask, is_causal)
+        over every cached position, for scaled_dot_product_attention."""
+        start, new = self.length, key.shape[2]
+        end = start + new
+        if end > self.keys.shape[2]:
+            raise ValueError(f"KV cache holds {self.keys.shape[2]} positions; "
+                             f"{start} + {new} do not fit")
+        self.keys[:, :, start:end].copy_(key)
+        self.values[:, :, start:end].copy_(value)
+        self.length = end
+        keys, values = self.keys[:, :, :end], self.values[:, :, :end]
+        if start == 0:
+            return keys, values, None, new > 1  # a prompt: plain causal attention
+        if new == 1:
+            return keys, values, None, False    # one new token sees everything cached
+        # Several new tokens after cached ones: query i may see keys up to start + i.
+        query_positions = torch.arange(start, end, device=key.device).unsqueeze(1)
+        allowed = torch.arange(end, device=key.device).unsqueeze(0) <= query_positions
+        return keys, values, allowed, False     # allowed: [s, start + s], True = attend
+
+
+class KVCache:
+    """The LayerKVCache of every layer of a model, advanced together."""
+
+    def __init__(self, num_layers, batch_size, num_heads, max_len, head_dim,
+                 dtype=torch.float32, device="cpu"):
+        shape = (batch_size, num_heads, max_len, head_dim)
+        self.layers = [LayerKVCache(torch.empty(shape, dtype=dtype, device=device),
+                                    torch.empty(shape, dtype=dtype, device=device))
+                       for _ in range(num_layers)]
+        self.max_len = max_len
+
+    @classmethod
+    def for_model(cls, model, batch_size, max_len):
+        config = model.config
+        weight = model.language_model.embedding.position_embeddings.weight
+        heads = config.num_attention_heads // mpu.get_model_parallel_world_size()
+        return cls(config.num_layers, batch_size, heads, max_len,
+                   config.hidden_size // config.num_attention_heads, weight.dtype,
+                   weight.device)
+
+    @property
+    def length(self):
+        return self.layers[0].length
+
+    def reset(self):
+        for layer in self.layers:
+            layer.length = 0
+
+
+@contextlib.contextmanager
+def attach_kv_cache(model, cache):
+    """Make each self-attention layer of `model` read and extend its cache while inside."""
+    from megatron.model.transformer import ParallelSelfAttention
+    attentions = [m for m in model.modules() if isinstance(m, ParallelSelfAttention)]
+    if len(attentions) != len(cache.layers):
+        raise ValueError(f"cache has {len(cache.layers)} layers, model {len(attentions)}")
+    for attention, layer_cache in zip(attentions, cache.layers):
+        attention.kv_cache = layer_cache
+    try:
+        yield cache
+    finally:
+        for attention in attentions:
+            attention.kv_cache = None

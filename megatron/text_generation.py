@@ -1,0 +1,139 @@
+"""Sampling from a GPT-2, with a KV cache (default) or recomputing the whole prefix (--recompute).
+
+Per step: logits of the last position -> greedy argmax, or / temperature -> top-k / top-p
+filter -> softmax -> multinomial.  Generation stops at the end-of-document token or after
+`out_seq_length` new tokens, and never runs past the model's position embeddings.
+
+Tensor parallelism: every rank of a TP group runs the same forward on its heads/columns and
+sees the same all-gathered logits; the token is chosen on the group's first rank and
+broadcast, so ranks cannot drift apart through sampling.
+"""
+
+import contextlib
+from dataclasses import dataclass
+from typing import List
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron import mpu
+from megatron.model import parallel_lm_logits
+from megatron.model.kv_cache import KVCache, attach_kv_cache
+
+
+@dataclass
+class SamplingParams:
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 0.0
+    out_seq_length: int = 256
+
+
+def top_k_top_p_filter(logits, top_k=0, top_p=0.0):
+    """logits [b, v] with everything outside the top k / the top-p nucleus set to -inf.
+
+    top-p keeps the smallest set of most likely tokens whose probability reaches p (the token
+    that crosses p is kept), as Megatron's top_k_logits does.
+    """
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p > 0.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+        remove = cumulative > top_p
+        remove[..., 1:] = remove[..., :-1].clone()  # shift right: keep the crossing token
+        remove[..., 0] = False
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    return logits
+
+
+def choose_tokens(logits, params):
+    """Next token ids [b] from last-position logits [b, v] (fp32)."""
+    if params.greedy:
+        return torch.argmax(logits, dim=-1)
+    logits = top_k_top_p_filter(logits / params.temperature, params.top_k, params.top_p)
+    return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+
+
+class TextGenerator:
+    """Generates continuations for a GPT2Model built with parallel_output=False."""
+
+    def __init__(self, model, eod, vocab_size, use_cache=True):
+        self.model = model
+        self.eod = eod
+        self.vocab_size = vocab_size  # logits of padding rows are never sampled
+        self.use_cache = use_cache
+        self.max_positions = model.config.max_position_embeddings
+
+    def _last_logits(self, tokens, positions):
+        # tokens, positions [b, s] -> fp32 logits [b, vocab] of the last position only
+        hidden = self.model.language_model(tokens, positions)[:, -1]  # [b, h]
+        weight = self.model.language_model.embedding.word_embeddings.weight
+        if mpu.get_model_parallel_world_size() == 1:
+            # No gather: multiply by the real vocab rows only, no padding logits to cut.
+            return F.linear(hidden, weight[:self.vocab_size]).float()
+        logits = parallel_lm_logits(hidden, weight, parallel_output=False)
+        return logits[:, :self.vocab_size].float()
+
+    @torch.inference_mode()
+    def generate(self, context_tokens, params):
+        """context_tokens [b, n] (same length per row) -> (new tokens [b, m], finished [b])."""
+        weight = self.model.language_model.embedding.word_embeddings.weight
+        context_tokens = context_tokens.to(weight.device)
+        batch, length = context_tokens.shape
+        if length < 1:
+            raise ValueError("the context needs at least one token")
+        max_new = max(0, min(params.out_seq_length, self.max_positions - length))
+        device = context_tokens.device
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        generated = torch.full((batch, max_new), self.eod, dtype=torch.long, device=device)
+        if max_new == 0:
+            return generated[:, :0], finished
+        # With the cache each step feeds only the newest token; without it, the whole prefix.
+        cache = KVCache.for_model(self.model, batch, length + max_new) if self.use_cache \
+            else None
+        attached = contextlib.nullcontext() if cache is None \
+            else attach_kv_cache(self.model, cache)
+        # Position ids of every step, made once: [b, length + max_new].
+        positions = torch.arange(length + max_new, device=device).unsqueeze(0).expand(batch, -1)
+        with attached:
+            logits = self._last_logits(context_tokens, positions[:, :length])
+            for step in range(max_new):
+                tokens = self._broadcast(choose_tokens(logits, params))
+                tokens = torch.where(finished, self.eod, tokens)  # finished rows pad with eod
+                generated[:, step] = tokens
+                finished |= tokens == self.eod
+                if step + 1 == max_new or bool(finished.all()):
+                    break
+                if cache is not None:
+                    position = positions[:, length + step:length + step + 1]
+                    logits = self._last_logits(tokens.unsqueeze(1), position)
+                else:
+                    prefix = torch.cat([context_tokens, generated[:, :step + 1]], dim=1)
+                    logits = self._last_logits(prefix, positions[:, :prefix.shape[1]])
+        return generated[:, :step + 1], finished
+
+    def _broadcast(self, tokens):
+        if mpu.get_model_parallel_world_size() > 1:
+            dist.broadcast(tokens, mpu.get_model_parallel_src_rank(),
+                           group=mpu.get_model_parallel_group())
+        return tokens
+
+
+def generate_text(generator, tokenizer, prompt, params) -> dict:
+    """{"context", "text", "length", "finished"} for one prompt ('' starts from eod)."""
+    ids: List[int] = tokenizer.tokenize(prompt) if prompt else [tokenizer.eod]
+    # Keep room for at least one new token; a longer prompt keeps its last tokens.
+    truncated = len(ids) > generator.max_positions - 1
+    ids = ids[-(generator.max_positions - 1):]
+    context = torch.tensor([ids], dtype=torch.long)
+    new, finished = generator.generate(context, params)
+    tokens = [t for t in new[0].tolist() if t != tokenizer.eod]
+    result = {"context": prompt, "text": tokenizer.detokenize(tokens), "length": len(tokens),
+              "finished": bool(finished[0])}
+    if truncated:
+        result["context_truncated_to_tokens"] = len(ids)
+    return result

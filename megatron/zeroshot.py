@@ -1,0 +1,171 @@
+"""Zero-shot evaluation of a GPT-2: WikiText-103 perplexity and LAMBADA accuracy.
+
+WikiText-103 (`wiki.test.tokens`, word-level, " @-@ " style):
+    the text is detokenized (`wikitext_detokenizer`), BPE-tokenized, and scored left to right
+    in windows of seq_length tokens.  With --overlapping-eval K a window starts K tokens after
+    the previous one and scores only targets no earlier window scored, so every token but the
+    first is predicted exactly once, with up to seq_length - K tokens of extra context.
+        ppl          = exp(total loss / (bpe_tokens - 1))
+        adjusted ppl = exp(total loss / (original_words - 1))      (word-level perplexity)
+    with original_words = len(text.strip().split(" ")) of the word-level file.
+
+LAMBADA (`lambada_test.jsonl`, one {"text": passage} per line):
+    predict the end of the passage from the rest.  By default the target is the last BPE
+    token; with --strict-lambada it is the whole last word (all of its BPE tokens).  A
+    passage counts as correct when every target token is the argmax.
+"""
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron.errors import DataError
+
+
+def wikitext_detokenizer(text):
+    """Undo WikiText's word-level tokenization (Megatron's rules, applied in this order)."""
+    text = text.replace("s '", "s'")
+    text = re.sub(r"/' [0-9]/", r"/'[0-9]/", text)
+    for spaced, joined in ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."),
+                           (" : ", ": "), (" ; ", "; "), (" . ", ". "), (" ! ", "! "),
+                           (" ? ", "? "), (" , ", ", ")):
+        text = text.replace(spaced, joined)
+    text = re.sub(r"\(\s*([^\)]*?)\s*\)", r"(\1)", text)
+    text = re.sub(r"\[\s*([^\]]*?)\s*\]", r"[\1]", text)
+    text = re.sub(r"{\s*([^}]*?)\s*}", r"{\1}", text)
+    text = re.sub(r"\"\s*([^\"]*?)\s*\"", r'"\1"', text)
+    text = re.sub(r"'\s*([^']*?)\s*'", r"'\1'", text)
+    for spaced, joined in (("= = = =", "===="), ("= = =", "==="), ("= =", "=="),
+                           (" \N{DEGREE SIGN} ", "\N{DEGREE SIGN}"), (" \n", "\n"),
+                           ("\n ", "\n"), (" N ", " 1 "), (" 's", "'s")):
+        text = text.replace(spaced, joined)
+    return text
+
+
+def lambada_detokenizer(text):
+    """LAMBADA's passages use curly quotes; GPT-2's BPE saw straight ones."""
+    return text.replace("\u201c", '"').replace("\u201d", '"').strip()
+
+
+# ------------------------------------------------------------------------------ scoring
+
+@dataclass
+class WikitextResult:
+    loss: float             # summed negative log likelihood (nats)
+    num_tokenized_tokens: int
+    num_original_tokens: int
+
+    @property
+    def avg_loss(self):
+        return self.loss / (self.num_tokenized_tokens - 1)
+
+    @property
+    def ppl(self):
+        return math.exp(min(20.0, self.avg_loss))
+
+    @property
+    def adjusted_ppl(self):
+        return math.exp(min(20.0, self.loss / (self.num_original_tokens - 1)))
+
+
+def read_wikitext(path):
+    if not os.path.isfile(path):
+        raise DataError(f"WikiText file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if len(text.strip().split(" ")) < 2:
+        raise DataError(f"{path} holds fewer than two words; nothing to evaluate")
+    return text
+
+
+def window_starts(num_tokens, seq_length, stride):
+    """(start, first scored target, last scored target) of each window over num_tokens."""
+    windows, scored_up_to, start = [], 0, 0
+    while scored_up_to < num_tokens - 1:
+        last_target = min(start + seq_length, num_tokens - 1)
+        windows.append((start, scored_up_to + 1, last_target))
+        scored_up_to = last_target
+        start += stride
+    return windows
+
+
+def evaluate_wikitext(score_fn, tokenizer, text, seq_length, overlapping_eval=None):
+    """WikitextResult; score_fn(tokens [1, s]) -> log-probs [1, s, v] of the next token."""
+    stride = overlapping_eval or seq_length
+    if not 0 < stride <= seq_length:
+        raise DataError(f"--overlapping-eval {stride} must lie in [1, --seq-length "
+                        f"{seq_length}]")
+    num_original = len(text.strip().split(" "))
+    tokens = tokenizer.tokenize(wikitext_detokenizer(text))
+    if len(tokens) < 2:
+        raise DataError("the text tokenizes to fewer than two tokens")
+    total = 0.0
+    for start, first, last in window_starts(len(tokens), seq_length, stride):
+        window = torch.tensor([tokens[start:last]], dtype=torch.long)  # inputs
+        targets = torch.tensor(tokens[first:last + 1], dtype=torch.long)
+        log_probs = score_fn(window)[0]  # [s, v]; row j predicts token start + j + 1
+        rows = torch.arange(first - 1 - start, last - start)
+        total -= log_probs[rows, targets].double().sum().item()
+    return WikitextResult(total, len(tokens), num_original)
+
+
+def read_lambada(path):
+    if not os.path.isfile(path):
+        raise DataError(f"LAMBADA file {path} does not exist")
+    texts = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                texts.append(json.loads(line)["text"])
+            except (ValueError, KeyError, TypeError):
+                raise DataError(f"{path}:{number} is not a JSON object with a 'text' field "
+                                "(lambada_test.jsonl format)") from None
+    if not texts:
+        raise DataError(f"{path} holds no passages")
+    return texts
+
+
+def lambada_example(tokenizer, text, strict):
+    """(context token ids, target token ids) for one passage."""
+    text = lambada_detokenizer(text)
+    if strict:
+        last_word = text.split()[-1]
+        context = tokenizer.tokenize(text[:text.rfind(last_word)].strip())
+        return context, tokenizer.tokenize(" " + last_word)
+    tokens = tokenizer.tokenize(text)
+    return tokens[:-1], tokens[-1:]
+
+
+def evaluate_lambada(score_fn, tokenizer, texts, seq_length, strict=False):
+    """(correct, total) passages whose target tokens are all predicted by argmax."""
+    correct = 0
+    for text in texts:
+        context, targets = lambada_example(tokenizer, text, strict)
+        if not context or not targets:
+            raise DataError(f"LAMBADA passage too short to split into context and target: "
+                            f"{text[:60]!r}")
+        sequence = (context + targets)[-(seq_length + 1):]  # keep the end: it holds the target
+        log_probs = score_fn(torch.tensor([sequence[:-1]], dtype=torch.long))[0]
+        predicted = log_probs[-len(targets):].argmax(dim=-1).tolist()
+        correct += predicted == targets
+    return correct, len(texts)
+
+
+def model_score_fn(model, vocab_size):
+    """score_fn for a GPT2Model(parallel_output=False): log-softmax over the real vocab."""
+    weight = model.language_model.embedding.word_embeddings.weight
+
+    @torch.inference_mode()
+    def score(tokens):
+        tokens = tokens.to(weight.device)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        logits = model(tokens, positions.expand_as(tokens))[..., :vocab_size]
+        return F.log_softmax(logits.float(), dim=-1).cpu()
+    return score

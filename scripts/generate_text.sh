@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Generate text from a checkpoint (tools/generate_samples.py).  Defaults to the checkpoint the
+# default training run (scripts/pretrain_gpt2.sh) writes; run that first.
+#
+#   bash scripts/generate_text.sh                         # interactive: type prompts, `stop` exits
+#   bash scripts/generate_text.sh --sample-input-file prompts.txt --sample-output-file out.jsonl
+#   bash scripts/generate_text.sh --num-samples 4 --genfile samples.jsonl
+#   MP_SIZE=2 bash scripts/generate_text.sh ...           # tensor-parallel, via torchrun
+#
+# Variables: CHECKPOINT_DIR (default checkpoints/gpt2_small; Megatron, --deepspeed or Hugging
+# Face layout), MP_SIZE (1), TOP_K (40), TEMPERATURE (1.0), OUT_SEQ_LENGTH (64, small for a
+# 2-core CPU).  Extra arguments go to tools/generate_samples.py (e.g. --greedy, --recompute).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${VENV:-$ROOT/.venv}/bin/python"
+CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small}"
+MP_SIZE="${MP_SIZE:-1}"
+if [ ! -d "$CHECKPOINT_DIR" ]; then
+    echo "error: no checkpoint at $CHECKPOINT_DIR; train one with bash scripts/pretrain_gpt2.sh" >&2
+    exit 2
+fi
+ARGS=(--load "$CHECKPOINT_DIR" --model-parallel-size "$MP_SIZE" --top_k "${TOP_K:-40}"
+      --temperature "${TEMPERATURE:-1.0}" --out-seq-length "${OUT_SEQ_LENGTH:-64}")
+if [ "$MP_SIZE" -gt 1 ]; then
+    exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$MP_SIZE" \
+        tools/generate_samples.py "${ARGS[@]}" "$@"
+fi
+exec "$PY" tools/generate_samples.py "${ARGS[@]}" "$@"

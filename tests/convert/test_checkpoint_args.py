@@ -1,0 +1,124 @@
+"""`pretrain_gpt2.py --load X` takes the model's shape and tokenizer from X's checkpoint.
+
+Only data and training flags on the command line: from a converted Hugging Face model and
+from a normal training checkpoint.  A model flag that is given wins, and is an error when it
+disagrees with the checkpoint.
+"""
+
+import os
+
+import pytest
+
+import pretrain_gpt2
+from megatron.arguments import build_parser
+from megatron.checkpoint_args import given_on_command_line
+from megatron.convert.savers import save_model_weights
+from tests.convert.conftest import load_tool, random_weights
+from tests.training.test_deepspeed import TINY, read_losses, stage_config
+
+pytest.importorskip("safetensors")
+
+tool = load_tool("convert_checkpoint")
+
+# Data and training flags only: no shape, no tokenizer, no --seq-length.
+TRAINING_ONLY = ["--batch-size", "4", "--lr", "3e-3", "--min-lr", "3e-4", "--warmup-iters",
+                 "1", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
+                 "--num-workers", "0", "--split", "90,9,1", "--threads", "1",
+                 "--attention-dropout", "0", "--hidden-dropout", "0"]
+
+
+def _train_only(corpus, tmp_path, name, load, iters, *extra):
+    argv = TRAINING_ONLY + ["--data-path", corpus["prefix"], "--load", str(load),
+                            "--save", str(tmp_path / name), "--log-dir", str(tmp_path / name),
+                            "--train-iters", str(iters)] + [str(e) for e in extra]
+    return pretrain_gpt2.main(argv)
+
+
+def _hf_model(corpus, tmp_path):
+    from megatron.tokenizer import build_tokenizer
+    vocab_size = build_tokenizer("GPT2BPETokenizer", corpus["vocab"], corpus["merges"]).vocab_size
+    weights = random_weights(num_layers=2, hidden_size=32, num_heads=4, vocab_size=vocab_size,
+                             positions=32, eps=1e-6, tokenizer_type="GPT2BPETokenizer",
+                             vocab_file=corpus["vocab"], merge_file=corpus["merges"])
+    save_model_weights(weights, str(tmp_path / "hf"), "hf")
+    return tmp_path / "hf"
+
+
+def test_converted_hf_model_trains_with_training_flags_only(corpus, tmp_path, capsys):
+    hf = _hf_model(corpus, tmp_path)
+    assert tool.main(["--load-dir", str(hf), "--save-dir", str(tmp_path / "meg"),
+                      "--saver", "megatron"]) == 0
+    assert _train_only(corpus, tmp_path, "trained", tmp_path / "meg", 2) == 0
+    out = capsys.readouterr().out
+    note = [line for line in out.splitlines() if "taking from checkpoint" in line]
+    assert len(note) == 1 and "--num-layers 2" in note[0] and "--layernorm-epsilon 1e-06" in \
+        note[0] and "--vocab-file" in note[0]
+    assert sorted(read_losses(tmp_path / "trained")) == [1, 2]
+    # The training checkpoint it wrote resumes the same way.
+    assert _train_only(corpus, tmp_path, "resumed", tmp_path / "trained", 3,
+                       "--use-checkpoint-lr-scheduler") == 0
+    assert sorted(read_losses(tmp_path / "resumed")) == [3]
+
+
+def test_training_checkpoint_resumes_with_training_flags_only(corpus, tmp_path):
+    """Resuming with all flags and with training flags only gives the same loss."""
+    common = TINY + ["--batch-size", "4", "--data-path", corpus["prefix"], "--vocab-file",
+                     corpus["vocab"], "--merge-file", corpus["merges"], "--attention-dropout",
+                     "0", "--hidden-dropout", "0", "--layernorm-epsilon", "1e-4",
+                     "--lr-decay-iters", "3"]
+    assert pretrain_gpt2.main(common + ["--train-iters", "2", "--save", str(tmp_path / "c"),
+                                        "--log-dir", str(tmp_path / "c")]) == 0
+    assert pretrain_gpt2.main(common + ["--train-iters", "3", "--load", str(tmp_path / "c"),
+                                        "--log-dir", str(tmp_path / "full")]) == 0
+    # TINY's schedule, shape-free: the same lr schedule as the full-flag resume.
+    argv = TRAINING_ONLY + ["--data-path", corpus["prefix"], "--load", str(tmp_path / "c"),
+                            "--log-dir", str(tmp_path / "short"), "--train-iters", "3",
+                            "--warmup-iters", "2", "--lr-decay-style", "cosine",
+                            "--lr-decay-iters", "3"]
+    assert pretrain_gpt2.main(argv) == 0
+    full, short = read_losses(tmp_path / "full"), read_losses(tmp_path / "short")
+    assert list(short) == [3] and short[3][0] == full[3][0]
+
+
+def test_a_given_flag_that_disagrees_with_the_checkpoint_is_an_error(corpus, tmp_path, capsys):
+    hf = _hf_model(corpus, tmp_path)
+    assert tool.main(["--load-dir", str(hf), "--save-dir", str(tmp_path / "meg"),
+                      "--saver", "megatron"]) == 0
+    capsys.readouterr()
+    assert _train_only(corpus, tmp_path, "t", tmp_path / "meg", 1, "--hidden-size", "64",
+                       "--num-attention-heads", "4") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--hidden-size: checkpoint 32, flags 64" in err
+
+
+def test_tokenizer_files_recorded_but_gone_is_a_clear_error(corpus, tmp_path, capsys):
+    hf = _hf_model(corpus, tmp_path)
+    assert tool.main(["--load-dir", str(hf), "--save-dir", str(tmp_path / "meg"),
+                      "--saver", "megatron"]) == 0
+    os.remove(tmp_path / "meg" / "vocab.json")
+    capsys.readouterr()
+    assert _train_only(corpus, tmp_path, "t", tmp_path / "meg", 1) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "vocab.json, which does not exist" in err
+
+
+def test_given_detects_flags_given_with_their_default_value():
+    parser = build_parser()
+    given = given_on_command_line(parser, ["--layernorm-epsilon", "1e-5", "--lr", "1"])
+    assert given == {"layernorm_epsilon", "lr"}
+    assert parser.parse_args([]).layernorm_epsilon == 1e-5  # the real parser is untouched
+
+
+def test_deepspeed_checkpoint_resumes_with_training_flags_only(corpus, tmp_path, capsys):
+    ds = ["--deepspeed", "--deepspeed_config", stage_config(tmp_path, 1)]
+    argv = TINY + ["--batch-size", "4", "--data-path", corpus["prefix"], "--vocab-file",
+                   corpus["vocab"], "--merge-file", corpus["merges"], "--lr-decay-iters", "3"]
+    assert pretrain_gpt2.main(argv + ds + ["--train-iters", "2", "--save", str(tmp_path / "c"),
+                                           "--log-dir", str(tmp_path / "c")]) == 0
+    capsys.readouterr()
+    assert _train_only(corpus, tmp_path, "resumed", tmp_path / "c", 3, *ds,
+                       "--lr-decay-iters", "3", "--warmup-iters", "2",
+                       "--lr-decay-style", "cosine") == 0
+    note = [line for line in capsys.readouterr().out.splitlines() if "taking from" in line]
+    assert len(note) == 1 and "--hidden-size 32" in note[0]
+    assert sorted(read_losses(tmp_path / "resumed")) == [3]

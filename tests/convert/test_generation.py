@@ -1,0 +1,136 @@
+"""Text generation: the KV cache gives the recompute path's logits and tokens, at TP=1 and
+TP=2; tools/generate_samples.py's modes (input file, unconditional, interactive)."""
+
+import importlib.util
+import io
+import json
+import os
+
+import torch
+
+from megatron import mpu
+from megatron.convert.savers import save_model_weights
+from megatron.inference import build_model_from_weights
+from megatron.model.kv_cache import KVCache, attach_kv_cache
+from megatron.text_generation import SamplingParams, TextGenerator, top_k_top_p_filter
+from tests.convert.conftest import random_weights
+from tests.dist_utils import run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location(
+    "generate_samples_tool", os.path.join(REPO, "tools", "generate_samples.py"))
+tool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tool)
+
+GREEDY = SamplingParams(greedy=True, out_seq_length=25)
+
+
+def _context():
+    return torch.randint(0, 301, (2, 7), generator=torch.Generator().manual_seed(2))
+
+
+def test_cached_logits_equal_a_full_forward():
+    model = build_model_from_weights(random_weights())
+    tokens = torch.randint(0, 301, (2, 15), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(15).expand(2, 15)
+    cache = KVCache.for_model(model, batch_size=2, max_len=15)
+    with torch.no_grad(), attach_kv_cache(model, cache):
+        # a prompt, one token, then several at once (the explicit-mask path)
+        pieces = [model(tokens[:, a:b], positions[:, a:b]) for a, b in ((0, 6), (6, 7), (7, 15))]
+    with torch.no_grad():
+        full = model(tokens, positions)
+    assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
+    assert all(m.kv_cache is None for m in model.modules() if hasattr(m, "kv_cache"))
+
+
+def _generate(model, use_cache):
+    return TextGenerator(model, eod=300, vocab_size=301, use_cache=use_cache).generate(
+        _context(), GREEDY)
+
+
+def test_greedy_generation_with_cache_equals_recompute():
+    model = build_model_from_weights(random_weights())
+    cached, cached_done = _generate(model, True)
+    recomputed, recomputed_done = _generate(model, False)
+    assert cached.shape == (2, 25)
+    assert torch.equal(cached, recomputed) and torch.equal(cached_done, recomputed_done)
+
+
+def test_generation_stops_at_the_model_length():
+    model = build_model_from_weights(random_weights(positions=12))
+    new, _ = TextGenerator(model, eod=300, vocab_size=301).generate(_context(), GREEDY)
+    assert new.shape[1] <= 12 - 7
+
+
+def _tp2_worker(rank, world_size):
+    weights = random_weights()  # the full model, built before the TP=2 groups exist
+    mpu.initialize_model_parallel(2)
+    model = build_model_from_weights(weights)
+    return [_generate(model, True)[0], _generate(model, False)[0]]
+
+
+def test_greedy_generation_at_tp2_equals_tp1():
+    expected, _ = _generate(build_model_from_weights(random_weights()), True)
+    for cached, recomputed in run_distributed(_tp2_worker, 2):
+        assert torch.equal(cached, expected) and torch.equal(recomputed, expected)
+
+
+def test_top_k_and_top_p_filters():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(top_k_top_p_filter(logits, top_k=2)).tolist() == \
+        [[False, False, True, True]]
+    # cumulative 0.5, 0.8, 0.95: p=0.7 keeps the token that crosses it (0.3)
+    assert torch.isinf(top_k_top_p_filter(logits, top_p=0.7)).tolist() == \
+        [[False, False, True, True]]
+    shuffled = logits[:, [2, 0, 3, 1]]
+    assert torch.isinf(top_k_top_p_filter(shuffled, top_p=0.7)).tolist() == \
+        [[True, False, True, False]]
+
+
+# -------------------------------------------------------------------------------- the tool
+
+def _checkpoint(corpus, tmp_path):
+    from megatron.tokenizer import build_tokenizer
+    tokenizer = build_tokenizer("GPT2BPETokenizer", corpus["vocab"], corpus["merges"])
+    weights = random_weights(num_layers=2, hidden_size=32, num_heads=4,
+                             vocab_size=tokenizer.vocab_size, positions=48,
+                             tokenizer_type="GPT2BPETokenizer", vocab_file=corpus["vocab"],
+                             merge_file=corpus["merges"])
+    save_model_weights(weights, str(tmp_path / "ckpt"), "megatron", target_tp=2)
+    return str(tmp_path / "ckpt")
+
+
+def test_generate_samples_tool_modes(corpus, tmp_path, monkeypatch, capsys):
+    load = _checkpoint(corpus, tmp_path)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the king said\nsweet love\n")
+    out = tmp_path / "out.jsonl"
+    base = ["--load", load, "--out-seq-length", "10"]
+    assert tool.main(base + ["--sample-input-file", str(prompts), "--sample-output-file",
+                             str(out), "--greedy"]) == 0
+    greedy = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["context"] for r in greedy] == ["the king said", "sweet love"]
+    assert all(0 <= r["length"] <= 10 for r in greedy)
+    assert tool.main(base + ["--sample-input-file", str(prompts), "--sample-output-file",
+                             str(tmp_path / "re.jsonl"), "--greedy", "--recompute"]) == 0
+    assert (tmp_path / "re.jsonl").read_text() == out.read_text()
+
+    genfile = tmp_path / "samples.jsonl"
+    assert tool.main(base + ["--num-samples", "3", "--genfile", str(genfile), "--top_k", "5",
+                             "--temperature", "0.9", "--batch-size", "2"]) == 0
+    samples = [json.loads(line) for line in genfile.read_text().splitlines()]
+    assert len(samples) == 3 and set(samples[0]) == {"text", "length", "finished"}
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("the king said\n\nstop\n"))
+    assert tool.main(base + ["--greedy"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.count(tool.PROMPT) == 3 and f"Megatron-LM: {greedy[0]['text']}" in shown
+
+
+def test_generate_samples_bad_flags(corpus, tmp_path, capsys):
+    load = _checkpoint(corpus, tmp_path)
+    assert tool.main(["--load", load, "--num-samples", "2"]) == 2
+    assert "--genfile" in capsys.readouterr().err
+    assert tool.main(["--load", load, "--top_k", "3", "--top_p", "0.5"]) == 2
+    assert tool.main(["--load", str(tmp_path), "--greedy"]) == 2
+    assert "understood formats" in capsys.readouterr().err

@@ -1,0 +1,165 @@
+"""Megatron <-> Hugging Face GPT-2: logits equal transformers', round trips are exact, and
+bad inputs get clear errors (tools/convert_checkpoint.py)."""
+
+import importlib.util
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from megatron.checkpointing import safe_load, to_flat_state_dict
+from megatron.convert.loaders import load_model_weights
+from megatron.convert.savers import save_model_weights
+from megatron.convert.tp_layout import WORD_EMBEDDINGS
+from megatron.inference import build_model_from_weights
+from tests.convert.conftest import random_weights
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location(
+        "convert_checkpoint_tool", os.path.join(REPO, "tools", "convert_checkpoint.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tool = _load_tool()
+
+SHAPES = [
+    # layers, hidden, heads, vocab (needs padding to a multiple of 8), positions, ffn, eps
+    dict(num_layers=2, hidden_size=48, num_heads=6, vocab_size=301, positions=40),
+    dict(num_layers=1, hidden_size=32, num_heads=2, vocab_size=128, positions=16,
+         ffn_hidden_size=80, eps=1e-6),
+    dict(num_layers=3, hidden_size=40, num_heads=5, vocab_size=257, positions=24, seed=3),
+]
+
+
+def _tokens(vocab, positions, seed=1):
+    return torch.randint(0, vocab, (2, positions - 3), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_logits_equal_transformers_both_directions(shape, tmp_path):
+    weights = random_weights(**shape)
+    save_model_weights(weights, str(tmp_path / "hf"), "hf")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    tokens = _tokens(shape["vocab_size"], shape["positions"])
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    ours = build_model_from_weights(weights)  # pads the vocab to a multiple of 8
+    assert ours.config.vocab_size % 8 == 0
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        got = ours(tokens, positions)[..., :shape["vocab_size"]]
+        back = build_model_from_weights(load_model_weights(str(tmp_path / "hf")))
+        got_back = back(tokens, positions)[..., :shape["vocab_size"]]
+    assert torch.allclose(got, expected, atol=1e-5, rtol=0)
+    assert torch.allclose(got_back, expected, atol=1e-5, rtol=0)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["layer_norm_epsilon"] == shape.get("eps", 1e-5)
+    assert config["n_positions"] == shape["positions"]
+
+
+def _tool(*argv):
+    return tool.main([str(a) for a in argv])
+
+
+def test_round_trip_megatron_tp2_to_hf_to_megatron_tp1_is_exact(tmp_path):
+    weights = random_weights()
+    save_model_weights(weights, str(tmp_path / "tp2"), "megatron", target_tp=2)
+    assert _tool("--load-dir", tmp_path / "tp2", "--save-dir", tmp_path / "hf",
+                 "--saver", "hf") == 0
+    assert _tool("--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "tp1",
+                 "--saver", "megatron") == 0
+    shard = safe_load(str(tmp_path / "tp1" / "release" / "mp_rank_00" / "model_optim_rng.pt"))
+    state = to_flat_state_dict(shard["model"])
+    assert set(state) == set(weights.state_dict)
+    # HF's folder holds no make_vocab_size_divisible_by: Megatron's default 128 applies.
+    assert shard["args"]["padded_vocab_size"] == 384 == state[WORD_EMBEDDINGS].shape[0]
+    assert not state[WORD_EMBEDDINGS][301:].any()  # padding rows are zeros
+    for name, tensor in weights.state_dict.items():
+        got = state[name][:301] if name == WORD_EMBEDDINGS else state[name]
+        assert torch.equal(got, tensor), name
+    tp2 = [safe_load(str(tmp_path / "tp2" / "release" / f"mp_rank_{r:02d}" /
+                         "model_optim_rng.pt")) for r in (0, 1)]
+    assert tp2[0]["args"]["padded_vocab_size"] == 304  # 301 -> multiple of 8 x 2
+
+
+def test_megatron_tp_change_through_the_tool_keeps_logits(tmp_path):
+    weights = random_weights(seed=4)
+    save_model_weights(weights, str(tmp_path / "tp1"), "megatron")
+    assert _tool("--load-dir", tmp_path / "tp1", "--save-dir", tmp_path / "tp2", "--saver",
+                 "megatron", "--target-tensor-parallel-size", "2") == 0
+    again = load_model_weights(str(tmp_path / "tp2"))
+    assert again.args["orig_vocab_size"] == 301
+    for name, tensor in weights.state_dict.items():
+        assert torch.equal(again.state_dict[name], tensor), name
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+def test_hf_config_of_another_architecture(tmp_path, capsys):
+    weights = random_weights()
+    save_model_weights(weights, str(tmp_path / "hf"), "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert _tool("--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "out",
+                 "--saver", "megatron") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "model_type 'llama'" in err and "gpt2" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_source_format_lists_the_formats(tmp_path, capsys):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "weights.npz").write_bytes(b"123")
+    assert _tool("--load-dir", tmp_path / "src", "--save-dir", tmp_path / "out",
+                 "--saver", "hf") == 2
+    err = capsys.readouterr().err
+    for name in ("megatron", "deepspeed", "hf", "config.json", "latest"):
+        assert name in err
+
+
+def test_missing_tensor_parallel_rank(tmp_path, capsys):
+    save_model_weights(random_weights(), str(tmp_path / "tp2"), "megatron", target_tp=2)
+    shutil.rmtree(tmp_path / "tp2" / "release" / "mp_rank_01")
+    assert _tool("--load-dir", tmp_path / "tp2", "--save-dir", tmp_path / "out",
+                 "--saver", "hf") == 2
+    err = capsys.readouterr().err
+    assert "mp_rank_01/model_optim_rng.pt is missing" in err
+
+
+def test_missing_megatron_tracker(tmp_path, capsys):
+    save_model_weights(random_weights(), str(tmp_path / "ckpt"), "megatron")
+    os.remove(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt")
+    assert _tool("--load-dir", tmp_path / "ckpt", "--save-dir", tmp_path / "out",
+                 "--saver", "hf") == 2
+    assert "latest_checkpointed_iteration.txt" in capsys.readouterr().err
+
+
+def test_save_dir_must_be_new(tmp_path, capsys):
+    save_model_weights(random_weights(), str(tmp_path / "ckpt"), "megatron")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("x")
+    assert _tool("--load-dir", tmp_path / "ckpt", "--save-dir", tmp_path / "busy",
+                 "--saver", "hf") == 2
+    assert "not an empty directory" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "busy") == ["keep.txt"]
+
+
+def test_untied_hf_output_layer_is_refused(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+    save_model_weights(random_weights(), str(tmp_path / "hf"), "hf")
+    state = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    state["lm_head.weight"] = torch.randn_like(state["transformer.wte.weight"])
+    save_file(state, str(tmp_path / "hf" / "model.safetensors"))
+    assert _tool("--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "out",
+                 "--saver", "megatron") == 2
+    assert "does not tie" in capsys.readouterr().err

@@ -1,0 +1,140 @@
+"""Zero-shot evaluation against values computed by hand on a tiny model and tiny files."""
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron import zeroshot
+from megatron.convert.savers import save_model_weights
+from megatron.errors import DataError
+from megatron.inference import build_model_from_weights
+from tests.convert.conftest import random_weights
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location(
+    "evaluate_gpt2_tool", os.path.join(REPO, "tools", "evaluate_gpt2.py"))
+tool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tool)
+
+WIKI = (" = Valkyria = \n \n The game @-@ play , began in 2011 . It was ( very ) "
+        "popular ; \" fans \" said so . \n")
+
+
+@pytest.fixture(scope="module")
+def setup(corpus, tmp_path_factory):
+    from megatron.tokenizer import build_tokenizer
+    root = tmp_path_factory.mktemp("zeroshot")
+    tokenizer = build_tokenizer("GPT2BPETokenizer", corpus["vocab"], corpus["merges"])
+    weights = random_weights(num_layers=2, hidden_size=32, num_heads=4,
+                             vocab_size=tokenizer.vocab_size, positions=16,
+                             tokenizer_type="GPT2BPETokenizer", vocab_file=corpus["vocab"],
+                             merge_file=corpus["merges"])
+    save_model_weights(weights, str(root / "ckpt"), "megatron")
+    model = build_model_from_weights(weights)
+    return dict(root=root, tokenizer=tokenizer, model=model, load=str(root / "ckpt"))
+
+
+def _log_probs(model, tokens, vocab):
+    """log p(next token) at every position of one context, the straightforward way."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]), torch.arange(len(tokens)).unsqueeze(0))
+    return F.log_softmax(logits[0, :, :vocab].double(), dim=-1)
+
+
+def test_detokenizer_rules():
+    assert zeroshot.wikitext_detokenizer(WIKI) == (
+        " = Valkyria =\n\nThe game-play, began in 2011. It was (very) popular; \"fans\" "
+        "said so.\n")
+
+
+def test_window_layout_scores_every_target_once():
+    windows = zeroshot.window_starts(num_tokens=20, seq_length=8, stride=4)
+    assert windows == [(0, 1, 8), (4, 9, 12), (8, 13, 16), (12, 17, 19)]
+    scored = [t for _, first, last in windows for t in range(first, last + 1)]
+    assert scored == list(range(1, 20))
+
+
+def test_wikitext_perplexity_equals_hand_computation(setup, tmp_path):
+    tokenizer, model = setup["tokenizer"], setup["model"]
+    vocab = tokenizer.vocab_size
+    tokens = tokenizer.tokenize(zeroshot.wikitext_detokenizer(WIKI))
+    assert len(tokens) > 20
+    # seq 8, stride 4: target t is scored in the window starting at start(t), with the
+    # context tokens[start(t):t]
+    windows = zeroshot.window_starts(len(tokens), 8, 4)
+    nll = 0.0
+    for start, first, last in windows:
+        for target in range(first, last + 1):
+            nll -= _log_probs(model, tokens[start:target], vocab)[-1, tokens[target]].item()
+    words = len(WIKI.strip().split(" "))
+    path = tmp_path / "wiki.test.tokens"
+    path.write_text(WIKI)
+    results = tool.main(["--load", setup["load"], "--task", "WIKITEXT103", "--valid-data",
+                         str(path), "--seq-length", "8", "--overlapping-eval", "4",
+                         "--results-file", str(tmp_path / "r.json")])
+    assert results == 0
+    result = json.loads((tmp_path / "r.json").read_text())["results"][0]
+    assert result["num_tokenized_tokens"] == len(tokens)
+    assert result["num_original_tokens"] == words
+    assert result["ppl"] == pytest.approx(math.exp(nll / (len(tokens) - 1)), rel=1e-5)
+    assert result["adjusted_ppl"] == pytest.approx(math.exp(nll / (words - 1)), rel=1e-5)
+
+
+def test_lambada_accuracy_equals_hand_computation(setup, tmp_path):
+    tokenizer, model = setup["tokenizer"], setup["model"]
+    vocab = tokenizer.vocab_size
+    passages = ["the king said to the queen that love", "sweet night of gold and fire",
+                "the brother and sister went to sea", "thou shall speak of honour"]
+    expected = {}
+    for strict in (False, True):
+        correct = 0
+        for text in passages:
+            if strict:
+                last = text.split()[-1]
+                context = tokenizer.tokenize(text[:text.rfind(last)].strip())
+                target = tokenizer.tokenize(" " + last)
+            else:
+                ids = tokenizer.tokenize(text)
+                context, target = ids[:-1], ids[-1:]
+            sequence = (context + target)[-17:]
+            log_probs = _log_probs(model, sequence[:-1], vocab)
+            correct += log_probs[-len(target):].argmax(-1).tolist() == target
+        expected[strict] = correct
+    path = tmp_path / "lambada_test.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in passages))
+    for strict in (False, True):
+        out = tmp_path / f"r{strict}.json"
+        argv = ["--load", setup["load"], "--task", "LAMBADA", "--valid-data", str(path),
+                "--results-file", str(out)] + (["--strict-lambada"] if strict else [])
+        assert tool.main(argv) == 0
+        result = json.loads(out.read_text())["results"][0]
+        assert (result["correct"], result["total"]) == (expected[strict], 4)
+
+
+def test_lambada_strict_targets_the_whole_last_word(setup):
+    tokenizer = setup["tokenizer"]
+    context, target = zeroshot.lambada_example(tokenizer, "the king said \u201cbrotherhood\u201d",
+                                                strict=True)
+    # the last whitespace-separated word, quotes included (straightened)
+    assert tokenizer.detokenize(target) == ' "brotherhood"'
+    assert tokenizer.detokenize(context) == 'the king said'
+    _, last_token = zeroshot.lambada_example(tokenizer, "the king said brotherhood", False)
+    assert len(last_token) == 1
+
+
+def test_bad_evaluation_inputs(setup, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"txt": "no text field"}\n')
+    assert tool.main(["--load", setup["load"], "--task", "LAMBADA", "--valid-data",
+                      str(bad)]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
+    assert tool.main(["--load", setup["load"], "--task", "WIKITEXT103", "--valid-data",
+                      str(tmp_path / "missing.tokens")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(DataError):
+        zeroshot.evaluate_wikitext(None, setup["tokenizer"], WIKI, 8, overlapping_eval=9)

@@ -1,0 +1,87 @@
+"""Convert GPT-2 checkpoints between Megatron, DeepSpeed and Hugging Face formats.
+
+    # Megatron (any TP size) or --deepspeed (any ZeRO stage / TP / DP) -> Hugging Face
+    python tools/convert_checkpoint.py --load-dir checkpoints/gpt2_small --save-dir hf/gpt2_small --saver hf
+    # Hugging Face GPT-2 -> Megatron at TP=2, to continue pretraining it
+    python tools/convert_checkpoint.py --load-dir hf/gpt2 --save-dir checkpoints/gpt2_tp2 \
+        --saver megatron --target-tensor-parallel-size 2
+
+Flags follow Megatron's tools/checkpoint/convert.py.  The source format is detected from the
+directory when --loader is omitted.  Everything goes through one full, unsharded model with
+flat Megatron keys (megatron/convert/loaders.py, savers.py; the HF key map is in hf.py).
+A Megatron target is a `release` checkpoint holding the model's arguments and tokenizer
+files: `pretrain_gpt2.py --load DIR` takes the model flags from it and starts from its weights
+at iteration 0 (weights only: to change the TP size of a training run keeping its optimizer
+state, use tools/merge_mp_partitions.py).  Conversions are exact in fp32.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megatron.cli import run_cli  # noqa: E402
+from megatron.convert.loaders import FORMATS, load_model_weights  # noqa: E402
+from megatron.convert.savers import SAVERS, save_model_weights  # noqa: E402
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def get_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--load-dir", required=True, help="checkpoint folder to read")
+    parser.add_argument("--save-dir", required=True, help="new, empty folder to write")
+    parser.add_argument("--loader", choices=FORMATS, default=None,
+                        help="source format (default: detected from --load-dir)")
+    parser.add_argument("--saver", choices=SAVERS, required=True, help="target format")
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=1,
+                        help="TP size of a --saver megatron checkpoint (default 1)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32",
+                        help="dtype of the written weights (default fp32)")
+    group = parser.add_argument_group("vocab size of Megatron/DeepSpeed sources (to drop "
+                                      "the padding); recorded in checkpoints saved since "
+                                      "orig_vocab_size existed")
+    group.add_argument("--vocab-size", type=int, default=None, help="unpadded vocab size")
+    group.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
+    group.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
+    return parser.parse_args(argv)
+
+
+def run(args):
+    tokenizer_files = {k: v for k, v in (("vocab_file", args.vocab_file),
+                                         ("merge_file", args.merge_file),
+                                         ("tokenizer_model", args.tokenizer_model)) if v}
+    weights = load_model_weights(args.load_dir, args.loader, args.vocab_size,
+                                 tokenizer_files or None)
+    weights.args.update({k: os.path.abspath(v) for k, v in tokenizer_files.items()})
+    if tokenizer_files and not weights.args.get("tokenizer_type"):
+        weights.args["tokenizer_type"] = ("SentencePieceTokenizer" if args.tokenizer_model
+                                          else "GPT2BPETokenizer")
+    paths = save_model_weights(weights, args.save_dir, args.saver,
+                               args.target_tensor_parallel_size, _DTYPES[args.dtype])
+    a = weights.args
+    print(f" converted {args.load_dir} ({weights.source_format}, iteration {weights.iteration}) "
+          f"-> {args.save_dir} ({args.saver})")
+    print(f" model: {a['num_layers']} layers, hidden {a['hidden_size']}, "
+          f"{a['num_attention_heads']} heads, ffn {a['ffn_hidden_size']}, vocab "
+          f"{weights.vocab_size}, positions {a['max_position_embeddings']}")
+    print(f" wrote {len(paths)} file(s)")
+    if args.saver == "megatron":
+        # The checkpoint records the model's shape and tokenizer: --load supplies them.
+        tokenizer = "" if a.get("tokenizer_type") else \
+            " --tokenizer-type ... --vocab-file ... --merge-file ... (none recorded)"
+        print(f" continue pretraining with: python pretrain_gpt2.py --load {args.save_dir} "
+              f"--model-parallel-size {args.target_tensor_parallel_size}{tokenizer} "
+              "--data-path ... --batch-size ... --train-iters ... --lr ...")
+
+
+def main(argv=None):
+    return run_cli(lambda: run(get_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Zero-shot evaluation of a GPT-2 checkpoint: WikiText-103 perplexity, LAMBADA accuracy.
+
+    python tools/evaluate_gpt2.py --task WIKITEXT103 --valid-data wikitext-103/wiki.test.tokens \
+        --load checkpoints/gpt2_small --overlapping-eval 32
+    python tools/evaluate_gpt2.py --task LAMBADA --valid-data lambada/lambada_test.jsonl \
+        --load checkpoints/gpt2_small --strict-lambada
+
+Flags follow Megatron's tasks/main.py (--task, --valid-data, --overlapping-eval,
+--strict-lambada); the model's shape and tokenizer come from the checkpoint (Megatron layout
+at any TP size, --deepspeed layout, or a Hugging Face GPT-2 folder).  Metrics are computed
+as in megatron/zeroshot.py; --results-file also writes them as JSON.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch.distributed as dist  # noqa: E402
+
+from megatron import zeroshot  # noqa: E402
+from megatron.cli import run_cli  # noqa: E402
+from megatron.errors import ConfigError  # noqa: E402
+from megatron.inference import (inference_parser, initialize_inference,  # noqa: E402
+                                load_inference_model)
+from megatron.initialize import destroy  # noqa: E402
+
+TASKS = ("WIKITEXT103", "LAMBADA")
+
+
+def get_args(argv=None):
+    parser = inference_parser(__doc__.split("\n")[0])
+    g = parser.add_argument_group("evaluation")
+    g.add_argument("--task", required=True, choices=TASKS)
+    g.add_argument("--valid-data", required=True, nargs="+",
+                   help="wiki.test.tokens (WIKITEXT103) or lambada_test.jsonl (LAMBADA)")
+    g.add_argument("--seq-length", type=int, default=None,
+                   help="tokens per window (default: the model's max positions)")
+    g.add_argument("--overlapping-eval", type=int, default=None,
+                   help="WIKITEXT103: stride between windows (default: --seq-length, "
+                        "no overlap); Megatron uses 32")
+    g.add_argument("--strict-lambada", action="store_true",
+                   help="LAMBADA: the target is the whole last word, not its last BPE token")
+    g.add_argument("--results-file", default=None, help="write the metrics as JSON here")
+    args = parser.parse_args(argv)
+    if args.strict_lambada and args.task != "LAMBADA":
+        raise ConfigError("--strict-lambada applies to --task LAMBADA")
+    if args.overlapping_eval is not None and args.task != "WIKITEXT103":
+        raise ConfigError("--overlapping-eval applies to --task WIKITEXT103")
+    return args
+
+
+def evaluate(args, model, tokenizer):
+    max_positions = model.config.max_position_embeddings
+    seq_length = args.seq_length or max_positions
+    if not 1 <= seq_length <= max_positions:
+        raise ConfigError(f"--seq-length {seq_length} must lie in [1, the model's "
+                          f"max_position_embeddings {max_positions}]")
+    score = zeroshot.model_score_fn(model, tokenizer.vocab_size)
+    results = []
+    for path in args.valid_data:
+        if args.task == "WIKITEXT103":
+            text = zeroshot.read_wikitext(path)
+            result = zeroshot.evaluate_wikitext(score, tokenizer, text, seq_length,
+                                                args.overlapping_eval)
+            results.append({"file": path, "avg_loss": result.avg_loss, "ppl": result.ppl,
+                            "adjusted_ppl": result.adjusted_ppl,
+                            "num_tokenized_tokens": result.num_tokenized_tokens,
+                            "num_original_tokens": result.num_original_tokens})
+        else:
+            correct, total = zeroshot.evaluate_lambada(score, tokenizer,
+                                                       zeroshot.read_lambada(path),
+                                                       seq_length, args.strict_lambada)
+            results.append({"file": path, "accuracy": correct / total, "correct": correct,
+                            "total": total, "strict": args.strict_lambada})
+    return results
+
+
+def _report(args, results):
+    for r in results:
+        if args.task == "WIKITEXT103":
+            print(f" {args.task} {r['file']} | avg loss: {r['avg_loss']:.4E} | ppl: "
+                  f"{r['ppl']:.4E} | adjusted ppl: {r['adjusted_ppl']:.4E} | token ratio: "
+                  f"{(r['num_tokenized_tokens'] - 1) / (r['num_original_tokens'] - 1):.4f}",
+                  flush=True)
+        else:
+            print(f" {args.task} {r['file']} | number correct: {r['correct']} | total: "
+                  f"{r['total']} | accuracy: {100 * r['accuracy']:.2f}%"
+                  f"{' (strict)' if r['strict'] else ''}", flush=True)
+    if args.results_file:
+        with open(args.results_file, "w") as f:
+            json.dump({"task": args.task, "load": args.load, "results": results}, f, indent=2)
+
+
+def run(args):
+    runtime = initialize_inference(args)
+    try:
+        model, tokenizer, _ = load_inference_model(args, runtime.device)
+        results = evaluate(args, model, tokenizer)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            _report(args, results)
+        return results
+    finally:
+        destroy()
+
+
+def main(argv=None):
+    return run_cli(lambda: run(get_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

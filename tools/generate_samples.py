@@ -1,0 +1,169 @@
+"""Generate text from a GPT-2 checkpoint (Megatron, --deepspeed or Hugging Face layout).
+
+    # interactive: type a prompt, get a continuation; `stop` (or end of input) exits
+    python tools/generate_samples.py --load checkpoints/gpt2_small --top_k 40
+    # one prompt per line of a file -> JSON lines {context, text, length, finished}
+    python tools/generate_samples.py --load CKPT --sample-input-file prompts.txt \
+        --sample-output-file out.jsonl --greedy
+    # unconditional samples (from <|endoftext|>) as JSON lines {text, length, finished}
+    python tools/generate_samples.py --load CKPT --num-samples 8 --genfile samples.jsonl
+    # tensor-parallel: any TP size, whatever the checkpoint was saved at
+    torchrun --standalone --nproc_per_node 2 tools/generate_samples.py --load CKPT \
+        --model-parallel-size 2 --sample-input-file prompts.txt --sample-output-file out.jsonl
+
+Flags follow Megatron's tools/generate_samples_gpt2.py.  The model's shape and tokenizer are
+read from the checkpoint.  A KV cache makes each new token cost one token's forward; with
+--recompute every step runs the whole prefix again (same tokens with --greedy, slower).
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron.cli import run_cli  # noqa: E402
+from megatron.errors import ConfigError  # noqa: E402
+from megatron.inference import (inference_parser, initialize_inference,  # noqa: E402
+                                load_inference_model)
+from megatron.initialize import destroy  # noqa: E402
+from megatron.text_generation import SamplingParams, TextGenerator, generate_text  # noqa: E402
+
+PROMPT = "Context prompt (stop to exit) >>> "
+
+
+def get_args(argv=None):
+    parser = inference_parser(__doc__.split("\n")[0])
+    g = parser.add_argument_group("text generation")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--greedy", action="store_true", help="argmax instead of sampling")
+    g.add_argument("--top_p", type=float, default=0.0, help="nucleus sampling mass (0: off)")
+    g.add_argument("--top_k", type=int, default=0, help="sample from the k best (0: off)")
+    g.add_argument("--out-seq-length", type=int, default=256, help="new tokens at most")
+    g.add_argument("--recompute", action="store_true",
+                   help="no KV cache: recompute the whole prefix every step")
+    g.add_argument("--sample-input-file", default=None, help="one prompt per line")
+    g.add_argument("--sample-output-file", default=None,
+                   help="JSON lines out (default: <input>.out.jsonl)")
+    g.add_argument("--num-samples", type=int, default=0,
+                   help="N > 0: N unconditional samples into --genfile")
+    g.add_argument("--genfile", default=None, help="JSON lines file for --num-samples")
+    g.add_argument("--batch-size", type=int, default=1,
+                   help="unconditional samples generated together")
+    args = parser.parse_args(argv)
+    _validate(args)
+    return args
+
+
+def _validate(args):
+    if args.temperature <= 0 and not args.greedy:
+        raise ConfigError(f"--temperature must be > 0 (got {args.temperature}); use --greedy "
+                          "for argmax decoding")
+    if args.top_k < 0 or not 0.0 <= args.top_p <= 1.0:
+        raise ConfigError(f"--top_k must be >= 0 and --top_p in [0, 1] (got {args.top_k}, "
+                          f"{args.top_p})")
+    if args.top_k > 0 and args.top_p > 0:
+        raise ConfigError("--top_k and --top_p are alternatives; give one of them")
+    if args.out_seq_length < 1 or args.batch_size < 1 or args.num_samples < 0:
+        raise ConfigError("--out-seq-length and --batch-size must be >= 1, --num-samples >= 0")
+    if args.num_samples > 0 and not args.genfile:
+        raise ConfigError("--num-samples needs --genfile (the JSON lines file to write)")
+    if args.sample_input_file and not os.path.isfile(args.sample_input_file):
+        raise ConfigError(f"--sample-input-file {args.sample_input_file} does not exist")
+    if args.sample_input_file and args.sample_output_file is None:
+        args.sample_output_file = args.sample_input_file + ".out.jsonl"
+
+
+def _is_writer():
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _share(obj):
+    """Rank 0's value of `obj` on every rank (prompts are read on rank 0 only)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+def _write_jsonl(path, records):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def generate_from_file(generator, tokenizer, params, args):
+    prompts = None
+    if _is_writer():
+        with open(args.sample_input_file, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    prompts = _share(prompts)
+    records = [generate_text(generator, tokenizer, prompt, params) for prompt in prompts]
+    if _is_writer():
+        _write_jsonl(args.sample_output_file, records)
+        print(f" wrote {len(records)} samples to {args.sample_output_file}", flush=True)
+
+
+def generate_interactive(generator, tokenizer, params):
+    while True:
+        prompt = None
+        if _is_writer():
+            try:
+                prompt = input(PROMPT)
+            except EOFError:
+                prompt = "stop"
+        prompt = _share(prompt)
+        if prompt.strip() == "stop":
+            return
+        if not prompt.strip():
+            continue
+        record = generate_text(generator, tokenizer, prompt, params)
+        if _is_writer():
+            print(f"\nContext: {prompt}\n\nMegatron-LM: {record['text']}\n", flush=True)
+
+
+def generate_unconditional(generator, tokenizer, params, args):
+    records = []
+    while len(records) < args.num_samples:
+        batch = min(args.batch_size, args.num_samples - len(records))
+        context = torch.full((batch, 1), tokenizer.eod, dtype=torch.long)
+        new, finished = generator.generate(context, params)
+        for row, done in zip(new.tolist(), finished.tolist()):
+            tokens = row[:row.index(tokenizer.eod)] if tokenizer.eod in row else row
+            records.append({"text": tokenizer.detokenize(tokens), "length": len(tokens),
+                            "finished": bool(done)})
+    if _is_writer():
+        _write_jsonl(args.genfile, records)
+        print(f" wrote {len(records)} unconditional samples to {args.genfile}", flush=True)
+
+
+def run(args):
+    runtime = initialize_inference(args)
+    try:
+        model, tokenizer, _ = load_inference_model(args, runtime.device)
+        generator = TextGenerator(model, tokenizer.eod, tokenizer.vocab_size,
+                                  use_cache=not args.recompute)
+        params = SamplingParams(args.greedy, args.temperature, args.top_k, args.top_p,
+                                args.out_seq_length)
+        if args.num_samples > 0:
+            generate_unconditional(generator, tokenizer, params, args)
+        elif args.sample_input_file:
+            generate_from_file(generator, tokenizer, params, args)
+        else:
+            generate_interactive(generator, tokenizer, params)
+    finally:
+        destroy()
+
+
+def main(argv=None):
+    return run_cli(lambda: run(get_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Derive small WikiText-format and LAMBADA-format evaluation files from a loose-JSON corpus.
+
+    python tools/make_zeroshot_files.py --input data/webtext/data.json --output-dir data/zeroshot
+    # -> data/zeroshot/wiki.test.tokens, data/zeroshot/lambada_test.jsonl
+
+For trying scripts/evaluate_zeroshot_gpt2.sh on a machine without the real WikiText-103 and
+LAMBADA files.  The documents are the LAST --num-documents of the corpus: with the default
+training run's --split 949,50,1 they are its held-out (validation/test) documents.
+  * wiki.test.tokens: WikiText's word-level style: " = Document N = " headings, punctuation
+    split off by spaces, hyphens inside words as " @-@ ".
+  * lambada_test.jsonl: {"text": passage} lines, each passage --passage-words words ending
+    at a word of at least 3 letters (the word to predict), punctuation after it dropped.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+
+_PUNCTUATION = re.compile(r"([,.;:!?()\[\]\"])")
+_INNER_HYPHEN = re.compile(r"(?<=\w)-(?=\w)")
+
+
+def wikitext_line(line):
+    line = _INNER_HYPHEN.sub(" @-@ ", line)
+    line = _PUNCTUATION.sub(r" \1 ", line)
+    return " " + " ".join(line.split()) + " \n"
+
+
+def wikitext_document(number, text):
+    lines = [f" = Document {number} = \n", " \n"]
+    lines += [wikitext_line(line) for line in text.splitlines() if line.strip()]
+    return "".join(lines) + " \n"
+
+
+def lambada_passages(text, passage_words):
+    words = text.split()
+    passages, start = [], 0
+    while start + passage_words <= len(words):
+        chunk = words[start:start + passage_words]
+        while chunk and len(re.sub(r"\W", "", chunk[-1])) < 3:
+            chunk.pop()  # end on a real word, as LAMBADA's targets are
+        if len(chunk) > passage_words // 2:
+            chunk[-1] = re.sub(r"\W+$", "", chunk[-1])
+            passages.append(" ".join(chunk))
+        start += passage_words
+    return passages
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--input", required=True, help="loose JSON: one {\"text\": ...} a line")
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--num-documents", type=int, default=8)
+    parser.add_argument("--passage-words", type=int, default=60)
+    parser.add_argument("--max-passages", type=int, default=100)
+    args = parser.parse_args(argv)
+    if not os.path.isfile(args.input):
+        print(f"error: --input {args.input} does not exist", file=sys.stderr)
+        return 2
+    with open(args.input, encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f if line.strip()]
+    held_out = texts[-args.num_documents:]
+    os.makedirs(args.output_dir, exist_ok=True)
+    wiki_path = os.path.join(args.output_dir, "wiki.test.tokens")
+    with open(wiki_path, "w", encoding="utf-8") as f:
+        f.write(" \n" + "".join(wikitext_document(i + 1, t) for i, t in enumerate(held_out)))
+    passages = [p for t in held_out for p in lambada_passages(t, args.passage_words)]
+    lambada_path = os.path.join(args.output_dir, "lambada_test.jsonl")
+    with open(lambada_path, "w", encoding="utf-8") as f:
+        for passage in passages[:args.max_passages]:
+            f.write(json.dumps({"text": passage}) + "\n")
+    print(f" wrote {wiki_path} ({len(held_out)} documents) and {lambada_path} "
+          f"({min(len(passages), args.max_passages)} passages)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
