@@ -5,11 +5,17 @@ accepted (argparse says so) rather than parsed and ignored.
 """
 
 import argparse
+import math
 
+from megatron.activation_checkpointing import (add_activation_checkpointing_args,
+                                               resolve_activation_checkpointing)
+from megatron.checkpoint_args import fill_model_args_from_checkpoint, given_on_command_line
 from megatron.deepspeed_config import (add_deepspeed_arguments, apply_mpi_environment_if_asked,
                                        reconcile_deepspeed_config,
                                        reject_deepspeed_flags_without_deepspeed)
 from megatron.errors import ConfigError
+from megatron.model.tiling import add_tiling_arguments, validate_tiling
+from megatron.fault_tolerance import add_reliability_arguments, validate_reliability
 
 
 def parse_args(argv=None, extra_args_provider=None, defaults=None, world_size=None):
@@ -23,6 +29,8 @@ def parse_args(argv=None, extra_args_provider=None, defaults=None, world_size=No
         parser = extra_args_provider(parser)
     args = parser.parse_args(argv)
     apply_mpi_environment_if_asked(args)  # --deepspeed_mpi: before the world size is read
+    # Model shape and tokenizer not given on the command line come from --load's checkpoint.
+    fill_model_args_from_checkpoint(args, given_on_command_line(parser, argv))
     for key, value in (defaults or {}).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -47,6 +55,9 @@ def build_parser():
     _add_data_args(parser)
     _add_logging_args(parser)
     add_deepspeed_arguments(parser)  # --deepspeed, --deepspeed_config, --zero-*
+    add_activation_checkpointing_args(parser)  # --deepspeed-activation-checkpointing, ...
+    add_tiling_arguments(parser)  # --memory-centric-tiled-linear, --tile-factor
+    add_reliability_arguments(parser)  # --exit-signal-handler, --keep-last-n-checkpoints, ...
     return parser
 
 
@@ -217,6 +228,14 @@ def validate(args, world_size):
                  "batch_size", "train_iters", "lr"):
         _require(getattr(args, flag) is not None,
                  f"--{flag.replace('_', '-')} is required")
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "batch_size", "train_iters", "max_position_embeddings", "global_batch_size",
+                 "ffn_hidden_size", "make_vocab_size_divisible_by", "exit_interval"):
+        value = getattr(args, flag)
+        _require(value is None or value > 0,
+                 f"--{flag.replace('_', '-')} must be positive, got {value}")
+    _require(math.isfinite(args.lr) and args.lr >= 0 and math.isfinite(args.min_lr),
+             f"--lr {args.lr} and --min-lr {args.min_lr} must be finite and non-negative")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     _require(args.hidden_size % args.num_attention_heads == 0,
@@ -251,12 +270,14 @@ def validate(args, world_size):
         _require(args.tokenizer_model, "SentencePieceTokenizer needs --tokenizer-model")
     global_batch_given = args.global_batch_size is not None
     _validate_parallel(args, world_size)
+    validate_tiling(args)
     if args.deepspeed:  # the DeepSpeed JSON may set batch sizes, precision and clipping
         reconcile_deepspeed_config(args, global_batch_given)
     else:
         reject_deepspeed_flags_without_deepspeed(args)
         if args.clip_grad is None:
             args.clip_grad = 1.0
+    resolve_activation_checkpointing(args)  # after the config may set gradient_checkpointing
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.warmup_iters is None:
@@ -264,6 +285,7 @@ def validate(args, world_size):
     _require(0 <= args.warmup_iters <= args.lr_decay_iters,
              f"warmup iterations ({args.warmup_iters}, from --warmup or --warmup-iters) must "
              f"lie between 0 and --lr-decay-iters ({args.lr_decay_iters})")
+    validate_reliability(args)
     if args.log_dir is None:
         args.log_dir = args.tensorboard_dir or args.save
     args.params_dtype = "float16" if args.fp16 else "bfloat16" if args.bf16 else "float32"

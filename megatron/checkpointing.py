@@ -29,7 +29,10 @@ import torch.distributed as dist
 
 from megatron import device as device_mod
 from megatron import mpu
+from megatron.checkpoint_retention import MEGATRON_LAYOUT, prune_checkpoints
 from megatron.errors import CheckpointError
+from megatron.fault_injection import kill_point
+from megatron.fault_injection import writer as fault_writer
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 2.0
@@ -74,20 +77,29 @@ def atomic_torch_save(obj, path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        kill_point("save.file.tmp_opened")
+        torch.save(obj, fault_writer(f, "save.file.tmp_half_written"))
+        kill_point("save.file.tmp_written")
         f.flush()
         os.fsync(f.fileno())
+    kill_point("save.file.tmp_synced")
     os.replace(tmp, path)
+    kill_point("save.file.renamed")
     _fsync_dir(os.path.dirname(path))
 
 
-def atomic_write_text(path, text):
+def atomic_write_text(path, text, point=None):
+    """Replace `path` by `text` atomically; `point` names the kill points on the way."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    if point:
+        kill_point(f"{point}.tmp_written")
     os.replace(tmp, path)
+    if point:
+        kill_point(f"{point}.renamed")
     _fsync_dir(os.path.dirname(path))
 
 
@@ -106,8 +118,19 @@ def safe_load(path):
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} does not exist") from None
     except Exception as exc:  # corrupt file or a pickle with code in it
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}. The file is corrupt or "
-                              "not a plain-tensor checkpoint") from None
+        raise CheckpointError(f"cannot read checkpoint {path}: {load_failure_reason(exc)}. The "
+                              "file is corrupt or not a plain-tensor checkpoint (refused: "
+                              "only tensors and plain containers are unpickled)") from None
+
+
+def load_failure_reason(exc):
+    """One line out of torch.load's multi-paragraph error: what it refused, or the first line."""
+    text = str(exc)
+    refused = re.search(r"Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+", text)
+    if refused:
+        return refused.group(0)
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return first[:300]
 
 
 # ------------------------------------------------------------------- state dict formats
@@ -194,6 +217,7 @@ def save_checkpoint(iteration, model, optimizer, lr_scheduler, args, train_state
     if getattr(args, "deepspeed", False):
         from megatron import deepspeed_glue
         return deepspeed_glue.save_checkpoint(iteration, model, args, train_state, device)
+    kill_point("save.start")
     if mpu.get_data_parallel_rank() == 0:
         state = {
             "iteration": iteration,
@@ -208,10 +232,16 @@ def save_checkpoint(iteration, model, optimizer, lr_scheduler, args, train_state
         if not args.no_save_rng:
             state.update(get_rng_states(device))
         atomic_torch_save(state, get_checkpoint_name(args.save, iteration))
+    kill_point("save.files_done")
     _barrier()
     if dist.get_rank() == 0 if dist.is_initialized() else True:
-        atomic_write_text(get_checkpoint_tracker_filename(args.save), str(iteration))
+        atomic_write_text(get_checkpoint_tracker_filename(args.save), str(iteration),
+                          point="save.tracker")
+        # Only now, with the new checkpoint complete and named, may older ones go.
+        prune_checkpoints(args.save, getattr(args, "keep_last_n_checkpoints", None),
+                          MEGATRON_LAYOUT)
     _barrier()
+    kill_point("save.done")
 
 
 def _barrier():
@@ -254,7 +284,7 @@ def load_checkpoint(model, optimizer, lr_scheduler, args, device):
         return deepspeed_glue.load_checkpoint(model, args, device)
     iteration, release = read_tracker(args.load)
     if iteration is None:
-        if os.path.isdir(args.load) and os.listdir(args.load):
+        if os.path.isdir(args.load) and os.listdir(args.load) and not resuming_own_save(args):
             raise CheckpointError(f"--load {args.load} has no {TRACKER_FILENAME}; point --load "
                                   "at a directory written by --save")
         return None  # nothing to resume: start from scratch (Megatron behaviour)
@@ -274,6 +304,10 @@ def load_checkpoint(model, optimizer, lr_scheduler, args, device):
     if args.finetune or release:
         return {"iteration": 0, "consumed_train_samples": 0}
     if not args.no_load_optim:
+        from megatron.model.tiling import optimizer_state_tiling_mismatch
+        mismatch = optimizer_state_tiling_mismatch(state.get("args", {}), args)
+        if mismatch:
+            raise CheckpointError(f"{path}: {mismatch}")
         for key in ("optimizer", "lr_scheduler"):
             if key not in state:
                 raise CheckpointError(f"{path} has no {key} state (saved with --no-save-optim); "
@@ -290,6 +324,13 @@ def load_checkpoint(model, optimizer, lr_scheduler, args, device):
     train_state.setdefault("consumed_train_samples",
                            train_state["iteration"] * args.global_batch_size)
     return train_state
+
+
+def resuming_own_save(args):
+    """--load is --save: a job that restarts itself (torchrun --max-restarts, a requeued
+    scheduler job). Before its first checkpoint the directory may already hold metrics.jsonl
+    or an interrupted save; that is a fresh start, not a mistake."""
+    return bool(args.save) and os.path.realpath(args.load) == os.path.realpath(args.save)
 
 
 def _count_rank_files(directory):

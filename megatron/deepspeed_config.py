@@ -15,6 +15,10 @@ what the JSON leaves out, or must agree with it:
                                            --zero-contigious-gradients,
                                            --zero-reduce-bucket-size,
                                            --zero-allgather-bucket-size (the flags win)
+    activation_checkpointing.*        <-   --partition-activations, --checkpoint-in-cpu,
+                                           --contigious-checkpointing, ... (the flags win;
+                                           megatron/activation_checkpointing.py)
+    gradient_checkpointing            ->   --checkpoint-activations (our extension)
 
 The result is a dict in `args.deepspeed_config_dict`, which the trainer hands to
 `zero.initialize(config=...)`.
@@ -31,7 +35,7 @@ _ZERO_FLAG_KEYS = (("zero_stage", "stage"), ("zero_reduce_scatter", "reduce_scat
                    ("zero_contiguous_gradients", "contiguous_gradients"),
                    ("zero_reduce_bucket_size", "reduce_bucket_size"),
                    ("zero_allgather_bucket_size", "allgather_bucket_size"))
-BUILT_STAGES = (0, 1, 2)
+BUILT_STAGES = (0, 1, 2, 3)
 
 
 def _byte_count(text):
@@ -52,8 +56,17 @@ def add_deepspeed_arguments(parser):
     g = parser.add_argument_group("ZeRO", "override the DeepSpeed config's zero_optimization "
                                           "keys (need --deepspeed)")
     g.add_argument("--zero-stage", type=int, default=None,
-                   help="zero_optimization.stage: 0, 1 (optimizer states partitioned) or 2 "
-                        "(and gradients); stage 3 is not built yet")
+                   help="zero_optimization.stage: 0, 1 (optimizer states partitioned), 2 "
+                        "(and gradients) or 3 (and parameters; the model is built under "
+                        "zero.Init)")
+    g.add_argument("--remote-device", choices=("none", "cpu", "nvme"), default=None,
+                   help="stage 3: where zero.Init keeps the parameter partitions: 'none' the "
+                        "compute device, 'cpu' host memory (on a CPU-only machine the same "
+                        "memory), 'nvme' swap files under the config's offload_param.nvme_path "
+                        "(the model is built straight into them). Default: the config's "
+                        "offload_param device")
+    g.add_argument("--use-pin-memory", action="store_true",
+                   help="stage 3 with --remote-device cpu: pin the host partitions (CUDA)")
     g.add_argument("--zero-reduce-scatter", action="store_true", default=None,
                    help="zero_optimization.reduce_scatter = true")
     g.add_argument("--zero-contigious-gradients", "--zero-contiguous-gradients",
@@ -63,6 +76,12 @@ def add_deepspeed_arguments(parser):
                    help="zero_optimization.reduce_bucket_size (elements)")
     g.add_argument("--zero-allgather-bucket-size", type=_byte_count, default=None,
                    help="zero_optimization.allgather_bucket_size (elements)")
+    g.add_argument("--cpu-optimizer", action="store_true",
+                   help="the client optimizer is zero.ops.CPUAdam (DeepSpeedCPUAdam) instead of "
+                        "torch AdamW; pair it with offload_optimizer in the config")
+    g.add_argument("--cpu_torch_adam", "--cpu-torch-adam", action="store_true",
+                   dest="cpu_torch_adam",
+                   help="with --cpu-optimizer: use torch.optim.AdamW as the CPU optimizer")
     return parser
 
 
@@ -76,9 +95,13 @@ def apply_mpi_environment_if_asked(args):
 
 def reject_deepspeed_flags_without_deepspeed(args):
     given = [flag for flag, present in (
+        ("--cpu-optimizer", getattr(args, "cpu_optimizer", False)),
+        ("--cpu_torch_adam", getattr(args, "cpu_torch_adam", False)),
         ("--deepspeed_config", args.deepspeed_config is not None),
         ("--deepscale_config", args.deepscale_config is not None),
         ("--deepspeed_mpi", args.deepspeed_mpi),
+        ("--remote-device", args.remote_device is not None),
+        ("--use-pin-memory", args.use_pin_memory),
         *((f"--{dest.replace('_', '-')}", getattr(args, dest) is not None)
           for dest, _ in _ZERO_FLAG_KEYS)) if present]
     if given:
@@ -167,26 +190,17 @@ def _apply_zero_flags(final, args, source):
 def _reject_unbuilt_features(final, args, source):
     section = final.get("zero_optimization", {})
     stage = section.get("stage", 0)
-    if args.zero_stage is not None and args.zero_stage not in BUILT_STAGES + (3,):
-        raise ConfigError(f"--zero-stage {args.zero_stage} is not a ZeRO stage; use 0, 1 or 2")
-    if stage == 3:
-        where = "--zero-stage 3" if args.zero_stage == 3 else \
-            f"'zero_optimization.stage': 3 in DeepSpeed config {source}"
-        raise ConfigError(f"{where}: ZeRO stage 3 (parameter partitioning, zero.Init) is not "
-                          "built yet; use stage 0, 1 or 2 (e.g. --zero-stage 2 overrides the "
-                          "config)")
-    for key in ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params"):
-        if section.get(key) not in (None, False):
-            raise ConfigError(f"DeepSpeed config {source}: 'zero_optimization.{key}' (CPU/NVMe "
-                              "offload) is not built yet; remove it to keep the optimizer and "
-                              "parameters on the device")
-    options = final.get("activation_checkpointing") or {}
-    enabled = sorted(key for key, value in options.items() if value not in (None, False, 0))
-    if enabled:
-        raise ConfigError(f"DeepSpeed config {source}: 'activation_checkpointing' options "
-                          f"{', '.join(enabled)} (partitioned/CPU/contiguous checkpoints) are "
-                          "not built yet; remove them. Plain recomputation works: "
-                          "--checkpoint-activations or \"gradient_checkpointing\": true")
+    if args.zero_stage is not None and args.zero_stage not in BUILT_STAGES:
+        raise ConfigError(f"--zero-stage {args.zero_stage} is not a ZeRO stage; use 0, 1, 2 "
+                          "or 3")
+    if stage != 3 and (args.remote_device is not None or args.use_pin_memory):
+        flag = "--remote-device" if args.remote_device is not None else "--use-pin-memory"
+        raise ConfigError(f"{flag} places ZeRO stage 3 parameter partitions (zero.Init), but "
+                          f"the ZeRO stage is {stage}; add --zero-stage 3 or drop {flag}")
+    # offload_optimizer / cpu_offload are built (zero/offload); the config's own checks refuse
+    # offload at stage 0 and offload_param below stage 3
+    # The activation_checkpointing section is applied by
+    # megatron/activation_checkpointing.py (with the --partition-activations etc. flags).
     if final.get("gradient_checkpointing"):
         args.checkpoint_activations = True  # our extension: DeepSpeed ignores this key
 

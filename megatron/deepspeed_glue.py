@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import checkpointing, mpu
+from megatron.checkpoint_retention import DEEPSPEED_LAYOUT, prune_checkpoints
 from megatron.errors import CheckpointError
 from megatron.learning_rates import AnnealingLR
 from megatron.optimizer import get_param_groups
@@ -31,14 +32,44 @@ from megatron.optimizer import get_param_groups
 _CONFIG_WEIGHT_DECAY = object()  # marks the group whose decay the config's optimizer sets
 
 
+def zero_stage(args):
+    section = args.deepspeed_config_dict.get("zero_optimization") or {}
+    return int(section.get("stage", 0))
+
+
+def model_construction_context(args):
+    """ZeRO stage 3: zero.Init over the data-parallel group, so each rank keeps only its
+    partition of every parameter from the moment the layer is built (Megatron-DeepSpeed's
+    model_provider). Other stages: nothing."""
+    import zero
+    return zero.Init(data_parallel_group=mpu.get_data_parallel_group(),
+                     remote_device=args.remote_device, pin_memory=args.use_pin_memory,
+                     config_dict_or_path=args.deepspeed_config_dict,
+                     enabled=zero_stage(args) == 3)
+
+
+def _register_tied_output_embedding(module):
+    """GPT2Model's forward multiplies by the word embeddings outside their module: stage 3
+    must gather them for the whole model forward."""
+    import zero
+    language_model = getattr(module, "language_model", None)
+    embedding = getattr(language_model, "embedding", None)
+    if embedding is not None:
+        zero.register_external_parameter(module, embedding.word_embeddings.weight)
+
+
 def setup_engine(module, args):
     """-> (engine, engine.optimizer, lr scheduler) for `module` under args.deepspeed_config_dict."""
     import zero
+    import zero.ops
     config = args.deepspeed_config_dict
     if config.get("optimizer") is None:
-        optimizer = torch.optim.AdamW(get_param_groups(module, args.weight_decay), lr=args.lr,
-                                      betas=(args.adam_beta1, args.adam_beta2),
-                                      eps=args.adam_eps)
+        # --cpu-optimizer: Megatron-DeepSpeed's DeepSpeedCPUAdam (torch AdamW with
+        # --cpu_torch_adam); under offload_optimizer the engine picks CPUAdam either way
+        adam = zero.ops.CPUAdam if getattr(args, "cpu_optimizer", False) \
+            and not getattr(args, "cpu_torch_adam", False) else torch.optim.AdamW
+        optimizer = adam(get_param_groups(module, args.weight_decay), lr=args.lr,
+                         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         parameters = None
     else:
         # The config's optimizer builds over our groups: its weight_decay applies to the decay
@@ -48,6 +79,8 @@ def setup_engine(module, args):
                       for group in get_param_groups(module, _CONFIG_WEIGHT_DECAY)]
     scheduler = None if config.get("scheduler") is not None \
         else functools.partial(_annealing_lr, args=args)  # called with the engine's optimizer
+    if zero_stage(args) == 3:
+        _register_tied_output_embedding(module)
     engine, optimizer, _, lr_scheduler = zero.initialize(
         model=module, optimizer=optimizer, model_parameters=parameters, lr_scheduler=scheduler,
         mpu=mpu, config=config)
@@ -95,7 +128,9 @@ def save_checkpoint(iteration, engine, args, train_state, device):
     engine.save_checkpoint(args.save, tag=checkpoint_tag(iteration), client_state=client_state)
     if not dist.is_initialized() or dist.get_rank() == 0:
         checkpointing.atomic_write_text(checkpointing.get_checkpoint_tracker_filename(args.save),
-                                        str(iteration))
+                                        str(iteration), point="save.tracker")
+        # After `latest` and the tracker name the new checkpoint: older ones may go.
+        prune_checkpoints(args.save, args.keep_last_n_checkpoints, DEEPSPEED_LAYOUT)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
@@ -106,9 +141,12 @@ def load_checkpoint(engine, args, device):
     from zero.checkpoint import model_states_name, read_latest
     tag = read_latest(args.load)
     if tag is None:
-        _explain_missing_latest(args.load)
+        _explain_missing_latest(args.load, args)
         return None
     states_name = model_states_name(mpu.get_model_parallel_rank())
+    if zero_stage(args) == 3:  # one model states file per DP rank
+        from zero.checkpoint_stage3 import model_states_name as stage3_states_name
+        states_name = stage3_states_name(0, mpu.get_model_parallel_rank())
     _check_saved_args(os.path.join(args.load, tag, states_name), args)
     fresh_optimizer = args.no_load_optim or args.finetune
     path, client_state = engine.load_checkpoint(
@@ -129,14 +167,15 @@ def load_checkpoint(engine, args, device):
     return train_state
 
 
-def _explain_missing_latest(load_dir):
+def _explain_missing_latest(load_dir, args):
     if os.path.isfile(checkpointing.get_checkpoint_tracker_filename(load_dir)):
         raise CheckpointError(
             f"--load {load_dir} holds a Megatron-layout checkpoint "
             f"({checkpointing.TRACKER_FILENAME}, iter_*/) but no DeepSpeed 'latest' file: it was "
             "saved without --deepspeed. Resume it without --deepspeed, or start this run from "
             "its weights with a fresh --save directory")
-    if os.path.isdir(load_dir) and os.listdir(load_dir):
+    if os.path.isdir(load_dir) and os.listdir(load_dir) and \
+            not checkpointing.resuming_own_save(args):
         raise CheckpointError(f"--load {load_dir} has no 'latest' file; point --load at a "
                               "directory written by --save with --deepspeed")
 
@@ -148,6 +187,8 @@ def _check_saved_args(model_states_path, args):
     try:
         states = torch.load(model_states_path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
-        raise CheckpointError(f"cannot read checkpoint {model_states_path}: {exc}") from None
+        raise CheckpointError(f"cannot read checkpoint {model_states_path}: "
+                              f"{checkpointing.load_failure_reason(exc)}. The file is corrupt "
+                              "or not a plain-tensor checkpoint") from None
     if isinstance(states.get("args"), dict):
         checkpointing.check_checkpoint_args(states["args"], args, model_states_path)

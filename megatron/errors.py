@@ -25,3 +25,8 @@ class TokenizerError(MegatronError):
 
 class CheckpointError(MegatronError):
     """A checkpoint that is missing, incomplete, or does not match the model."""
+
+
+class TrainingError(MegatronError):
+    """Training cannot go on (the loss stays NaN, another rank died or hangs); the message says
+    which checkpoint to resume from."""

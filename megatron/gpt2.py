@@ -7,6 +7,7 @@ from megatron.errors import ConfigError
 
 
 def model_provider(ctx):
+    from megatron.activation_checkpointing import checkpoint_function
     from megatron.model import GPT2Model, GPTConfig
     args = ctx.args
     config = GPTConfig(
@@ -17,7 +18,11 @@ def model_provider(ctx):
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         layernorm_epsilon=args.layernorm_epsilon,
         checkpoint_activations=args.checkpoint_activations,
-        checkpoint_num_layers=args.checkpoint_num_layers)
+        checkpoint_num_layers=args.checkpoint_num_layers,
+        split_transformers=getattr(args, "split_transformers", False),
+        checkpoint_function=checkpoint_function(args),
+        memory_centric_tiled_linear=getattr(args, "memory_centric_tiled_linear", False),
+        tile_factor=getattr(args, "tile_factor", None) or 1)
     return GPT2Model(config, parallel_output=True)
 
 

@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from megatron import device as device_mod
 from megatron import mpu
+from megatron.activation_checkpointing import (setup_activation_checkpointing,
+                                               teardown_activation_checkpointing)
 from megatron.errors import ConfigError
 
 DEFAULT_MASTER_PORT = 6000  # Megatron's launch scripts use 6000 too
@@ -179,6 +181,8 @@ def initialize_megatron(args):
     _init_process_group(args, device, launch)
     mpu.initialize_model_parallel(args.model_parallel_size,
                                   timeout=collective_timeout(args))
+    # Before seeding: under --deepspeed-activation-checkpointing mpu uses zero's RNG tracker.
+    setup_activation_checkpointing(args, device, is_rank0=launch.rank == 0)
     set_random_seed(args.seed, device)
     return Runtime(device=device, rank=launch.rank, world_size=launch.world_size,
                    local_rank=local_rank)
@@ -207,9 +211,12 @@ def _init_process_group(args, device, launch):
                                 timeout=timeout)
         return
     try:
-        dist.init_process_group(backend, init_method=_tcp_address(launch), rank=launch.rank,
-                                world_size=launch.world_size, timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
+        rendezvous = _restart_safe_store(launch, timeout)
+        dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout,
+                                device_id=device if device.type == "cuda" else None,
+                                **({"store": rendezvous} if rendezvous is not None
+                                   else {"init_method": _tcp_address(launch)}))
     except (dist.DistStoreError, dist.DistNetworkError) as error:
         # The usual causes are a node not started or started with other variables.
         reason = str(error).strip().splitlines()[0].rstrip(".")
@@ -219,6 +226,21 @@ def _init_process_group(args, device, launch):
             f"--distributed-timeout-minutes {args.distributed_timeout_minutes}: {reason}. "
             f"Check that all {launch.world_size} processes were started, with the same world "
             f"size, and that MASTER_ADDR/MASTER_PORT is rank 0's host and reachable") from None
+
+
+def _restart_safe_store(launch, timeout):
+    """Under torchrun (elastic), a store whose keys are private to this restart attempt.
+
+    torchrun --max-restarts keeps its rendezvous store across restarts; joining it the plain
+    way, the restarted ranks read the addresses the dead attempt published and gloo's
+    connectFullMesh times out ("Connection refused").  None outside torchrun."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or launch.launcher != "torchrun":
+        return None
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                          is_master=not agent_hosts_it and launch.rank == 0, timeout=timeout)
+    return dist.PrefixStore(f"megatron/attempt_{attempt}", store)
 
 
 def _tcp_address(launch):
@@ -241,6 +263,7 @@ def set_random_seed(seed, device):
 
 
 def destroy():
+    teardown_activation_checkpointing()
     mpu.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron import checkpointing, mpu
 from megatron import device as device_mod
 from megatron.distributed import wrap_data_parallel
+from megatron.fault_tolerance import TrainingGuards
 from megatron.initialize import Runtime, destroy, initialize_megatron
 from megatron.learning_rates import AnnealingLR
 from megatron.metrics import TrainingLogger, mfu
@@ -49,7 +50,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     - `forward_step_func(batch, model, ctx) -> scalar loss` (mean over counted tokens)
     """
     runtime = initialize_megatron(args)
-    logger = None
+    logger = guards = None
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file,
                                     args.tokenizer_model)
@@ -68,8 +69,10 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                                  f"{train_state['iteration']}")
         datasets = train_valid_test_datasets_provider(ctx, _num_samples(args))
         logger = TrainingLogger(args.log_dir, args.tensorboard_dir, runtime.is_rank0)
-        saved_at = train(forward_step_func, model, optimizer, lr_scheduler, datasets, ctx,
-                         train_state, logger)
+        guards = TrainingGuards(args, runtime, train_state)  # signals, NaN streaks, dead peers
+        with guards.explaining_failures():
+            saved_at = train(forward_step_func, model, optimizer, lr_scheduler, datasets, ctx,
+                             train_state, logger, guards)
         if train_state["iteration"] >= args.train_iters:
             for split, dataset in (("valid", datasets[1]), ("test", datasets[2])):
                 if dataset is not None and args.eval_iters > 0:
@@ -83,6 +86,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     finally:
         if logger is not None:
             logger.close()
+        if guards is not None:
+            guards.close()
         destroy()
 
 
@@ -99,9 +104,19 @@ def _num_samples(args):
             args.eval_iters * args.global_batch_size]
 
 
+# Public for tools/build_index_maps.py: maps built ahead of a job must carry the sample counts
+# (and so the cache file names) this trainer asks for.
+num_samples_per_split = _num_samples
+
+
 def setup_model_and_optimizer(model_provider, ctx):
     args = ctx.args
-    module = model_provider(ctx)
+    if args.deepspeed:  # ZeRO stage 3: built under zero.Init, partitioned as it is built
+        from megatron.deepspeed_glue import model_construction_context
+        with model_construction_context(args):
+            module = model_provider(ctx)
+    else:
+        module = model_provider(ctx)
     module.to(device=ctx.runtime.device, dtype=DTYPES[args.params_dtype])
     if args.deepspeed:  # the zero engine reduces gradients: no data-parallel wrapper here
         from megatron.deepspeed_glue import setup_engine
@@ -127,7 +142,7 @@ def setup_model_and_optimizer(model_provider, ctx):
 
 def _print_parameter_count(ctx, module):
     if ctx.runtime.is_rank0:
-        n_local = sum(p.numel() for p in module.parameters())
+        n_local = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
         print(f" > parameters on tensor-parallel rank 0: {n_local:,}", flush=True)
 
 
@@ -208,9 +223,11 @@ def evaluate(forward_step_func, model, dataset, ctx):
     return _average_over_data_parallel(total / max(count, 1), ctx.runtime.device)
 
 
-def train(forward_step_func, model, optimizer, lr_scheduler, datasets, ctx, state, logger):
+def train(forward_step_func, model, optimizer, lr_scheduler, datasets, ctx, state, logger,
+          guards):
     """The loop. Returns the iteration of the last checkpoint written (or None)."""
     args, runtime = ctx.args, ctx.runtime
+    train_forward_step = guards.wrap_forward_step(forward_step_func)  # test fault hooks
     model.train()
     iterator = _data_iterator(datasets[0], state["consumed_train_samples"], args)
     flops_per_sample = _flops_per_sample(ctx)
@@ -218,7 +235,8 @@ def train(forward_step_func, model, optimizer, lr_scheduler, datasets, ctx, stat
     window = {"loss": 0.0, "iters": 0, "start": time.perf_counter(), "grad_norm": None}
     saved_at = None
     while state["iteration"] < args.train_iters:
-        loss, updated, grad_norm = train_step(forward_step_func, iterator, model, optimizer,
+        guards.before_iteration(state["iteration"] + 1)
+        loss, updated, grad_norm = train_step(train_forward_step, iterator, model, optimizer,
                                               lr_scheduler, ctx)
         state["iteration"] += 1
         state["consumed_train_samples"] += args.global_batch_size
@@ -230,6 +248,7 @@ def train(forward_step_func, model, optimizer, lr_scheduler, datasets, ctx, stat
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             _log_window(window, state, optimizer, lr_scheduler, flops_per_sample, peak, ctx,
                         logger)
+        guards.after_iteration(iteration, loss)  # counts NaN losses; stops a long streak
         if datasets[1] is not None and args.eval_iters > 0 and \
                 iteration % args.eval_interval == 0 and iteration != args.train_iters:
             eval_start = time.perf_counter()
@@ -237,12 +256,17 @@ def train(forward_step_func, model, optimizer, lr_scheduler, datasets, ctx, stat
                             evaluate(forward_step_func, model, datasets[1], ctx))
             window["start"] += time.perf_counter() - eval_start  # keep eval out of ms/iter
         exiting = args.exit_interval and iteration % args.exit_interval == 0
-        if args.save and (iteration % args.save_interval == 0 or exiting):
+        stop_reason = guards.stop_reason()  # SIGTERM or time limit, agreed by all ranks
+        if args.save and (iteration % args.save_interval == 0 or exiting or stop_reason):
             checkpointing.save_checkpoint(iteration, model, optimizer, lr_scheduler, args,
                                           state, runtime.device)
             saved_at = iteration
         if exiting:
             _print0(runtime, f" exiting at iteration {iteration} (--exit-interval)")
+            break
+        if stop_reason:
+            _print0(runtime, f" exiting at iteration {iteration}: {stop_reason}"
+                             + (", checkpoint saved" if args.save else ""))
             break
     return saved_at
 

@@ -13,9 +13,11 @@
 #   DS_CONFIG=scripts/ds_zero_stage_2.config   the DeepSpeed JSON; it fixes the micro batch
 #              (train_micro_batch_size_per_gpu 8), accumulation (1), precision (bf16) and
 #              clipping (1.0), and MICRO_BATCH/GLOBAL_BATCH/PRECISION must agree with it (a
-#              clear error names both values otherwise).  scripts/ds_zero_stage_3.config cannot
-#              run yet: ZeRO stage 3 and offload are not built, and say so.
-#   ZERO_STAGE  0, 1 or 2: --zero-stage, overriding the config's zero_optimization.stage
+#              clear error names both values otherwise).  DS_CONFIG=scripts/ds_zero_stage_3.config
+#              trains with ZeRO stage 3 (the model is built under zero.Init).
+#   ZERO_STAGE  0, 1, 2 or 3: --zero-stage, overriding the config's zero_optimization.stage
+#   REMOTE_DEVICE  none, cpu or nvme (stage 3): --remote-device, where the parameter partitions
+#              live (nvme: a config with offload_param nvme, e.g. ds_zero_infinity.config)
 #   CHECKPOINT_DIR=checkpoints/gpt2_small_ds  RUN_DIR=runs/gpt2_small_ds
 # Checkpoints are DeepSpeed's layout (global_step<N>/mp_rank_00_model_states.pt,
 # zero_pp_rank_0_mp_rank_00_optim_states.pt, latest, zero_to_fp32.py) plus Megatron's
@@ -42,5 +44,8 @@ export RUN_DIR="${RUN_DIR:-$ROOT/runs/gpt2_small_ds}"
 DS_ARGS=(--deepspeed --deepspeed_config "$DS_CONFIG")
 if [ -n "${ZERO_STAGE:-}" ]; then
     DS_ARGS+=(--zero-stage "$ZERO_STAGE")
+fi
+if [ -n "${REMOTE_DEVICE:-}" ]; then
+    DS_ARGS+=(--remote-device "$REMOTE_DEVICE")
 fi
 exec bash "$ROOT/scripts/pretrain_gpt2.sh" "${DS_ARGS[@]}" "$@"

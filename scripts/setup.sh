@@ -4,12 +4,14 @@
 #
 #   bash scripts/setup.sh            # runtime dependencies
 #   EXTRAS=test bash scripts/setup.sh   # plus what the test suite uses
+#   EXTRAS=webtext bash scripts/setup.sh   # the webtext cleaning tools (tools/openwebtext)
 #
 # torch: an already-installed torch is kept (the venv then sees the base interpreter's
 # packages).  Otherwise a machine with an NVIDIA driver gets the default (CUDA) wheel and a
 # machine without one gets the CPU build, never the multi-GB CUDA build.
 # Variables: PYTHON (base interpreter, default python3), VENV (default <repo>/.venv),
-#            TORCH_VERSION (default 2.13.0), EXTRAS ("test" and/or "convert").
+#            TORCH_VERSION (default 2.13.0), EXTRAS (any of "test", "convert", "webtext").
+# The test extras include the webtext packages: the suite runs the webtext pipeline.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -18,7 +20,8 @@ TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 EXTRAS="${EXTRAS:-}"
 
 RUNTIME_PACKAGES=(numpy sentencepiece regex tensorboard tqdm)
-TEST_PACKAGES=(pytest tokenizers)
+WEBTEXT_PACKAGES=(ftfy langdetect datasketch)
+TEST_PACKAGES=(pytest tokenizers "${WEBTEXT_PACKAGES[@]}")
 CONVERT_PACKAGES=(transformers safetensors)
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -34,6 +37,7 @@ PY="$VENV/bin/python"
 wanted=("${RUNTIME_PACKAGES[@]}")
 [[ "$EXTRAS" == *test* ]] && wanted+=("${TEST_PACKAGES[@]}")
 [[ "$EXTRAS" == *convert* ]] && wanted+=("${CONVERT_PACKAGES[@]}")
+[[ "$EXTRAS" == *webtext* ]] && wanted+=("${WEBTEXT_PACKAGES[@]}")
 stamp="$VENV/.setup-stamp"
 all_installed() {
     [ -f "$stamp" ] || return 1

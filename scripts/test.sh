@@ -7,7 +7,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-EXTRAS="test${EXTRAS:+,$EXTRAS}" bash scripts/setup.sh
+# convert: transformers + safetensors, so the checkpoint-conversion tests run, not skip.
+EXTRAS="test,convert${EXTRAS:+,$EXTRAS}" bash scripts/setup.sh
 set +e
 "${VENV:-$ROOT/.venv}/bin/python" -m pytest -q "$@"
 status=$?

@@ -14,6 +14,15 @@ the loss is unchanged when the padded size stays the same and rises a little whe
 (by about log(new padded / old padded) for an untrained model, less once training sharpens
 the real logits).
 
+--deepspeed: the source is a `pretrain_gpt2.py --deepspeed` checkpoint (DeepSpeed's layout:
+<load>/latest, <load>/global_stepN/, any ZeRO stage and data-parallel size). Each TP rank's
+fp32 weights are consolidated over the ZeRO partitions (zero's get_fp32_state_dict_from_zero_
+checkpoint), then resharded as above into a Megatron-layout checkpoint; the Adam moments are
+not carried over, so resume it without --deepspeed and with --no-load-optim:
+
+    python tools/merge_mp_partitions.py --deepspeed --load checkpoints/ds --save ckpt_mp2 \
+        --target-model-parallel-size 2
+
 RNG states: every target rank gets rank 0's python/numpy/torch generators (identical on all
 TP ranks anyway); the per-rank attention-dropout stream continues on ranks that existed and
 is re-derived from --seed for new ones, as the trainer seeds them.
@@ -25,7 +34,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.convert import reshard_checkpoint  # noqa: E402
+from megatron.convert import read_sharded_checkpoint, reshard_checkpoint  # noqa: E402
+from megatron.convert.deepspeed_source import read_deepspeed_checkpoint  # noqa: E402
 from megatron.errors import MegatronError  # noqa: E402
 
 
@@ -35,6 +45,9 @@ def get_args(argv=None):
                         help="checkpoint directory (holds latest_checkpointed_iteration.txt)")
     parser.add_argument("--iteration", type=int, default=None,
                         help="iteration to convert (default: the one the tracker names)")
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="the source was saved by pretrain_gpt2.py --deepspeed (ZeRO "
+                             "partitions in DeepSpeed's layout); output a Megatron layout")
     parser.add_argument("--target-model-parallel-size", type=int, default=1,
                         help="tensor-parallel size to convert to (default 1: merge)")
     parser.add_argument("--model-parallel-size", type=int, default=None,
@@ -61,9 +74,13 @@ def run(args):
     result = reshard_checkpoint(args.load, args.save, args.target_model_parallel_size,
                                 iteration=args.iteration, vocab_size=args.vocab_size,
                                 tokenizer_files=tokenizer_files,
-                                source_tp=args.model_parallel_size)
+                                source_tp=args.model_parallel_size,
+                                reader=read_deepspeed_checkpoint if args.deepspeed
+                                else read_sharded_checkpoint)
     name = "release" if result.release else f"iteration {result.iteration}"
-    optimizer = "converted" if result.optimizer_converted else "none in the source checkpoint"
+    optimizer = "converted" if result.optimizer_converted else \
+        "not converted (ZeRO partitions): resume with --no-load-optim" if args.deepspeed else \
+        "none in the source checkpoint"
     print("\n".join([
         f" converted {args.load} ({name}): tensor-parallel size {result.source_tp} -> "
         f"{result.target_tp}",
@@ -72,7 +89,8 @@ def run(args):
         f" optimizer state: {optimizer}",
         f" wrote {len(result.paths)} file(s) under {os.path.dirname(result.paths[0])}/..",
         f" resume with: python pretrain_gpt2.py --load {args.save} "
-        f"--model-parallel-size {result.target_tp} ...",
+        f"--model-parallel-size {result.target_tp}"
+        f"{' --no-load-optim' if args.deepspeed else ''} ...",
     ]), flush=True)
     return result
 

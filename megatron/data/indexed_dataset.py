@@ -102,6 +102,23 @@ class _Index:
         self.pointers = np.frombuffer(buffer, np.int64, count=num_items, offset=offset)
         offset += self.pointers.nbytes
         self.doc_idx = np.frombuffer(buffer, np.int64, count=num_docs, offset=offset)
+        self._check_document_index(num_items)
+
+    def _check_document_index(self, num_items):
+        """Document boundaries are item numbers: ascending, within [0, num_items]."""
+        doc_idx = self.doc_idx
+        if len(doc_idx) == 0:
+            return
+        bad = np.flatnonzero((doc_idx < 0) | (doc_idx > num_items))
+        if len(bad):
+            raise DataError(f"{self.path}: document boundary {int(bad[0])} points at item "
+                            f"{int(doc_idx[bad[0]])}, past the end of its {num_items} items; "
+                            f"the file is corrupt. Rebuild it ({BUILD_HINT})")
+        falling = np.flatnonzero(np.diff(doc_idx) < 0)
+        if len(falling):
+            raise DataError(f"{self.path}: document boundaries go backwards at entry "
+                            f"{int(falling[0]) + 1}; the file is corrupt. Rebuild it "
+                            f"({BUILD_HINT})")
 
     def _check_magic(self, head):
         if head.startswith(_LEGACY_MAGIC):

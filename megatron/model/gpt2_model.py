@@ -1,7 +1,7 @@
 """GPT-2 (Megatron-LM 1.1.5 layout): configuration, named sizes, parameter/FLOP counts, model."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -40,7 +40,16 @@ class GPTConfig:
     layernorm_epsilon: float = 1e-5
     checkpoint_activations: bool = False
     checkpoint_num_layers: int = 1
+    # --split-transformers: attention and MLP halves are checkpointed separately (the chunks of
+    # checkpoint_num_layers then count halves)
+    split_transformers: bool = False
+    # checkpoint(function, *args) for the chunks: None = mpu.checkpoint; zero.checkpointing's
+    # under --deepspeed-activation-checkpointing (megatron/activation_checkpointing.py)
+    checkpoint_function: Optional[Callable] = None
     params_dtype: torch.dtype = torch.float32
+    # --memory-centric-tiled-linear / --tile-factor (megatron/model/tiling.py)
+    memory_centric_tiled_linear: bool = False
+    tile_factor: int = 1
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -72,6 +81,10 @@ class GPTConfig:
                             (self.vocab_size, "the padded vocab size"),
                             (self.ffn_hidden_size, "--ffn-hidden-size (default 4 * hidden)")):
             _require_divides(model_parallel_size, "--model-parallel-size", value, flag)
+        if self.memory_centric_tiled_linear:
+            from megatron.model.tiling import check_tile_factor
+            check_tile_factor(self.tile_factor, self.hidden_size, self.ffn_hidden_size,
+                              model_parallel_size)
         if self.checkpoint_activations:
             _require_divides(self.checkpoint_num_layers, "--checkpoint-num-layers",
                              self.num_layers, "--num-layers")
@@ -135,6 +148,9 @@ class GPT2Model(nn.Module):
         self.config = config
         self.parallel_output = parallel_output
         self.language_model = TransformerLanguageModel(config)
+        if config.memory_centric_tiled_linear:
+            from megatron.model.tiling import tile_transformer_linears
+            tile_transformer_linears(self.language_model.transformer, config.tile_factor)
         if config.params_dtype != torch.float32:
             self.to(config.params_dtype)  # initialised in fp32 on CPU, then cast
 

@@ -33,6 +33,8 @@ class ParallelSelfAttention(nn.Module):
         self.dense = mpu.RowParallelLinear(
             hidden_size, hidden_size, input_is_parallel=True,
             init_method=output_layer_init_method)
+        # A megatron.model.kv_cache.LayerKVCache while generating (attach_kv_cache).
+        self.kv_cache = None
 
     def forward(self, hidden_states, allowed_mask):
         # hidden_states: [b, s, h]; allowed_mask: None (causal) or bool [b|1, 1, s, s],
@@ -42,13 +44,18 @@ class ParallelSelfAttention(nn.Module):
         mixed = mixed.view(batch, seq, self.num_heads_per_partition, 3, self.head_dim)
         # Three strided views [b, np, s, hn]; SDPA reads them without a copy.
         query, key, value = (t.transpose(1, 2) for t in mixed.unbind(3))
+        is_causal = allowed_mask is None
+        if self.kv_cache is not None:  # decoding: also attend to the tokens cached earlier
+            key, value, allowed_mask, is_causal = self.kv_cache.update(key, value)
+            # CPU SDPA takes ~2x longer with a strided query; a decode step's is tiny.
+            query = query.contiguous()
         dropout_p = self.attention_dropout if self.training else 0.0
         # Each rank drops out its own heads: a per-rank stream, not the replicated one.
         rng = mpu.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext()
         with rng:
             context = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=allowed_mask, dropout_p=dropout_p,
-                is_causal=allowed_mask is None)  # [b, np, s, hn]
+                is_causal=is_causal)  # [b, np, s, hn]
         context = context.transpose(1, 2).reshape(batch, seq, -1)  # [b, s, np * hn]
         output, _ = self.dense(context)  # [b, s, h]
         return output
@@ -92,8 +99,14 @@ class ParallelTransformerLayer(nn.Module):
 
     def forward(self, hidden_states, allowed_mask):
         # hidden_states: [b, s, h]
+        return self.mlp_block(self.attention_block(hidden_states, allowed_mask))
+
+    # The two halves; --split-transformers checkpoints each on its own.
+    def attention_block(self, hidden_states, allowed_mask):
         attention_output = self.attention(self.input_layernorm(hidden_states), allowed_mask)
-        hidden_states = hidden_states + self._dropout(attention_output)
+        return hidden_states + self._dropout(attention_output)
+
+    def mlp_block(self, hidden_states):
         mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states + self._dropout(mlp_output)
 
@@ -105,15 +118,25 @@ class ParallelTransformer(nn.Module):
         super().__init__()
         self.checkpoint_activations = config.checkpoint_activations
         self.checkpoint_num_layers = config.checkpoint_num_layers
+        # Checkpointed units: layers, or with split_transformers their halves (unit 2i is the
+        # attention half of layer i, 2i+1 its MLP half); a chunk is checkpoint_num_layers units.
+        self.split_transformers = config.split_transformers
+        self.checkpoint_function = config.checkpoint_function or mpu.checkpoint
         self.layers = nn.ModuleList(
             ParallelTransformerLayer(config, init_method, output_layer_init_method)
             for _ in range(config.num_layers))
         self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
 
-    def _run_layers(self, start, end):
+    def _run_units(self, start, end):
         def run(hidden_states, allowed_mask):
-            for layer in self.layers[start:end]:
-                hidden_states = layer(hidden_states, allowed_mask)
+            for unit in range(start, end):
+                if not self.split_transformers:
+                    hidden_states = self.layers[unit](hidden_states, allowed_mask)
+                elif unit % 2 == 0:
+                    hidden_states = self.layers[unit // 2].attention_block(hidden_states,
+                                                                           allowed_mask)
+                else:
+                    hidden_states = self.layers[unit // 2].mlp_block(hidden_states)
             return hidden_states
         return run
 
@@ -121,12 +144,12 @@ class ParallelTransformer(nn.Module):
         # hidden_states: [b, s, h]; attention_mask: None (causal) or bool [b|1, 1, s, s] with
         # Megatron's convention True = masked.  SDPA's bool mask means the opposite.
         allowed_mask = None if attention_mask is None else ~attention_mask
-        num_layers = len(self.layers)
+        num_units = len(self.layers) * (2 if self.split_transformers else 1)
         if self.checkpoint_activations and self.training and torch.is_grad_enabled():
-            for start in range(0, num_layers, self.checkpoint_num_layers):
-                end = min(start + self.checkpoint_num_layers, num_layers)
-                hidden_states = mpu.checkpoint(self._run_layers(start, end), hidden_states,
-                                               allowed_mask)
+            for start in range(0, num_units, self.checkpoint_num_layers):
+                end = min(start + self.checkpoint_num_layers, num_units)
+                hidden_states = self.checkpoint_function(self._run_units(start, end),
+                                                         hidden_states, allowed_mask)
         else:
-            hidden_states = self._run_layers(0, num_layers)(hidden_states, allowed_mask)
+            hidden_states = self._run_units(0, num_units)(hidden_states, allowed_mask)
         return self.final_layernorm(hidden_states)

@@ -87,12 +87,21 @@ class RNGStatesTracker:
 
 
 CudaRNGStatesTracker = RNGStatesTracker  # Megatron's name; this one is device-agnostic
-_RNG_STATE_TRACKER = RNGStatesTracker()
+_DEFAULT_TRACKER = RNGStatesTracker()
+_RNG_STATE_TRACKER = _DEFAULT_TRACKER
 
 
 def get_cuda_rng_tracker():
     """The process-wide tracker (Megatron's name; it tracks CPU and CUDA generators)."""
     return _RNG_STATE_TRACKER
+
+
+def use_rng_tracker(tracker):
+    """Make `tracker` (same API, e.g. zero.checkpointing's) the one the model forks and the
+    checkpoints save, as Megatron-DeepSpeed does under --deepspeed-activation-checkpointing:
+    its recompute replays its own tracker. None restores this module's own."""
+    global _RNG_STATE_TRACKER
+    _RNG_STATE_TRACKER = _DEFAULT_TRACKER if tracker is None else tracker
 
 
 def model_parallel_cuda_manual_seed(seed):

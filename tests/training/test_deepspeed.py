@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import pretrain_gpt2
+import zero
 from megatron.arguments import parse_args
 from megatron.errors import ConfigError
 from tests.dist_utils import run_distributed
@@ -266,13 +267,18 @@ BAD_FLAGS = {
                            "--fp16 is given but 'fp16.enabled' is not true"),
     "clip-mismatch": ({"gradient_clipping": 1.0}, ["--clip-grad", "0.5"],
                       "--clip-grad 0.5 disagrees with 'gradient_clipping': 1.0"),
-    "zero-stage-3-flag": ({}, ["--zero-stage", "3"],
-                          "--zero-stage 3: ZeRO stage 3 (parameter partitioning, zero.Init) "
-                          "is not built yet"),
-    "zero-stage-3-config": ({"zero_optimization": {"stage": 3}}, [],
-                            "'zero_optimization.stage': 3 in DeepSpeed config {config}"),
-    "offload": ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-                [], "'zero_optimization.offload_optimizer' (CPU/NVMe offload) is not built"),
+    "zero-stage-4": ({}, ["--zero-stage", "4"], "--zero-stage 4 is not a ZeRO stage"),
+    "remote-device-below-stage-3": (
+        {"zero_optimization": {"stage": 2}}, ["--remote-device", "cpu"],
+        "--remote-device places ZeRO stage 3 parameter partitions (zero.Init), but the ZeRO "
+        "stage is 2"),
+    "offload-at-stage-0": (
+        {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, [],
+        "'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3, but "
+        "'zero_optimization.stage' is 0"),
+    "offload-param-below-stage-3": (
+        {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, [],
+        "'zero_optimization.offload_param' needs ZeRO stage 3"),
     "bad-bucket": ({}, ["--zero-reduce-bucket-size", "0"],
                    "--zero-reduce-bucket-size must be a positive number"),
     "loss-scale": ({}, ["--loss-scale", "128"], "--loss-scale has no effect under --deepspeed"),
@@ -284,7 +290,8 @@ BAD_FLAGS = {
 def test_inconsistent_flags_and_config_are_config_errors(tmp_path, name):
     entries, extra, message = BAD_FLAGS[name]
     config = write_config(tmp_path, **entries)
-    with pytest.raises(ConfigError) as error:
+    # flag conflicts are the trainer's ConfigError; config-only conflicts are zero's
+    with pytest.raises((ConfigError, zero.ConfigError)) as error:
         parse("--deepspeed", "--deepspeed_config", config, *extra, world_size=2)
     assert message.format(config=config) in str(error.value)
 
@@ -312,11 +319,14 @@ def test_config_mistakes_are_one_error_line(corpus, tmp_path, capsys, entries, p
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_unbuilt_activation_checkpointing_options_are_refused(corpus, tmp_path, capsys):
+def test_activation_checkpointing_options_need_recomputation(corpus, tmp_path, capsys):
+    """The section acts (tests/training/test_activation_checkpointing.py) on the checkpoints of
+    --checkpoint-activations; without those it would do nothing, so it is refused."""
     config = stage_config(tmp_path, 1, activation_checkpointing={"partition_activations": True})
     assert run(corpus, tmp_path / "log", 2, "--deepspeed", "--deepspeed_config", config) == 2
     err = capsys.readouterr().err
-    assert "'activation_checkpointing' options partition_activations" in err, err
+    assert "'activation_checkpointing.partition_activations' acts on the checkpoints of " \
+           "--checkpoint-activations, which is off" in err, err
 
 
 def test_gradient_checkpointing_key_turns_on_recomputation(corpus, tmp_path):
