@@ -11,6 +11,11 @@ from zero.loss_scaler import DynamicLossScaler, StaticLossScaler, build_loss_sca
 from zero.lr_schedules import (LRRangeTest, WarmupCosineLR, WarmupDecayLR, WarmupLR,
                                build_lr_scheduler)
 from zero.optimizers import build_optimizer
+from zero.tiling import TiledLinear, TiledLinearReturnBias
+from zero.partition_parameters import (GatheredParameters, Init, register_external_parameter,
+                                       unregister_external_parameter)
+
+from zero import checkpointing  # noqa: F401  (deepspeed.checkpointing's API)
 
 # --- engine (added by the engine engineer) -------------------------------------------------
 from zero.engine import initialize

@@ -11,7 +11,8 @@ flat group padded to a multiple of 2·dp and cut into dp contiguous slices -- so
 zero_to_fp32.py can consolidate them. In memory the engine partitions differently (bucket
 chunks, zero/stage1_2.py); saving gathers each bucket once to cut out DeepSpeed's slice.
 Loading reads, from each saved slice (memory-mapped), only the elements this rank owns, so a
-checkpoint loads at any data-parallel size and from any ZeRO stage 0-2.
+checkpoint loads at any data-parallel size and from any ZeRO stage 0-2. Stage 3 writes its
+own files (one model states file per DP rank): zero/checkpoint_stage3.py.
 
 A save writes into `<save_dir>/.<tag>.partial/`; only when every rank has written its files
 does rank 0 rename the directory to `<tag>` and then rewrite `latest`, so a crash at any moment
@@ -30,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from zero.errors import CheckpointError
+from zero.fault_injection import kill_point
+from zero.fault_injection import writer as fault_writer
 
 logger = logging.getLogger("zero.checkpoint")
 
@@ -67,9 +70,25 @@ def save_checkpoint(engine, save_dir, tag, client_state, save_latest):
         raise CheckpointError(f"client_state keys {clashes} clash with the checkpoint's own keys; "
                               "rename them")
     _check_plain(client_state, "client_state")
+    kill_point("zero.save.start")
     partial_dir = os.path.join(save_dir, f".{tag}.partial")
     _on_rank0_then_agree(engine, lambda: _fresh_dir(partial_dir), f"create {partial_dir}")
+    kill_point("zero.save.partial_dir_created")
     stage = engine.zero_optimization_stage()
+    if stage == 3:  # every DP rank writes model and optim states (zero/checkpoint_stage3.py)
+        from zero.checkpoint_stage3 import stage3_files
+        writes = stage3_files(engine, client_state)
+    else:
+        writes = _stage0_2_files(engine, stage, client_state)
+    _all_agree(engine, _try(lambda: [_durable_save(obj, os.path.join(partial_dir, name))
+                                     for name, obj in writes]), f"write into {partial_dir}")
+    kill_point("zero.save.files_done")
+    _on_rank0_then_agree(engine, lambda: _publish(save_dir, partial_dir, tag, save_latest),
+                         f"publish {tag} in {save_dir}")
+    return True
+
+
+def _stage0_2_files(engine, stage, client_state):
     zero_state = None  # stage 0: one full partition, kept in the model states of DP rank 0
     if stage > 0 or engine.dp_rank == 0:
         zero_state = zero_optimizer_state(engine.optimizer)  # collective over DP in stage 1/2
@@ -82,11 +101,7 @@ def save_checkpoint(engine, save_dir, tag, client_state, save_latest):
         states = _model_states(engine, zero_state if stage == 0 else None)
         states.update(client_state)
         writes.append((model_states_name(engine.mp_rank), states))
-    _all_agree(engine, _try(lambda: [_durable_save(obj, os.path.join(partial_dir, name))
-                                     for name, obj in writes]), f"write into {partial_dir}")
-    _on_rank0_then_agree(engine, lambda: _publish(save_dir, partial_dir, tag, save_latest),
-                         f"publish {tag} in {save_dir}")
-    return True
+    return writes
 
 
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.Size,
@@ -117,9 +132,12 @@ def _check_tag(tag):
 
 
 def _durable_save(obj, path):
-    torch.save(obj, path)
-    with open(path, "rb") as f:  # on disk before the directory is renamed into place
-        os.fsync(f.fileno())
+    with open(path, "wb") as f:
+        torch.save(obj, fault_writer(f, "zero.save.file.half_written"))
+        kill_point("zero.save.file.written")
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the directory is renamed into place
+    kill_point("zero.save.file.synced")
 
 
 def _fresh_dir(path):
@@ -133,9 +151,13 @@ def _publish(save_dir, partial_dir, tag, save_latest):
     if os.path.isdir(final_dir):  # re-saving a tag: keep the old one until the new is in place
         shutil.rmtree(old_dir, ignore_errors=True)
         os.replace(final_dir, old_dir)
+        kill_point("zero.save.publish.old_moved_aside")
     os.replace(partial_dir, final_dir)
+    kill_point("zero.save.publish.renamed")
     shutil.rmtree(old_dir, ignore_errors=True)
+    kill_point("zero.save.publish.old_removed")
     _atomic_copy(ZERO_TO_FP32, os.path.join(save_dir, "zero_to_fp32.py"))
+    kill_point("zero.save.publish.script_copied")
     if save_latest:
         _atomic_write_text(os.path.join(save_dir, "latest"), tag)
 
@@ -146,7 +168,9 @@ def _atomic_write_text(path, text):
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    kill_point("zero.save.publish.latest_tmp_written")
     os.replace(tmp, path)
+    kill_point("zero.save.publish.latest_renamed")
 
 
 def _atomic_copy(src, dst):
@@ -208,7 +232,7 @@ def _shared_params(module):
 
 def zero_optimizer_state(optimizer):
     """This rank's optimizer state in DeepSpeed's stage 1/2 format (collective over DP)."""
-    base = optimizer.optimizer.state_dict()
+    base = optimizer.base_state_dict()  # offload: swapped in from host/NVMe
     state, fp32_groups, paddings, counts = {}, [], [], []
     for g, group in enumerate(optimizer.groups):
         comm = optimizer.dp_comm if group.layout.world_size > 1 else None
@@ -219,7 +243,7 @@ def zero_optimizer_state(optimizer):
         valid = max(0, min(size, group.layout.numel - group.rank * size))
         if optimizer.settings.stage > 0 or not group.master_is_flat:
             # (fp32 stage 0 leaves it out: the master is the module's weights)
-            fp32_groups.append(natural(group.master.detach())[:valid])
+            fp32_groups.append(natural(optimizer.master_partition(g))[:valid])
         paddings.append(size - valid)
         counts.append(group.layout.world_size)
     scaler = optimizer.loss_scaler
@@ -280,6 +304,13 @@ def load_checkpoint(engine, load_dir, tag, load_optimizer_states, load_lr_schedu
             logger.warning("no 'latest' file in %s and no tag given: nothing loaded", load_dir)
             return None, None
     ckpt_dir = find_tag_dir(load_dir, tag)
+    if engine.zero_optimization_stage() == 3:  # zero/checkpoint_stage3.py
+        from zero.checkpoint_stage3 import load_stage3
+        path, states = load_stage3(engine, ckpt_dir, load_optimizer_states, load_module_only)
+        client_state = {k: v for k, v in states.items() if k not in MODEL_STATE_KEYS}
+        if load_module_only:
+            return path, client_state
+        return _restore_counters(engine, states, load_lr_scheduler_states, path, client_state)
     path = os.path.join(ckpt_dir, model_states_name(engine.mp_rank))
     states = _load_model_states(path, ckpt_dir, engine.mp_world_size)
     try:
@@ -295,6 +326,10 @@ def load_checkpoint(engine, load_dir, tag, load_optimizer_states, load_lr_schedu
         masters_loaded = load_zero_optimizer_state(engine, ckpt_dir, states)
     if not masters_loaded:
         engine.optimizer.refresh_masters_from_model()
+    return _restore_counters(engine, states, load_lr_scheduler_states, path, client_state)
+
+
+def _restore_counters(engine, states, load_lr_scheduler_states, path, client_state):
     if load_lr_scheduler_states and engine.lr_scheduler is not None \
             and states.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
@@ -358,9 +393,19 @@ def _torch_load(path, mmap=False):
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 -- truncated files, pickled classes, ...
-        raise CheckpointError(f"cannot read {path}: {e}. The file is damaged or was not written "
+        raise CheckpointError(f"cannot read {path}: {load_failure_reason(e)}. The file is "
+                              "damaged or was not written "
                               "by zero (DeepSpeed's own files pickle classes; convert them with "
                               "DeepSpeed's zero_to_fp32.py)") from None
+
+
+def load_failure_reason(exc):
+    """One line out of torch.load's multi-paragraph error: what it refused, or the first line."""
+    text = str(exc)
+    refused = re.search(r"Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+", text)
+    if refused:
+        return refused.group(0)
+    return (text.strip().splitlines()[0] if text.strip() else type(exc).__name__)[:300]
 
 
 def _optim_files(ckpt_dir, mp_rank):
@@ -431,7 +476,8 @@ class _PartitionRestore:
             lo, hi = s * size, min((s + 1) * size, numel)
             runs = group.layout.partition_runs(group.rank, lo, hi)
             if self.has_fp32:
-                self._copy_runs(saved["single_partition_of_fp32_groups"][g], group.master.data,
+                self._copy_runs(saved["single_partition_of_fp32_groups"][g],
+                                self.optimizer.master_restore_target(g),
                                 runs, lo)
             for key, value in base_state.get(g, {}).items():
                 if _per_element(value, size):
@@ -451,7 +497,7 @@ class _PartitionRestore:
     def finish(self):
         optimizer, saved = self.optimizer, self.first
         try:
-            optimizer.optimizer.load_state_dict(
+            optimizer.load_base_state_dict(
                 {"state": {g: s for g, s in enumerate(self.states) if s},
                  "param_groups": saved["base_optimizer_state"]["param_groups"]})
         except (ValueError, KeyError) as e:
@@ -460,6 +506,7 @@ class _PartitionRestore:
         if optimizer.loss_scaler is not None and saved.get("loss_scaler") is not None:
             optimizer.loss_scaler.load_state_dict(saved["loss_scaler"])
         if self.has_fp32:
+            optimizer.commit_restored_masters()
             optimizer.publish_masters()
         return self.has_fp32
 
@@ -469,6 +516,9 @@ class _PartitionRestore:
 
 def save_16bit_model(engine, save_dir, save_filename):
     """Global rank 0 writes module.state_dict() (the model dtype) to save_dir/save_filename."""
+    if engine.zero_optimization_stage() == 3:
+        from zero.checkpoint_stage3 import save_16bit_model_stage3
+        return save_16bit_model_stage3(engine, save_dir, save_filename)
     path = os.path.join(save_dir, save_filename)
 
     def write():

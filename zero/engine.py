@@ -19,10 +19,13 @@ every bucket is already split evenly over all ranks (what `round_robin_gradients
 gradients always go through contiguous buckets (`contiguous_gradients`), parameters are
 all-gathered per reduce bucket in one collective each (`allgather_partitions`,
 `allgather_bucket_size`, which DeepSpeed also ignores when all_gather_into_tensor exists), and
-every checkpoint loads at any data-parallel size (`elastic_checkpoint`). Stage 3 and offload
-are refused with a ConfigError until they exist.
+every checkpoint loads at any data-parallel size (`elastic_checkpoint`). `offload_optimizer`
+(cpu or nvme, stages 1-2) steps the partitions with CPUAdam on the host (zero/offload/).
+Stage 3 (parameters partitioned too, gathered by module hooks) is zero/stage3*.py, with
+zero/partition_parameters.py (`zero.Init`, `zero.GatheredParameters`).
 """
 
+import contextlib
 import logging
 import os
 import time
@@ -83,7 +86,7 @@ def init_distributed(dist_init_required=None):
 
 
 class DeepSpeedEngine(torch.nn.Module):
-    """Wraps `model` for data-parallel training with ZeRO stages 0-2 (see module docstring)."""
+    """Wraps `model` for data-parallel training with ZeRO stages 0-3 (see module docstring)."""
 
     def __init__(self, model, config, optimizer=None, model_parameters=None, training_data=None,
                  lr_scheduler=None, mpu=None, collate_fn=None):
@@ -125,21 +128,22 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def _check_supported_features(self):
         zero = self.config.zero_optimization
-        if zero.stage == 3:
-            raise ConfigError(f"DeepSpeed config {self.config.source}: ZeRO stage 3 is not "
-                              "available in this engine yet; use stage 0, 1 or 2")
-        if zero.offload_optimizer is not None:
-            raise ConfigError(f"DeepSpeed config {self.config.source}: "
-                              "'zero_optimization.offload_optimizer' (device "
-                              f"{zero.offload_optimizer.device!r}) is not available in this "
-                              "engine yet; remove it to keep the optimizer on the device")
         if not zero.contiguous_gradients and zero.stage == 2:
             logger.info("zero_optimization.contiguous_gradients=false: stage 2 always reduces "
                         "through contiguous bucket buffers here; results are the same")
 
     def _zero_optimizer(self, base_optimizer):
         """The partitioning wrapper for the configured stage (the seam for stage 3/offload)."""
+        if self.zero_optimization_stage() == 3:  # zero/stage3*.py
+            from zero.stage3_setup import build_stage3_optimizer
+            return build_stage3_optimizer(self, base_optimizer, build_loss_scaler(self.config))
         param_order = {p: i for i, p in enumerate(self.module.parameters())}
+        if self.config.zero_optimization.offload_optimizer is not None:  # zero/offload
+            from zero.offload import OffloadZeroOptimizer, OptimizerOffload
+            return OffloadZeroOptimizer(
+                base_optimizer, param_order, self._zero_settings(), self.dp_comm, self.mp_comm,
+                self.mp_rank, build_loss_scaler(self.config),
+                offload=OptimizerOffload.from_config(self.config, self.global_rank))
         return ZeroOptimizer(base_optimizer, param_order, self._zero_settings(), self.dp_comm,
                              self.mp_comm, self.mp_rank, build_loss_scaler(self.config))
 
@@ -204,8 +208,8 @@ class DeepSpeedEngine(torch.nn.Module):
     @torch.no_grad()
     def _broadcast_from_first_dp_rank(self):
         """Every data-parallel rank starts from DP rank 0's weights and buffers."""
-        if self.dp_world_size == 1:
-            return
+        if self.dp_world_size == 1 or self.zero_optimization_stage() == 3:
+            return  # (stage 3 partitions DP rank 0's values: zero/stage3_setup.py)
         flat_ptrs = set()
         for group in self.optimizer.groups:
             self.dp_comm.broadcast(group.flat)
@@ -227,8 +231,13 @@ class DeepSpeedEngine(torch.nn.Module):
     # ----- training -----
 
     def forward(self, *inputs, **kwargs):
-        with self.monitor.timed("forward"):
+        with self.monitor.timed("forward"), self._forward_context():
             return self.module(*inputs, **kwargs)
+
+    def _forward_context(self):
+        """Stage 3: autograd keeps re-gatherable references to saved parameters."""
+        context = getattr(self.optimizer, "forward_context", None)
+        return context() if context is not None else contextlib.nullcontext()
 
     def backward(self, loss, scale_wrt_gas=True):
         """Backward of `loss` / gradient_accumulation_steps (x the loss scale); reduces the
@@ -261,6 +270,14 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def zero_grad(self):
         self.optimizer.zero_grad()
+
+    def destroy(self):
+        """Remove the gradient hooks and whatever the optimizer keeps outside memory (NVMe swap
+        files). The hooks live in C++, so garbage collection alone would not free the engine."""
+        self.optimizer.remove_hooks()
+        close = getattr(self.optimizer, "close", None)
+        if close is not None:
+            close()
 
     # ----- queries (DeepSpeed's names) -----
 

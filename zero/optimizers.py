@@ -23,6 +23,7 @@ import torch
 
 from zero.config_fields import AUTO, fail, show
 from zero.errors import ConfigError
+from zero.ops.cpu_adam import CPUAdam
 
 logger = logging.getLogger("zero.optimizers")
 
@@ -36,7 +37,7 @@ SUPPORTED_NAMES = "Adam, AdamW, SGD, Adagrad, or a torch.optim class by its exac
 
 # Optimizers ZeRO is tested with (DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS, torch subset); the
 # offload engineer appends CPU Adam here.
-ZERO_SUPPORTED_OPTIMIZERS = [torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad]
+ZERO_SUPPORTED_OPTIMIZERS = [torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, CPUAdam]
 
 
 def build_optimizer(config, model_parameters):

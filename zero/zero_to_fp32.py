@@ -36,11 +36,15 @@ except ImportError:  # run standalone from a checkpoint folder
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None,
-                                             exclude_frozen_parameters=False):
-    """{name: fp32 CPU tensor} for the model saved in `checkpoint_dir` (tag or `latest`)."""
+                                             exclude_frozen_parameters=False, mp_rank=None):
+    """{name: fp32 CPU tensor} for the model saved in `checkpoint_dir` (tag or `latest`).
+
+    `mp_rank`: consolidate the files of this tensor-parallel rank only (checkpoints saved with
+    tensor parallelism hold one set per TP rank; DeepSpeed's script refuses those)."""
     ckpt_dir = _tag_dir(checkpoint_dir, tag)
-    optim_files = _sorted_by_rank(glob.glob(os.path.join(ckpt_dir, "*_optim_states.pt")))
-    model_files = _sorted_by_rank(glob.glob(os.path.join(ckpt_dir, "*_model_states.pt")))
+    only = "*" if mp_rank is None else f"*mp_rank_{int(mp_rank):02d}"
+    optim_files = _sorted_by_rank(glob.glob(os.path.join(ckpt_dir, f"{only}_optim_states.pt")))
+    model_files = _sorted_by_rank(glob.glob(os.path.join(ckpt_dir, f"{only}_model_states.pt")))
     if not model_files:
         raise CheckpointError(f"no *_model_states.pt in {ckpt_dir}: not a ZeRO checkpoint")
     tp_ranks = [f for f in model_files if re.match(r"mp_rank_\d+_model_states\.pt$",
@@ -123,10 +127,48 @@ def _sorted_by_rank(paths):
 
 def _load(path):
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        foreign = [name for name in torch.serialization.get_unsafe_globals_in_checkpoint(path)
+                   if name.startswith("deepspeed.")]
+        if not foreign:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        # Written by DeepSpeed itself: its loss scaler, ZeroStageEnum and fragment addresses
+        # are pickled classes. Stand-ins that only record their arguments take their place
+        # (no DeepSpeed code runs, and none is needed), then enums become their values.
+        with torch.serialization.safe_globals([(_Foreign, name) for name in foreign]):
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return _without_foreign(loaded)
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"cannot read {path}: {e} (files written by DeepSpeed itself "
-                              "pickle its classes: use DeepSpeed's own zero_to_fp32.py)") from None
+        reason = re.search(r"Unsupported global: GLOBAL [\w.]+", str(e))  # torch's is long
+        reason = reason.group(0) if reason else (str(e).strip().splitlines() or [""])[0][:300]
+        raise CheckpointError(f"cannot read {path}: {reason}. The file is damaged or holds "
+                              "pickled classes other than DeepSpeed's") from None
+
+
+class _Foreign:
+    """Stand-in for a pickled DeepSpeed object: keeps constructor arguments and state."""
+
+    def __new__(cls, *args):  # pickle calls either cls(*args) or cls.__new__(cls, *args)
+        instance = super().__new__(cls)
+        instance.args, instance.state = args, None
+        return instance
+
+    def __init__(self, *args):
+        pass
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+def _without_foreign(value):
+    """Stand-ins built from one plain argument (int enums such as ZeroStageEnum) -> that value."""
+    if isinstance(value, _Foreign):
+        return value.args[0] if len(value.args) == 1 and value.state is None else value
+    if isinstance(value, dict):
+        return type(value)((k, _without_foreign(v)) for k, v in value.items()) \
+            if isinstance(value, OrderedDict) else {k: _without_foreign(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_foreign(v) for v in value]
+    return value
 
 
 def _as_list(value):
