@@ -7,14 +7,16 @@ For one GPT (fp32, AdamW, `--model small`: 4 layers, hidden 256, seq 128, vocab 
 params, micro batch 2 per rank; `--model gpt-91m`: 12 layers, hidden 768, vocab 32768, the
 issue's 91.5M comparison) at each data-parallel size, every runner is started as fresh gloo
 processes (one thread each, benchmarks/zero_memory_comm_worker.py) so peak RSS is its own:
-  ours      zero.initialize stages 0-3 (stage 3 builds the model under zero.Init)
+  ours      zero.initialize stages 0-3 (stage 3 builds the model under zero.Init), plus stage 3
+            releasing params after forward (the paper's 3Ψ) and stage 1/2 with the
+            reduce-scatter run as an all-reduce (zero/comm.py's old gloo path, for timing)
   peers     torch DDP, ZeroRedundancyOptimizer (+DDP), FSDP2 fully_shard with
             reshard_after_forward True / False, and DeepSpeed stages 0-3 from its own venv
             (benchmarks/install_deepspeed_venv.sh), skipped with a note when it is absent.
 Reported per rank (rank 0): model-state bytes measured from the tensors each runner holds,
-next to the ZeRO paper's formulas (deepspeed_spec.md §4.5) in their fp32 form; bytes sent per
-step (ours: zero/comm.py's counters; peers: patched torch.distributed + a DDP comm hook) in
-units of Ψ·4 B·(N-1)/N, next to 2Ψ/2Ψ/2Ψ/3Ψ; median step time; peak RSS (VmHWM). Then the
+next to the ZeRO paper's formulas (deepspeed_spec.md §4.5) in their fp32 form (FORMULAS); bytes
+sent per step (ours: zero/comm.py's counters; peers: patched torch.distributed + a DDP comm
+hook) in units of Ψ·4 B·(N-1)/N, next to what each configuration should send (COMM); median step time; peak RSS (VmHWM). Then the
 ratios ours/peer. Also records the DeepSpeed checkpoint compatibility check
 (benchmarks/deepspeed_compat.py) unless --no-compat. Timings on this shared 2-core machine are
 noisy; DP=4 oversubscribes the 2 cores (4 ranks x 1 thread), so compare within a column.
@@ -36,12 +38,27 @@ STAGES = (0, 1, 2, 3)
 TORCH_PEERS = ("ddp", "zero_redundancy", "fsdp2_reshard", "fsdp2_keep")
 PEER_NAMES = {"ddp": "torch DDP", "zero_redundancy": "ZeroRedundancyOptimizer",
               "fsdp2_reshard": "FSDP2 (reshard)", "fsdp2_keep": "FSDP2 (no reshard)"}
-# fp32 form of the ZeRO paper's per-rank model states (bytes per parameter): params 4,
-# grads 4, fp32 master 4 (only where it is a separate, partitioned copy), Adam moments 8.
-FORMULAS = {0: ("16Ψ", lambda n: 16.0), 1: ("8Ψ+12Ψ/N", lambda n: 8 + 12 / n),
-            2: ("4Ψ+16Ψ/N", lambda n: 4 + 16 / n), 3: ("20Ψ/N", lambda n: 20 / n)}
+# The ZeRO paper's per-rank model states in fp32 (bytes per parameter): params 4, grads 4,
+# Adam moments 8; in fp32 no separate master is needed (the params are fp32), and our stages
+# 0, 1 and 3 keep none (stage 1: the master partition and its gradient are views of the flat
+# params/grads; stage 3: the master is the param shard). Stage 2 keeps one: its partition is
+# K strided bucket chunks of the flat params, and the optimizer steps a contiguous fp32 copy
+# of them, +4Ψ/N over the fp32 formula (shown as "+master").
+FORMULAS = {0: ("16Ψ", lambda n: 16.0), 1: ("8Ψ+8Ψ/N", lambda n: 8 + 8 / n),
+            2: ("4Ψ+12Ψ/N (+4Ψ/N master)", lambda n: 4 + 16 / n), 3: ("16Ψ/N", lambda n: 16 / n)}
 PAPER = {0: "16Ψ", 1: "4Ψ+12Ψ/N", 2: "2Ψ+14Ψ/N", 3: "16Ψ/N"}  # mixed precision, K=12
-COMM = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
+# Stage 3 with DeepSpeed's defaults (stage3_max_reuse_distance 1e9) keeps the gathered params
+# from forward to backward on a model this small: all-gather Ψ + reduce-scatter Ψ = 2Ψ. The
+# "release" variant (reuse distance 0, persistence threshold 0) re-gathers in backward: the
+# paper's 3Ψ.
+# "ours_rs_all_reduce": stage 1/2 with gloo's reduce-scatter done the old way (an all-reduce,
+# then keep the own chunk: 2Ψ of gradient traffic instead of Ψ), to time the ring against it.
+COMM = {0: 2.0, 1: 2.0, 2: 2.0, 3: 2.0, "ours_release": 3.0, "ours_rs_all_reduce": 3.0}
+OURS_ROWS = ((0, "ours"), (1, "ours"), (1, "ours_rs_all_reduce"), (2, "ours"),
+             (2, "ours_rs_all_reduce"), (3, "ours"), (3, "ours_release"))
+OURS_RUNNERS = {runner for _, runner in OURS_ROWS}
+VARIANT_LABELS = {"ours": "", "ours_release": " (release after fwd)",
+                  "ours_rs_all_reduce": " (reduce-scatter as all-reduce)"}
 STATE_KEYS = ("params", "grads", "masters", "optimizer state")
 
 
@@ -77,28 +94,34 @@ def comm_units(result, dp):
 
 def ours_table(results, dp):
     rows = []
-    for stage in STAGES:
-        r = results.get(("ours", stage))
+    for stage, runner in OURS_ROWS:
+        label = _ours_label(stage, runner)
+        r = results.get((runner, stage))
         if r is None or "error" in r:
-            rows.append([f"ZeRO-{stage}", (r or {}).get("error", "not run")] + [""] * 8)
+            rows.append([label, (r or {}).get("error", "not run")] + [""] * 8)
             continue
         held, numel = r["held"], r["numel"]
         name, per_param = FORMULAS[stage]
         formula = per_param(dp) * numel
-        rows.append([f"ZeRO-{stage}", " / ".join(mb(held.get(k, 0)) for k in STATE_KEYS),
+        expected = COMM.get(runner, COMM[stage])
+        rows.append([label, " / ".join(mb(held.get(k, 0)) for k in STATE_KEYS),
                      mb(model_states(r)), f"{name} = {mb(formula)} (paper, mixed: {PAPER[stage]})",
                      f"{model_states(r) / formula:.3f}", mb(held.get("other", 0)),
-                     f"{comm_units(r, dp)} (paper {COMM[stage]:.0f}Ψ)", f"{r['step_s']:.3f}",
+                     f"{comm_units(r, dp)} (expected {expected:.0f}Ψ)", f"{r['step_s']:.3f}",
                      mb(r["peak_rss"])])
     return markdown_table(["ours", "params / grads / masters / optim (MB)", "model states MB",
                            "formula (fp32)", "measured / formula", "buffers MB",
                            "sent per step", "step s", "peak RSS MB"], rows)
 
 
+def _ours_label(stage, runner):
+    return f"ZeRO-{stage}" + VARIANT_LABELS[runner]
+
+
 def peers_table(results, dp):
     rows = []
     for (runner, stage), r in results.items():
-        if runner == "ours":
+        if runner in OURS_RUNNERS:
             continue
         name = f"DeepSpeed ZeRO-{stage}" if runner == "deepspeed" else PEER_NAMES[runner]
         if "error" in r:
@@ -111,29 +134,30 @@ def peers_table(results, dp):
 
 
 def ratio_table(results):
-    peers = [(k, r) for k, r in results.items() if k[0] != "ours" and "error" not in r]
+    peers = [(k, r) for k, r in results.items()
+             if k[0] not in OURS_RUNNERS and "error" not in r]
     if not peers:
         return ""
     headers = ["ours / peer: step time, peak RSS"] + [
         f"DeepSpeed-{s}" if n == "deepspeed" else PEER_NAMES[n] for (n, s), _ in peers]
-    rows = []
-    for stage in STAGES:
-        ours = results.get(("ours", stage))
+    rows, ours_runs = [], []
+    for stage, runner in OURS_ROWS:
+        ours = results.get((runner, stage))
         if ours is None or "error" in ours:
             continue
-        rows.append([f"ZeRO-{stage}"] + [f"{ours['step_s'] / r['step_s']:.2f}, "
+        ours_runs.append((_ours_label(stage, runner), ours))
+        rows.append([_ours_label(stage, runner)] + [f"{ours['step_s'] / r['step_s']:.2f}, "
                                          f"{ours['peak_rss'] / r['peak_rss']:.2f}"
                                          for _, r in peers])
     fastest = min(r["step_s"] for _, r in peers)
     leanest = min(r["peak_rss"] for _, r in peers)
-    verdict = [f"ZeRO-{s}: step {results[('ours', s)]['step_s'] / fastest:.2f}x the fastest "
-               f"peer, peak RSS {results[('ours', s)]['peak_rss'] / leanest:.2f}x the leanest"
-               for s in STAGES if "error" not in results.get(("ours", s), {"error": 1})]
+    verdict = [f"{label}: step {ours['step_s'] / fastest:.2f}x the fastest peer, peak RSS "
+               f"{ours['peak_rss'] / leanest:.2f}x the leanest" for label, ours in ours_runs]
     return markdown_table(headers, rows) + "\n\n" + "; ".join(verdict) + "."
 
 
 def runners(args):
-    chosen = [("ours", s) for s in STAGES] + [(p, 0) for p in TORCH_PEERS]
+    chosen = [(runner, s) for s, runner in OURS_ROWS] + [(p, 0) for p in TORCH_PEERS]
     if not args.no_deepspeed and deepspeed_venv.deepspeed_python():
         chosen += [("deepspeed", s) for s in STAGES]
     return chosen
@@ -165,7 +189,8 @@ def main():
         args.dp, args.steps = [2], 2
     sections = [f"Machine: {machine_description()}; model `{args.model}`, fp32, micro batch "
                 f"{args.micro_batch} per rank, median of {args.steps} steps after "
-                f"{args.warmup} warm-up; rank 0's numbers; 1 thread per rank."]
+                f"{args.warmup} warm-up; rank 0's numbers; 1 thread per rank; load average "
+                f"{os.getloadavg()[0]:.1f} at the start (shared machine: other jobs add noise)."]
     ds_version = None if args.no_deepspeed else deepspeed_venv.deepspeed_version()
     sections.append(f"DeepSpeed: {ds_version}" if ds_version else
                     "DeepSpeed: not run (no venv; bash benchmarks/install_deepspeed_venv.sh)")
@@ -179,6 +204,7 @@ def main():
             sections += [f"### DP={dp}", ours_table(results, dp), peers_table(results, dp),
                          ratio_table(results)]
             print("\n\n".join(sections[-4:]), flush=True)
+    sections.append(f"Load average at the end of the timed runs: {os.getloadavg()[0]:.1f}.")
     if not args.no_compat:
         sections.append(compat_section())
         print(sections[-1])

@@ -1,7 +1,7 @@
 """One rank of one runner of benchmarks/zero_memory_comm.py (started by it, one process per rank).
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=.. MASTER_PORT=.. python zero_memory_comm_worker.py \
-        --runner ours|ddp|zero_redundancy|fsdp2_reshard|fsdp2_keep|deepspeed --stage S \
+        --runner ours|ours_release|ours_rs_all_reduce|ddp|zero_redundancy|fsdp2_reshard|fsdp2_keep|deepspeed --stage S \
         --model small|gpt-91m --steps N --warmup W --micro-batch B --out PREFIX  # -> PREFIX.rank<r>.json
 
 Runs in the project's venv, or (runner deepspeed) in the DeepSpeed venv: so it imports only
@@ -167,12 +167,16 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=True)
 
 
-def build_ours(config, stage, counter):
+def build_ours(config, stage, counter, release_after_forward=False,
+               reduce_scatter_impl=None):
     import zero
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                  "zero_optimization": {"stage": stage, "overlap_comm": True,
                                        "reduce_bucket_size": 1_000_000},
                  "steps_per_print": 10 ** 9}
+    if release_after_forward:  # the paper's stage 3: every param re-gathered in backward
+        ds_config["zero_optimization"].update(stage3_max_reuse_distance=0,
+                                              stage3_param_persistence_threshold=0)
     if stage == 3:
         with zero.Init(config=ds_config):
             model = PlainGPT(config)
@@ -181,6 +185,8 @@ def build_ours(config, stage, counter):
         model = PlainGPT(config)
     engine, optimizer, _, _ = zero.initialize(model=model, optimizer=_adamw(model.parameters()),
                                               config=ds_config)
+    if reduce_scatter_impl is not None:  # zero/comm.py's alternative gloo reduce-scatter
+        engine.dp_comm.reduce_scatter_impl = reduce_scatter_impl
 
     def step(tokens, labels):
         loss = engine(tokens, labels)
@@ -261,7 +267,16 @@ def _plain_step(model, optimizer):
     return step
 
 
-RUNNERS = {"ours": build_ours, "deepspeed": build_deepspeed, "ddp": build_ddp,
+def build_ours_release(config, stage, counter):
+    return build_ours(config, stage, counter, release_after_forward=True)
+
+
+def build_ours_rs_all_reduce(config, stage, counter):
+    return build_ours(config, stage, counter, reduce_scatter_impl="all_reduce")
+
+
+RUNNERS = {"ours": build_ours, "ours_release": build_ours_release,
+           "ours_rs_all_reduce": build_ours_rs_all_reduce, "deepspeed": build_deepspeed, "ddp": build_ddp,
            "zero_redundancy": build_zero_redundancy, "fsdp2_reshard": build_fsdp2_reshard,
            "fsdp2_keep": build_fsdp2_keep}
 

@@ -12,7 +12,8 @@ zero_to_fp32.py can consolidate them. In memory the engine partitions differentl
 chunks, zero/stage1_2.py); saving gathers each bucket once to cut out DeepSpeed's slice.
 Loading reads, from each saved slice (memory-mapped), only the elements this rank owns, so a
 checkpoint loads at any data-parallel size and from any ZeRO stage 0-2. Stage 3 writes its
-own files (one model states file per DP rank): zero/checkpoint_stage3.py.
+own files (one model states file per DP rank): zero/checkpoint_stage3.py. How the stage 0-2 optimizer state maps between the
+two partitionings: zero/checkpoint_partitions.py.
 
 A save writes into `<save_dir>/.<tag>.partial/`; only when every rank has written its files
 does rank 0 rename the directory to `<tag>` and then rewrite `latest`, so a crash at any moment
@@ -21,7 +22,6 @@ leaves the previous checkpoint and tracker intact.
 
 import glob
 import logging
-import math
 import os
 import re
 import shutil
@@ -30,25 +30,21 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
+from zero.checkpoint_partitions import (  # noqa: F401  (the last two are re-exported)
+    DS_VERSION, PartitionRestore, check_param_shapes, zero_optimizer_state,
+    natural_partition_numel, partial_natural_partition)
 from zero.errors import CheckpointError
 from zero.fault_injection import kill_point
 from zero.fault_injection import writer as fault_writer
 
 logger = logging.getLogger("zero.checkpoint")
 
-DS_VERSION = "0.16.5+zero"  # the DeepSpeed release whose layout these files reproduce
 MODEL_STATE_KEYS = {
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
     "frozen_param_fragments", "shared_params", "lr_scheduler", "data_sampler", "random_ltd",
     "sparse_tensor_module_names", "csr_tensor_module_names", "skipped_steps", "global_steps",
     "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version"}
 ZERO_TO_FP32 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_to_fp32.py")
-
-
-def natural_partition_numel(numel, world_size):
-    """DeepSpeed's slice size: the group padded to a multiple of 2·world, cut into `world`."""
-    align = 2 * world_size
-    return math.ceil(numel / align) * align // world_size
 
 
 def model_states_name(mp_rank):
@@ -230,69 +226,6 @@ def _shared_params(module):
     return shared
 
 
-def zero_optimizer_state(optimizer):
-    """This rank's optimizer state in DeepSpeed's stage 1/2 format (collective over DP)."""
-    base = optimizer.base_state_dict()  # offload: swapped in from host/NVMe
-    state, fp32_groups, paddings, counts = {}, [], [], []
-    for g, group in enumerate(optimizer.groups):
-        comm = optimizer.dp_comm if group.layout.world_size > 1 else None
-        natural = partial_natural_partition(group, comm)
-        state[g] = {key: natural(value) if _per_element(value, group.layout.partition_numel)
-                    else _on_cpu(value) for key, value in base["state"].get(g, {}).items()}
-        size = natural_partition_numel(group.layout.numel, group.layout.world_size)
-        valid = max(0, min(size, group.layout.numel - group.rank * size))
-        if optimizer.settings.stage > 0 or not group.master_is_flat:
-            # (fp32 stage 0 leaves it out: the master is the module's weights)
-            fp32_groups.append(natural(optimizer.master_partition(g))[:valid])
-        paddings.append(size - valid)
-        counts.append(group.layout.world_size)
-    scaler = optimizer.loss_scaler
-    result = {
-        "loss_scaler": scaler.state_dict() if scaler is not None else None,
-        "dynamic_loss_scale": bool(getattr(scaler, "dynamic", False)),
-        "overflow": optimizer.overflow,
-        "clip_grad": optimizer.settings.gradient_clipping,
-        "base_optimizer_state": {"state": state, "param_groups": base["param_groups"]},
-        "zero_stage": optimizer.settings.stage,
-        "group_paddings": paddings,
-        "partition_count": counts,
-        "ds_version": DS_VERSION,
-    }
-    if len(fp32_groups) == len(optimizer.groups):
-        result["single_partition_of_fp32_groups"] = fp32_groups
-    return result
-
-
-def _on_cpu(value):
-    return value.to("cpu") if torch.is_tensor(value) else value
-
-
-def _per_element(value, partition_numel):
-    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == partition_numel
-
-
-def partial_natural_partition(group, comm):
-    """A function: tensor in the engine's partition layout [K·C] -> this rank's DeepSpeed
-    slice (zero padded). Collective over `comm` when there are several partitions."""
-    lay = group.layout
-    size = natural_partition_numel(lay.numel, lay.world_size)
-    lo = group.rank * size
-    hi = min(lo + size, lay.numel)
-
-    def natural(tensor):
-        if comm is None:  # one partition: the layouts agree on a prefix (zeros past numel)
-            return tensor.narrow(0, 0, size).to("cpu")
-        out = torch.zeros(size, dtype=tensor.dtype, device="cpu")
-        for k in range(lay.num_buckets):
-            bucket = torch.empty(lay.bucket, dtype=tensor.dtype, device=tensor.device)
-            comm.all_gather(bucket, tensor.narrow(0, k * lay.chunk, lay.chunk))
-            a, b = max(lo, k * lay.bucket), min(hi, (k + 1) * lay.bucket)
-            if a < b:
-                out.narrow(0, a - lo, b - a).copy_(bucket.narrow(0, a - k * lay.bucket, b - a))
-        return out
-    return natural
-
-
 # ---------------------------------------------------------------------------------------------
 # Loading
 
@@ -433,82 +366,12 @@ def load_zero_optimizer_state(engine, ckpt_dir, states):
                 f"{len(files)}. Pass load_optimizer_states=False to load the weights only")
         sources = [lambda path=path: _torch_load(path, mmap=True)["optimizer_state_dict"]
                    for path in files]
-    _check_param_shapes(engine, states.get("param_shapes"), ckpt_dir)
+    check_param_shapes(engine, states.get("param_shapes"), ckpt_dir)
     # load_from_fp32_weights: false rebuilds the masters from the (16-bit) module weights
-    restore = _PartitionRestore(optimizer, engine.config.zero_optimization.load_from_fp32_weights)
+    restore = PartitionRestore(optimizer, engine.config.zero_optimization.load_from_fp32_weights)
     for s, load_source in enumerate(sources):
         restore.take(s, load_source(), len(sources))
     return restore.finish()
-
-
-def _check_param_shapes(engine, saved, ckpt_dir):
-    names = {p: n for n, p in engine.module.named_parameters()}
-    current = [[(names[p], tuple(p.shape)) for p in g.params] for g in engine.optimizer.groups]
-    saved = [[(n, tuple(s)) for n, s in group.items()] for group in (saved or [])]
-    if saved != current:
-        raise CheckpointError(
-            f"the optimizer parameter groups in {ckpt_dir} ({[len(g) for g in saved]} params "
-            f"per group) do not match this model's ({[len(g) for g in current]}), or names or "
-            "shapes differ; pass load_optimizer_states=False to load the weights only")
-
-
-class _PartitionRestore:
-    """Copies, slice by saved slice, the elements this rank owns into masters and states."""
-
-    def __init__(self, optimizer, use_fp32_weights):
-        self.optimizer = optimizer
-        self.states = [{} for _ in optimizer.groups]
-        self.has_fp32 = use_fp32_weights
-        self.first = None
-
-    def take(self, s, saved, count):
-        groups = self.optimizer.groups
-        if s == 0:
-            self.first = saved
-            if len(saved.get("partition_count", [])) != len(groups):
-                raise CheckpointError(f"the checkpoint has {len(saved.get('partition_count', []))}"
-                                      f" parameter groups, the optimizer {len(groups)}")
-        self.has_fp32 &= "single_partition_of_fp32_groups" in saved
-        base_state = saved["base_optimizer_state"]["state"]
-        for g, group in enumerate(groups):
-            numel = group.layout.numel
-            size = natural_partition_numel(numel, saved["partition_count"][g])
-            lo, hi = s * size, min((s + 1) * size, numel)
-            runs = group.layout.partition_runs(group.rank, lo, hi)
-            if self.has_fp32:
-                self._copy_runs(saved["single_partition_of_fp32_groups"][g],
-                                self.optimizer.master_restore_target(g),
-                                runs, lo)
-            for key, value in base_state.get(g, {}).items():
-                if _per_element(value, size):
-                    target = self.states[g].setdefault(
-                        key, torch.zeros(group.layout.partition_numel, dtype=value.dtype))
-                    self._copy_runs(value, target, runs, lo)
-                elif s == 0:
-                    self.states[g][key] = value.clone() if torch.is_tensor(value) else value
-
-    @staticmethod
-    def _copy_runs(source, target, runs, lo):
-        with torch.no_grad():
-            for flat_start, part_start, length in runs:
-                source_run = source.narrow(0, flat_start - lo, length)
-                target.narrow(0, part_start, length).copy_(source_run)
-
-    def finish(self):
-        optimizer, saved = self.optimizer, self.first
-        try:
-            optimizer.load_base_state_dict(
-                {"state": {g: s for g, s in enumerate(self.states) if s},
-                 "param_groups": saved["base_optimizer_state"]["param_groups"]})
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"saved optimizer state does not fit this optimizer: {e}") \
-                from None
-        if optimizer.loss_scaler is not None and saved.get("loss_scaler") is not None:
-            optimizer.loss_scaler.load_state_dict(saved["loss_scaler"])
-        if self.has_fp32:
-            optimizer.commit_restored_masters()
-            optimizer.publish_masters()
-        return self.has_fp32
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,8 +68,11 @@ class FlatLayout:
 class FlatGroup:
     """One param group: flat buffer, optional full gradient buffer, fp32 master partition."""
 
-    def __init__(self, params, layout, rank, keep_full_grads):
+    def __init__(self, params, layout, rank, keep_full_grads, alias_master=False):
         self.params, self.layout, self.rank = params, layout, rank
+        # fp32 params in one bucket: the master partition and its gradient can be this rank's
+        # chunk of `flat` / `full_grads` themselves instead of copies (see _make_master)
+        self.master_aliases_flat = alias_master
         first = params[0]
         self.dtype, self.device = first.dtype, first.device
         self.flat = torch.zeros(layout.total, dtype=self.dtype, device=self.device)
@@ -96,10 +99,18 @@ class FlatGroup:
 
     @property
     def master_is_flat(self):
-        return self.master.data_ptr() == self.flat.data_ptr()
+        return self.master.data_ptr() == self.flat.data_ptr() \
+            and self.master.numel() == self.flat.numel()  # not just rank 0's aliased chunk
 
     def _make_master(self):
         lay = self.layout
+        if self.master_aliases_flat:
+            if lay.num_buckets != 1 or self.dtype != torch.float32 or self.full_grads is None:
+                raise ValueError("an aliased master needs fp32 params, full gradients and one "
+                                 "bucket (its chunk is then one contiguous range of the flat)")
+            master = torch.nn.Parameter(self.flat.narrow(0, self.rank * lay.chunk, lay.chunk))
+            master.grad = self.full_grads.narrow(0, self.rank * lay.chunk, lay.chunk)
+            return master
         if lay.world_size == 1 and self.dtype == torch.float32:
             master = torch.nn.Parameter(self.flat, requires_grad=True)  # shares storage
             master.grad = self.full_grads if self.full_grads is not None \

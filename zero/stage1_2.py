@@ -8,6 +8,9 @@ optimizer state of its partition only.
   views of it) and are all-reduced bucket by bucket during the last micro-step's backward.
 - stage 1: gradients accumulate locally in the flat gradient buffer; during the last
   micro-step's backward each bucket is reduce-scattered as soon as all its params are done.
+  With fp32 params and DP > 1 the group is one bucket and the fp32 master partition and its
+  gradient are views of this rank's chunk of the flat buffers (no copies; see
+  `_alias_master_in_flat`).
 - stage 2: no full gradient buffer. Every micro-step each finished gradient is copied into its
   bucket's buffer and freed; full buckets are reduce-scattered and accumulated into the
   partition gradient. At most two buckets are in flight when `overlap_comm` is set.
@@ -97,12 +100,28 @@ class ZeroOptimizer:
             if len(kinds) > 1:
                 raise ZeroError("all parameters of one optimizer param group must share dtype "
                                 f"and device; found {sorted(kinds, key=str)}")
-            layout = FlatLayout([p.numel() for p in params], self.partition_count,
-                                self.settings.reduce_bucket_size)
-            flat = FlatGroup(params, layout, self.partition_rank, self.settings.stage < 2)
+            numels = [p.numel() for p in params]
+            alias = self._alias_master_in_flat(params[0].dtype)
+            bucket = sum(numels) if alias else self.settings.reduce_bucket_size
+            layout = FlatLayout(numels, self.partition_count, bucket)
+            flat = self._new_group(params, layout, alias)
             group["params"] = [flat.master]
             groups.append(flat)
         return groups
+
+    def _alias_master_in_flat(self, dtype):
+        """Stage 1 with fp32 params: the master partition and its gradient are this rank's
+        chunk of the flat params / full gradients, not copies, so model states are the fp32
+        formula 4Ψ + 4Ψ + 8Ψ/N. That needs the partition to be one contiguous range, i.e. a
+        single bucket; stage 1 reduces once per step at the boundary, so the only loss is the
+        overlap of that one reduce-scatter with the end of backward. (Stage 2 keeps buckets:
+        its partition is then K strided chunks, and the master a contiguous copy of them.)"""
+        return self.settings.stage == 1 and dtype == torch.float32 and self.partition_count > 1
+
+    def _new_group(self, params, layout, alias_master=False):
+        """The FlatGroup of one param group (zero/offload keeps its master on the host)."""
+        return FlatGroup(params, layout, self.partition_rank, self.settings.stage < 2,
+                         alias_master)
 
     def _use_fused_adam(self):
         """torch's fused Adam on one flat fp32 tensor is ~5x faster than the default on CPU."""
@@ -255,7 +274,10 @@ class ZeroOptimizer:
     def _reduce_to_partition(self, g, k, source, async_op):
         group = self.groups[g]
         target = group.master_chunk(group.master.grad, k)
-        direct = source.dtype == target.dtype and self._fresh_partition_grads
+        # an aliased master's gradient is this rank's chunk of `source`: reduce in place
+        direct = group.master_aliases_flat or (
+            source.dtype == target.dtype and source.device == target.device
+            and self._fresh_partition_grads)
         out = target if direct else torch.empty(group.layout.chunk, dtype=source.dtype,
                                                  device=source.device)
         if not self.settings.reduce_scatter:
@@ -290,10 +312,13 @@ class ZeroOptimizer:
         scale = self.cur_scale
         self._stage_master_grads()
         norm_sq, overflow = self._reduced_grad_norm_sq()
-        self.overflow = bool(overflow) and self.loss_scaler is not None
+        # inf/nan gradients are skipped in every precision: with fp16 they mean "scale too
+        # high" (back off), in fp32/bf16 a NaN loss; stepping would poison the weights.
+        self.overflow = bool(overflow)
         self.global_grad_norm = math.sqrt(norm_sq) / scale if math.isfinite(norm_sq) else norm_sq
         if self.overflow:
-            self.loss_scaler.update_scale(True)
+            if self.loss_scaler is not None:
+                self.loss_scaler.update_scale(True)
             self.zero_grad()
             return False
         combined = scale
@@ -306,11 +331,15 @@ class ZeroOptimizer:
         for group in self.groups:
             if multiplier != 1.0:
                 group.master.grad.mul_(multiplier)
-        self.optimizer.step()
+        self._step_partitions()
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
-        self.publish_masters()
         return True
+
+    def _step_partitions(self):
+        """Step the fp32 partitions and publish them into the model (offload overrides)."""
+        self.optimizer.step()
+        self.publish_masters()
 
     def _stage_master_grads(self):
         """Stage 0 with 16-bit params: the fp32 master's grad is a copy of the reduced grads."""
@@ -377,11 +406,30 @@ class ZeroOptimizer:
         for pending in pendings:
             pending.wait()
 
+    # ----- what zero/checkpoint.py reads and writes (offload overrides these) -----
+
+    def master_partition(self, g):
+        """This rank's fp32 master partition of group g (engine layout)."""
+        return self.groups[g].master.detach()
+
+    def base_state_dict(self):
+        return self.optimizer.state_dict()
+
+    def master_restore_target(self, g):
+        """The tensor a checkpoint load writes group g's fp32 master partition into."""
+        return self.groups[g].master.data
+
+    def load_base_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)
+
+    def commit_restored_masters(self):
+        """Called after a load wrote the masters, before publish_masters()."""
+
     @torch.no_grad()
     def refresh_masters_from_model(self):
         """Rebuild the fp32 masters from the (possibly 16-bit) model weights."""
         for group in self.groups:
-            if not group.master_is_flat:
+            if not (group.master_is_flat or group.master_aliases_flat):
                 lay = group.layout
                 group.master.view(lay.num_buckets, lay.chunk).copy_(group.own_chunks(group.flat))
 

@@ -245,7 +245,7 @@ class Stage3Optimizer:
         del items  # the full gradients can go now
         if world > 1:
             rows.mul_(1.0 / world)
-        out = torch.empty(total, dtype=rows.dtype, device=rows.device)
+        out = rows[self.dp_comm.rank]  # reduced in place: no second [total] buffer
         async_op = self.settings.overlap_comm
         while async_op and len(self._in_flight) >= 2:  # bound the buckets in flight
             self._in_flight.pop(0).wait()

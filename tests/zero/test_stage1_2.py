@@ -152,8 +152,10 @@ def test_optimizer_state_per_rank_scales_as_one_over_dp(dp2, stage):
     state1, master1, *_ = _partition_bytes(stage, 1)
     state2, master2, full_grads, grads = dp2[0]["memory", stage]
     assert state1 == 2 * master1  # Adam: exp_avg + exp_avg_sq of the fp32 partition
-    # the only slack is padding to whole 16-element chunks (one per bucket and group)
-    assert 0.5 <= state2 / state1 <= 0.53 and 0.5 <= master2 / master1 <= 0.53
+    # the only slack is padding to whole 16-element chunks (one per bucket and group); fp32
+    # stage 1 at DP>1 is one bucket per group (aliased master), so it can pad less than DP=1
+    low = 0.49 if stage == 1 else 0.5
+    assert low <= state2 / state1 <= 0.53 and low <= master2 / master1 <= 0.53
     if stage == 2:
         assert not any(full_grads) and not any(grads)  # no full gradient survives backward
     else:
@@ -181,10 +183,14 @@ def _gradient_traffic(stage, world_size, gas):
 def test_gradient_and_parameter_traffic_per_step(dp2, stage):
     ops, flat_numel = dp2[0]["traffic", stage]
     flat_bytes, gas = 4 * flat_numel, 2
-    # gloo: a reduce-scatter runs as an all-reduce of the bucket. Stage 0/1 reduce once per
-    # step, stage 2 once per micro-step; stage 1/2 add one 16-byte norm/overflow reduce.
-    norm_bytes = 0 if stage == 0 else 16
-    assert ops["all_reduce"][1] - norm_bytes == flat_bytes * (gas if stage == 2 else 1)
+    # stage 0 all-reduces once per step; stage 1 reduce-scatters once per step, stage 2 once
+    # per micro-step (gloo: the ring in zero/ring.py); stage 1/2 add one 16-byte norm/overflow
+    # all-reduce
+    if stage == 0:
+        assert ops["all_reduce"][1] == flat_bytes
+    else:
+        assert ops["all_reduce"][1] == 16
+        assert ops["reduce_scatter"][1] == flat_bytes * (gas if stage == 2 else 1)
     if stage == 0:
         assert "all_gather" not in ops
     else:

@@ -104,7 +104,10 @@ class OffloadZeroOptimizer(ZeroOptimizer):
 
     # ----- construction (hooks of ZeroOptimizer) -----
 
-    def _new_group(self, params, layout):
+    def _alias_master_in_flat(self, dtype):
+        return False  # the master lives on the host (or NVMe), never in the model's buffer
+
+    def _new_group(self, params, layout, alias_master=False):
         return HostMasterGroup(params, layout, self.partition_rank, self.settings.stage < 2,
                                self.offload)
 

@@ -1,0 +1,158 @@
+"""Stage 0-2 optimizer state in DeepSpeed's partitioning, from and to the engine's.
+
+In memory a param group's flat buffer is cut into K buckets whose chunk n belongs to rank n
+(zero/flat_buffers.py); DeepSpeed's files cut the same flat group, padded to a multiple of
+2·dp, into dp contiguous slices. `zero_optimizer_state` gathers each bucket once to cut this
+rank's DeepSpeed slice out of the masters and per-element optimizer states (collective over
+DP); `PartitionRestore` copies, slice by saved slice, the elements this rank owns back, so a
+checkpoint loads at any data-parallel size and from any ZeRO stage 0-2. The files around them
+(names, atomic saves, reading) are zero/checkpoint.py's.
+"""
+
+import math
+
+import torch
+
+from zero.errors import CheckpointError
+
+DS_VERSION = "0.16.5+zero"  # the DeepSpeed release whose layout these files reproduce
+
+
+def natural_partition_numel(numel, world_size):
+    """DeepSpeed's slice size: the group padded to a multiple of 2·world, cut into `world`."""
+    align = 2 * world_size
+    return math.ceil(numel / align) * align // world_size
+
+
+
+def zero_optimizer_state(optimizer):
+    """This rank's optimizer state in DeepSpeed's stage 1/2 format (collective over DP)."""
+    base = optimizer.base_state_dict()  # offload: swapped in from host/NVMe
+    state, fp32_groups, paddings, counts = {}, [], [], []
+    for g, group in enumerate(optimizer.groups):
+        comm = optimizer.dp_comm if group.layout.world_size > 1 else None
+        natural = partial_natural_partition(group, comm)
+        state[g] = {key: natural(value) if _per_element(value, group.layout.partition_numel)
+                    else _on_cpu(value) for key, value in base["state"].get(g, {}).items()}
+        size = natural_partition_numel(group.layout.numel, group.layout.world_size)
+        valid = max(0, min(size, group.layout.numel - group.rank * size))
+        if optimizer.settings.stage > 0 or not group.master_is_flat:
+            # (fp32 stage 0 leaves it out: the master is the module's weights)
+            fp32_groups.append(natural(optimizer.master_partition(g))[:valid])
+        paddings.append(size - valid)
+        counts.append(group.layout.world_size)
+    scaler = optimizer.loss_scaler
+    result = {
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "dynamic_loss_scale": bool(getattr(scaler, "dynamic", False)),
+        "overflow": optimizer.overflow,
+        "clip_grad": optimizer.settings.gradient_clipping,
+        "base_optimizer_state": {"state": state, "param_groups": base["param_groups"]},
+        "zero_stage": optimizer.settings.stage,
+        "group_paddings": paddings,
+        "partition_count": counts,
+        "ds_version": DS_VERSION,
+    }
+    if len(fp32_groups) == len(optimizer.groups):
+        result["single_partition_of_fp32_groups"] = fp32_groups
+    return result
+
+
+def _on_cpu(value):
+    return value.to("cpu") if torch.is_tensor(value) else value
+
+
+def _per_element(value, partition_numel):
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == partition_numel
+
+
+def partial_natural_partition(group, comm):
+    """A function: tensor in the engine's partition layout [K·C] -> this rank's DeepSpeed
+    slice (zero padded). Collective over `comm` when there are several partitions."""
+    lay = group.layout
+    size = natural_partition_numel(lay.numel, lay.world_size)
+    lo = group.rank * size
+    hi = min(lo + size, lay.numel)
+
+    def natural(tensor):
+        if comm is None:  # one partition: the layouts agree on a prefix (zeros past numel)
+            return tensor.narrow(0, 0, size).to("cpu")
+        out = torch.zeros(size, dtype=tensor.dtype, device="cpu")
+        for k in range(lay.num_buckets):
+            bucket = torch.empty(lay.bucket, dtype=tensor.dtype, device=tensor.device)
+            comm.all_gather(bucket, tensor.narrow(0, k * lay.chunk, lay.chunk))
+            a, b = max(lo, k * lay.bucket), min(hi, (k + 1) * lay.bucket)
+            if a < b:
+                out.narrow(0, a - lo, b - a).copy_(bucket.narrow(0, a - k * lay.bucket, b - a))
+        return out
+    return natural
+
+
+def check_param_shapes(engine, saved, ckpt_dir):
+    names = {p: n for n, p in engine.module.named_parameters()}
+    current = [[(names[p], tuple(p.shape)) for p in g.params] for g in engine.optimizer.groups]
+    saved = [[(n, tuple(s)) for n, s in group.items()] for group in (saved or [])]
+    if saved != current:
+        raise CheckpointError(
+            f"the optimizer parameter groups in {ckpt_dir} ({[len(g) for g in saved]} params "
+            f"per group) do not match this model's ({[len(g) for g in current]}), or names or "
+            "shapes differ; pass load_optimizer_states=False to load the weights only")
+
+
+class PartitionRestore:
+    """Copies, slice by saved slice, the elements this rank owns into masters and states."""
+
+    def __init__(self, optimizer, use_fp32_weights):
+        self.optimizer = optimizer
+        self.states = [{} for _ in optimizer.groups]
+        self.has_fp32 = use_fp32_weights
+        self.first = None
+
+    def take(self, s, saved, count):
+        groups = self.optimizer.groups
+        if s == 0:
+            self.first = saved
+            if len(saved.get("partition_count", [])) != len(groups):
+                raise CheckpointError(f"the checkpoint has {len(saved.get('partition_count', []))}"
+                                      f" parameter groups, the optimizer {len(groups)}")
+        self.has_fp32 &= "single_partition_of_fp32_groups" in saved
+        base_state = saved["base_optimizer_state"]["state"]
+        for g, group in enumerate(groups):
+            numel = group.layout.numel
+            size = natural_partition_numel(numel, saved["partition_count"][g])
+            lo, hi = s * size, min((s + 1) * size, numel)
+            runs = group.layout.partition_runs(group.rank, lo, hi)
+            if self.has_fp32:
+                self._copy_runs(saved["single_partition_of_fp32_groups"][g],
+                                self.optimizer.master_restore_target(g),
+                                runs, lo)
+            for key, value in base_state.get(g, {}).items():
+                if _per_element(value, size):
+                    target = self.states[g].setdefault(
+                        key, torch.zeros(group.layout.partition_numel, dtype=value.dtype))
+                    self._copy_runs(value, target, runs, lo)
+                elif s == 0:
+                    self.states[g][key] = value.clone() if torch.is_tensor(value) else value
+
+    @staticmethod
+    def _copy_runs(source, target, runs, lo):
+        with torch.no_grad():
+            for flat_start, part_start, length in runs:
+                source_run = source.narrow(0, flat_start - lo, length)
+                target.narrow(0, part_start, length).copy_(source_run)
+
+    def finish(self):
+        optimizer, saved = self.optimizer, self.first
+        try:
+            optimizer.load_base_state_dict(
+                {"state": {g: s for g, s in enumerate(self.states) if s},
+                 "param_groups": saved["base_optimizer_state"]["param_groups"]})
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"saved optimizer state does not fit this optimizer: {e}") \
+                from None
+        if optimizer.loss_scaler is not None and saved.get("loss_scaler") is not None:
+            optimizer.loss_scaler.load_state_dict(saved["loss_scaler"])
+        if self.has_fp32:
+            optimizer.commit_restored_masters()
+            optimizer.publish_masters()
+        return self.has_fp32
