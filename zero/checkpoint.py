@@ -191,6 +191,13 @@ def _model_states(engine, optimizer_state):
         "frozen_param_fragments": {n: p.detach().to("cpu", copy=True) for n, p in frozen},
         "shared_params": _shared_params(module),
         "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+        **engine_counters(engine),
+    }
+
+
+def engine_counters(engine):
+    """The model-states entries every ZeRO stage writes the same way (DeepSpeed's keys)."""
+    return {
         "data_sampler": None,
         "random_ltd": None,
         "sparse_tensor_module_names": set(),

@@ -92,16 +92,7 @@ def _model_states(engine):
         "frozen_param_fragments": {n: _piece(p) for n, p in frozen},
         "shared_params": common._shared_params(module),
         "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "data_sampler": None,
-        "random_ltd": None,
-        "sparse_tensor_module_names": set(),
-        "skipped_steps": engine.skipped_steps,
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
-        "dp_world_size": engine.dp_world_size,
-        "mp_world_size": engine.mp_world_size,
-        "ds_config": engine.config.raw,
-        "ds_version": common.DS_VERSION,
+        **common.engine_counters(engine),
     }
 
 
