@@ -4,15 +4,14 @@ Every collective the engine issues goes through a `Communicator`, which counts c
 per operation in `stats`, so benchmarks and tests can check the traffic ZeRO promises
 (stage 1/2 move about as many gradient bytes as plain data parallelism, arXiv 1910.02054 §7).
 
-Two things differ between backends and are hidden here:
-- gloo's `reduce_scatter_tensor` is about 3x slower on CPU than an all-reduce of the same
-  buffer (measured with torch 2.13: 4M fp32 elements, 1 thread per rank, 63 vs 22 ms at 2
-  ranks, 139 vs 39 ms at 4), and an all-reduce sends twice the bytes a reduce-scatter needs.
-  So on gloo a reduce-scatter is a ring over isend/irecv (`zero/ring.py`): N-1 steps, each
-  rank sends 1/N of the buffer per step, (N-1)/N of it in all, accumulating in the input's
-  chunks. The input is therefore scratch: callers must not rely on it afterwards.
-  `reduce_scatter_impl="all_reduce"` keeps the older path (an in-place all-reduce of the input,
-  then a copy of this rank's chunk) for comparison; NCCL always uses its native collective.
+What differs between backends is hidden here:
+- gloo's collectives that do not reduce in place are slow on CPU (zero/ring.py has the
+  numbers): its `reduce_scatter_tensor`, `all_gather_into_tensor` and `reduce` run here as
+  rings / sends over isend/irecv (`zero/ring.py`), each rank sending (N-1)/N of the buffer.
+  The ring reduce-scatter accumulates in the input's chunks, so its input is scratch: callers
+  must not rely on it afterwards. `reduce_scatter_impl="all_reduce"` keeps the older path (an
+  in-place all-reduce of the input, then a copy of this rank's chunk) for comparison; NCCL
+  always uses its native collectives.
 - `all_gather_into_tensor` was renamed `all_gather_single` (and `reduce_scatter_tensor`
   `reduce_scatter_single`) in recent torch; whichever exists is used.
 
@@ -25,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from zero.ring import RingReduceScatter
+from zero.ring import PointToPointReduce, RingAllGather, RingReduceScatter, tags_needed
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -98,7 +97,7 @@ class Communicator:
         if reduce_scatter_impl not in ("native", "ring", "all_reduce"):
             raise ValueError(f"unknown reduce_scatter_impl {reduce_scatter_impl!r}")
         self.reduce_scatter_impl = reduce_scatter_impl
-        self._ring_calls = 0  # every rank issues the same sequence, so this tags match
+        self._next_tag = 0  # every rank issues the same calls in the same order: tags match
 
     def global_rank(self, group_rank):
         """The rank in the default group of rank `group_rank` of this group."""
@@ -107,6 +106,18 @@ class Communicator:
         if self.group is None:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
+
+    def _tags(self, chunk_numel):
+        """The first of the tags a point-to-point call over `chunk_numel`-element chunks uses."""
+        first = self._next_tag
+        self._next_tag += tags_needed(self.world_size, chunk_numel)
+        return first
+
+    def _run(self, call, async_op):
+        if async_op:
+            return Pending(then=call.finish)
+        call.finish()
+        return Pending()
 
     def _ring_fraction(self):
         return (self.world_size - 1) / self.world_size
@@ -141,13 +152,23 @@ class Communicator:
         self.stats.record("reduce_scatter", _nbytes(input), self._ring_fraction() * _nbytes(input))
         if self.reduce_scatter_impl == "ring":
             ring = RingReduceScatter(input, output, self.rank, self.world_size,
-                                     self.global_rank, self.group, self._ring_calls)
-            self._ring_calls += 1
-            if async_op:
-                return Pending(then=ring.finish)
-            ring.finish()
-            return Pending()
+                                     self.global_rank, self.group, self._tags(n))
+            return self._run(ring, async_op)
         work = _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
+        return Pending(work if async_op else None)
+
+    def reduce(self, tensor, dst, async_op=False):
+        """Sum `tensor` over ranks into group rank `dst`'s copy; other ranks' are unchanged."""
+        if self.world_size == 1:
+            return Pending()
+        nbytes = _nbytes(tensor)
+        self.stats.record("reduce", nbytes, 0 if self.rank == dst else nbytes)
+        if self.backend == "gloo":
+            reduce = PointToPointReduce(tensor, dst, self.rank, self.world_size,
+                                        self.global_rank, self.group,
+                                        self._tags(tensor.numel()))
+            return self._run(reduce, async_op)
+        work = dist.reduce(tensor, self.global_rank(dst), group=self.group, async_op=async_op)
         return Pending(work if async_op else None)
 
     def all_gather(self, output, input, async_op=False):
@@ -162,6 +183,10 @@ class Communicator:
                 output.copy_(input)
             return Pending()
         self.stats.record("all_gather", _nbytes(output), self._ring_fraction() * _nbytes(output))
+        if self.backend == "gloo":
+            ring = RingAllGather(output, input, self.rank, self.world_size, self.global_rank,
+                                 self.group, self._tags(n))
+            return self._run(ring, async_op)
         work = _all_gather_single(output, input, group=self.group, async_op=async_op)
         return Pending(work if async_op else None)
 

@@ -45,7 +45,10 @@ class FlatLayout:
 
     def bucket_pieces(self, k):
         """(param_index, param_offset, bucket_offset, length) of each param piece in bucket k."""
-        lo, hi = k * self.bucket, (k + 1) * self.bucket
+        return self.range_pieces(k * self.bucket, (k + 1) * self.bucket)
+
+    def range_pieces(self, lo, hi):
+        """(param_index, param_offset, offset in [lo, hi), length) of each param piece there."""
         pieces = []
         for i, (start, n) in enumerate(zip(self.offsets, self.numels)):
             a, b = max(lo, start), min(hi, start + n)
@@ -94,7 +97,8 @@ class FlatGroup:
         for k, pieces in enumerate(self.pieces):
             for i, param_offset, bucket_offset, length in pieces:
                 self.param_pieces[i].append((k, param_offset, bucket_offset, length))
-        self.spare_buffers = []  # stage 2 bucket buffers, reused across buckets and steps
+        self.units = None  # (flat_start, length, owner) per unit once use_owner_units is called
+        self.spare_buffers = []  # stage 2 reduction buffers, reused across buckets and steps
         self._replicated_runs = None
 
     @property
@@ -105,11 +109,14 @@ class FlatGroup:
     def _make_master(self):
         lay = self.layout
         if self.master_aliases_flat:
-            if lay.num_buckets != 1 or self.dtype != torch.float32 or self.full_grads is None:
-                raise ValueError("an aliased master needs fp32 params, full gradients and one "
-                                 "bucket (its chunk is then one contiguous range of the flat)")
+            if lay.num_buckets != 1 or self.dtype != torch.float32:
+                raise ValueError("an aliased master needs fp32 params and one bucket (its chunk "
+                                 "is then one contiguous range of the flat)")
             master = torch.nn.Parameter(self.flat.narrow(0, self.rank * lay.chunk, lay.chunk))
-            master.grad = self.full_grads.narrow(0, self.rank * lay.chunk, lay.chunk)
+            # stage 1: this rank's range of the full gradients; stage 2 keeps no full
+            # gradients, only the reduced gradient of its partition
+            master.grad = self.full_grads.narrow(0, self.rank * lay.chunk, lay.chunk) \
+                if self.full_grads is not None else torch.zeros_like(master)
             return master
         if lay.world_size == 1 and self.dtype == torch.float32:
             master = torch.nn.Parameter(self.flat, requires_grad=True)  # shares storage
@@ -122,6 +129,40 @@ class FlatGroup:
             master.view(lay.num_buckets, lay.chunk).copy_(self.own_chunks(self.flat))
         master.grad = torch.zeros_like(master)
         return master
+
+    def use_owner_units(self, unit_numel):
+        """Reduce in units that each lie inside one rank's partition, not in buckets.
+
+        With an aliased master the layout is one bucket, so partition r is the contiguous
+        range [r·C, (r+1)·C) of the flat buffer. Cutting each partition into units of at most
+        `unit_numel` elements lets backward send every unit to its owner (a reduce, the volume
+        of a reduce-scatter in all) as soon as its params are done, instead of one
+        reduce-scatter of the whole model after backward. `pieces` and `param_pieces` then
+        index units instead of buckets."""
+        lay, unit_numel = self.layout, max(CHUNK_ALIGNMENT, unit_numel)
+        self.units = []
+        for owner in range(lay.world_size):
+            start, end = owner * lay.chunk, (owner + 1) * lay.chunk
+            self.units += [(lo, min(unit_numel, end - lo), owner)
+                           for lo in range(start, end, unit_numel)]
+        self.pieces = [lay.range_pieces(lo, lo + n) for lo, n, _ in self.units]
+        self.param_pieces = [[] for _ in self.params]
+        for u, pieces in enumerate(self.pieces):
+            for i, param_offset, unit_offset, length in pieces:
+                self.param_pieces[i].append((u, param_offset, unit_offset, length))
+
+    def unit(self, tensor, u):
+        lo, length, _ = self.units[u]
+        return tensor.narrow(0, lo, length)
+
+    def reduce_numel(self, k):
+        """Elements of reduction k: unit k, or bucket k."""
+        return self.units[k][1] if self.units is not None else self.layout.bucket
+
+    def partition_slice(self, tensor, u):
+        """The part of a partition-sized tensor that unit u (owned by this rank) covers."""
+        lo, length, _ = self.units[u]
+        return tensor.narrow(0, lo - self.rank * self.layout.chunk, length)
 
     def own_chunks(self, flat):
         """This rank's chunks of a flat-layout tensor as a [K, C] view."""

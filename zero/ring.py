@@ -1,65 +1,179 @@
-"""A ring reduce-scatter over point-to-point sends, for backends without a fast collective.
+"""Collectives over point-to-point sends, for backends without fast ones (gloo on CPU).
 
-For N ranks the input [N * n] is N chunks; chunk c ends up summed on rank c. In step s
-(0 <= s < N-1) rank r sends its running sum of chunk (r - s - 1) mod N to rank r+1 and adds
-what rank r-1 sends (its running sum of chunk (r - s - 2) mod N) into its own copy, so after
-the last step rank r holds the full sum of chunk r. Every rank sends (N-1)/N of the buffer,
-the bandwidth-optimal volume, where an all-reduce sends twice that.
+Measured with torch 2.13, gloo, 2 ranks, 1 thread each: gloo's `all_gather_into_tensor` of
+2 x 55M fp32 elements takes 1.29 s where exchanging the halves with isend/irecv takes 0.19 s;
+its `reduce_scatter_tensor` is ~3x slower than an all-reduce of the same buffer; its `reduce`
+of 25 MB takes 75 ms against 32 ms point to point. Messages are cut into pieces of at most
+PIECE_NUMEL elements: gloo moves several pieces at once (25 MB in 1M-element pieces: 22 ms,
+in one message: 36 ms).
 
-Chunk c is summed in the order x[c+1] + x[c+2] + ... + x[c] (ranks mod N). With two ranks that
-is the single addition a + b, bit-identical to an all-reduce; with more ranks the order differs
-from gloo's all-reduce, so results agree to fp32 rounding.
+- `RingReduceScatter`: for N ranks the input [N * n] is N chunks; chunk c ends up summed on
+  rank c. In step s (0 <= s < N-1) rank r sends its running sum of chunk (r - s - 1) mod N to
+  rank r+1 and adds what rank r-1 sends (its running sum of chunk (r - s - 2) mod N) into its
+  own copy, so after the last step rank r holds the full sum of chunk r. Every rank sends
+  (N-1)/N of the buffer, the bandwidth-optimal volume, where an all-reduce sends twice that.
+  Chunk c is summed in the order x[c+1] + x[c+2] + ... + x[c] (ranks mod N): with two ranks
+  the single addition a + b, bit-identical to an all-reduce; with more ranks the order
+  differs from gloo's all-reduce, so results agree to fp32 rounding. The running sums
+  accumulate in the input's own chunks (the input is scratch) and one receive buffer.
+- `RingAllGather`: in step s rank r forwards chunk (r - s) mod N (its own first, then the one
+  it just received) to rank r+1, receiving straight into the output; (N-1)/N of the output
+  sent per rank, no copies.
+- `PointToPointReduce`: every other rank sends its whole tensor to the destination, which adds
+  them in rank order.
 
-The running sums accumulate in the input's own chunks (the input is scratch) and one receive
-buffer of n elements. The first step is posted at construction, so an async caller overlaps it
-with its own work; `finish()` runs the remaining steps and leaves chunk `rank` in the output.
+Each call takes `tag_base` and uses the tags [tag_base, tag_base + tags_needed(...)): the
+caller hands out tag ranges in call order, which is the same on every rank, so calls in
+flight together never share a tag. The first step is posted at construction, so an async
+caller overlaps it with its own work; `finish()` runs the rest.
 """
+
+import math
 
 import torch
 import torch.distributed as dist
 
-_TAG_SPACE = 1 << 24  # tags wrap; calls far apart never have messages in flight together
+PIECE_NUMEL = 1 << 20
+TAG_SPACE = 1 << 24  # tags wrap; calls this far apart are never in flight together
 
 
-class RingReduceScatter:
+def _pieces(numel):
+    return max(1, math.ceil(numel / PIECE_NUMEL))
+
+
+def tags_needed(world_size, chunk_numel):
+    """Tags one ring call over chunks of `chunk_numel` elements uses."""
+    return max(1, world_size - 1) * _pieces(chunk_numel)
+
+
+class _Exchange:
+    """isend/irecv of whole tensors cut into pieces; piece j of a message has tag `tag + j`."""
+
+    def __init__(self, group):
+        self.group, self.works = group, []
+
+    def _split(self, tensor):
+        return [tensor.narrow(0, lo, min(PIECE_NUMEL, tensor.numel() - lo))
+                for lo in range(0, max(1, tensor.numel()), PIECE_NUMEL)]
+
+    def send(self, tensor, peer, tag):
+        for j, piece in enumerate(self._split(tensor)):
+            self.works.append(dist.isend(piece, peer, group=self.group,
+                                         tag=(tag + j) % TAG_SPACE))
+
+    def recv(self, tensor, peer, tag):
+        for j, piece in enumerate(self._split(tensor)):
+            self.works.append(dist.irecv(piece, peer, group=self.group,
+                                         tag=(tag + j) % TAG_SPACE))
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+
+class _Ring:
+    """N-1 steps between this rank, its successor and its predecessor."""
+
+    def __init__(self, chunks, rank, world_size, to_global, group, tag_base):
+        if not chunks.is_contiguous():
+            raise ValueError("a ring collective needs a contiguous buffer")
+        self.chunks, self.rank, self.world = chunks, rank, world_size
+        self.next_rank = to_global((rank + 1) % world_size)
+        self.prev_rank = to_global((rank - 1) % world_size)
+        self.tag_base, self.step_tags = tag_base, _pieces(chunks.shape[1])
+        self.exchange = _Exchange(group)
+        self.step = 0
+        self._post()
+
+    def _chunk(self, step_offset):
+        return self.chunks[(self.rank - self.step - step_offset) % self.world]
+
+    def _step_tag(self):
+        return self.tag_base + self.step * self.step_tags
+
+    # subclasses define _post(): what this step sends to next_rank and receives from prev_rank
+
+    def _after_step(self):
+        """What a step does once its messages arrived (before the next is posted)."""
+
+    def finish(self):
+        while self.step < self.world - 1:
+            self.exchange.wait()
+            self._after_step()
+            self.step += 1
+            if self.step < self.world - 1:
+                self._post()
+        self._done()
+
+    def _done(self):
+        """What the call leaves behind after the last step."""
+
+
+class RingReduceScatter(_Ring):
     """One reduce-scatter of `input` ([world * n]) into `output` ([n]) over `group`.
 
     `to_global(group_rank)` maps a rank of `group` to a rank of the default group (what
-    isend/irecv address); `call_index` must be the same on every rank for the same call.
+    isend/irecv address).
     """
 
-    def __init__(self, input, output, rank, world_size, to_global, group, call_index):
-        if not input.is_contiguous():
-            raise ValueError("the ring reduce-scatter needs a contiguous input")
-        self.chunks = input.view(world_size, -1)  # [N, n]
-        self.output, self.rank, self.world = output, rank, world_size
-        self.group = group
-        self.next_rank = to_global((rank + 1) % world_size)
-        self.prev_rank = to_global((rank - 1) % world_size)
-        self.tag_base = (call_index * world_size) % _TAG_SPACE
-        self.received = torch.empty_like(self.chunks[0])
-        self.step = 0
-        self._works = self._post(0)
+    def __init__(self, input, output, rank, world_size, to_global, group, tag_base):
+        self.output = output
+        self.received = torch.empty(input.numel() // world_size, dtype=input.dtype,
+                                    device=input.device)
+        super().__init__(input.view(world_size, -1), rank, world_size, to_global, group,
+                         tag_base)
 
-    def _chunk_index(self, step_offset):
-        return (self.rank - self.step - step_offset) % self.world
+    def _post(self):
+        tag = self._step_tag()
+        self.exchange.send(self._chunk(1), self.next_rank, tag)
+        self.exchange.recv(self.received, self.prev_rank, tag)
 
-    def _post(self, step):
-        tag = self.tag_base + step
-        send = dist.isend(self.chunks[self._chunk_index(1)], self.next_rank, group=self.group,
-                          tag=tag)
-        recv = dist.irecv(self.received, self.prev_rank, group=self.group, tag=tag)
-        return send, recv
+    def _after_step(self):
+        # the chunk sent next is the one summed here, never the one that was in flight
+        self._chunk(2).add_(self.received)
 
-    def finish(self):
-        """Run the remaining steps; afterwards `output` holds the sum of chunk `rank`."""
-        while self._works is not None:
-            send, recv = self._works
-            recv.wait()
-            self.chunks[self._chunk_index(2)].add_(self.received)
-            send.wait()  # the chunk sent next is the one just summed, never the one in flight
-            self.step += 1
-            self._works = self._post(self.step) if self.step < self.world - 1 else None
+    def _done(self):
         own = self.chunks[self.rank]
         if self.output.data_ptr() != own.data_ptr():
             self.output.copy_(own)
+
+
+class RingAllGather(_Ring):
+    """One all-gather of every rank's `input` ([n]) into `output` ([world * n]), in place."""
+
+    def __init__(self, output, input, rank, world_size, to_global, group, tag_base):
+        chunks = output.view(world_size, -1)
+        if input.data_ptr() != chunks[rank].data_ptr():
+            chunks[rank].copy_(input)
+        super().__init__(chunks, rank, world_size, to_global, group, tag_base)
+
+    def _post(self):
+        tag = self._step_tag()
+        self.exchange.send(self._chunk(0), self.next_rank, tag)
+        self.exchange.recv(self._chunk(1), self.prev_rank, tag)
+
+
+class PointToPointReduce:
+    """A sum of `tensor` over `group` into rank `dst`'s copy; other ranks' stay unchanged.
+
+    Uses tags [tag_base, tag_base + tags_needed(2, tensor.numel())).
+    """
+
+    def __init__(self, tensor, dst, rank, world_size, to_global, group, tag_base):
+        self.tensor, self.received = tensor, []
+        self.exchange = _Exchange(group)
+        if rank == dst:
+            for src in range(world_size):
+                if src != dst:
+                    buffer = torch.empty_like(tensor)
+                    self.exchange.recv(buffer, to_global(src), tag_base)
+                    self.received.append(buffer)
+        else:
+            self.exchange.send(tensor, to_global(dst), tag_base)
+
+    def finish(self):
+        self.exchange.wait()
+        for buffer in self.received:
+            self.tensor.add_(buffer)
+        self.received = []

@@ -8,12 +8,14 @@ optimizer state of its partition only.
   views of it) and are all-reduced bucket by bucket during the last micro-step's backward.
 - stage 1: gradients accumulate locally in the flat gradient buffer; during the last
   micro-step's backward each bucket is reduce-scattered as soon as all its params are done.
-  With fp32 params and DP > 1 the group is one bucket and the fp32 master partition and its
-  gradient are views of this rank's chunk of the flat buffers (no copies; see
-  `_alias_master_in_flat`).
 - stage 2: no full gradient buffer. Every micro-step each finished gradient is copied into its
   bucket's buffer and freed; full buckets are reduce-scattered and accumulated into the
   partition gradient. At most two buckets are in flight when `overlap_comm` is set.
+- stage 1 and 2 with fp32 params and DP > 1: the group is one bucket, so partition r is the
+  contiguous range r of the flat buffer and the fp32 master partition is a view of it (stage
+  1: its gradient too, of the full gradients) with no copies (`_alias_master_in_flat`).
+  Backward then cuts each partition into `reduce_bucket_size` units and sends every unit to
+  its owner (a reduce: the volume of a reduce-scatter in all) as soon as its params are done.
 
 After the optimizer steps its partition, each bucket is all-gathered back into the flat
 buffer. Buckets are launched in one fixed order on every rank (latest-registered params first,
@@ -105,18 +107,21 @@ class ZeroOptimizer:
             bucket = sum(numels) if alias else self.settings.reduce_bucket_size
             layout = FlatLayout(numels, self.partition_count, bucket)
             flat = self._new_group(params, layout, alias)
+            if flat.master_aliases_flat:
+                flat.use_owner_units(self.settings.reduce_bucket_size)
             group["params"] = [flat.master]
             groups.append(flat)
         return groups
 
     def _alias_master_in_flat(self, dtype):
-        """Stage 1 with fp32 params: the master partition and its gradient are this rank's
-        chunk of the flat params / full gradients, not copies, so model states are the fp32
-        formula 4Ψ + 4Ψ + 8Ψ/N. That needs the partition to be one contiguous range, i.e. a
-        single bucket; stage 1 reduces once per step at the boundary, so the only loss is the
-        overlap of that one reduce-scatter with the end of backward. (Stage 2 keeps buckets:
-        its partition is then K strided chunks, and the master a contiguous copy of them.)"""
-        return self.settings.stage == 1 and dtype == torch.float32 and self.partition_count > 1
+        """Stage 1/2 with fp32 params: the master partition is this rank's chunk of the flat
+        params (stage 1: its gradient this rank's chunk of the full gradients), not a copy,
+        so model states are the fp32 formulas 4Ψ + 4Ψ + 8Ψ/N and 4Ψ + 12Ψ/N. That needs the
+        partition to be one contiguous range, i.e. a single bucket, reduced in owner units
+        (FlatGroup.use_owner_units). With 16-bit params the master is a copy anyway and the
+        partition stays K strided bucket chunks, reduce-scattered bucket by bucket."""
+        return self.settings.stage in (1, 2) and dtype == torch.float32 \
+            and self.partition_count > 1
 
     def _new_group(self, params, layout, alias_master=False):
         """The FlatGroup of one param group (zero/offload keeps its master on the host)."""
@@ -207,16 +212,19 @@ class ZeroOptimizer:
         param.grad = None  # the full gradient is not kept (stage 2)
 
     def _bucket_buffer(self, g, k):
+        """Stage 2's buffer for reduction k (a bucket, or an owner unit)."""
         if (g, k) not in self._buffers:
             group = self.groups[g]
-            self._buffers[(g, k)] = group.spare_buffers.pop() if group.spare_buffers else \
-                torch.empty(group.layout.bucket, dtype=group.dtype, device=group.device)
-        return self._buffers[(g, k)]
+            capacity = group.reduce_numel(0)  # the first unit or bucket is a largest one
+            spare = group.spare_buffers.pop() if group.spare_buffers else \
+                torch.empty(capacity, dtype=group.dtype, device=group.device)
+            self._buffers[(g, k)] = (spare, spare.narrow(0, 0, group.reduce_numel(k)))
+        return self._buffers[(g, k)][1]
 
     def _release_buffer(self, g, k):
-        buffer = self._buffers.pop((g, k), None)
-        if buffer is not None and len(self.groups[g].spare_buffers) < 3:
-            self.groups[g].spare_buffers.append(buffer)
+        spare, _ = self._buffers.pop((g, k), (None, None))
+        if spare is not None and len(self.groups[g].spare_buffers) < 3:
+            self.groups[g].spare_buffers.append(spare)
 
     def _launch_ready_buckets(self):
         while self._next_launch < len(self._launch_order):
@@ -246,16 +254,21 @@ class ZeroOptimizer:
         if self.settings.stage == 2:
             source = self._bucket_buffer(g, k)
             self._zero_unfilled(g, k, source)
-            while async_op and len(self._in_flight) >= 2:  # bound the buffers in flight
-                self._in_flight.pop(0).wait()
+        elif group.units is not None:
+            source = group.unit(group.full_grads, k)
         else:
             source = group.flat_bucket(group.full_grads, k)
+        if async_op and (self.settings.stage == 2 or group.units is not None):
+            while len(self._in_flight) >= 2:  # bound the buffers in flight
+                self._in_flight.pop(0).wait()
         if self._pre_factor != 1.0:
             source.mul_(self._pre_factor)
         if self.settings.stage == 0:
             pending = self.dp_comm.all_reduce(source, async_op=async_op)
             post = self._post_factor
             then = (lambda: source.mul_(post)) if post != 1.0 else None
+        elif group.units is not None:
+            pending, then = self._reduce_to_owner(g, k, source, async_op)
         else:
             pending, then = self._reduce_to_partition(g, k, source, async_op)
         self._in_flight.append(Pending(pending, then))
@@ -268,8 +281,28 @@ class ZeroOptimizer:
             if not self._ready[g][i]:
                 buffer.narrow(0, bucket_offset, length).zero_()
         covered = sum(length for *_, length in group.pieces[k])  # pieces start at 0, in order
-        if covered < group.layout.bucket:  # the padding at the end of the last bucket
-            buffer.narrow(0, covered, group.layout.bucket - covered).zero_()
+        if covered < buffer.numel():  # the padding at the end of the last bucket or unit
+            buffer.narrow(0, covered, buffer.numel() - covered).zero_()
+
+    def _reduce_to_owner(self, g, k, source, async_op):
+        """Sum unit k over ranks into the rank that owns it. Stage 1: the sum lands in place
+        (the owner's master grad is this range of its full gradients); stage 2: the owner
+        accumulates it into its partition gradient, every rank frees the buffer."""
+        group, owner = self.groups[g], self.groups[g].units[k][2]
+        if self.settings.reduce_scatter:
+            pending = self.dp_comm.reduce(source, owner, async_op=async_op)
+        else:
+            pending = self.dp_comm.all_reduce(source, async_op=async_op)
+        if self.settings.stage == 1:
+            return pending, None
+        fresh, mine = self._fresh_partition_grads, owner == group.rank
+
+        def accumulate():
+            if mine:
+                target = group.partition_slice(group.master.grad, k)
+                target.copy_(source) if fresh else target.add_(source)
+            self._release_buffer(g, k)
+        return pending, accumulate
 
     def _reduce_to_partition(self, g, k, source, async_op):
         group = self.groups[g]

@@ -1,4 +1,5 @@
-"""zero/comm.py: the ring reduce-scatter (gloo) against the all-reduce path, byte accounting."""
+"""zero/comm.py on gloo: the ring reduce-scatter against the all-reduce path, the ring all-gather
+and the point-to-point reduce against exact sums, byte accounting."""
 
 import pytest
 import torch
@@ -72,6 +73,57 @@ def test_ring_sends_n_minus_one_over_n_of_the_buffer(reduce_scatter_results):
         assert result["calls"] == 5
         assert result["sent"] == pytest.approx(5 * one_call)
         assert result["all_reduce_sent"] == pytest.approx(2 * one_call)  # twice the ring
+
+
+def _gathers_and_reduces(rank, world_size):
+    import zero.ring
+    zero.ring.PIECE_NUMEL = 300  # several pieces per message, and a short last piece
+    comm = Communicator()
+    n = N // world_size
+    x = _rank_input(rank)
+    own = x.narrow(0, 0, n)
+    gathered = torch.full((N,), float("nan"))
+    comm.all_gather(gathered, own.clone())  # from a separate input
+    in_place = torch.full((N,), float("nan"))
+    in_place.narrow(0, rank * n, n).copy_(own)
+    comm.all_gather(in_place, in_place.narrow(0, rank * n, n))
+    outs = [torch.full((N,), float("nan")) for _ in range(3)]  # several in flight
+    pendings = [comm.all_gather(o, own * (i + 1), async_op=True) for i, o in enumerate(outs)]
+    for pending in pendings:
+        pending.wait()
+    reduced = []
+    for dst in range(world_size):  # async, all in flight, finished in order
+        tensors = [x.clone() * (dst + 1) for _ in range(2)]
+        pendings = [comm.reduce(t, dst, async_op=True) for t in tensors]
+        for pending in pendings:
+            pending.wait()
+        reduced.append(tensors)
+    return {"gathered": gathered, "in_place": in_place, "async": outs, "reduced": reduced,
+            "reduce_sent": comm.stats.sent_bytes("reduce"),
+            "gather_sent": comm.stats.sent_bytes("all_gather")}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_all_gather_and_point_to_point_reduce(world):
+    results = run_distributed(_gathers_and_reduces, world_size=world)
+    n = N // world
+    expected = torch.cat([_rank_input(r).narrow(0, 0, n) for r in range(world)])
+    total = sum(_rank_input(r) for r in range(world))  # the owner adds in rank order
+    for rank, result in enumerate(results):
+        assert torch.equal(result["gathered"], expected)
+        assert torch.equal(result["in_place"], expected)
+        for i, out in enumerate(result["async"]):
+            assert torch.equal(out, torch.cat([(_rank_input(r).narrow(0, 0, n) * (i + 1))
+                                               for r in range(world)]))
+        for dst, tensors in enumerate(result["reduced"]):
+            mine = _rank_input(rank) * (dst + 1)
+            for tensor in tensors:
+                if rank == dst:
+                    torch.testing.assert_close(tensor, total * (dst + 1), rtol=1e-6, atol=1e-5)
+                else:  # a non-owner's tensor is left as it was
+                    assert torch.equal(tensor, mine)
+        assert result["reduce_sent"] == 2 * (world - 1) * N * 4  # sends to every other owner
+        assert result["gather_sent"] == pytest.approx(5 * (world - 1) / world * N * 4)
 
 
 def test_bad_reduce_scatter_impl_is_rejected():
