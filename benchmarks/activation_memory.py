@@ -9,14 +9,16 @@ lengths, per micro-batch forward + backward:
                  with torch.autograd.graph.saved_tensors_hooks (each storage once)
     peak         growth of the process's peak RSS over one forward + backward (fresh process)
     step time    median forward + backward time, and its ratio to no checkpointing at the
-                 same tensor-parallel size
+                 same tensor-parallel size; the configurations of one TP size are timed
+                 interleaved step by step in the same processes (this machine's speed drifts
+                 by 10-30% over minutes, so separate runs do not compare)
 
 for: no checkpointing; checkpointing every layer (zero.checkpointing); + partitioned
 activations over 2 gloo ranks (TP = 2; rank 0 reported); + CPU checkpoints. Next to the
 analytic numbers of Korthikanti et al. (2022) in 16-bit: per layer s*b*h*(34 + 5*a*s/h) bytes
 without recompute, 2*s*b*h with a checkpoint per layer, /TP when partitioned; at TP = 2 the
 tensor-parallel parts of a layer's activations are split too (s*b*h*(10 + 24/t + 5*a*s/(h*t))).
-Every configuration runs in its own processes, so peaks do not mix.
+Bytes and peaks: every configuration runs in its own processes, so peaks do not mix.
 """
 
 import argparse
@@ -34,13 +36,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-CONFIGS = {  # name: (tensor-parallel size, zero.checkpointing options or None)
-    "none": (1, None),
-    "checkpoint": (1, {}),
-    "none, TP=2": (2, None),
-    "checkpoint + partition, TP=2": (2, {"partition_activations": True}),
+CONFIGS = {  # name: (tensor-parallel size, zero.checkpointing options or None, dropout)
+    "none": (1, None, 0.1),
+    "checkpoint": (1, {}, 0.1),
+    "none, dropout 0": (1, None, 0.0),
+    "checkpoint, dropout 0": (1, {}, 0.0),
+    "none, TP=2": (2, None, 0.1),
+    "checkpoint + partition, TP=2": (2, {"partition_activations": True}, 0.1),
     "checkpoint + partition + CPU, TP=2": (2, {"partition_activations": True,
-                                               "checkpoint_in_cpu": True}),
+                                               "checkpoint_in_cpu": True}, 0.1),
 }
 
 
@@ -49,7 +53,10 @@ def _rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _worker(rank, world_size, init_file, size, options, out_dir):
+def _setup(rank, world_size, init_file, size):
+    """One rank's layer stack and its step(options, dropout, hooks=None): one forward +
+    backward with zero.checkpointing configured by `options` (None: no checkpointing) and
+    hidden and attention dropout `dropout`."""
     torch.set_num_threads(1)  # the same per-rank compute at TP 1 and 2; no spin-waiting
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size)
@@ -59,13 +66,12 @@ def _worker(rank, world_size, init_file, size, options, out_dir):
     from megatron.mpu.random import use_rng_tracker
     from zero import checkpointing
     mpu.initialize_model_parallel(world_size)
-    checkpointing.configure(mpu, **(options or {}))
+    checkpointing.configure(mpu)
     use_rng_tracker(checkpointing.get_cuda_rng_tracker())
     mpu.model_parallel_cuda_manual_seed(1234)
     config = GPTConfig(num_layers=size["layers"], hidden_size=size["hidden"],
                        num_attention_heads=size["heads"], vocab_size=128,
-                       max_position_embeddings=size["seq"], hidden_dropout=0.1,
-                       attention_dropout=0.1, checkpoint_activations=options is not None,
+                       max_position_embeddings=size["seq"], checkpoint_activations=True,
                        checkpoint_function=checkpointing.checkpoint)
     std = config.init_method_std
     stack = ParallelTransformer(config, mpu.init_method_normal(std),
@@ -75,13 +81,22 @@ def _worker(rank, world_size, init_file, size, options, out_dir):
     x = torch.randn(size["batch"], size["seq"], size["hidden"], dtype=torch.bfloat16,
                     requires_grad=True)
 
-    def step(hooks=None):
+    def step(options, dropout, hooks=None):
+        stack.checkpoint_activations = options is not None
+        for layer in stack.layers:
+            layer.hidden_dropout = layer.attention.attention_dropout = dropout
+        checkpointing.configure(mpu, **(options or {}))
         with hooks or torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             out = stack(x)
         out.float().sum().backward()
         x.grad = None
         stack.zero_grad(set_to_none=True)
+    return step
 
+
+def _memory_worker(rank, world_size, init_file, size, options, dropout, out_dir):
+    """Saved bytes and peak RSS growth of one step of one configuration (a fresh process)."""
+    step = _setup(rank, world_size, init_file, size)
     storages = {}
 
     def pack(tensor):
@@ -89,27 +104,50 @@ def _worker(rank, world_size, init_file, size, options, out_dir):
         storages[storage.data_ptr()] = storage.nbytes()
         return tensor
     rss_before = _rss_bytes()
-    step(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+    step(options, dropout, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
-    times = []
-    for i in range(size["repeats"] + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        if i:  # the first is warm-up
-            times.append(time.perf_counter() - start)
-    times.sort()
-    result = dict(saved=sum(storages.values()), peak=peak, step=times[len(times) // 2])
+    _write(out_dir, rank, dict(saved=sum(storages.values()), peak=peak))
+
+
+def _time_worker(rank, world_size, init_file, size, named_options, out_dir):
+    """Median step time of every configuration of one TP size, interleaved step by step in
+    one process (the order rotating every round), so drifts of the machine's speed hit
+    all of them alike."""
+    step = _setup(rank, world_size, init_file, size)
+    times = {name: [] for name, *_ in named_options}
+    for round_index in range(size["repeats"] + 1):
+        shift = round_index % len(named_options)
+        for name, options, dropout in named_options[shift:] + named_options[:shift]:
+            dist.barrier()
+            start = time.perf_counter()
+            step(options, dropout)
+            if round_index:  # the first round is warm-up
+                times[name].append(time.perf_counter() - start)
+    _write(out_dir, rank, {name: sorted(t)[len(t) // 2] for name, t in times.items()})
+
+
+def _write(out_dir, rank, result):
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
 
 
-def measure(size, tp, options):
+def _spawn(worker, tp, *args):
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(tp, os.path.join(tmp, "rdv"), size, options, tmp), nprocs=tp)
+        mp.spawn(worker, args=(tp, os.path.join(tmp, "rdv"), *args, tmp), nprocs=tp)
         with open(os.path.join(tmp, "rank0.json")) as f:
             return json.load(f)
+
+
+def measure(size, tp, options, dropout):
+    return _spawn(_memory_worker, tp, size, options, dropout)
+
+
+def measure_times(size, tp):
+    """{configuration name: median step seconds} for the configurations of TP size `tp`."""
+    named = [(name, options, dropout) for name, (t, options, dropout) in CONFIGS.items()
+             if t == tp]
+    return _spawn(_time_worker, tp, size, named)
 
 
 def analytic_bytes(size, tp, options):
@@ -128,17 +166,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
     # Sized for a 2-core machine (a full run takes a few minutes when the machine is idle).
     base = dict(layers=2, hidden=256, heads=4, batch=2, repeats=3) if args.quick else \
-        dict(layers=2, hidden=256, heads=4, batch=2, repeats=5)
+        dict(layers=2, hidden=256, heads=4, batch=2, repeats=15)
     seqs = [128, 256] if args.quick else [128, 256, 512]
     rows = []
     for seq in seqs:
         size = dict(base, seq=seq)
-        baseline = {}
-        for name, (tp, options) in CONFIGS.items():
-            got = measure(size, tp, options)
+        baseline, step_times = {}, {tp: measure_times(size, tp) for tp in (1, 2)}
+        for name, (tp, options, dropout) in CONFIGS.items():
+            got = dict(measure(size, tp, options, dropout), step=step_times[tp][name])
             if options is None:
-                baseline[tp] = got
-            ref, expected = baseline[tp], analytic_bytes(size, tp, options)
+                baseline[tp, dropout] = got
+            ref, expected = baseline[tp, dropout], analytic_bytes(size, tp, options)
             saving = 1 - got["saved"] / ref["saved"]
             analytic_saving = 1 - expected / analytic_bytes(size, tp, None)
             rows.append([seq, name, f"{got['saved'] / 2**20:.1f}", f"{expected / 2**20:.1f}",
@@ -148,12 +186,14 @@ def main(argv=None):
                          f"{got['step'] / ref['step']:.2f}"])
             print(" | ".join(str(c) for c in rows[-1]), flush=True)
     config = (f"{base['layers']} layers, hidden {base['hidden']}, {base['heads']} heads, micro "
-              f"batch {base['batch']}, bf16, dropout 0.1, one checkpoint per layer; median of "
-              f"{base['repeats']} steps after 1 warm-up")
+              f"batch {base['batch']}, bf16, dropout 0.1 unless the row says 0, one checkpoint per layer. Bytes: one "
+              f"step per configuration, each in fresh processes. Times: median of "
+              f"{base['repeats']} steps after 1 warm-up, the configurations of one TP size "
+              f"interleaved step by step in the same processes")
     table = markdown_table(
         ["seq", "configuration", "saved MiB", "analytic MiB", "measured / analytic",
          "saving measured / analytic", "peak RSS growth MiB", "fwd+bwd ms",
-         "time vs none (same TP)"], rows)
+         "time vs none (same TP, dropout)"], rows)
     body = (f"## Activation memory (`benchmarks/activation_memory.py`)\n\n"
             f"Machine: {machine_description()}. Config: {config}. TP = 2 rows: rank 0 of 2 "
             f"gloo processes; every process uses 1 thread. "

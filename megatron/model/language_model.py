@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron import mpu
+from megatron.model.dropout import dropout
 from megatron.model.transformer import ParallelTransformer
 
 
@@ -26,8 +27,7 @@ class Embedding(nn.Module):
     def forward(self, input_ids, position_ids):
         # input_ids, position_ids: [b, s] -> [b, s, h]
         embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
-        if self.training and self.embedding_dropout > 0:
-            embeddings = F.dropout(embeddings, self.embedding_dropout, training=True)
+        embeddings = dropout(embeddings, self.embedding_dropout, self.training)
         return embeddings
 
 

@@ -1,0 +1,85 @@
+"""megatron/model/dropout.py and the CPU attention-with-dropout path of the transformer."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.model.dropout import dropout, keep_mask
+from megatron.model.transformer import attention
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_mask_drops_with_probability_p(p):
+    torch.manual_seed(0)
+    n = 300_001  # not a multiple of the three lanes per draw
+    dropped = 1.0 - keep_mask((n,), p).float().mean().item()
+    assert abs(dropped - round(p * 65536) / 65536) < 4 * (p * (1 - p) / n) ** 0.5
+
+
+def test_mask_lanes_are_independent_of_each_other():
+    torch.manual_seed(1)
+    keep = keep_mask((3 * 200_000,), 0.5).view(-1, 3).float()
+    for a, b in ((0, 1), (1, 2), (0, 2)):  # both kept: 1/4 when independent
+        assert abs((keep[:, a] * keep[:, b]).mean().item() - 0.25) < 0.005
+
+
+def test_dropout_scales_kept_elements_and_replays_under_the_same_seed():
+    x = torch.randn(64, 33, dtype=torch.bfloat16, requires_grad=True)
+    torch.manual_seed(5)
+    out = dropout(x, 0.2)
+    torch.manual_seed(5)
+    keep = keep_mask(x.shape, 0.2)
+    assert torch.equal(out, x.detach().mul(keep).mul_(1 / 0.8))
+    assert out.dtype == torch.bfloat16
+    out.backward(torch.ones_like(out))
+    assert torch.equal(x.grad, torch.ones_like(x).mul(keep).mul_(1 / 0.8))
+    torch.manual_seed(5)
+    assert torch.equal(dropout(x, 0.2), out)
+
+
+def test_dropout_keeps_only_a_one_byte_mask_for_backward():
+    x = torch.randn(1000, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        dropout(x, 0.3)
+    assert [(t.dtype, t.numel()) for t in saved] == [(torch.bool, 1000)]
+
+
+def test_no_dropout_outside_training_and_torch_dropout_at_the_edges():
+    x = torch.randn(10)
+    assert dropout(x, 0.5, training=False) is x
+    assert dropout(x, 0.0) is x
+    assert torch.equal(dropout(x, 1.0), torch.zeros(10))
+
+
+def _qkv(seq=16, heads=2, dim=8):
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randn(2, heads, seq, dim, generator=generator, requires_grad=True)
+            for _ in range(3)]
+
+
+def test_attention_without_dropout_is_sdpa():
+    q, k, v = _qkv()
+    assert torch.equal(attention(q, k, v, None, True, 0.0),
+                       F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cpu_attention_with_dropout_is_the_math_with_the_cheap_mask(causal):
+    q, k, v = _qkv()
+    allowed = None if causal else torch.rand(2, 1, 16, 16, generator=torch.Generator()
+                                             .manual_seed(4)) > 0.3
+    allowed = allowed if causal else allowed | torch.eye(16, dtype=torch.bool)
+    torch.manual_seed(9)
+    out = attention(q, k, v, allowed, causal, 0.25)
+    torch.manual_seed(9)
+    keep = keep_mask((2, 2, 16, 16), 0.25)
+    mask = torch.ones(16, 16, dtype=torch.bool).tril() if causal else allowed
+    scores = (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(~mask, float("-inf"))
+    expected = (scores.softmax(-1) * keep / 0.75) @ v
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    # with every element kept it is SDPA's result
+    full = torch.matmul(torch.softmax(scores, -1), v)
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else allowed,
+                                               is_causal=causal)
+    torch.testing.assert_close(full, reference, rtol=1e-5, atol=1e-6)
