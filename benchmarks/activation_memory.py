@@ -206,26 +206,32 @@ def main(argv=None):
 NOTES = """\
 Reading the table:
 
-- **Without recompute, measured > analytic.** The formula assumes 16-bit attention scores,
-  softmax output and a 1-byte dropout mask (5·a·s²·b bytes per layer). With attention dropout
-  > 0, torch's `scaled_dot_product_attention` on CPU leaves its fused (flash) kernel for the
-  unfused math path, which upcasts to fp32 and keeps Q, K, V in fp32 plus three fp32 s×s
-  tensors (scores, softmax, dropped probabilities) per head: ~12·a·s²·b bytes instead of 5. With
-  attention dropout 0 the fused CPU kernel keeps only Q, K, V, the output and an fp32
-  log-sum-exp per row (no s×s term at all), i.e. less than the formula. Either way the
-  recompute removes all of it: what checkpointing keeps does not depend on the attention kernel.
+- **Without recompute, measured > analytic with dropout.** The formula assumes 16-bit
+  attention scores, softmax output and a 1-byte dropout mask (5·a·s²·b bytes per layer). With
+  attention dropout on CPU our attention is spelled out (megatron/model/transformer.py
+  `attention`: torch's SDPA would leave its fused kernel for its math path and draw the mask
+  element by element): it keeps the fp32 softmax output (4 bytes), the 1-byte mask and the
+  16-bit dropped probabilities, ~7·a·s²·b bytes. With dropout 0 the fused CPU kernel keeps
+  only Q, K, V, the output and an fp32 log-sum-exp per row (no s×s term), i.e. less than the
+  formula. Either way the recompute removes all of it.
 - **With checkpointing, measured = analytic** (2·s·b·h per checkpoint, halved by partitioning
   at TP = 2): what is kept is exactly each layer's input. The *saving* column is measured
-  against our own no-recompute run; the analytic saving against the formula's (which is larger
-  because the formula's baseline is).
+  against our own no-recompute run; the analytic saving against the formula's.
 - **+ CPU** on this CPU-only machine moves nothing: the device already is host memory, so it
   only adds a copy. On CUDA the kept inputs leave device memory (pinned host copies).
 - **Peak RSS growth** is noisy on CPU (the allocator keeps freed pages) and includes the
   recompute of one layer and the gradients; saved bytes are the exact figure.
-- **Time**: recompute adds one forward of every layer (~1/3 of forward + backward in theory);
-  partitioning adds an all-gather of each checkpoint over the tensor-parallel group. The
-  2026-11-22 run in docs/benchmarks.md shared its 2 cores with other engineers' test suites:
-  its times (ratios from 0.3 to 4.9) are noise, not a measurement; re-run on an idle machine.
+- **Time**: recompute repeats every layer's forward, so its cost is the forward's share of
+  forward + backward (the rule of thumb's ~1/3 assumes backward = 2 x forward), plus at TP = 2
+  the forward's all-reduces and the checkpoint all-gathers. On this CPU, dropout masks come
+  from a per-element generator, and drawing them is forward-only work: measured in one
+  process, interleaved (s=256, TP=1), forward alone is 29% of forward + backward with dropout 0
+  and 46% with dropout 0.1, and the recompute costs +35% and +46%; the checkpoint machinery
+  itself (RNG capture and restore, the reentrant Function) adds ~2 ms per checkpoint. Our CPU
+  dropout (megatron/model/dropout.py: three 16-bit lanes per 64-bit draw) and the spelled-out
+  attention took the no-recompute step from 139 to 114 ms and the recompute overhead from
+  +53% to +46% in that measurement. Single-step times still drift with this machine's speed
+  even interleaved: compare the rows of one sequence length and TP size as a rough guide.
 """
 
 

@@ -1,15 +1,16 @@
 """ZeRO memory and communication: our stages 0-3 against the ZeRO paper and against peers.
 
     python benchmarks/zero_memory_comm.py [--quick] [--dp 2 4] [--model small|gpt-91m]
-                                          [--no-deepspeed] [--no-compat] [--no-docs]
+                                          [--paired-steps 8] [--no-deepspeed] [--no-compat]
+                                          [--no-docs]
 
 For one GPT (fp32, AdamW, `--model small`: 4 layers, hidden 256, seq 128, vocab 8192, 5.3M
 params, micro batch 2 per rank; `--model gpt-91m`: 12 layers, hidden 768, vocab 32768, the
 issue's 91.5M comparison) at each data-parallel size, every runner is started as fresh gloo
 processes (one thread each, benchmarks/zero_memory_comm_worker.py) so peak RSS is its own:
   ours      zero.initialize stages 0-3 (stage 3 builds the model under zero.Init), plus stage 3
-            releasing params after forward (the paper's 3Ψ) and stage 1/2 with the
-            reduce-scatter run as an all-reduce (zero/comm.py's old gloo path, for timing)
+            releasing params after forward (the paper's 3Ψ); reduce_bucket_size 25 MB of fp32
+            (DDP's default bucket), for DeepSpeed too
   peers     torch DDP, ZeroRedundancyOptimizer (+DDP), FSDP2 fully_shard with
             reshard_after_forward True / False, and DeepSpeed stages 0-3 from its own venv
             (benchmarks/install_deepspeed_venv.sh), skipped with a note when it is absent.
@@ -18,8 +19,11 @@ next to the ZeRO paper's formulas (deepspeed_spec.md §4.5) in their fp32 form (
 sent per step (ours: zero/comm.py's counters; peers: patched torch.distributed + a DDP comm
 hook) in units of Ψ·4 B·(N-1)/N, next to what each configuration should send (COMM); median step time; peak RSS (VmHWM). Then the
 ratios ours/peer. Also records the DeepSpeed checkpoint compatibility check
-(benchmarks/deepspeed_compat.py) unless --no-compat. Timings on this shared 2-core machine are
-noisy; DP=4 oversubscribes the 2 cores (4 ranks x 1 thread), so compare within a column.
+(benchmarks/deepspeed_compat.py) unless --no-compat. Timings on this 2-core machine drift by 10-30%
+over minutes, so each runner's own step time (separate processes, run one after another) is
+rough; the comparison with the fastest peer is made by the paired runs: each of our stages and
+torch DDP built in the same processes and stepped alternately (`--paired-steps`). DP=4
+oversubscribes the 2 cores (4 ranks x 1 thread), so compare within a column.
 """
 
 import argparse
@@ -39,26 +43,20 @@ TORCH_PEERS = ("ddp", "zero_redundancy", "fsdp2_reshard", "fsdp2_keep")
 PEER_NAMES = {"ddp": "torch DDP", "zero_redundancy": "ZeroRedundancyOptimizer",
               "fsdp2_reshard": "FSDP2 (reshard)", "fsdp2_keep": "FSDP2 (no reshard)"}
 # The ZeRO paper's per-rank model states in fp32 (bytes per parameter): params 4, grads 4,
-# Adam moments 8; in fp32 no separate master is needed (the params are fp32), and our stages
-# 0, 1 and 3 keep none (stage 1: the master partition and its gradient are views of the flat
-# params/grads; stage 3: the master is the param shard). Stage 2 keeps one: its partition is
-# K strided bucket chunks of the flat params, and the optimizer steps a contiguous fp32 copy
-# of them, +4Ψ/N over the fp32 formula (shown as "+master").
+# Adam moments 8; in fp32 no separate master is needed (the params are fp32), and none of our
+# stages keeps one (stages 1 and 2: the master partition is a view of the flat params, stage
+# 1's gradient a view of the full gradients; stage 3: the master is the param shard).
 FORMULAS = {0: ("16Ψ", lambda n: 16.0), 1: ("8Ψ+8Ψ/N", lambda n: 8 + 8 / n),
-            2: ("4Ψ+12Ψ/N (+4Ψ/N master)", lambda n: 4 + 16 / n), 3: ("16Ψ/N", lambda n: 16 / n)}
+            2: ("4Ψ+12Ψ/N", lambda n: 4 + 12 / n), 3: ("16Ψ/N", lambda n: 16 / n)}
 PAPER = {0: "16Ψ", 1: "4Ψ+12Ψ/N", 2: "2Ψ+14Ψ/N", 3: "16Ψ/N"}  # mixed precision, K=12
 # Stage 3 with DeepSpeed's defaults (stage3_max_reuse_distance 1e9) keeps the gathered params
 # from forward to backward on a model this small: all-gather Ψ + reduce-scatter Ψ = 2Ψ. The
 # "release" variant (reuse distance 0, persistence threshold 0) re-gathers in backward: the
 # paper's 3Ψ.
-# "ours_rs_all_reduce": stage 1/2 with gloo's reduce-scatter done the old way (an all-reduce,
-# then keep the own chunk: 2Ψ of gradient traffic instead of Ψ), to time the ring against it.
-COMM = {0: 2.0, 1: 2.0, 2: 2.0, 3: 2.0, "ours_release": 3.0, "ours_rs_all_reduce": 3.0}
-OURS_ROWS = ((0, "ours"), (1, "ours"), (1, "ours_rs_all_reduce"), (2, "ours"),
-             (2, "ours_rs_all_reduce"), (3, "ours"), (3, "ours_release"))
+COMM = {0: 2.0, 1: 2.0, 2: 2.0, 3: 2.0, "ours_release": 3.0}
+OURS_ROWS = ((0, "ours"), (1, "ours"), (2, "ours"), (3, "ours"), (3, "ours_release"))
 OURS_RUNNERS = {runner for _, runner in OURS_ROWS}
-VARIANT_LABELS = {"ours": "", "ours_release": " (release after fwd)",
-                  "ours_rs_all_reduce": " (reduce-scatter as all-reduce)"}
+VARIANT_LABELS = {"ours": "", "ours_release": " (release after fwd)"}
 STATE_KEYS = ("params", "grads", "masters", "optimizer state")
 
 
@@ -156,10 +154,24 @@ def ratio_table(results):
     return markdown_table(headers, rows) + "\n\n" + "; ".join(verdict) + "."
 
 
+def paired_table(paired):
+    rows = []
+    for stage, r in paired.items():
+        if "error" in r:
+            rows.append([f"ZeRO-{stage}", r["error"], "", "", ""])
+            continue
+        spread = lambda t: f"{min(t):.2f}-{max(t):.2f}"  # noqa: E731
+        rows.append([f"ZeRO-{stage}", f"{r['ours_step_s']:.3f} ({spread(r['ours_all_s'])})",
+                     f"{r['ddp_step_s']:.3f} ({spread(r['ddp_all_s'])})",
+                     f"{r['ours_step_s'] / r['ddp_step_s']:.3f}", r["steps"]])
+    return markdown_table(["ours", "ours step s (range)", "torch DDP step s (range)",
+                           "ours / DDP", "steps each"], rows)
+
+
 def runners(args):
     chosen = [(runner, s) for s, runner in OURS_ROWS] + [(p, 0) for p in TORCH_PEERS]
     if not args.no_deepspeed and deepspeed_venv.deepspeed_python():
-        chosen += [("deepspeed", s) for s in STAGES]
+        chosen += [("deepspeed", s) for s in args.deepspeed_stages]
     return chosen
 
 
@@ -181,12 +193,17 @@ def main():
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed peer")
+    parser.add_argument("--deepspeed-stages", type=int, nargs="+", default=list(STAGES),
+                        help="DeepSpeed stages to run (its ZeRO-3 hangs on gpt-91m over gloo)")
     parser.add_argument("--no-compat", action="store_true",
                         help="skip the DeepSpeed checkpoint compatibility check")
+    parser.add_argument("--paired-steps", type=int, default=8,
+                        help="steps of each stage interleaved with DDP in the same processes "
+                             "(0: skip)")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     args = parser.parse_args()
     if args.quick:
-        args.dp, args.steps = [2], 2
+        args.dp, args.steps, args.paired_steps = [2], 2, 2
     sections = [f"Machine: {machine_description()}; model `{args.model}`, fp32, micro batch "
                 f"{args.micro_batch} per rank, median of {args.steps} steps after "
                 f"{args.warmup} warm-up; rank 0's numbers; 1 thread per rank; load average "
@@ -204,6 +221,19 @@ def main():
             sections += [f"### DP={dp}", ours_table(results, dp), peers_table(results, dp),
                          ratio_table(results)]
             print("\n\n".join(sections[-4:]), flush=True)
+            if args.paired_steps:
+                paired = {}
+                for stage in STAGES:
+                    print(f"[zero_memory_comm] DP={dp} stage {stage} paired with DDP", flush=True)
+                    paired[stage] = run_runner("paired_ddp", stage, dp,
+                                               argparse.Namespace(**{**vars(args), "steps": args.paired_steps}),
+                                               work)
+                sections += [f"Step time interleaved with torch DDP (DP={dp}): each of our "
+                             "stages and DDP built in the same processes and stepped "
+                             f"alternately, {args.paired_steps} steps each after "
+                             f"{args.warmup} warm-up; median and range:",
+                             paired_table(paired)]
+                print("\n\n".join(sections[-2:]), flush=True)
     sections.append(f"Load average at the end of the timed runs: {os.getloadavg()[0]:.1f}.")
     if not args.no_compat:
         sections.append(compat_section())

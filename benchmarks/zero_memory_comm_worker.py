@@ -1,14 +1,17 @@
 """One rank of one runner of benchmarks/zero_memory_comm.py (started by it, one process per rank).
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=.. MASTER_PORT=.. python zero_memory_comm_worker.py \
-        --runner ours|ours_release|ours_rs_all_reduce|ddp|zero_redundancy|fsdp2_reshard|fsdp2_keep|deepspeed --stage S \
+        --runner ours|ours_release|ddp|zero_redundancy|fsdp2_reshard|fsdp2_keep|deepspeed|paired_ddp \
+        --stage S \
         --model small|gpt-91m --steps N --warmup W --micro-batch B --out PREFIX  # -> PREFIX.rank<r>.json
 
 Runs in the project's venv, or (runner deepspeed) in the DeepSpeed venv: so it imports only
 torch at the top, zero or deepspeed inside its runner. Every runner trains the same PlainGPT
 (benchmarks/train_throughput.py: fp32, tied head, dropout 0) with AdamW on random tokens,
 one micro batch per rank per step, gloo, one thread per rank.
-Measures, per rank: median step time (barrier-to-barrier), model-state bytes (the distinct
+`paired_ddp` builds our stage S and torch DDP in the same processes and alternates their steps
+(median step time of each). The other runners measure, per rank: median step time
+(barrier-to-barrier), model-state bytes (the distinct
 tensor storages the runner holds at the end of a step: parameters, gradients, optimizer
 state, fp32 masters, communication buffers), bytes sent per step, and peak RSS (VmHWM).
 """
@@ -35,6 +38,9 @@ MODELS = {
                     vocab_size=32768),
 }
 LR = 1e-4
+# ZeRO's reduce_bucket_size for ours and DeepSpeed: 25 MB of fp32 gradients, DDP's default
+# bucket_cap_mb (gloo moves one 25 MB bucket ~2x faster per byte than 4 MB ones here)
+BUCKET_NUMEL = 25 * 2 ** 20 // 4
 
 
 # ------------------------------------------------------------------ byte accounting of peers
@@ -167,12 +173,11 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=True)
 
 
-def build_ours(config, stage, counter, release_after_forward=False,
-               reduce_scatter_impl=None):
+def build_ours(config, stage, counter, release_after_forward=False):
     import zero
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                  "zero_optimization": {"stage": stage, "overlap_comm": True,
-                                       "reduce_bucket_size": 1_000_000},
+                                       "reduce_bucket_size": BUCKET_NUMEL},
                  "steps_per_print": 10 ** 9}
     if release_after_forward:  # the paper's stage 3: every param re-gathered in backward
         ds_config["zero_optimization"].update(stage3_max_reuse_distance=0,
@@ -185,8 +190,6 @@ def build_ours(config, stage, counter, release_after_forward=False,
         model = PlainGPT(config)
     engine, optimizer, _, _ = zero.initialize(model=model, optimizer=_adamw(model.parameters()),
                                               config=ds_config)
-    if reduce_scatter_impl is not None:  # zero/comm.py's alternative gloo reduce-scatter
-        engine.dp_comm.reduce_scatter_impl = reduce_scatter_impl
 
     def step(tokens, labels):
         loss = engine(tokens, labels)
@@ -200,7 +203,7 @@ def build_deepspeed(config, stage, counter):
     import deepspeed
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                  "zero_optimization": {"stage": stage, "overlap_comm": True,
-                                       "reduce_bucket_size": 1_000_000},
+                                       "reduce_bucket_size": BUCKET_NUMEL},
                  "steps_per_print": 10 ** 9}
     if stage == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
@@ -271,19 +274,38 @@ def build_ours_release(config, stage, counter):
     return build_ours(config, stage, counter, release_after_forward=True)
 
 
-def build_ours_rs_all_reduce(config, stage, counter):
-    return build_ours(config, stage, counter, reduce_scatter_impl="all_reduce")
-
-
 RUNNERS = {"ours": build_ours, "ours_release": build_ours_release,
-           "ours_rs_all_reduce": build_ours_rs_all_reduce, "deepspeed": build_deepspeed, "ddp": build_ddp,
+           "deepspeed": build_deepspeed, "ddp": build_ddp,
            "zero_redundancy": build_zero_redundancy, "fsdp2_reshard": build_fsdp2_reshard,
            "fsdp2_keep": build_fsdp2_keep}
 
 
+def paired_with_ddp(args, config, rank, counter):
+    """Our stage and torch DDP built side by side in the same processes, stepped alternately
+    (which goes first alternates too): the machine's speed drifts by 10-30% over minutes
+    here, which separate runs cannot tell from a difference between the runners."""
+    torch.manual_seed(1234)
+    steps = {"ours": build_ours(config, args.stage, counter)[2]}
+    torch.manual_seed(1234)
+    steps["ddp"] = build_ddp(config, 0, counter)[2]
+    times = {name: [] for name in steps}
+    for i in range(args.warmup + args.steps):
+        order = list(steps.items()) if i % 2 == 0 else list(reversed(steps.items()))
+        for name, step in order:
+            dist.barrier()
+            start = time.perf_counter()
+            step(*_batch(i, rank, args.micro_batch, config))
+            dist.barrier()
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    return {"rank": rank, "steps": args.steps,
+            **{f"{name}_step_s": statistics.median(t) for name, t in times.items()},
+            **{f"{name}_all_s": t for name, t in times.items()}}
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--runner", choices=sorted(RUNNERS), required=True)
+    parser.add_argument("--runner", choices=sorted(RUNNERS) + ["paired_ddp"], required=True)
     parser.add_argument("--stage", type=int, default=0)
     parser.add_argument("--model", choices=sorted(MODELS), default="small")
     parser.add_argument("--steps", type=int, default=5)
@@ -296,6 +318,13 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     counter = WireCounter(world)
     config = MODELS[args.model]
+    if args.runner == "paired_ddp":
+        result = paired_with_ddp(args, config, rank, counter)
+        with open(f"{args.out}.rank{rank}.json", "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     torch.manual_seed(1234)
     model, roots, step, sent = RUNNERS[args.runner](config, args.stage, counter)
     numel = int(sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()))

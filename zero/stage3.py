@@ -236,14 +236,17 @@ class Stage3Optimizer:
         world = self.dp_comm.world_size
         sizes = [p.ds_tensor.numel() for p, _ in items]
         total = sum(sizes)
-        rows = torch.zeros(world, total, dtype=items[0][1].dtype, device=items[0][1].device)
+        rows = torch.empty(world, total, dtype=items[0][1].dtype, device=items[0][1].device)
         offset = 0
         for (param, grad), size in zip(items, sizes):
             _copy_rank_major(rows.narrow(1, offset, size), grad.reshape(-1), size)
             offset += size
         params = [p for p, _ in items]
         del items  # the full gradients can go now
-        if world > 1:
+        # average: fp32 sums scale the reduced partition as it is accumulated (1/N of the
+        # bucket); 16-bit sums could overflow, so those buckets are divided first
+        post_scale = 1.0 / world if rows.dtype == torch.float32 else 1.0
+        if world > 1 and post_scale == 1.0:
             rows.mul_(1.0 / world)
         out = rows[self.dp_comm.rank]  # reduced in place: no second [total] buffer
         async_op = self.settings.overlap_comm
@@ -255,15 +258,17 @@ class Stage3Optimizer:
         else:
             pending = Pending(self.dp_comm.all_reduce(flat, async_op=async_op),
                               partial(out.copy_, rows[self.dp_comm.rank]))
-        self._in_flight.append(Pending(pending, partial(self._accumulate, params, sizes, out)))
+        self._in_flight.append(Pending(pending, partial(self._accumulate, params, sizes, out,
+                                                        post_scale)))
         if not async_op:
             self._in_flight.pop().wait()
 
-    def _accumulate(self, params, sizes, reduced):
+    def _accumulate(self, params, sizes, reduced, scale):
         offset = 0
         for param, size in zip(params, sizes):
             sub_group, start = self.location[param]
-            sub_group.master.grad.narrow(0, start, size).add_(reduced.narrow(0, offset, size))
+            sub_group.master.grad.narrow(0, start, size).add_(reduced.narrow(0, offset, size),
+                                                              alpha=scale)
             offset += size
 
     # ----- step -----
@@ -393,10 +398,15 @@ def _shape_for_accumulation(param, grad):
 
 
 def _copy_rank_major(rows, flat, size):
-    """rows [world, size] <- flat [numel] cut into pieces of `size` (last piece zero padded)."""
+    """rows [world, size] <- flat [numel] cut into pieces of `size`; what flat does not fill
+    (the padding of the last piece and any rows after it) is zeroed."""
     full = flat.numel() // size if size else 0
     if full:
         rows.narrow(0, 0, full).copy_(flat.narrow(0, 0, full * size).view(full, size))
     rest = flat.numel() - full * size
     if rest:
         rows[full].narrow(0, 0, rest).copy_(flat.narrow(0, full * size, rest))
+        rows[full].narrow(0, rest, size - rest).zero_()
+        full += 1
+    if full < rows.shape[0]:
+        rows.narrow(0, full, rows.shape[0] - full).zero_()
