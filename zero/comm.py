@@ -6,8 +6,9 @@ per operation in `stats`, so benchmarks and tests can check the traffic ZeRO pro
 
 What differs between backends is hidden here:
 - gloo's collectives that do not reduce in place are slow on CPU (zero/ring.py has the
-  numbers): its `reduce_scatter_tensor`, `all_gather_into_tensor` and `reduce` run here as
-  rings / sends over isend/irecv (`zero/ring.py`), each rank sending (N-1)/N of the buffer.
+  numbers): its `reduce_scatter_tensor` runs here as a ring over isend/irecv, its
+  `all_gather_into_tensor` and `reduce` as direct sends (`zero/ring.py`), each rank sending
+  (N-1)/N of the buffer.
   The ring reduce-scatter accumulates in the input's chunks, so its input is scratch: callers
   must not rely on it afterwards. `reduce_scatter_impl="all_reduce"` keeps the older path (an
   in-place all-reduce of the input, then a copy of this rank's chunk) for comparison; NCCL
@@ -24,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from zero.ring import PointToPointReduce, RingAllGather, RingReduceScatter, tags_needed
+from zero.ring import (PointToPointAllGather, PointToPointReduce, RingReduceScatter,
+                       tags_needed)
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -184,9 +186,9 @@ class Communicator:
             return Pending()
         self.stats.record("all_gather", _nbytes(output), self._ring_fraction() * _nbytes(output))
         if self.backend == "gloo":
-            ring = RingAllGather(output, input, self.rank, self.world_size, self.global_rank,
-                                 self.group, self._tags(n))
-            return self._run(ring, async_op)
+            gather = PointToPointAllGather(output, input, self.rank, self.world_size,
+                                           self.global_rank, self.group, self._tags(n))
+            return self._run(gather, async_op)
         work = _all_gather_single(output, input, group=self.group, async_op=async_op)
         return Pending(work if async_op else None)
 

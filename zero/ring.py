@@ -16,9 +16,8 @@ in one message: 36 ms).
   the single addition a + b, bit-identical to an all-reduce; with more ranks the order
   differs from gloo's all-reduce, so results agree to fp32 rounding. The running sums
   accumulate in the input's own chunks (the input is scratch) and one receive buffer.
-- `RingAllGather`: in step s rank r forwards chunk (r - s) mod N (its own first, then the one
-  it just received) to rank r+1, receiving straight into the output; (N-1)/N of the output
-  sent per rank, no copies.
+- `PointToPointAllGather`: every rank sends its chunk to every other rank, receiving straight
+  into the output; (N-1)/N of the output sent per rank, no copies, no chain of steps.
 - `PointToPointReduce`: every other rank sends its whole tensor to the destination, which adds
   them in rank order.
 
@@ -139,19 +138,28 @@ class RingReduceScatter(_Ring):
             self.output.copy_(own)
 
 
-class RingAllGather(_Ring):
-    """One all-gather of every rank's `input` ([n]) into `output` ([world * n]), in place."""
+class PointToPointAllGather:
+    """One all-gather of every rank's `input` ([n]) into `output` ([world * n]), in place.
+
+    Every rank sends its chunk to every other rank and receives theirs straight into the
+    output, each rank sending (N-1)/N of the output as a ring would. All messages are posted at
+    construction: a ring's N-1 dependent steps would each be posted only when the caller
+    waits, so with N > 2 a prefetched gather would mostly run at the wait (measured: ZeRO-3 at
+    DP=4 on 2 cores took 2.0x DDP's step with a ring all-gather).
+    """
 
     def __init__(self, output, input, rank, world_size, to_global, group, tag_base):
         chunks = output.view(world_size, -1)
         if input.data_ptr() != chunks[rank].data_ptr():
             chunks[rank].copy_(input)
-        super().__init__(chunks, rank, world_size, to_global, group, tag_base)
+        self.exchange = _Exchange(group)
+        for peer in range(world_size):
+            if peer != rank:
+                self.exchange.send(chunks[rank], to_global(peer), tag_base)
+                self.exchange.recv(chunks[peer], to_global(peer), tag_base)
 
-    def _post(self):
-        tag = self._step_tag()
-        self.exchange.send(self._chunk(0), self.next_rank, tag)
-        self.exchange.recv(self._chunk(1), self.prev_rank, tag)
+    def finish(self):
+        self.exchange.wait()
 
 
 class PointToPointReduce:

@@ -1,4 +1,4 @@
-"""zero/comm.py on gloo: the ring reduce-scatter against the all-reduce path, the ring all-gather
+"""zero/comm.py on gloo: the ring reduce-scatter against the all-reduce path, the point-to-point all-gather
 and the point-to-point reduce against exact sums, byte accounting."""
 
 import pytest
@@ -104,7 +104,7 @@ def _gathers_and_reduces(rank, world_size):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_ring_all_gather_and_point_to_point_reduce(world):
+def test_point_to_point_all_gather_and_reduce(world):
     results = run_distributed(_gathers_and_reduces, world_size=world)
     n = N // world
     expected = torch.cat([_rank_input(r).narrow(0, 0, n) for r in range(world)])
