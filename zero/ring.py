@@ -71,45 +71,7 @@ class _Exchange:
         self.works = []
 
 
-class _Ring:
-    """N-1 steps between this rank, its successor and its predecessor."""
-
-    def __init__(self, chunks, rank, world_size, to_global, group, tag_base):
-        if not chunks.is_contiguous():
-            raise ValueError("a ring collective needs a contiguous buffer")
-        self.chunks, self.rank, self.world = chunks, rank, world_size
-        self.next_rank = to_global((rank + 1) % world_size)
-        self.prev_rank = to_global((rank - 1) % world_size)
-        self.tag_base, self.step_tags = tag_base, _pieces(chunks.shape[1])
-        self.exchange = _Exchange(group)
-        self.step = 0
-        self._post()
-
-    def _chunk(self, step_offset):
-        return self.chunks[(self.rank - self.step - step_offset) % self.world]
-
-    def _step_tag(self):
-        return self.tag_base + self.step * self.step_tags
-
-    # subclasses define _post(): what this step sends to next_rank and receives from prev_rank
-
-    def _after_step(self):
-        """What a step does once its messages arrived (before the next is posted)."""
-
-    def finish(self):
-        while self.step < self.world - 1:
-            self.exchange.wait()
-            self._after_step()
-            self.step += 1
-            if self.step < self.world - 1:
-                self._post()
-        self._done()
-
-    def _done(self):
-        """What the call leaves behind after the last step."""
-
-
-class RingReduceScatter(_Ring):
+class RingReduceScatter:
     """One reduce-scatter of `input` ([world * n]) into `output` ([n]) over `group`.
 
     `to_global(group_rank)` maps a rank of `group` to a rank of the default group (what
@@ -117,22 +79,35 @@ class RingReduceScatter(_Ring):
     """
 
     def __init__(self, input, output, rank, world_size, to_global, group, tag_base):
-        self.output = output
-        self.received = torch.empty(input.numel() // world_size, dtype=input.dtype,
-                                    device=input.device)
-        super().__init__(input.view(world_size, -1), rank, world_size, to_global, group,
-                         tag_base)
+        if not input.is_contiguous():
+            raise ValueError("the ring reduce-scatter needs a contiguous input")
+        self.chunks = input.view(world_size, -1)  # [N, n]
+        self.output, self.rank, self.world = output, rank, world_size
+        self.received = torch.empty_like(self.chunks[0])
+        self.next_rank = to_global((rank + 1) % world_size)
+        self.prev_rank = to_global((rank - 1) % world_size)
+        self.tag_base, self.step_tags = tag_base, _pieces(self.chunks.shape[1])
+        self.exchange = _Exchange(group)
+        self.step = 0
+        self._post()
+
+    def _chunk(self, step_offset):
+        return self.chunks[(self.rank - self.step - step_offset) % self.world]
 
     def _post(self):
-        tag = self._step_tag()
+        tag = self.tag_base + self.step * self.step_tags
         self.exchange.send(self._chunk(1), self.next_rank, tag)
         self.exchange.recv(self.received, self.prev_rank, tag)
 
-    def _after_step(self):
-        # the chunk sent next is the one summed here, never the one that was in flight
-        self._chunk(2).add_(self.received)
-
-    def _done(self):
+    def finish(self):
+        """Run the remaining steps; afterwards `output` holds the sum of chunk `rank`."""
+        while self.step < self.world - 1:
+            self.exchange.wait()
+            # the chunk sent next is the one summed here, never the one that was in flight
+            self._chunk(2).add_(self.received)
+            self.step += 1
+            if self.step < self.world - 1:
+                self._post()
         own = self.chunks[self.rank]
         if self.output.data_ptr() != own.data_ptr():
             self.output.copy_(own)

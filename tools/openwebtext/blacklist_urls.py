@@ -25,11 +25,11 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.cli import run_cli  # noqa: E402
 from megatron.errors import DataError  # noqa: E402
 from tools.openwebtext.external import dedup_lines  # noqa: E402
 from tools.openwebtext.streaming import (MALFORMED, Malformed, input_files,  # noqa: E402
-                                         run_line_filter)
+                                         run_line_filter,
+                                         stage_main)
 
 # Hosts whose pages are images, video, social-media shells or file downloads, not prose.
 DEFAULT_DOMAIN_BLACKLIST = frozenset("""
@@ -181,9 +181,7 @@ def run(args, stream=None):
 
 
 def main(argv=None):
-    def go():
-        print(run(get_args(argv)).summary(), flush=True)
-    return run_cli(go)
+    return stage_main(run, get_args, argv)
 
 
 if __name__ == "__main__":

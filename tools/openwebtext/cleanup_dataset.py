@@ -19,12 +19,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.cli import run_cli  # noqa: E402
 from megatron.data.preprocessing import TokenizerFactory  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES  # noqa: E402
 from tools.openwebtext.streaming import (MALFORMED, Malformed, dump_json_line,  # noqa: E402
-                                         input_files, parse_json_record, run_line_filter)
+                                         input_files, parse_json_record, run_line_filter,
+                                         stage_main)
 
 _CHUNK_CHARS_PER_TOKEN = 8  # chunk size per wanted token; ample for any real BPE vocabulary
 
@@ -170,9 +170,7 @@ def run(args, stream=None):
 
 
 def main(argv=None):
-    def go():
-        print(run(get_args(argv)).summary(), flush=True)
-    return run_cli(go)
+    return stage_main(run, get_args, argv)
 
 
 if __name__ == "__main__":

@@ -34,12 +34,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.cli import run_cli  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 from tools.openwebtext.lsh_bands import (CHUNK, banding, candidate_pairs,  # noqa: E402
                                          remove_band_keys, write_band_keys)
 from tools.openwebtext.streaming import (AtomicOutput, Progress, input_files,  # noqa: E402
-                                         parse_json_record, run_line_filter)
+                                         parse_json_record, run_line_filter,
+                                         stage_main)
 
 _WHITESPACE = re.compile(r"\s+")
 
@@ -218,9 +218,7 @@ def run(args, stream=None):
 
 
 def main(argv=None):
-    def go():
-        print(run(get_args(argv)).summary(), flush=True)
-    return run_cli(go)
+    return stage_main(run, get_args, argv)
 
 
 if __name__ == "__main__":

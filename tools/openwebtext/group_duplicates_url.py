@@ -16,10 +16,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.cli import run_cli  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 from tools.openwebtext.streaming import (MALFORMED, AtomicOutput, Progress,  # noqa: E402
-                                         StageReport, input_files, iter_lines)
+                                         StageReport, input_files, iter_lines,
+                                         stage_main)
 
 
 class UnionFind:
@@ -108,9 +108,7 @@ def run(args, stream=None):
 
 
 def main(argv=None):
-    def go():
-        print(run(get_args(argv)).summary(), flush=True)
-    return run_cli(go)
+    return stage_main(run, get_args, argv)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.cli import run_cli  # noqa: E402
 from tools.openwebtext.external import dedup_lines  # noqa: E402
 from tools.openwebtext.streaming import (dump_json_line, input_files,  # noqa: E402
-                                         parse_json_record, run_line_filter)
+                                         parse_json_record, run_line_filter,
+                                         stage_main)
 
 JSON_SUFFIXES = (".json", ".jsonl")
 
@@ -71,9 +71,7 @@ def run(args, stream=None):
 
 
 def main(argv=None):
-    def go():
-        print(run(get_args(argv)).summary(), flush=True)
-    return run_cli(go)
+    return stage_main(run, get_args, argv)
 
 
 if __name__ == "__main__":

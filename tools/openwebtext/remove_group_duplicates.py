@@ -16,9 +16,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.cli import run_cli  # noqa: E402
 from tools.openwebtext.streaming import (MALFORMED, StageReport, input_files,  # noqa: E402
-                                         iter_lines, parse_json_record, run_line_filter)
+                                         iter_lines, parse_json_record, run_line_filter,
+                                         stage_main)
 
 
 def urls_to_drop(groups_path, report):
@@ -74,9 +74,7 @@ def run(args, stream=None):
 
 
 def main(argv=None):
-    def go():
-        print(run(get_args(argv)).summary(), flush=True)
-    return run_cli(go)
+    return stage_main(run, get_args, argv)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.cli import run_cli  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 from tools.openwebtext.external import shuffle_lines  # noqa: E402
-from tools.openwebtext.streaming import StageReport, input_files  # noqa: E402
+from tools.openwebtext.streaming import StageReport, input_files, stage_main  # noqa: E402
 
 
 def get_args(argv=None):
@@ -43,9 +42,7 @@ def run(args, stream=None):
 
 
 def main(argv=None):
-    def go():
-        print(run(get_args(argv)).summary(), flush=True)
-    return run_cli(go)
+    return stage_main(run, get_args, argv)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
+from megatron.cli import run_cli
 from megatron.data.preprocessing import split_line_ranges
 from megatron.errors import DataError
 
@@ -359,3 +360,9 @@ class AtomicOutput:
             self.file.close()
             os.remove(self.tmp)
         return False
+
+
+def stage_main(run, get_args, argv=None):
+    """A stage's command line: print the summary of run(get_args(argv)); a user error is one
+    `error:` line and exit code 2 (megatron.cli.run_cli)."""
+    return run_cli(lambda: print(run(get_args(argv)).summary(), flush=True))
