@@ -38,6 +38,7 @@ from zero.arguments import apply_mpi_environment, resolve_config_from_args
 from zero.comm import Communicator
 from zero.config import DeepSpeedConfig
 from zero.errors import ConfigError, ZeroError
+from zero.host_memory import keep_freed_buffers
 from zero.loss_scaler import build_loss_scaler
 from zero.lr_schedules import build_lr_scheduler
 from zero.optimizers import build_optimizer, check_zero_supported
@@ -102,6 +103,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._check_supported_features()
         self.global_steps = self.global_samples = self.skipped_steps = self.micro_steps = 0
         self.device = self._place_module()
+        self._tune_host_allocator()
         self.optimizer = self._zero_optimizer(self._base_optimizer(optimizer, model_parameters))
         self._broadcast_from_first_dp_rank()
         self.lr_scheduler = self._lr_scheduler(lr_scheduler)
@@ -156,6 +158,16 @@ class DeepSpeedEngine(torch.nn.Module):
                             gradient_predivide_factor=self.config.gradient_predivide_factor,
                             gradient_clipping=self.config.gradient_clipping,
                             ignore_unused_parameters=zero.ignore_unused_parameters)
+
+    def _tune_host_allocator(self):
+        """Stage 3 on CPU: reuse freed tensor memory across steps (zero/host_memory.py), since
+        every gathered parameter and every gradient is allocated afresh each step. Stages 0-2
+        keep their gradients in persistent buffers and stay with glibc's defaults (reuse
+        costs resident memory); offload keeps its own policy."""
+        zero = self.config.zero_optimization
+        if self.device.type == "cpu" and zero.stage == 3 and zero.offload_optimizer is None \
+                and zero.offload_param is None:
+            keep_freed_buffers()
 
     def _place_module(self):
         """Move to this rank's GPU (if any) and cast to fp16/bf16, as DeepSpeed does."""

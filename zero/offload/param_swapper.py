@@ -26,7 +26,7 @@ import torch
 
 from zero.errors import ConfigError
 from zero.offload.aio import AsyncTensorIO
-from zero.offload.host_memory import return_freed_buffers_to_os
+from zero.host_memory import return_freed_buffers_to_os
 from zero.offload.swap_dir import check_nvme_path, fresh_swap_dir
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

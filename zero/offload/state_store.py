@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from zero.offload.aio import AsyncTensorIO
-from zero.offload.host_memory import return_freed_buffers_to_os
+from zero.host_memory import return_freed_buffers_to_os
 
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 

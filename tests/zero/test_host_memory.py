@@ -1,0 +1,75 @@
+"""zero/host_memory.py: which glibc policy the engine picks, and that it does what it says.
+
+Each case runs in a fresh interpreter: the policy is process-wide and set once."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SIZES = (10_000_000, 3_000_000, 10_000_000)  # fp32 elements: 40 MB blocks are above glibc's
+# largest dynamic mmap threshold (32 MiB), so by default they are unmapped when freed
+PAGE_FAULTS = textwrap.dedent(f"""
+    import json, resource, sys, torch
+    def faults_of_a_step_after_warmup(rounds=5):
+        # what a training step does: allocate, fill and free the same sizes again and again
+        for _ in range(rounds):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            tensors = [torch.empty(n).fill_(1.0) for n in {SIZES}]
+            del tensors
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+""")
+PAGES_PER_STEP = sum(SIZES) * 4 // 4096
+
+
+def _run(body):
+    out = subprocess.run([sys.executable, "-c", PAGE_FAULTS + textwrap.dedent(body)],
+                         capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _glibc():
+    import platform
+    return platform.libc_ver()[0] == "glibc"
+
+
+@pytest.mark.skipif(not _glibc(), reason="the policies tune glibc's malloc")
+@pytest.mark.parametrize("policy", ["keep_freed_buffers", "return_freed_buffers_to_os"])
+def test_kept_buffers_are_reused_without_page_faults_and_returned_ones_are_not(policy):
+    faults = _run(f"""
+        from zero import host_memory
+        host_memory.{policy}()
+        print(json.dumps(faults_of_a_step_after_warmup()))
+    """)
+    if policy == "keep_freed_buffers":
+        assert faults < PAGES_PER_STEP // 10
+    else:
+        assert faults > PAGES_PER_STEP // 2
+
+
+def test_stage3_on_cpu_keeps_freed_buffers_unless_offloading(tmp_path):
+    result = _run(f"""
+        import zero
+        from zero import host_memory
+        policies = []
+        for stage, offload in ((3, None), (2, None), (3, {{"device": "cpu"}}),
+                               (3, {{"device": "nvme", "nvme_path": "{tmp_path}"}})):
+            host_memory._policy = None
+            cfg = {{"train_micro_batch_size_per_gpu": 1,
+                   "optimizer": {{"type": "Adam", "params": {{"lr": 1e-3}}}},
+                   "zero_optimization": {{"stage": stage}}}}
+            if offload:
+                cfg["zero_optimization"]["offload_optimizer"] = offload
+            zero.initialize(model=torch.nn.Linear(4, 4), config=cfg)
+            policies.append(host_memory.policy())
+        print(json.dumps(policies))
+    """)
+    # stages 0-2 and offload to host memory leave glibc's defaults; NVMe offload returns
+    # freed swap-ins
+    assert result == ["keep", None, None, "return"]

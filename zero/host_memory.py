@@ -1,0 +1,65 @@
+"""How glibc hands freed host tensors back: keep them for reuse, or return them to the OS.
+
+torch's CPU tensors come from glibc's malloc. A large block is either mmap'd (freed: unmapped
+at once) or carved from the heap (freed: kept, unless the free space at the top of the heap
+exceeds the trim threshold). Memory fresh from the OS costs a page fault per 4 KiB page on
+first touch: measured here ~1.7 us per page, i.e. 1.15 s for 20 rounds of a 112 MB
+allocate-fill-free where a reused block takes 0.30 s.
+
+Two policies, one per process (glibc only; elsewhere both are no-ops):
+
+- `keep_freed_buffers()` (ZeRO on CPU without offload): blocks up to 1 GiB come from the heap
+  and freed memory is never trimmed, so each step reuses the memory of the last. ZeRO-3
+  allocates every gathered parameter and every gradient afresh each step; with glibc's
+  defaults that was ~185k page faults per step on a 110M-parameter model at DP=2 (~0.3 s of a
+  4 s step; torch DDP, whose gradients persist, ~49k).
+- `return_freed_buffers_to_os()` (offload): a fixed 256 KiB mmap threshold, so every larger
+  freed buffer leaves the resident set. Offload frees and reallocates many multi-MiB buffers
+  (whole submodules under zero.Init, swap buffers, gathered parameters); kept, the resident
+  set would hold the high-water mark of everything offloaded (measured: +250 MiB peak for a
+  25M-parameter model). Offload's memory goal wins: once it is set, `keep_freed_buffers()`
+  does nothing.
+"""
+
+import ctypes
+import ctypes.util
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+RETURN_MMAP_THRESHOLD = 256 * 1024
+KEEP_MMAP_THRESHOLD = 1 << 30
+NEVER_TRIM = 2 ** 31 - 1  # mallopt takes an int
+DEFAULT_TRIM_THRESHOLD = 128 * 1024
+
+_policy = None  # "keep" | "return" once set
+
+
+def _mallopt(*settings):
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return all(libc.mallopt(param, value) == 1 for param, value in settings)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        return False
+
+
+def keep_freed_buffers():
+    """Reuse freed host memory instead of faulting fresh pages in every step."""
+    global _policy
+    if _policy is not None:
+        return
+    _policy = "keep"
+    _mallopt((M_MMAP_THRESHOLD, KEEP_MMAP_THRESHOLD), (M_TRIM_THRESHOLD, NEVER_TRIM))
+
+
+def return_freed_buffers_to_os():
+    """Give every freed buffer over 256 KiB back to the OS (offload's resident-set budget)."""
+    global _policy
+    if _policy == "return":
+        return
+    _policy = "return"
+    _mallopt((M_MMAP_THRESHOLD, RETURN_MMAP_THRESHOLD), (M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD))
+
+
+def policy():
+    """"keep", "return" or None (glibc's defaults)."""
+    return _policy
