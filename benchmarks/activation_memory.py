@@ -216,14 +216,16 @@ def main(argv=None):
 NOTES = """\
 Reading the table:
 
-- **Without recompute, measured > analytic with dropout.** The formula assumes 16-bit
-  attention scores, softmax output and a 1-byte dropout mask (5·a·s²·b bytes per layer). With
-  attention dropout on CPU our attention is spelled out (megatron/model/transformer.py
-  `attention`: torch's SDPA would leave its fused kernel for its math path and draw the mask
-  element by element): it keeps the fp32 softmax output (4 bytes), the 1-byte mask and the
-  16-bit dropped probabilities, ~7·a·s²·b bytes. With dropout 0 the fused CPU kernel keeps
-  only Q, K, V, the output and an fp32 log-sum-exp per row (no s×s term), i.e. less than the
-  formula. Either way the recompute removes all of it.
+- **Without recompute, measured vs analytic.** The formula assumes 16-bit attention scores,
+  softmax output and a 1-byte dropout mask (5·a·s²·b bytes per layer). With attention
+  dropout on CPU our attention is spelled out (megatron/model/transformer.py `attention`:
+  torch's SDPA would leave its fused kernel for its math path and draw the mask element by
+  element) and keeps exactly that: the 16-bit softmax output, the 1-byte mask and the 16-bit
+  dropped probabilities. The rest of the excess (1.55x the formula at s=128, 1.08x at s=512)
+  is in the terms linear in s, which the formula counts for fused GPU kernels (what torch's
+  CPU kernels keep for backward, e.g. GeLU's input, differs). With dropout 0 the fused CPU
+  kernel keeps only Q, K, V, the output and an fp32 log-sum-exp per row (no s×s term), i.e. less
+  than the formula. Either way the recompute removes all of it.
 - **With checkpointing, measured = analytic** (2·s·b·h per checkpoint, halved by partitioning
   at TP = 2): what is kept is exactly each layer's input. The *saving* column is measured
   against our own no-recompute run; the analytic saving against the formula's.
@@ -233,15 +235,19 @@ Reading the table:
   recompute of one layer and the gradients; saved bytes are the exact figure.
 - **Time**: recompute repeats every layer's forward, so its cost is the forward's share of
   forward + backward (the rule of thumb's ~1/3 assumes backward = 2 x forward), plus at TP = 2
-  the forward's all-reduces and the checkpoint all-gathers. On this CPU, dropout masks come
-  from a per-element generator, and drawing them is forward-only work: measured in one
-  process, interleaved (s=256, TP=1), forward alone is 29% of forward + backward with dropout 0
-  and 46% with dropout 0.1, and the recompute costs +35% and +46%; the checkpoint machinery
-  itself (RNG capture and restore, the reentrant Function) adds ~2 ms per checkpoint. Our CPU
-  dropout (megatron/model/dropout.py: three 16-bit lanes per 64-bit draw) and the spelled-out
-  attention took the no-recompute step from 139 to 114 ms and the recompute overhead from
-  +53% to +46% in that measurement. Single-step times still drift with this machine's speed
-  even interleaved: compare the rows of one sequence length and TP size as a rough guide.
+  the forward's all-reduces and the checkpoint all-gathers. On this CPU the forward holds
+  most of the elementwise work (dropout masks, the attention's softmax, GeLU in bf16), so its
+  share is ~30% with dropout 0 and ~45-50% with dropout 0.1. Measured in one process,
+  interleaved (s=256, TP=1): forward 22 / 42 ms of 70 / 87 ms (dropout 0 / 0.1), the
+  recompute 23 / 40 ms, i.e. the recompute costs the forward. What brought the dropout case
+  down (no-recompute step 139 -> 87 ms in the same measurement over two sessions): our CPU
+  dropout mask (megatron/model/dropout.py, four 16-bit lanes per 64-bit draw: 4.6 ns per
+  element against torch's 18.9) and an attention that takes few passes over the s×s scores
+  (scale and causal mask inside one baddbmm, softmax in bf16, the 1/(1-p) applied to the
+  [s, hn] context: 3.9 ms against 7.6 written out plainly and 17 through SDPA's math path).
+  The checkpoint machinery itself (RNG capture and restore, the reentrant Function) adds ~2 ms
+  per checkpoint. Single-step times still drift with this machine's speed even interleaved:
+  compare the rows of one sequence length and TP size as a rough guide.
 - **Recompute floor** (last column): the forward's share of the no-checkpointing step,
   measured in the same interleaved steps. Recomputing every layer cannot cost less than
   that, so a "time vs none" of 1 + floor is full recompute at its cost; the ~35% goal holds

@@ -77,7 +77,8 @@ NOTES = {
         "`reduce_bucket_size` is 25 MB of fp32 for ours and DeepSpeed, which on this model "
         "makes stage 2 hold about one bucket of spare buffers. Single-runner step times swing "
         "with the machine's speed; the paired tables (each stage and DDP stepped alternately in"
-        " the same processes) are the comparison."),
+        " the same processes) are the comparison."
+        " Our stage 3 reuses freed host memory by itself (see the gpt-91m notes)."),
     "gpt-91m": (
         "Run on the idle box. This PlainGPT counts Ψ = 110.3M (untied position embedding and "
         "biases included). `reduce_bucket_size` is 25 MB of fp32 (DDP's default bucket) for "

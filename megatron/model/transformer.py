@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron import mpu
-from megatron.model.dropout import dropout
+from megatron.model.dropout import drop_unscaled, dropout
 
 
 class ParallelSelfAttention(nn.Module):
@@ -67,20 +67,54 @@ def attention(query, key, value, allowed_mask, is_causal, dropout_p):
     scaled_dot_product_attention, except with dropout on CPU: there SDPA leaves its fused
     kernel for the math path and draws the dropout mask one element at a time, which costs more
     than the rest of the attention (and is paid again by every checkpoint recompute). The same
-    math is spelled out here with megatron.model.dropout's cheap mask (b=2, 4 heads, 256
-    tokens, bf16: forward 17 -> ~5 ms).
+    math is spelled out here with as few passes over the [s, s] scores as it takes: the scale
+    and the mask (as an additive bias) go into the q kᵀ product, the softmax stays in the
+    input dtype (torch's CPU kernel accumulates 16-bit inputs in fp32), dropout uses
+    megatron.model.dropout's cheap mask and its 1 / (1 - p) scales the [s, hn] context
+    instead of the probabilities. It keeps 5 bytes per score for backward in 16-bit (softmax
+    output, mask, dropped probabilities), the 5·a·s²·b of the activation formula. Measured
+    (b=2, 4 heads, 256 tokens, bf16, 1 thread): 17 ms through SDPA's math path, 7.6 spelled
+    out plainly, 3.9 this way; SDPA's fused kernel without dropout: 1.1.
     """
     if dropout_p == 0.0 or query.device.type != "cpu":
         return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed_mask,
                                               dropout_p=dropout_p, is_causal=is_causal)
-    scores = torch.matmul(query, key.transpose(-1, -2)) * query.shape[-1] ** -0.5
-    if is_causal:  # SDPA's causal mask: aligned to the top left
-        allowed_mask = torch.ones(scores.shape[-2:], dtype=torch.bool,
-                                  device=scores.device).tril()
-    if allowed_mask is not None:
-        scores = scores.masked_fill(~allowed_mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(dropout(probs, dropout_p), value)
+    scale = query.shape[-1] ** -0.5
+    bias = _causal_bias(query.shape[-2], key.shape[-2], query.dtype) if is_causal \
+        else _mask_bias(allowed_mask, query.dtype)
+    if bias is not None and bias.dim() == 2:  # one bias for every head: a single kernel
+        batch_heads = query.shape[:-2]
+        scores = torch.baddbmm(bias, query.reshape(-1, *query.shape[-2:]),
+                               key.reshape(-1, *key.shape[-2:]).transpose(1, 2), alpha=scale)
+        scores = scores.view(*batch_heads, *scores.shape[-2:])
+    else:
+        scores = torch.matmul(query * scale, key.transpose(-1, -2))
+        if bias is not None:
+            scores = scores + bias
+    probs = torch.softmax(scores, dim=-1)
+    context = torch.matmul(drop_unscaled(probs, dropout_p), value)
+    return context.mul_(1.0 / (1.0 - dropout_p))
+
+
+_CAUSAL_BIASES = {}
+
+
+def _causal_bias(queries, keys, dtype):
+    """[queries, keys]: 0 where a query may attend (SDPA's causal mask, aligned to the top
+    left), -inf elsewhere; cached, since every layer and step uses the same one."""
+    bias = _CAUSAL_BIASES.get((queries, keys, dtype))
+    if bias is None:
+        allowed = torch.ones(queries, keys, dtype=torch.bool).tril()
+        bias = _mask_bias(allowed, dtype)
+        _CAUSAL_BIASES[(queries, keys, dtype)] = bias
+    return bias
+
+
+def _mask_bias(allowed_mask, dtype):
+    if allowed_mask is None:
+        return None
+    return torch.zeros(allowed_mask.shape, dtype=dtype,
+                       device=allowed_mask.device).masked_fill_(~allowed_mask, float("-inf"))
 
 
 class ParallelMLP(nn.Module):

@@ -11,16 +11,19 @@ from megatron.model.transformer import attention
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_mask_drops_with_probability_p(p):
     torch.manual_seed(0)
-    n = 300_001  # not a multiple of the three lanes per draw
+    n = 300_001  # not a multiple of the four lanes per draw
     dropped = 1.0 - keep_mask((n,), p).float().mean().item()
     assert abs(dropped - round(p * 65536) / 65536) < 4 * (p * (1 - p) / n) ** 0.5
 
 
-def test_mask_lanes_are_independent_of_each_other():
+def test_mask_lanes_are_uniform_and_independent_of_each_other():
     torch.manual_seed(1)
-    keep = keep_mask((3 * 200_000,), 0.5).view(-1, 3).float()
-    for a, b in ((0, 1), (1, 2), (0, 2)):  # both kept: 1/4 when independent
-        assert abs((keep[:, a] * keep[:, b]).mean().item() - 0.25) < 0.005
+    keep = keep_mask((4 * 200_000,), 0.5).view(-1, 4).float()
+    for lane in range(4):  # every 16 bits of a draw are random, the sign lane too
+        assert abs(keep[:, lane].mean().item() - 0.5) < 0.005
+    for a in range(4):
+        for b in range(a + 1, 4):  # both kept: 1/4 when independent
+            assert abs((keep[:, a] * keep[:, b]).mean().item() - 0.25) < 0.005
 
 
 def test_dropout_scales_kept_elements_and_replays_under_the_same_seed():
@@ -83,3 +86,16 @@ def test_cpu_attention_with_dropout_is_the_math_with_the_cheap_mask(causal):
     reference = F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else allowed,
                                                is_causal=causal)
     torch.testing.assert_close(full, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_attention_with_dropout_tracks_the_fp32_math():
+    q, k, v = (t.detach() for t in _qkv())
+    torch.manual_seed(3)
+    out = attention(*(t.bfloat16() for t in (q, k, v)), None, True, 0.1)
+    torch.manual_seed(3)
+    keep = keep_mask((2, 2, 16, 16), 0.1)
+    mask = torch.ones(16, 16, dtype=torch.bool).tril()
+    scores = (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(~mask, float("-inf"))
+    expected = (scores.softmax(-1) * keep / 0.9) @ v
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=0.05, atol=0.05)
