@@ -8,11 +8,14 @@ allocate-fill-free where a reused block takes 0.30 s.
 
 Two policies, one per process (glibc only; elsewhere both are no-ops):
 
-- `keep_freed_buffers()` (ZeRO on CPU without offload): blocks up to 1 GiB come from the heap
-  and freed memory is never trimmed, so each step reuses the memory of the last. ZeRO-3
+- `keep_freed_buffers()` (ZeRO-3 on CPU without offload): blocks up to 1 GiB come from the
+  heap and freed memory is never trimmed, so each step reuses the memory of the last. ZeRO-3
   allocates every gathered parameter and every gradient afresh each step; with glibc's
   defaults that was ~185k page faults per step on a 110M-parameter model at DP=2 (~0.3 s of a
-  4 s step; torch DDP, whose gradients persist, ~49k).
+  4 s step; torch DDP, whose gradients persist, ~49k). The price is resident memory: glibc
+  2.36 does not reuse a freed block for an aligned request (torch's posix_memalign) of the
+  same size, so the heap settles higher (on that model +5-10% peak RSS at stage 3, +300-450
+  MB at stages 0-2, which is why the engine keeps only at stage 3).
 - `return_freed_buffers_to_os()` (offload): a fixed 256 KiB mmap threshold, so every larger
   freed buffer leaves the resident set. Offload frees and reallocates many multi-MiB buffers
   (whole submodules under zero.Init, swap buffers, gathered parameters); kept, the resident
