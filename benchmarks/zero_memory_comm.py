@@ -17,11 +17,11 @@ processes (one thread each, benchmarks/zero_memory_comm_worker.py) so peak RSS i
 Reported per rank (rank 0): model-state bytes measured from the tensors each runner holds,
 next to the ZeRO paper's formulas (deepspeed_spec.md §4.5) in their fp32 form (FORMULAS); bytes
 sent per step (ours: zero/comm.py's counters; peers: patched torch.distributed + a DDP comm
-hook) in units of Ψ·4 B·(N-1)/N, next to what each configuration should send (COMM); median step time; peak RSS (VmHWM). Then the
-ratios ours/peer. Also records the DeepSpeed checkpoint compatibility check
-(benchmarks/deepspeed_compat.py) unless --no-compat. Timings on this 2-core machine drift by 10-30%
-over minutes, so each runner's own step time (separate processes, run one after another) is
-rough; the comparison with the fastest peer is made by the paired runs: each of our stages and
+hook) in units of Ψ·4 B·(N-1)/N, next to what each configuration should send (COMM); median
+step time; peak RSS (VmHWM). Then the ratios ours/peer. Also records the DeepSpeed checkpoint
+compatibility check (benchmarks/deepspeed_compat.py) unless --no-compat. Timings on this
+2-core machine drift by 10-30% over minutes, so each runner's own step time (separate
+processes, run one after another) is rough; the comparison with the fastest peer is made by the paired runs: each of our stages and
 torch DDP built in the same processes and stepped alternately (`--paired-steps`). DP=4
 oversubscribes the 2 cores (4 ranks x 1 thread), so compare within a column. Every runner
 runs as shipped: our stage 3 sets glibc to reuse freed host memory by itself
@@ -265,12 +265,11 @@ def main():
                          ratio_table(results)]
             print("\n\n".join(sections[-4:]), flush=True)
             if args.paired_steps:
-                paired = {}
+                paired, paired_args = {}, argparse.Namespace(**{**vars(args),
+                                                                 "steps": args.paired_steps})
                 for stage in STAGES:
                     print(f"[zero_memory_comm] DP={dp} stage {stage} paired with DDP", flush=True)
-                    paired[stage] = run_runner("paired_ddp", stage, dp,
-                                               argparse.Namespace(**{**vars(args), "steps": args.paired_steps}),
-                                               work)
+                    paired[stage] = run_runner("paired_ddp", stage, dp, paired_args, work)
                 sections += [f"Step time interleaved with torch DDP (DP={dp}): each of our "
                              "stages and DDP built in the same processes and stepped "
                              f"alternately, {args.paired_steps} steps each after "

@@ -90,7 +90,7 @@ def attention(query, key, value, allowed_mask, is_causal, dropout_p):
     else:
         scores = torch.matmul(query * scale, key.transpose(-1, -2))
         if bias is not None:
-            scores = scores + bias
+            scores.add_(bias)
     probs = torch.softmax(scores, dim=-1)
     context = torch.matmul(drop_unscaled(probs, dropout_p), value)
     return context.mul_(1.0 / (1.0 - dropout_p))
