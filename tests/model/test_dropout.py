@@ -40,6 +40,22 @@ def test_dropout_scales_kept_elements_and_replays_under_the_same_seed():
     assert torch.equal(dropout(x, 0.2), out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_dropout_keeps_elements_bit_for_bit_and_zeroes_dropped_ones_of_any_value(dtype):
+    # The mask multiplies the float's bit pattern: kept elements must come out as they went
+    # in (times the scale), dropped ones as +0.0 even when negative, inf or NaN.
+    x = torch.randn(7, 40, dtype=dtype).t()  # strided
+    torch.manual_seed(9)
+    keep = keep_mask(x.shape, 0.5)
+    dropped = (~keep).nonzero()[:4].unbind(1)
+    x[dropped] = torch.tensor([float("nan"), float("inf"), -float("inf"), -1.0], dtype=dtype)
+    torch.manual_seed(9)
+    out = dropout(x, 0.5)
+    expected = torch.where(keep, x * 2.0, torch.zeros((), dtype=dtype))
+    assert out.dtype == dtype and out.shape == x.shape
+    assert torch.equal(out.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8))
+
+
 def test_dropout_keeps_only_a_one_byte_mask_for_backward():
     x = torch.randn(1000, requires_grad=True)
     saved = []
