@@ -51,10 +51,27 @@ def _scenarios(rank, world_size, ckpt_dir):
     results["bf16"] = cases.train_steps(engine, 8)
     results["bf16_dtypes"] = (engine.optimizer.sub_groups[0].flat.dtype,
                               engine.optimizer.sub_groups[0].master.dtype)
+    results["fp16"] = _fp16(world_size)
     results["resume"] = _resume(world_size, ckpt_dir)
     results["init"] = _init_equals_plain_model(world_size)
     results["modifier"] = _gathered_with_modifier(rank)
     return results
+
+
+def _fp16(world_size):
+    """fp16 with dynamic loss scaling: trains like fp32; a scale too large for fp16 overflows
+    and every rank skips the same steps (each rank checks only its own gradient partition)."""
+    engine = cases.make_engine(_stage3(precision="fp16"))
+    out = {"losses": cases.train_steps(engine, 8),
+           "dtype": engine.optimizer.sub_groups[0].flat.dtype}
+    config = _stage3(precision="fp16")
+    config["fp16"].update(initial_scale_power=40, hysteresis=1)
+    engine = cases.make_engine(config)
+    before = _full_weights(engine)
+    cases.train_steps(engine, 3)
+    out["skipped"] = (engine.skipped_steps, engine.global_steps, engine.cur_scale)
+    out["unchanged"] = all(torch.equal(before[n], w) for n, w in _full_weights(engine).items())
+    return out
 
 
 def _resume(world_size, ckpt_dir):
@@ -144,6 +161,16 @@ def test_bf16_tracks_fp32_with_fp32_masters(world, dp2, dp4, reference):
     results = {2: dp2, 4: dp4}[world]
     assert _relative_error(results[0]["bf16"], reference[0][:8]) < 1e-2
     assert results[0]["bf16_dtypes"] == (torch.bfloat16, torch.float32)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fp16_tracks_fp32_and_every_rank_skips_the_overflowing_steps(world, dp2, dp4, reference):
+    results = {2: dp2, 4: dp4}[world]
+    assert _relative_error(results[0]["fp16"]["losses"], reference[0][:8]) < 1e-2
+    assert results[0]["fp16"]["dtype"] == torch.float16
+    # 3 optimizer steps of 2 micro-batches, all overflowing: the scale halves per step
+    assert [r["fp16"]["skipped"] for r in results] == [(3, 3, 2.0 ** 37)] * world
+    assert all(r["fp16"]["unchanged"] for r in results)
 
 
 def test_final_weights_equal_single_process(dp2, reference):
