@@ -313,8 +313,8 @@ class Init:
         Embedding does for position_embeddings) or for the end of the context."""
         for child in module.children():
             self.partition(child, recurse=False)
-            self._waiting.discard(child)
-        self._waiting.add(module)
+            self._waiting.pop(child, None)
+        self._waiting[module] = None
 
     def __enter__(self):
         if not self.enabled:
@@ -322,7 +322,9 @@ class Init:
         if not Init._stack:
             _patch_module_classes()
         Init._stack.append(self)
-        self._waiting = weakref.WeakSet()  # built modules whose parameters are still whole
+        # Built modules whose parameters are still whole, in construction order: every rank
+        # must partition (broadcast) them in the same order, which a WeakSet's is not.
+        self._waiting = weakref.WeakKeyDictionary()
         return self
 
     def __exit__(self, *exc):
@@ -334,7 +336,7 @@ class Init:
         if exc[0] is None:
             for module in list(self._waiting):  # roots and modules never attached
                 self.partition(module, recurse=False)
-        self._waiting = weakref.WeakSet()
+        self._waiting = weakref.WeakKeyDictionary()
         return False
 
 

@@ -19,6 +19,8 @@ kwargs pass through).  Those return `(output, bias)` tuples: use `TiledLinearRet
 import torch
 from torch import nn
 
+from zero.partition_parameters import GatheredParameters
+
 
 def partition_uniform(num_items, num_parts):
     """CSR-style boundaries [0, ..., num_items] of `num_parts` near-equal chunks."""
@@ -125,28 +127,33 @@ class TiledLinear(nn.Module):
 
         `other.weight` is [out_features, in_features]; tile [o][i] receives the block
         rows out_parts[o]:out_parts[o+1], columns in_parts[i]:in_parts[i+1].  Under ZeRO
-        stage 3 each tile is gathered for the copy and rank 0's values are kept.
+        stage 3 (a collective then) the source is gathered whole for the copy when zero.Init
+        partitioned it, each tile is gathered for the copy, and rank 0's values are kept.
         """
-        expected = (self.out_features, self.in_features)
-        if tuple(other.weight.shape) != expected:
-            raise ValueError(f"copy_params_from: weight of shape {tuple(other.weight.shape)}, "
-                             f"expected (out_features, in_features) = {expected}")
         other_bias = getattr(other, "bias", None)
-        if (other_bias is not None) != self.use_bias:
-            raise ValueError(f"copy_params_from: source {'has' if other_bias is not None else 'has no'}"
+        with GatheredParameters([p for p in (other.weight, other_bias) if p is not None]):
+            self._copy_whole_params_from(other.weight, other_bias)
+
+    def _copy_whole_params_from(self, weight, bias):
+        expected = (self.out_features, self.in_features)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"copy_params_from: weight of shape {tuple(weight.shape)}, "
+                             f"expected (out_features, in_features) = {expected}")
+        if (bias is not None) != self.use_bias:
+            raise ValueError(f"copy_params_from: source {'has' if bias is not None else 'has no'}"
                              f" bias but this TiledLinear was built with bias={self.use_bias}")
-        if other_bias is not None and tuple(other_bias.shape) != (self.out_features,):
-            raise ValueError(f"copy_params_from: bias of shape {tuple(other_bias.shape)}, "
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise ValueError(f"copy_params_from: bias of shape {tuple(bias.shape)}, "
                              f"expected ({self.out_features},)")
         for o, i, tile in self.tiles():
             rows = slice(self.out_parts[o], self.out_parts[o + 1])
             cols = slice(self.in_parts[i], self.in_parts[i + 1])
-            params = [tile.weight] + ([tile.bias] if getattr(tile, "bias", None) is not None
-                                      else [])
-            with _gathered_for_modification(params):
-                tile.weight.copy_(other.weight[rows, cols])
-                if getattr(tile, "bias", None) is not None:
-                    tile.bias.copy_(other_bias[rows])
+            tile_bias = getattr(tile, "bias", None)
+            params = [tile.weight] + ([tile_bias] if tile_bias is not None else [])
+            with GatheredParameters(params, modifier_rank=0):
+                tile.weight.copy_(weight[rows, cols])
+                if tile_bias is not None:
+                    tile_bias.copy_(bias[rows])
 
 
 class TiledLinearReturnBias(TiledLinear):
@@ -174,13 +181,3 @@ class TiledLinearReturnBias(TiledLinear):
         if not biases:
             return tensor, None
         return tensor, (biases[0] if len(biases) == 1 else torch.cat(biases, dim=-1))
-
-
-def _gathered_for_modification(params):
-    """GatheredParameters(params, modifier_rank=0) when ZeRO stage 3 partitions them."""
-    try:
-        from zero import GatheredParameters
-    except ImportError:  # no stage 3 in this build: parameters are always whole
-        import contextlib
-        return contextlib.nullcontext()
-    return GatheredParameters(params, modifier_rank=0)

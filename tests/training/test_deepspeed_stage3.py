@@ -1,5 +1,6 @@
 """pretrain_gpt2.py --deepspeed with ZeRO stage 3: the model is built under zero.Init, trains
-like the plain single-process trainer at DP=2 (and TP=2 x DP=2), and resumes bit for bit."""
+like the plain single-process trainer at DP=2 (and TP=2 x DP=2; also with the linears tiled),
+and resumes bit for bit."""
 
 import pytest
 import torch
@@ -43,9 +44,13 @@ def test_dp2_stage3_matches_single_process_and_resumes_exactly(corpus, tmp_path,
     phases = [_argv(corpus, tmp_path, "stage3", 6, "--remote-device", "cpu"),
               _argv(corpus, tmp_path, "split", 6, "--save", save, "--exit-interval", 3,
                     micro=2),
-              _argv(corpus, tmp_path, "split", 6, "--save", save, "--load", save, micro=2)]
+              _argv(corpus, tmp_path, "split", 6, "--save", save, "--load", save, micro=2),
+              # every tile its own module: gathered, released and partitioned on its own
+              _argv(corpus, tmp_path, "tiled", 6, "--memory-centric-tiled-linear",
+                    "--tile-factor", 2)]
     run_distributed(_train_dp, 2, args=(str(tmp_path), phases))
     assert_same_training(reference, read_losses(tmp_path / "stage3"))
+    assert_same_training(reference, read_losses(tmp_path / "tiled"))
     assert_same_training(reference, read_losses(tmp_path / "split"))
     assert sorted(p.name for p in (save / "global_step3").iterdir()) == [
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",

@@ -54,6 +54,7 @@ def _scenarios(rank, world_size, ckpt_dir):
     results["fp16"] = _fp16(world_size)
     results["resume"] = _resume(world_size, ckpt_dir)
     results["init"] = _init_equals_plain_model(world_size)
+    results["appended"] = _init_with_appended_modules()
     results["modifier"] = _gathered_with_modifier(rank)
     return results
 
@@ -103,6 +104,30 @@ def _init_equals_plain_model(world_size):
     engine = cases.make_engine(_stage3(), model=model)  # built under Init: trains as usual
     return {"equal": equal, "partitioned": all_partitioned, "sizes": sizes,
             "losses": cases.train_steps(engine, 3)}
+
+
+class _Appended(torch.nn.Module):
+    """Submodules appended to a ModuleList after its __init__ (a common pattern): zero.Init
+    partitions them when the context ends, and every rank must do so in the same order."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList()
+        for i in range(24):
+            self.blocks.append(torch.nn.Linear(3 + i, 2 + i % 5))
+
+
+def _init_with_appended_modules():
+    torch.manual_seed(11)
+    plain = _Appended()
+    torch.manual_seed(11)
+    with zero.Init(config=_stage3()):
+        model = _Appended()
+    equal = True
+    for param, plain_param in zip(model.parameters(), plain.parameters()):
+        with zero.GatheredParameters(param):
+            equal &= torch.equal(param.detach(), plain_param.detach())
+    return equal and all(p.numel() == 0 for p in model.parameters())
 
 
 def _gathered_with_modifier(rank):
@@ -200,6 +225,7 @@ def test_zero_init_partitions_at_construction_with_identical_values(dp2, dp4, re
         init = results[0]["init"]
         assert init["equal"] and init["partitioned"]
         assert init["sizes"]["fc1.weight"] == -(-4 * cases.HIDDEN * cases.HIDDEN // world)
+        assert all(r["appended"] for r in results)  # ModuleList.append'ed blocks too
 
 
 def test_gathered_parameters_modifier_rank_broadcasts_and_repartitions(dp2):
