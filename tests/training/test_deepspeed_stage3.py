@@ -1,6 +1,6 @@
 """pretrain_gpt2.py --deepspeed with ZeRO stage 3: the model is built under zero.Init, trains
-like the plain single-process trainer at DP=2 (and TP=2 x DP=2; also with the linears tiled),
-and resumes bit for bit."""
+like the plain single-process trainer at DP=2 (and TP=2 x DP=2; also with the linears tiled, and
+with offload and recompute), and resumes bit for bit."""
 
 import pytest
 import torch
@@ -25,8 +25,10 @@ def _config(tmp_path, **extra):
     return path
 
 
-def _argv(corpus, tmp_path, name, iters, *extra, micro=4):
-    ds = ["--deepspeed", "--deepspeed_config", _config(tmp_path)]
+def _argv(corpus, tmp_path, name, iters, *extra, micro=4, **zero_options):
+    config_dir = tmp_path / f"config_{name}" if zero_options else tmp_path
+    config_dir.mkdir(exist_ok=True)
+    ds = ["--deepspeed", "--deepspeed_config", _config(config_dir, **zero_options)]
     return trainer_argv(corpus, tmp_path / name, iters, *NO_DROPOUT, "--global-batch-size", 8,
                         *ds, *extra, micro=micro)
 
@@ -47,10 +49,14 @@ def test_dp2_stage3_matches_single_process_and_resumes_exactly(corpus, tmp_path,
               _argv(corpus, tmp_path, "split", 6, "--save", save, "--load", save, micro=2),
               # every tile its own module: gathered, released and partitioned on its own
               _argv(corpus, tmp_path, "tiled", 6, "--memory-centric-tiled-linear",
-                    "--tile-factor", 2)]
+                    "--tile-factor", 2),
+              # parameters and optimizer in host memory, layers recomputed in backward
+              _argv(corpus, tmp_path, "offload", 6, "--checkpoint-activations",
+                    offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})]
     run_distributed(_train_dp, 2, args=(str(tmp_path), phases))
     assert_same_training(reference, read_losses(tmp_path / "stage3"))
     assert_same_training(reference, read_losses(tmp_path / "tiled"))
+    assert_same_training(reference, read_losses(tmp_path / "offload"))
     assert_same_training(reference, read_losses(tmp_path / "split"))
     assert sorted(p.name for p in (save / "global_step3").iterdir()) == [
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -75,3 +81,5 @@ def test_tp2_dp2_stage3_matches_single_process(corpus, tmp_path, reference):
     argv = _argv(corpus, tmp_path, "tp2dp2", 6, "--model-parallel-size", 2)
     run_distributed(_train_dp, 4, args=(str(tmp_path), [argv]))
     assert_same_training(reference, read_losses(tmp_path / "tp2dp2"))
+
+
