@@ -31,7 +31,7 @@ from zero.errors import ConfigError
 from zero.flat_buffers import FlatGroup
 from zero.offload.state_store import NvmeStateStore, ResidentStateStore
 from zero.offload.swap_dir import (agree_on_errors, check_nvme_path, fresh_swap_dir,
-                                   swap_dir_for)
+                                   remove_swap_dir, swap_dir_for)
 from zero.ops.cpu_adam import CPUAdam
 from zero.stage1_2 import ZeroOptimizer
 
@@ -259,6 +259,5 @@ def _as_cpu_adam(optimizer):
 
 
 def _remove_swap_dir(store, swap_dir):
-    import shutil
     store.close()
-    shutil.rmtree(swap_dir, ignore_errors=True)
+    remove_swap_dir(swap_dir)

@@ -27,7 +27,7 @@ import torch
 from zero.errors import ConfigError
 from zero.offload.aio import AsyncTensorIO
 from zero.host_memory import return_freed_buffers_to_os
-from zero.offload.swap_dir import check_nvme_path, fresh_swap_dir
+from zero.offload.swap_dir import check_nvme_path, fresh_swap_dir, remove_empty_folders
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _SWAPPERS = {}  # (nvme_path, rank) -> ParamSwapper: one per folder, shared by all models
@@ -145,10 +145,16 @@ class ParamSwapper:
 
     def forget(self, params):
         """Delete the files of `params` (engine.destroy)."""
+        folders = set()
         for param in params:
             self._reads.pop(param, None)
             if is_swapped(param):
                 _remove_quietly(param.ds_swap_path)
+                folders.add(os.path.dirname(param.ds_swap_path))
+        for folder in sorted(folders):  # rank<R>, <dtype>params, zero_stage_3 once empty
+            remove_empty_folders(folder, 3)
+            if not os.path.isdir(folder):  # a later shard must create it again
+                self._fresh.discard(folder)
 
     def resident_bytes(self):
         return sum(b.numel() * b.element_size() for b, _ in self._reads.values())

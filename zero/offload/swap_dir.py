@@ -41,6 +41,24 @@ def check_nvme_path(nvme_path, needed_bytes, swap_dir, key_name):
                           "space or choose a larger drive")
 
 
+def remove_swap_dir(swap_dir, levels_above=2):
+    """Delete a rank's swap folder, then the folders above it that are left empty
+    (<kind>, zero_stage_<s>), so nvme_path is as clean as before; another rank's folder
+    keeps them, and the last rank to finish removes them."""
+    shutil.rmtree(swap_dir, ignore_errors=True)
+    remove_empty_folders(os.path.dirname(swap_dir), levels_above)
+
+
+def remove_empty_folders(folder, levels):
+    """rmdir `folder` and up to `levels` - 1 of its parents, stopping at one not empty."""
+    for _ in range(levels):
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty, or already gone
+            return
+        folder = os.path.dirname(folder)
+
+
 def fresh_swap_dir(swap_dir):
     """Empty the folder (files of an earlier run of this rank are stale) and create it."""
     shutil.rmtree(swap_dir, ignore_errors=True)
