@@ -20,8 +20,6 @@ asks through `master_partition` / `base_state_dict` / `master_restore_target` /
 `load_base_state_dict`), so resuming is exact and does not need the swap folder.
 """
 
-import logging
-import weakref
 from dataclasses import dataclass
 from functools import partial
 
@@ -29,13 +27,9 @@ import torch
 
 from zero.errors import ConfigError
 from zero.flat_buffers import FlatGroup
-from zero.offload.state_store import NvmeStateStore, ResidentStateStore
-from zero.offload.swap_dir import (agree_on_errors, check_nvme_path, fresh_swap_dir,
-                                   remove_swap_dir, swap_dir_for)
+from zero.offload.host_step import HostStepStates, as_cpu_adam
 from zero.ops.cpu_adam import CPUAdam
 from zero.stage1_2 import ZeroOptimizer
-
-logger = logging.getLogger("zero.offload")
 
 
 @dataclass
@@ -89,7 +83,7 @@ class HostMasterGroup(FlatGroup):
         return master
 
 
-class OffloadZeroOptimizer(ZeroOptimizer):
+class OffloadZeroOptimizer(HostStepStates, ZeroOptimizer):
     """ZeroOptimizer whose optimizer step runs on the host (CPUAdam over a state store)."""
 
     def __init__(self, optimizer, param_order, settings, dp_comm, mp_comm=None, mp_rank=0,
@@ -98,7 +92,6 @@ class OffloadZeroOptimizer(ZeroOptimizer):
             raise ConfigError(f"offload_optimizer needs ZeRO stage 1, 2 or 3; this engine got "
                               f"stage {settings.stage}")
         self.offload = offload
-        self._restored_masters = {}
         super().__init__(optimizer, param_order, settings, dp_comm, mp_comm, mp_rank,
                          loss_scaler)
 
@@ -113,43 +106,12 @@ class OffloadZeroOptimizer(ZeroOptimizer):
 
     def _use_fused_adam(self):
         """Replace the optimizer by CPUAdam and build the state store (instead of fused)."""
-        self.optimizer = _as_cpu_adam(self.optimizer)
+        self.optimizer = as_cpu_adam(self.optimizer)
         self._hyper = [group for group in self.optimizer.param_groups if group["params"]]
-        if self.offload.device == "nvme":
-            self.store = self._nvme_store()
-        else:
-            self.store = ResidentStateStore(self.optimizer, self.offload.sub_group_size)
-            for g, group in enumerate(self.groups):
-                self.store.add(g, group.master)
+        self._build_state_store(self.offload.stage)
 
-    def _nvme_store(self):
-        o = self.offload
-        swap_dir = swap_dir_for(o.nvme_path, o.stage, "optimizer", o.global_rank)
-        needed = sum(3 * 4 * group.layout.partition_numel for group in self.groups)
-        error = None
-        try:
-            check_nvme_path(o.nvme_path, needed, swap_dir,
-                            "zero_optimization.offload_optimizer.nvme_path")
-        except ConfigError as e:
-            error = e
-        agree_on_errors(error)  # before any file is written, on every rank
-        fresh_swap_dir(swap_dir)
-        store = NvmeStateStore(swap_dir, o.aio, o.sub_group_size, o.buffer_count,
-                               o.pipeline_read, o.pipeline_write, o.pin_memory)
-        # removed by engine.destroy(), else at exit (grad hooks keep the optimizer alive)
-        self._remove_swap_files = weakref.finalize(self, _remove_swap_dir, store, swap_dir)
-        for g, group in enumerate(self.groups):
-            store.add(g, group.layout.partition_numel, fast_init=o.fast_init)
-        self.store = store
-        self.refresh_masters_from_model()
-        logger.info("optimizer states of %d elements swap to %s", needed // 12, swap_dir)
-        return store
-
-    def close(self):
-        """Delete the swap files (NVMe); the optimizer is unusable afterwards."""
-        finalizer = getattr(self, "_remove_swap_files", None)
-        if finalizer is not None:
-            finalizer()
+    def _host_masters(self):
+        return [group.master for group in self.groups]
 
     # ----- step -----
 
@@ -204,60 +166,8 @@ class OffloadZeroOptimizer(ZeroOptimizer):
 
     @torch.no_grad()
     def refresh_masters_from_model(self):
-        self._restored_masters = {}
+        self._restored_masters = None
         for g, group in enumerate(self.groups):
             own = group.own_chunks(group.flat)
             for k in range(group.layout.num_buckets):
                 self.store.write_range(g, "master", k * group.layout.chunk, own[k].float())
-
-    # ----- checkpoints (see zero/checkpoint.py) -----
-
-    def master_partition(self, g):
-        return self.store.read(g, "master")
-
-    def base_state_dict(self):
-        saved = self.optimizer.state_dict()
-        if self.offload.device == "nvme":  # swap the state in, as plain tensors
-            saved["state"] = {g: {"step": self.store.step_tensor(g).clone(),
-                                  "exp_avg": self.store.read(g, "exp_avg"),
-                                  "exp_avg_sq": self.store.read(g, "exp_avg_sq")}
-                              for g in range(len(self.groups))}
-        return saved
-
-    def master_restore_target(self, g):
-        if self.offload.device != "nvme":
-            return self.groups[g].master.data
-        if g not in self._restored_masters:  # filled slice by saved slice, then committed
-            self._restored_masters[g] = torch.zeros(self.groups[g].layout.partition_numel,
-                                                    dtype=torch.float32)
-        return self._restored_masters[g]
-
-    def load_base_state_dict(self, state_dict):
-        if self.offload.device != "nvme":
-            self.optimizer.load_state_dict(state_dict)
-            return
-        self.optimizer.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        for g, state in state_dict["state"].items():
-            self.store.step_tensor(g).copy_(state["step"])
-            for name in ("exp_avg", "exp_avg_sq"):
-                self.store.write_range(g, name, 0, state[name])
-
-    def commit_restored_masters(self):
-        for g, master in self._restored_masters.items():
-            self.store.write_range(g, "master", 0, master)
-        self._restored_masters = {}
-
-
-def _as_cpu_adam(optimizer):
-    if isinstance(optimizer, CPUAdam):
-        return optimizer
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return CPUAdam.from_torch(optimizer)
-    raise ConfigError(f"offload_optimizer steps the optimizer with zero.ops.CPUAdam, so the "
-                      f"optimizer must be Adam or AdamW (or CPUAdam); got "
-                      f"{type(optimizer).__name__}. Remove offload_optimizer to use it")
-
-
-def _remove_swap_dir(store, swap_dir):
-    store.close()
-    remove_swap_dir(swap_dir)

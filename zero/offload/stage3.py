@@ -20,21 +20,14 @@ Checkpoints ask through `master_partition` / `base_state_dict` / `master_restore
 """
 
 import bisect
-import logging
-import weakref
 from functools import partial
 
 import torch
 
-from zero.errors import ConfigError
-from zero.offload.optimizer import _as_cpu_adam, _remove_swap_dir
+from zero.offload.host_step import HostStepStates, as_cpu_adam
 from zero.offload.param_swapper import is_swapped, read_shard
-from zero.offload.state_store import NvmeStateStore, ResidentStateStore
-from zero.offload.swap_dir import agree_on_errors, check_nvme_path, fresh_swap_dir, swap_dir_for
 from zero.ops.cpu_adam import CPUAdam
 from zero.stage3 import Stage3Optimizer, SubGroup
-
-logger = logging.getLogger("zero.offload")
 
 
 class HostSubGroup(SubGroup):
@@ -101,13 +94,12 @@ class HostSubGroup(SubGroup):
             i += 1
 
 
-class OffloadStage3Optimizer(Stage3Optimizer):
+class OffloadStage3Optimizer(HostStepStates, Stage3Optimizer):
     """Stage3Optimizer whose step runs on the host (CPUAdam over an optimizer-state store)."""
 
     def __init__(self, optimizer, module, settings, dp_comm, mp_comm=None, mp_rank=0,
                  loss_scaler=None, offload=None):
         self.offload = offload
-        self._restored_masters = {}
         super().__init__(optimizer, module, settings, dp_comm, mp_comm, mp_rank, loss_scaler)
 
     # ----- construction (hooks of Stage3Optimizer) -----
@@ -117,44 +109,18 @@ class OffloadStage3Optimizer(Stage3Optimizer):
 
     def _use_fused_adam(self):
         """Replace the optimizer by CPUAdam and build the state store (instead of fused)."""
-        self.optimizer = _as_cpu_adam(self.optimizer)
+        self.optimizer = as_cpu_adam(self.optimizer)
         group_of = {id(p): group for group in self.optimizer.param_groups
                     for p in group["params"]}
         self._hyper = [group_of[id(g.master)] for g in self.sub_groups]
-        if self.offload.device == "nvme":
-            self.store = self._nvme_store()
-        else:
-            self.store = ResidentStateStore(self.optimizer, self.offload.sub_group_size)
-            for key, sub_group in enumerate(self.sub_groups):
-                self.store.add(key, sub_group.master)
+        self._build_state_store(3)
 
-    def _nvme_store(self):
-        o = self.offload
-        swap_dir = swap_dir_for(o.nvme_path, 3, "optimizer", o.global_rank)
-        needed = sum(3 * 4 * g.master.numel() for g in self.sub_groups)
-        error = None
-        try:
-            check_nvme_path(o.nvme_path, needed, swap_dir,
-                            "zero_optimization.offload_optimizer.nvme_path")
-        except ConfigError as e:
-            error = e
-        agree_on_errors(error)  # before any file is written, on every rank
-        fresh_swap_dir(swap_dir)
-        store = NvmeStateStore(swap_dir, o.aio, o.sub_group_size, o.buffer_count,
-                               o.pipeline_read, o.pipeline_write, o.pin_memory)
-        self._remove_swap_files = weakref.finalize(self, _remove_swap_dir, store, swap_dir)
-        for key, sub_group in enumerate(self.sub_groups):
-            store.add(key, sub_group.master.numel(), fast_init=o.fast_init)
-        self.store = store
-        self.refresh_masters_from_model()
-        logger.info("stage 3 optimizer states of %d elements swap to %s", needed // 12, swap_dir)
-        return store
+    def _host_masters(self):
+        return [sub_group.master for sub_group in self.sub_groups]
 
     def close(self):
         """Delete the swap files (optimizer states and parameter shards)."""
-        finalizer = getattr(self, "_remove_swap_files", None)
-        if finalizer is not None:
-            finalizer()
+        super().close()
         for param in self.location:
             if is_swapped(param):
                 param.ds_swapper.forget([param])
@@ -198,47 +164,10 @@ class OffloadStage3Optimizer(Stage3Optimizer):
 
     @torch.no_grad()
     def refresh_masters_from_model(self):
-        self._restored_masters = {}
+        self._restored_masters = None
         for key, sub_group in enumerate(self.sub_groups):
             for piece, offset in sub_group.partitions():
                 self.store.write_range(key, "master", offset, piece.float())
-
-    # ----- checkpoints (see zero/checkpoint_stage3.py) -----
-
-    def master_partition(self, index):
-        return self.store.read(index, "master")
-
-    def base_state_dict(self):
-        saved = self.optimizer.state_dict()
-        if self.offload.device == "nvme":  # swap the state in, as plain tensors
-            saved["state"] = {key: {"step": self.store.step_tensor(key).clone(),
-                                    "exp_avg": self.store.read(key, "exp_avg"),
-                                    "exp_avg_sq": self.store.read(key, "exp_avg_sq")}
-                              for key in range(len(self.sub_groups))}
-        return saved
-
-    def master_restore_target(self, index):
-        if self.offload.device != "nvme":
-            return self.sub_groups[index].master.data
-        if index not in self._restored_masters:  # filled piece by piece, then committed
-            self._restored_masters[index] = torch.zeros(self.sub_groups[index].master.numel(),
-                                                        dtype=torch.float32)
-        return self._restored_masters[index]
-
-    def commit_restored_masters(self):
-        for key, master in self._restored_masters.items():
-            self.store.write_range(key, "master", 0, master)
-        self._restored_masters = {}
-
-    def load_base_state_dict(self, state_dict):
-        if self.offload.device != "nvme":
-            self.optimizer.load_state_dict(state_dict)
-            return
-        self.optimizer.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        for key, state in state_dict["state"].items():
-            self.store.step_tensor(key).copy_(state["step"])
-            for name in ("exp_avg", "exp_avg_sq"):
-                self.store.write_range(key, name, 0, state[name])
 
     # ----- accounting -----
 
