@@ -23,7 +23,6 @@ the order backward produces them), so collectives match across ranks whatever or
 in.
 """
 
-import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -32,6 +31,7 @@ import torch
 from zero.comm import Pending
 from zero.errors import ZeroError
 from zero.flat_buffers import FlatGroup, FlatLayout
+from zero.partitioned_optimizer import PartitionedOptimizer
 
 @dataclass
 class ZeroSettings:
@@ -45,7 +45,7 @@ class ZeroSettings:
     ignore_unused_parameters: bool = True
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(PartitionedOptimizer):
     """Wraps a torch optimizer: ZeRO partitioning, mixed precision, loss scaling, clipping.
 
     `param_order` maps each model parameter to its registration index in the module (it fixes
@@ -62,7 +62,6 @@ class ZeroOptimizer:
         self.loss_scaler = loss_scaler
         self.partition_count = 1 if settings.stage == 0 else dp_comm.world_size
         self.partition_rank = 0 if settings.stage == 0 else dp_comm.rank
-        self.overflow, self.global_grad_norm = False, None
         self._pre_factor, self._post_factor = self._averaging_factors()
         self.groups = self._flatten_param_groups(param_order)
         self._use_fused_adam()
@@ -145,22 +144,6 @@ class ZeroOptimizer:
                 first = min((param_order[group.params[i]] for i, *_ in pieces), default=-1)
                 keyed.append((-first, g, -k))
         return [(g, -neg_k) for _, g, neg_k in sorted(keyed)]
-
-    # ----- properties DeepSpeed's optimizers expose -----
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def cur_scale(self):
-        return self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
-
-    loss_scale = cur_scale
 
     # ----- backward: bucketed reduction -----
 
@@ -342,32 +325,11 @@ class ZeroOptimizer:
 
     def step(self):
         """Unscale, check overflow, clip, step the partition, all-gather. False if skipped."""
-        scale = self.cur_scale
         self._stage_master_grads()
         norm_sq, overflow = self._reduced_grad_norm_sq()
-        # inf/nan gradients are skipped in every precision: with fp16 they mean "scale too
-        # high" (back off), in fp32/bf16 a NaN loss; stepping would poison the weights.
-        self.overflow = bool(overflow)
-        self.global_grad_norm = math.sqrt(norm_sq) / scale if math.isfinite(norm_sq) else norm_sq
-        if self.overflow:
-            if self.loss_scaler is not None:
-                self.loss_scaler.update_scale(True)
-            self.zero_grad()
-            return False
-        combined = scale
-        clip = self.settings.gradient_clipping
-        if clip > 0 and math.isfinite(norm_sq):
-            coefficient = (self.global_grad_norm + 1e-6) / clip
-            if coefficient > 1:
-                combined = coefficient * scale
-        multiplier = (self._post_factor if self.settings.stage > 0 else 1.0) / combined
-        for group in self.groups:
-            if multiplier != 1.0:
-                group.master.grad.mul_(multiplier)
-        self._step_partitions()
-        if self.loss_scaler is not None:
-            self.loss_scaler.update_scale(False)
-        return True
+        fold = self._post_factor if self.settings.stage > 0 else 1.0
+        return self._finish_step(norm_sq, overflow, [group.master.grad for group in self.groups],
+                                 fold)
 
     def _step_partitions(self):
         """Step the fp32 partitions and publish them into the model (offload overrides)."""
@@ -389,14 +351,9 @@ class ZeroOptimizer:
             counted_part, all_part = self._partition_norm_sq(group)
             counted += counted_part
             everything += all_part
-        local_overflow = (~torch.isfinite(everything)).double()
-        packed = torch.stack([counted * fold * fold, local_overflow])
-        if self.partition_count > 1:  # stage 0: every rank already holds the whole gradient
-            self.dp_comm.all_reduce(packed)
-        if self.mp_comm is not None:
-            self.mp_comm.all_reduce(packed)
-        norm_sq, overflow = packed.tolist()
-        return norm_sq, overflow > 0 or not math.isfinite(norm_sq)
+        # stage 0: every rank already holds the whole gradient
+        return self._global_norm_sq(counted * fold * fold, everything,
+                                    over_dp=self.partition_count > 1)
 
     def _norm_device(self):
         like = self.groups[0].master if self.groups else torch.empty(0)

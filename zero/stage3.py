@@ -18,7 +18,6 @@ Parameters are partitioned one by one (zero/partition_parameters.py) and gathere
   copy fp32 masters back into the partitions.
 """
 
-import math
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -27,6 +26,7 @@ import torch
 from zero.comm import Pending
 from zero.errors import ZeroError
 from zero.partition_parameters import ParamStatus, is_zero_param
+from zero.partitioned_optimizer import PartitionedOptimizer
 from zero.stage3_coordinator import ParamCoordinator, Stage3Knobs
 
 NOT_PARTITIONABLE = (torch.optim.LBFGS, torch.optim.SparseAdam)
@@ -97,7 +97,7 @@ class SubGroup:
             self.master.copy_(self.flat)
 
 
-class Stage3Optimizer:
+class Stage3Optimizer(PartitionedOptimizer):
     """Wraps a torch optimizer for ZeRO stage 3 (the interface of zero.stage1_2.ZeroOptimizer).
 
     `module`'s parameters must already be ZeRO parameters over `dp_comm`.
@@ -110,7 +110,6 @@ class Stage3Optimizer:
         self.dp_comm, self.mp_comm, self.mp_rank = dp_comm, mp_comm, mp_rank
         self.loss_scaler = loss_scaler
         self.partition_count = dp_comm.world_size
-        self.overflow, self.global_grad_norm = False, None
         self.coordinator = ParamCoordinator(module, settings.knobs)
         self.param_names = {p: n for n, p in module.named_parameters()}
         self.sub_groups = self._build_sub_groups(module)
@@ -181,22 +180,6 @@ class Stage3Optimizer:
             with torch.no_grad():
                 sub_group.master.narrow(0, offset, param.ds_tensor.numel()).copy_(
                     param.ds_tensor)
-
-    # ----- what DeepSpeed's optimizers expose -----
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def cur_scale(self):
-        return self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
-
-    loss_scale = cur_scale
 
     def forward_context(self):
         """Wrap the module's forward: saved parameters become re-gatherable references."""
@@ -281,31 +264,11 @@ class Stage3Optimizer:
 
     def step(self):
         """Release gathered params, unscale, check overflow, clip, step, publish. False if
-        the step was skipped (fp16 overflow)."""
+        the step was skipped (inf/nan gradients)."""
         self.coordinator.end_step()
-        scale = self.cur_scale
         norm_sq, overflow = self._grad_norm_sq()
-        # inf/nan gradients are skipped in every precision, as stages 0-2 do
-        self.overflow = bool(overflow)
-        self.global_grad_norm = math.sqrt(norm_sq) / scale if math.isfinite(norm_sq) else norm_sq
-        if self.overflow:
-            if self.loss_scaler is not None:
-                self.loss_scaler.update_scale(True)
-            self.zero_grad()
-            return False
-        combined = scale
-        clip = self.settings.gradient_clipping
-        if clip > 0 and math.isfinite(norm_sq):
-            coefficient = (self.global_grad_norm + 1e-6) / clip
-            if coefficient > 1:
-                combined = coefficient * scale
-        if combined != 1.0:
-            for sub_group in self.sub_groups:
-                sub_group.master.grad.mul_(1.0 / combined)
-        self._step_partitions()
-        if self.loss_scaler is not None:
-            self.loss_scaler.update_scale(False)
-        return True
+        return self._finish_step(norm_sq, overflow,
+                                 [sub_group.master.grad for sub_group in self.sub_groups])
 
     def _step_partitions(self):
         """Step the fp32 masters and copy them into the partitions."""
@@ -331,12 +294,7 @@ class Stage3Optimizer:
                 rep = torch.stack(torch._foreach_norm(replicated)).double().pow(2).sum()
                 whole = (whole - rep.to(device)).clamp(min=0)
             counted += whole
-        packed = torch.stack([counted, (~torch.isfinite(everything)).double()])
-        self.dp_comm.all_reduce(packed)
-        if self.mp_comm is not None:
-            self.mp_comm.all_reduce(packed)
-        norm_sq, overflow = packed.tolist()
-        return norm_sq, overflow > 0 or not math.isfinite(norm_sq)
+        return self._global_norm_sq(counted, everything)
 
     def refresh_masters_from_model(self):
         for sub_group in self.sub_groups:
