@@ -30,6 +30,16 @@ class PartitionedOptimizer:
 
     loss_scale = cur_scale
 
+    def _use_fused_adam(self):
+        """torch's fused Adam on flat fp32 tensors is ~5x faster than the default on CPU
+        (offload overrides this with CPUAdam)."""
+        if type(self.optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            return
+        for group in self.optimizer.param_groups:
+            if group.get("fused") is None and not group.get("foreach") \
+                    and not group.get("differentiable") and not group.get("capturable"):
+                group["fused"] = True
+
     def _global_norm_sq(self, counted, everything, over_dp=True):
         """(squared global norm, overflow) from this rank's float64 sums of squares: `counted`
         (what this rank contributes to the norm: replicated TP parameters count on one TP

@@ -127,15 +127,6 @@ class ZeroOptimizer(PartitionedOptimizer):
         return FlatGroup(params, layout, self.partition_rank, self.settings.stage < 2,
                          alias_master)
 
-    def _use_fused_adam(self):
-        """torch's fused Adam on one flat fp32 tensor is ~5x faster than the default on CPU."""
-        if type(self.optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-            return
-        for group in self.optimizer.param_groups:
-            if group.get("fused") is None and not group.get("foreach") \
-                    and not group.get("differentiable") and not group.get("capturable"):
-                group["fused"] = True
-
     def _bucket_launch_order(self, param_order):
         """All (group, bucket) pairs, the one whose earliest param is latest in the model first."""
         keyed = []

@@ -164,15 +164,6 @@ class Stage3Optimizer(PartitionedOptimizer):
             numel += size
         return runs + ([run] if run else [])
 
-    def _use_fused_adam(self):
-        """torch's fused Adam on flat fp32 tensors is much faster than the default on CPU."""
-        if type(self.optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-            return
-        for group in self.optimizer.param_groups:
-            if group.get("fused") is None and not group.get("foreach") \
-                    and not group.get("differentiable") and not group.get("capturable"):
-                group["fused"] = True
-
     def _partition_updated(self, param):
         """GatheredParameters(modifier_rank=...) changed param's partition: follow in fp32."""
         sub_group, offset = self.location[param]
