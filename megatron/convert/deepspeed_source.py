@@ -2,6 +2,8 @@
 
     <load>/latest                                   the tag, e.g. global_step200
     <load>/<tag>/mp_rank_{mp:02d}_model_states.pt   module, args, iteration, RNG (client state)
+    <load>/<tag>/zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt   the same, ZeRO stage 3
+                                                    (module: empty placeholders)
     <load>/<tag>/*zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   fp32 partitions
 
 Per tensor-parallel rank the fp32 weights are consolidated over the data-parallel partitions
@@ -12,7 +14,9 @@ merges and re-splits to any TP size.  The one reader of this layout: tools/merge
 --deepspeed and tools/convert_checkpoint.py --loader deepspeed (and so the generation and
 evaluation tools) all come through here. The Adam moments are not carried over: they live in
 ZeRO's flat partitions, not per parameter, so the converted checkpoint resumes with
-`--no-load-optim` (a fresh optimizer from the converted weights).
+`--no-load-optim` (a fresh optimizer from the converted weights). A model trained with
+--memory-centric-tiled-linear under stage 3 has its fp32 masters per tile; they are joined
+into the untiled weights every Megatron checkpoint holds.
 """
 
 import os
@@ -22,6 +26,7 @@ import torch
 from megatron.checkpointing import CHECKPOINT_VERSION, to_nested_state_dict
 from megatron.convert.checkpoint_files import ShardedCheckpoint
 from megatron.errors import CheckpointError
+from megatron.model.tiling import join_tiled_weights
 
 _CLIENT_KEYS = ("iteration", "consumed_train_samples", "train_state", "random_rng_state",
                 "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states")
@@ -47,7 +52,14 @@ def _tag(load_dir, iteration):
 
 def _saved_tags(load_dir):
     return sorted(d for d in os.listdir(load_dir)
-                  if os.path.isfile(os.path.join(load_dir, d, "mp_rank_00_model_states.pt")))
+                  if any(os.path.isfile(os.path.join(load_dir, d, name))
+                         for name in _model_states_names(0)))
+
+
+def _model_states_names(mp_rank):
+    """Where TP rank `mp_rank`'s client state is: stages 0-2, then stage 3 (DP rank 0's)."""
+    return (f"mp_rank_{mp_rank:02d}_model_states.pt",
+            f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_model_states.pt")
 
 
 def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
@@ -72,8 +84,9 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
             fp32 = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag, mp_rank=mp_rank)
         except ZeroCheckpointError as e:
             raise CheckpointError(str(e)) from None
+        fp32 = join_tiled_weights(fp32)
         module = states["module"]
-        model = {name: _master(fp32, name, tensor, fp32_weights)
+        model = {name: _master(fp32, name, tensor, fp32_weights, tag_dir)
                  for name, tensor in module.items()}
         shard = {key: states[key] for key in _CLIENT_KEYS if key in states}
         shard.update(checkpoint_version=CHECKPOINT_VERSION, args=dict(states["args"]),
@@ -85,18 +98,24 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
                              False, shards)
 
 
-def _master(fp32, name, tensor, keep_fp32):
+def _master(fp32, name, tensor, keep_fp32, tag_dir):
     if name not in fp32:  # not trained (no ZeRO partition): the module's own copy
+        if tensor.numel() == 0:  # a stage 3 placeholder: the values were in the partitions
+            raise CheckpointError(f"{tag_dir}: no fp32 weights for {name} in the ZeRO "
+                                  "partitions, and the module holds only a stage 3 "
+                                  "placeholder; the checkpoint is incomplete")
         return tensor
     return fp32[name] if keep_fp32 else fp32[name].to(tensor.dtype)
 
 
 def _model_states(tag_dir, mp_rank, size=None):
-    path = os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
-    if not os.path.isfile(path):
+    names = _model_states_names(mp_rank)
+    path = next((os.path.join(tag_dir, name) for name in names
+                 if os.path.isfile(os.path.join(tag_dir, name))), None)
+    if path is None:
         saved = f" was saved with model_parallel_size {size} but" if size else ""
-        raise CheckpointError(f"{tag_dir}{saved} has no {os.path.basename(path)}: the "
-                              "checkpoint is incomplete (not saved by pretrain_gpt2.py "
+        raise CheckpointError(f"{tag_dir}{saved} has no {names[0]} (or {names[1]}, stage 3): "
+                              "the checkpoint is incomplete (not saved by pretrain_gpt2.py "
                               "--deepspeed, or a rank's files are missing). Copy the missing "
                               "rank files, or convert another step")
     try:

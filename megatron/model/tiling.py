@@ -21,6 +21,7 @@ the tiles and load_state_dict() cuts an untiled weight into them, so tiled and u
 checkpoints load into either model and the checkpoint tools keep working.
 """
 
+import re
 import types
 
 import torch
@@ -125,6 +126,39 @@ def _cut_untiled_weight_into_tiles(module, state_dict, prefix, local_metadata, s
         state_dict[prefix + module._tile_key(o, i, "weight")] = weight[rows, cols]
         if bias is not None and i == tiled.in_splits - 1:
             state_dict[prefix + module._tile_key(o, i, "bias")] = bias[rows]
+
+
+_TILE_KEY = re.compile(r"^(?P<prefix>.*)tiled\.linears\.(?P<o>\d+)\.(?P<i>\d+)\."
+                       r"(?P<name>weight|bias)$")
+
+
+def join_tiled_weights(state_dict):
+    """A flat {name: tensor} (e.g. the fp32 weights ZeRO stage 3 consolidates per parameter)
+    with every tiled layer's `<prefix>tiled.linears.<o>.<i>.weight|bias` joined into the
+    untiled `<prefix>weight` / `<prefix>bias`, as the tiled modules' state_dict() does; other
+    entries unchanged, in their order."""
+    tiles = {}  # prefix -> {(o, i, name): tensor}
+    result = {}
+    for key, tensor in state_dict.items():
+        match = _TILE_KEY.match(key)
+        if match is None:
+            result[key] = tensor
+            continue
+        prefix = match["prefix"]
+        if prefix not in tiles:
+            tiles[prefix] = {}
+            result[prefix + "weight"] = None  # keep the layer where its first tile was
+        tiles[prefix][int(match["o"]), int(match["i"]), match["name"]] = tensor
+    for prefix, parts in tiles.items():
+        out_splits = 1 + max(o for o, _, _ in parts)
+        in_splits = 1 + max(i for _, i, _ in parts)
+        result[prefix + "weight"] = torch.cat([
+            torch.cat([parts[o, i, "weight"] for i in range(in_splits)], dim=1)
+            for o in range(out_splits)], dim=0)
+        biases = [parts.get((o, in_splits - 1, "bias")) for o in range(out_splits)]
+        if all(bias is not None for bias in biases):
+            result[prefix + "bias"] = torch.cat(biases, dim=0)
+    return result
 
 
 class TiledColumnParallelLinear(_UntiledStateDictMixin, nn.Module):

@@ -1,5 +1,6 @@
 """Conversions of real trainer checkpoints: HF weights continue pretraining, --deepspeed
-checkpoints (ZeRO stage 1 and 2) convert to HF with the same logits, a missing `latest`."""
+checkpoints (ZeRO stages 1, 2 and 3, and stage 3 with tiled linears) convert to HF with the
+same logits, a missing `latest`."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import pretrain_gpt2
 from megatron.convert.loaders import load_model_weights
 from megatron.convert.savers import save_model_weights
 from megatron.inference import build_model_from_weights
+from megatron.model.tiling import join_tiled_weights
 from tests.convert.conftest import load_tool, random_weights
 from tests.training.test_deepspeed import TINY, read_losses, stage_config
 
@@ -58,21 +60,24 @@ def test_hf_weights_continue_pretraining(corpus, tmp_path):
 def deepspeed_checkpoints(corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
     saves = {}
-    for stage in (1, 2):
-        saves[stage] = str(root / f"stage{stage}")
-        _train(corpus, root / f"log{stage}", "--train-iters", "2", "--deepspeed",
-               "--deepspeed_config", stage_config(root, stage), "--save", saves[stage])
+    runs = {1: (1, []), 2: (2, []), 3: (3, []),
+            "3-tiled": (3, ["--memory-centric-tiled-linear", "--tile-factor", "2"])}
+    for name, (stage, extra) in runs.items():
+        saves[name] = str(root / f"stage{name}")
+        _train(corpus, root / f"log{name}", "--train-iters", "2", "--deepspeed",
+               "--deepspeed_config", stage_config(root, stage), "--save", saves[name], *extra)
     return saves
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3, "3-tiled"])
 def test_deepspeed_checkpoint_to_hf_has_the_same_logits(deepspeed_checkpoints, stage, tmp_path):
     from zero import get_fp32_state_dict_from_zero_checkpoint
     save = deepspeed_checkpoints[stage]
     assert tool.main(["--load-dir", save, "--save-dir", str(tmp_path / "hf"),
                       "--saver", "hf"]) == 0  # --loader detected: deepspeed
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
-    consolidated = get_fp32_state_dict_from_zero_checkpoint(save)
+    # tiled: the masters are per tile, the converted weights untiled
+    consolidated = join_tiled_weights(get_fp32_state_dict_from_zero_checkpoint(save))
     weights = load_model_weights(save)
     assert weights.source_format == "deepspeed" and weights.iteration == 2
     for name, tensor in weights.state_dict.items():  # the trained fp32 masters, unpadded

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from megatron.errors import ConfigError
 from megatron.model import GPT2Model
-from megatron.model.tiling import TiledColumnParallelLinear, TiledRowParallelLinear
+from megatron.model.tiling import (TiledColumnParallelLinear, TiledRowParallelLinear,
+                                   join_tiled_weights)
 from tests.dist_utils import run_distributed
 from tests.model import cases, tiling_cases
 
@@ -97,6 +98,20 @@ def test_untiled_checkpoint_loads_into_tiled_model_and_back(untiled_reference):
         key = next(k for k in bad if k.endswith("query_key_value.weight"))
         bad[key] = bad[key][:-1]
         tiled.load_state_dict(bad)
+
+
+def test_join_tiled_weights_gives_the_untiled_state_dict(untiled_reference):
+    # What ZeRO stage 3 consolidates (per-tile parameters, by name) joined back into the keys
+    # of a Megatron checkpoint, as the tiled model's own state_dict() writes them.
+    _, weights, _ = untiled_reference
+    tiled = cases.build_model(5, memory_centric_tiled_linear=True, tile_factor=2)
+    tiled.load_state_dict(weights)
+    per_tile = {name: p.detach() for name, p in tiled.named_parameters()}
+    assert any(".tiled.linears.1.1." in name for name in per_tile)
+    joined = join_tiled_weights(per_tile)
+    assert sorted(joined) == sorted(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(joined[name], tensor), name
 
 
 def test_tiled_model_at_tp2_equals_untiled_single_process(parallel, untiled_reference):
