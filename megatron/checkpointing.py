@@ -291,6 +291,14 @@ def load_checkpoint(model, optimizer, lr_scheduler, args, device):
     path = get_checkpoint_name(args.load, iteration, release=release)
     directory = os.path.dirname(os.path.dirname(path))
     if not os.path.isfile(path):
+        deepspeed_tag = os.path.join(args.load, f"global_step{iteration}")
+        if os.path.isdir(deepspeed_tag):
+            raise CheckpointError(
+                f"--load {args.load} holds a --deepspeed checkpoint (DeepSpeed's layout: "
+                f"{deepspeed_tag}), not Megatron's. Resume it with the --deepspeed "
+                "--deepspeed_config flags it was trained with, or convert it first: python "
+                f"tools/merge_mp_partitions.py --deepspeed --load {args.load} --save <dir>, "
+                "then --load <dir> --no-load-optim")
         # Without our rank's file, the rank directories present tell the saved size.
         _check_model_parallel_size(args, directory, _count_rank_files(directory))
         raise CheckpointError(f"{get_checkpoint_tracker_filename(args.load)} names iteration "

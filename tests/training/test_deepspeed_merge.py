@@ -33,6 +33,11 @@ def test_deepspeed_checkpoint_converts_and_resumes_without_deepspeed(corpus, tmp
     save = tmp_path / "ds_ckpt"
     assert run(corpus, tmp_path / "head", 4, *common, *ds, "--save", save,
                "--exit-interval", 3) == 0
+    capsys.readouterr()
+    # forgetting --deepspeed: the error names the layout and both ways out
+    assert run(corpus, tmp_path / "no_ds", 4, *common, "--load", save) == 2
+    err = capsys.readouterr().err
+    assert "holds a --deepspeed checkpoint" in err and "merge_mp_partitions.py --deepspeed" in err
     tool = _tool()
     for target in (1, 2):
         assert tool.main(["--deepspeed", "--load", str(save), "--save",
