@@ -33,6 +33,7 @@ from zero.errors import ZeroError
 from zero.flat_buffers import FlatGroup, FlatLayout
 from zero.partitioned_optimizer import PartitionedOptimizer
 
+
 @dataclass
 class ZeroSettings:
     stage: int = 0
