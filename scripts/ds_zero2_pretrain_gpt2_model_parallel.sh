@@ -17,9 +17,9 @@
 #   DS_CONFIG=scripts/ds_zero_stage_2.config   fixes the micro batch per process
 #               (train_micro_batch_size_per_gpu 8), accumulation (1), bf16 and clipping (1.0);
 #               MICRO_BATCH, GLOBAL_BATCH (= 8 x data-parallel size) and PRECISION must agree
-#               with it.  scripts/ds_zero_stage_1.config works too; scripts/ds_zero_stage_3.config
-#               cannot run yet (ZeRO stage 3 and offload are not built: a clear error says so).
-#   ZERO_STAGE  0, 1 or 2: --zero-stage, overriding the config's zero_optimization.stage
+#               with it.  scripts/ds_zero_stage_1.config and ds_zero_stage_3.config work too
+#               (stage 3: the model is built under zero.Init, parameters partitioned over DP).
+#   ZERO_STAGE  0, 1, 2 or 3: --zero-stage, overriding the config's zero_optimization.stage
 #   TRAIN_ITERS=150  CHECKPOINT_DIR=checkpoints/gpt2_small_zero2_mp$MP_SIZE
 #   RUN_DIR=runs/gpt2_small_zero2_mp$MP_SIZE
 # Checkpoints: DeepSpeed's layout, one model-states file per tensor-parallel rank and one

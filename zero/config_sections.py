@@ -1,9 +1,9 @@
 """The sections of a DeepSpeed JSON config as typed dataclasses (DeepSpeed key names).
 
 Defaults are DeepSpeed's code defaults (deepspeed_spec.md §2), except where the spec lists a
-docs/code mismatch; those choices are noted next to the field. Sections for features that are
-not built yet (offload, activation checkpointing, aio) parse completely; the engine decides
-what to reject.
+docs/code mismatch; those choices are noted next to the field. Every section parses
+completely here; the engine and its parts (offload, activation checkpointing, aio) decide what a
+combination of values may not do.
 """
 
 import logging
