@@ -80,6 +80,7 @@ class ParamCoordinator:
             self._handles.append(submodule.register_forward_pre_hook(self._pre_forward))
             self._handles.append(submodule.register_forward_hook(self._post_forward))
         self.live = set()  # gathered or in-flight params fetched through here
+        self.live_numel = 0  # their elements (kept as they change: read at every fetch)
         self.trace, self.events = None, []
         self._trace_valid = False
         self._touched_in_backward = set()
@@ -128,7 +129,9 @@ class ParamCoordinator:
         if param.ds_status is ParamStatus.NOT_AVAILABLE:
             start_gather(param)
             self.fetch_count += 1
-        self.live.add(param)
+        if param not in self.live:
+            self.live.add(param)
+            self.live_numel += param.ds_numel
 
     def _record(self, module, forward):
         event = (self.index[module], forward)
@@ -141,8 +144,7 @@ class ParamCoordinator:
         knobs = self.knobs
         if not self._trace_valid or knobs.prefetch_bucket_size == 0:
             return
-        live = sum(p.ds_numel for p in self.live)
-        budget = min(knobs.prefetch_bucket_size, knobs.max_live_parameters - live)
+        budget = min(knobs.prefetch_bucket_size, knobs.max_live_parameters - self.live_numel)
         queued, position, starting = 0, len(self.events), {}
         while queued < budget and position < len(self.trace):
             module = self.modules[self.trace[position][0]]
@@ -197,7 +199,9 @@ class ParamCoordinator:
                 or param.ds_status is not ParamStatus.AVAILABLE or self._reused_soon(param):
             return
         release_param(param)
-        self.live.discard(param)
+        if param in self.live:
+            self.live.discard(param)
+            self.live_numel -= param.ds_numel
 
     def _reused_soon(self, param):
         if not self._trace_valid:
@@ -230,6 +234,7 @@ class ParamCoordinator:
             release_param(param)
             param.ds_active_sub_modules = 0
         self.live.clear()
+        self.live_numel = 0
         self._touched_in_backward.clear()
 
     def _set_trace(self, events):
