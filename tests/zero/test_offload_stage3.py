@@ -122,6 +122,19 @@ def test_zero_init_remote_device_nvme_builds_the_model_in_files(tmp_path):
     assert not folder.exists() and os.listdir(tmp_path) == []
 
 
+def test_swap_files_and_folders_go_with_the_parameters(tmp_path):
+    # No engine.destroy(): the parameters' finalizers delete their files, and the last one
+    # the folders (nvme_path ends as it began)
+    import gc
+    config = cases.ds_config(3, **RELEASING, **_variants(str(tmp_path))["nvme_both"])
+    with zero.Init(remote_device="nvme", config_dict_or_path=config):
+        model = cases.TinyLM()
+    assert os.listdir(tmp_path / "zero_stage_3" / "fp32params" / "rank0")
+    del model
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+
+
 def test_gathered_parameters_with_modifier_reaches_swapped_shards(tmp_path):
     engine = cases.make_engine(cases.ds_config(3, **RELEASING,
                                                **_variants(str(tmp_path))["nvme_both"]))

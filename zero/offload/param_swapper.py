@@ -145,16 +145,13 @@ class ParamSwapper:
 
     def forget(self, params):
         """Delete the files of `params` (engine.destroy)."""
-        folders = set()
         for param in params:
             self._reads.pop(param, None)
             if is_swapped(param):
                 _remove_quietly(param.ds_swap_path)
-                folders.add(os.path.dirname(param.ds_swap_path))
-        for folder in sorted(folders):  # rank<R>, <dtype>params, zero_stage_3 once empty
-            remove_empty_folders(folder, 3)
-            if not os.path.isdir(folder):  # a later shard must create it again
-                self._fresh.discard(folder)
+                folder = os.path.dirname(param.ds_swap_path)
+                if not os.path.isdir(folder):  # removed with its last file: create it again
+                    self._fresh.discard(folder)
 
     def resident_bytes(self):
         return sum(b.numel() * b.element_size() for b, _ in self._reads.values())
@@ -192,7 +189,10 @@ def write_shard(param, values):
 
 
 def _remove_quietly(path):
+    """Delete a shard's swap file (engine.destroy, or the parameter's finalizer at exit), then
+    rank<R>, <dtype>params and zero_stage_3 above it once they are empty."""
     try:
         os.remove(path)
     except OSError:
         pass
+    remove_empty_folders(os.path.dirname(path), 3)
