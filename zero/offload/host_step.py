@@ -37,9 +37,8 @@ def as_cpu_adam(optimizer):
 class HostStepStates:
     """The state store of an offloaded optimizer and its part of save / load."""
 
-    _restored_masters = None  # key -> fp32 partition being filled by a checkpoint load
-
     def _build_state_store(self, stage):
+        self._restored_masters = {}  # NVMe: key -> fp32 partition a checkpoint load fills
         if self.offload.device != "nvme":
             self.store = ResidentStateStore(self.optimizer, self.offload.sub_group_size)
             for key, master in enumerate(self._host_masters()):
@@ -92,16 +91,14 @@ class HostStepStates:
         master = self._host_masters()[key]
         if self.offload.device != "nvme":
             return master.data
-        if self._restored_masters is None:
-            self._restored_masters = {}
         if key not in self._restored_masters:  # filled piece by saved piece, then committed
             self._restored_masters[key] = torch.zeros(master.numel(), dtype=torch.float32)
         return self._restored_masters[key]
 
     def commit_restored_masters(self):
-        for key, master in (self._restored_masters or {}).items():
+        for key, master in self._restored_masters.items():
             self.store.write_range(key, "master", 0, master)
-        self._restored_masters = None
+        self._restored_masters = {}
 
     def load_base_state_dict(self, state_dict):
         if self.offload.device != "nvme":

@@ -166,7 +166,7 @@ class OffloadZeroOptimizer(HostStepStates, ZeroOptimizer):
 
     @torch.no_grad()
     def refresh_masters_from_model(self):
-        self._restored_masters = None
+        self._restored_masters = {}
         for g, group in enumerate(self.groups):
             own = group.own_chunks(group.flat)
             for k in range(group.layout.num_buckets):

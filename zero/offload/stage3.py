@@ -164,7 +164,7 @@ class OffloadStage3Optimizer(HostStepStates, Stage3Optimizer):
 
     @torch.no_grad()
     def refresh_masters_from_model(self):
-        self._restored_masters = None
+        self._restored_masters = {}
         for key, sub_group in enumerate(self.sub_groups):
             for piece, offset in sub_group.partitions():
                 self.store.write_range(key, "master", offset, piece.float())
