@@ -41,12 +41,12 @@ def check_nvme_path(nvme_path, needed_bytes, swap_dir, key_name):
                           "space or choose a larger drive")
 
 
-def remove_swap_dir(swap_dir, levels_above=2):
+def remove_swap_dir(swap_dir):
     """Delete a rank's swap folder, then the folders above it that are left empty
     (<kind>, zero_stage_<s>), so nvme_path is as clean as before; another rank's folder
     keeps them, and the last rank to finish removes them."""
     shutil.rmtree(swap_dir, ignore_errors=True)
-    remove_empty_folders(os.path.dirname(swap_dir), levels_above)
+    remove_empty_folders(os.path.dirname(swap_dir), 2)
 
 
 def remove_empty_folders(folder, levels):
