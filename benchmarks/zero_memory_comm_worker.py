@@ -12,8 +12,8 @@ one micro batch per rank per step, gloo, one thread per rank.
 `paired_ddp` builds our stage S and torch DDP in the same processes and alternates their steps
 (median step time of each). The other runners measure, per rank: median step time
 (barrier-to-barrier), model-state bytes (the distinct
-tensor storages the runner holds at the end of a step: parameters, gradients, optimizer
-state, fp32 masters, communication buffers), bytes sent per step, and peak RSS (VmHWM).
+tensor storages the runner holds after a backward, where all of them exist: parameters,
+gradients, optimizer state, fp32 masters, communication buffers), bytes sent per step, and peak RSS (VmHWM).
 """
 
 import argparse
@@ -169,6 +169,10 @@ def _batch(step, rank, micro, config):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def _nothing():
+    pass
+
+
 def _adamw(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=True)
 
@@ -191,9 +195,10 @@ def build_ours(config, stage, counter, release_after_forward=False):
     engine, optimizer, _, _ = zero.initialize(model=model, optimizer=_adamw(model.parameters()),
                                               config=ds_config)
 
-    def step(tokens, labels):
+    def step(tokens, labels, after_backward=_nothing):
         loss = engine(tokens, labels)
         engine.backward(loss)
+        after_backward()
         engine.step()
     sent = lambda: engine.dp_comm.stats.total_sent_bytes()  # noqa: E731
     return model, [engine.optimizer], step, sent
@@ -214,9 +219,10 @@ def build_deepspeed(config, stage, counter):
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_adamw(model.parameters()),
                                            config=ds_config, dist_init_required=False)
 
-    def step(tokens, labels):
+    def step(tokens, labels, after_backward=_nothing):
         loss = engine(tokens, labels)
         engine.backward(loss)
+        after_backward()
         engine.step()
     return model, [engine.optimizer], step, lambda: counter.sent
 
@@ -262,9 +268,10 @@ def build_fsdp2_keep(config, stage, counter):
 
 
 def _plain_step(model, optimizer):
-    def step(tokens, labels):
+    def step(tokens, labels, after_backward=_nothing):
         loss = model(tokens, labels)
         loss.backward()
+        after_backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # keep grads allocated, as the engines do
     return step
@@ -337,9 +344,14 @@ def main():
         step(*_batch(i, rank, args.micro_batch, config))
         dist.barrier()
         times.append(time.perf_counter() - start)
+    sent_per_step = (sent() - sent_before) / args.steps
+    # model states where all of them exist: after backward (our stage 3 frees its partition
+    # gradients at the step, as torch's zero_grad(set_to_none=True) would)
+    held = {}
+    step(*_batch(0, rank, args.micro_batch, config),
+         after_backward=lambda: held.update(held_bytes(model, *roots)))
     result = {"rank": rank, "world": world, "numel": numel, "step_s": statistics.median(times),
-              "sent_per_step": (sent() - sent_before) / args.steps,
-              "held": held_bytes(model, *roots), "peak_rss": peak_rss_bytes()}
+              "sent_per_step": sent_per_step, "held": held, "peak_rss": peak_rss_bytes()}
     with open(f"{args.out}.rank{rank}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()

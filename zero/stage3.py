@@ -13,6 +13,11 @@ Parameters are partitioned one by one (zero/partition_parameters.py) and gathere
   every gradient in row r -- pre-divided by the world size and reduce-scattered, so each rank
   receives its piece of every gradient, which is added to the fp32 partition gradient. This
   happens every micro-step (as in DeepSpeed); `overlap_comm` keeps two buckets in flight.
+  The fp32 partition gradients exist from backward to the step only (DeepSpeed keeps them for
+  the whole run): the first backward after a step keeps each bucket's reduced piece and
+  places the pieces into a fresh flat gradient at its end, after the gathered parameters are
+  released. So the memory of those gathered parameters and of the partition gradients is never
+  live at once: at the end of forward, this rank's peak, it holds 12Ψ/N of model states.
 - step: release all gathered parameters, check overflow (fp16), global norm over DP and TP
   (replicated params counted on TP rank 0 only), unscale and clip in one multiplication, step,
   copy fp32 masters back into the partitions.
@@ -75,7 +80,7 @@ class SubGroup:
             self.master = torch.nn.Parameter(self.flat)  # shares storage: no extra copy
         else:
             self.master = torch.nn.Parameter(self.flat.float())
-        self.master.grad = torch.zeros_like(self.master)
+        # master.grad: None between a step and the next backward (Stage3Optimizer)
         # (start, length) of params replicated over TP: their norm counts on TP rank 0 only
         self.replicated_runs = [] if mp_rank == 0 else [
             (o, s) for p, o, s in zip(params, self.offsets, self.sizes)
@@ -103,6 +108,9 @@ class Stage3Optimizer(PartitionedOptimizer):
     `module`'s parameters must already be ZeRO parameters over `dp_comm`.
     """
 
+    # free the fp32 partition gradients at zero_grad (offload keeps its host buffers)
+    frees_partition_grads = True
+
     def __init__(self, optimizer, module, settings, dp_comm, mp_comm=None, mp_rank=0,
                  loss_scaler=None):
         check_partitionable(optimizer)
@@ -124,6 +132,7 @@ class Stage3Optimizer(PartitionedOptimizer):
         self._hooks += [p.register_hook(partial(_shape_for_accumulation, p))
                         for p in self.location]
         self._bucket, self._bucket_numel, self._in_flight = [], 0, []
+        self._unplaced = []  # (sub-group, offset, reduced piece) until the end of backward
 
     # ----- construction -----
 
@@ -189,7 +198,8 @@ class Stage3Optimizer(PartitionedOptimizer):
                 self._in_flight.pop(0).wait()
         finally:
             self._bucket, self._bucket_numel = [], 0
-            self.coordinator.end_backward()
+            self.coordinator.end_backward()  # first, so the gathered params are freed
+            self._place_gradients()
 
     def _grad_ready(self, param):
         grad, param.grad = param.grad, None
@@ -238,18 +248,58 @@ class Stage3Optimizer(PartitionedOptimizer):
             self._in_flight.pop().wait()
 
     def _accumulate(self, params, sizes, reduced, scale):
-        offset = 0
+        """The bucket's reduce-scatter is done: add this rank's pieces to the partition
+        gradients (or keep them, scaled, until the end of backward); the bucket can go."""
+        offset, kept = 0, None
         for param, size in zip(params, sizes):
             sub_group, start = self.location[param]
-            sub_group.master.grad.narrow(0, start, size).add_(reduced.narrow(0, offset, size),
-                                                              alpha=scale)
+            piece = reduced.narrow(0, offset, size)
+            if sub_group.master.grad is not None:
+                sub_group.master.grad.narrow(0, start, size).add_(piece, alpha=scale)
+            else:  # first backward since the step: keep the piece (its own memory, scaled)
+                if kept is None:
+                    kept = reduced.clone() if scale == 1.0 else reduced.mul(scale)
+                self._unplaced.append((sub_group, start, kept.narrow(0, offset, size)))
             offset += size
+
+    def _place_gradients(self):
+        """Copy the kept pieces into fresh flat partition gradients (zero where a parameter
+        got no gradient). A parameter shared by two reentrant checkpointed segments reports
+        twice: its second piece is added."""
+        pieces = {}
+        for sub_group, start, piece in self._unplaced:
+            pieces.setdefault(sub_group, []).append((start, piece))
+        self._unplaced = []
+        for sub_group, placed in pieces.items():
+            grad = torch.empty_like(sub_group.master)
+            end = 0
+            for start, piece in sorted(placed, key=lambda item: item[0]):
+                target = grad.narrow(0, start, piece.numel())
+                if start < end:  # the same parameter again
+                    target.add_(piece)
+                    continue
+                if start > end:
+                    grad.narrow(0, end, start - end).zero_()
+                target.copy_(piece)
+                end = start + piece.numel()
+            if end < grad.numel():
+                grad.narrow(0, end, grad.numel() - end).zero_()
+            sub_group.master.grad = grad
+
+    def _ensure_gradients(self):
+        """Zero partition gradients for sub-groups no backward reached (a step without one)."""
+        for sub_group in self.sub_groups:
+            if sub_group.master.grad is None:
+                sub_group.master.grad = torch.zeros_like(sub_group.master)
 
     # ----- step -----
 
     def zero_grad(self, set_to_none=True):
         for sub_group in self.sub_groups:
-            sub_group.master.grad.zero_()
+            if set_to_none and self.frees_partition_grads:
+                sub_group.master.grad = None
+            elif sub_group.master.grad is not None:
+                sub_group.master.grad.zero_()
         for param in self.location:
             param.grad = None
 
@@ -257,6 +307,7 @@ class Stage3Optimizer(PartitionedOptimizer):
         """Release gathered params, unscale, check overflow, clip, step, publish. False if
         the step was skipped (inf/nan gradients)."""
         self.coordinator.end_step()
+        self._ensure_gradients()
         norm_sq, overflow = self._grad_norm_sq()
         return self._finish_step(norm_sq, overflow,
                                  [sub_group.master.grad for sub_group in self.sub_groups])
@@ -319,7 +370,8 @@ class Stage3Optimizer(PartitionedOptimizer):
     # ----- accounting (benchmarks, tests) -----
 
     def model_state_bytes(self):
-        """This rank's model-state bytes by category (what the ZeRO paper's formulas count)."""
+        """This rank's model-state bytes by category (what the ZeRO paper's formulas count).
+        The partition gradients count at their size whether or not they exist right now."""
         def nbytes(t):
             return t.numel() * t.element_size()
         partitions = sum(nbytes(g.flat) for g in self.sub_groups)
@@ -331,7 +383,7 @@ class Stage3Optimizer(PartitionedOptimizer):
         gathered = sum(nbytes(p.ds_full) for p in self.coordinator.owner
                        if p.ds_full is not None)
         return {"parameters": partitions + frozen,
-                "gradients": sum(nbytes(g.master.grad) for g in self.sub_groups),
+                "gradients": sum(g.master.numel() * 4 for g in self.sub_groups),
                 "master_weights": masters, "optimizer_states": states,
                 "gathered_parameters": gathered}
 

@@ -277,6 +277,31 @@ def test_single_process_stage3_matches_and_saves_16bit_model(tmp_path):
         torch.testing.assert_close(saved[name], param, rtol=1e-4, atol=1e-5)
 
 
+def test_partition_gradients_exist_from_backward_to_the_step_only():
+    """The fp32 partition gradients are freed at each step (so they never share memory with the
+    gathered parameters of forward) and rebuilt in the first backward after it: the training
+    still matches, and a parameter without a gradient gets zeros in its slot."""
+    reference = cases.train_reference(3)[0]
+    model = cases.make_model()
+    model.unused = torch.nn.Linear(3, 5)  # trainable, never in the loss
+    engine = cases.make_engine(_stage3(), model=model)  # gas 2: the second backward adds
+    sub_groups = engine.optimizer.sub_groups
+    assert all(g.master.grad is None for g in sub_groups)
+    tokens, labels = cases.global_batch(0, 16)
+    engine.backward(engine(tokens[:8], labels[:8]))
+    assert all(g.master.grad is not None for g in sub_groups)
+    sub_group, offset = engine.optimizer.location[model.unused.weight]
+    assert sub_group.master.grad.narrow(0, offset, 15).abs().sum() == 0
+    assert sub_group.master.grad.abs().sum() > 0
+    engine.step()
+    engine.backward(engine(tokens[8:], labels[8:]))
+    engine.step()  # the boundary
+    assert all(g.master.grad is None for g in sub_groups)
+    assert _relative_error(cases.train_steps(engine, 2, start=1), reference[1:]) < 1e-4
+    engine.optimizer.step()  # a step no backward reached: zero gradients, weight decay only
+    assert all(g.master.grad is not None for g in sub_groups)
+
+
 def test_save_16bit_model_needs_the_gather_option(tmp_path):
     engine = cases.make_engine(_stage3(global_batch_size=4, gas=1))
     assert engine.save_16bit_model(str(tmp_path), "model.bin") is False

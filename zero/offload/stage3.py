@@ -97,6 +97,8 @@ class HostSubGroup(SubGroup):
 class OffloadStage3Optimizer(HostStepStates, Stage3Optimizer):
     """Stage3Optimizer whose step runs on the host (CPUAdam over an optimizer-state store)."""
 
+    frees_partition_grads = False  # the host gradient buffers persist (allocated once, pinned)
+
     def __init__(self, optimizer, module, settings, dp_comm, mp_comm=None, mp_rank=0,
                  loss_scaler=None, offload=None):
         self.offload = offload
