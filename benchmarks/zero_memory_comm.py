@@ -18,7 +18,9 @@ Reported per rank (rank 0): model-state bytes measured from the tensors each run
 next to the ZeRO paper's formulas (deepspeed_spec.md §4.5) in their fp32 form (FORMULAS); bytes
 sent per step (ours: zero/comm.py's counters; peers: patched torch.distributed + a DDP comm
 hook) in units of Ψ·4 B·(N-1)/N, next to what each configuration should send (COMM); median
-step time; peak RSS (VmHWM). Then the ratios ours/peer. Also records the DeepSpeed checkpoint
+step time; peak RSS (VmHWM); and the peak of malloc's bytes in use over one step (mallinfo2,
+sampled: what a runner holds, without the freed memory glibc keeps resident, which on this
+machine moves peak RSS by +-100 MB from run to run). Then the ratios ours/peer. Also records the DeepSpeed checkpoint
 compatibility check (benchmarks/deepspeed_compat.py) unless --no-compat. Timings on this
 2-core machine drift by 10-30% over minutes, so each runner's own step time (separate
 processes, run one after another) is rough; the comparison with the fastest peer is made by the paired runs: each of our stages and
@@ -127,6 +129,14 @@ def mb(nbytes):
     return f"{nbytes / 2 ** 20:.1f}"
 
 
+def in_use_mb(result):
+    return mb(result["peak_in_use"]) if result.get("peak_in_use") else "n/a"
+
+
+def _ratio(a, b):
+    return f"{a / b:.2f}" if a and b else "n/a"
+
+
 def comm_units(result, dp):
     unit = result["numel"] * 4 * (dp - 1) / dp
     return f"{result['sent_per_step'] / unit:.2f}Ψ"
@@ -138,7 +148,7 @@ def ours_table(results, dp):
         label = _ours_label(stage, runner)
         r = results.get((runner, stage))
         if r is None or "error" in r:
-            rows.append([label, (r or {}).get("error", "not run")] + [""] * 8)
+            rows.append([label, (r or {}).get("error", "not run")] + [""] * 9)
             continue
         held, numel = r["held"], r["numel"]
         name, per_param = FORMULAS[stage]
@@ -148,10 +158,10 @@ def ours_table(results, dp):
                      mb(model_states(r)), f"{name} = {mb(formula)} (paper, mixed: {PAPER[stage]})",
                      f"{model_states(r) / formula:.3f}", mb(held.get("other", 0)),
                      f"{comm_units(r, dp)} (expected {expected:.0f}Ψ)", f"{r['step_s']:.3f}",
-                     mb(r["peak_rss"])])
+                     mb(r["peak_rss"]), in_use_mb(r)])
     return markdown_table(["ours", "params / grads / masters / optim (MB)", "model states MB",
                            "formula (fp32)", "measured / formula", "buffers MB",
-                           "sent per step", "step s", "peak RSS MB"], rows)
+                           "sent per step", "step s", "peak RSS MB", "peak in use MB"], rows)
 
 
 def _ours_label(stage, runner):
@@ -165,12 +175,12 @@ def peers_table(results, dp):
             continue
         name = f"DeepSpeed ZeRO-{stage}" if runner == "deepspeed" else PEER_NAMES[runner]
         if "error" in r:
-            rows.append([name, r["error"], "", "", "", ""])
+            rows.append([name, r["error"], "", "", "", "", ""])
             continue
         rows.append([name, mb(model_states(r)), mb(r["held"].get("other", 0)), comm_units(r, dp),
-                     f"{r['step_s']:.3f}", mb(r["peak_rss"])])
+                     f"{r['step_s']:.3f}", mb(r["peak_rss"]), in_use_mb(r)])
     return markdown_table(["peer", "model states MB", "buffers MB", "sent per step", "step s",
-                           "peak RSS MB"], rows)
+                           "peak RSS MB", "peak in use MB"], rows)
 
 
 def ratio_table(results):
@@ -178,7 +188,7 @@ def ratio_table(results):
              if k[0] not in OURS_RUNNERS and "error" not in r]
     if not peers:
         return ""
-    headers = ["ours / peer: step time, peak RSS"] + [
+    headers = ["ours / peer: step time, peak RSS, peak in use"] + [
         f"DeepSpeed-{s}" if n == "deepspeed" else PEER_NAMES[n] for (n, s), _ in peers]
     rows, ours_runs = [], []
     for stage, runner in OURS_ROWS:
@@ -186,13 +196,17 @@ def ratio_table(results):
         if ours is None or "error" in ours:
             continue
         ours_runs.append((_ours_label(stage, runner), ours))
-        rows.append([_ours_label(stage, runner)] + [f"{ours['step_s'] / r['step_s']:.2f}, "
-                                         f"{ours['peak_rss'] / r['peak_rss']:.2f}"
-                                         for _, r in peers])
+        rows.append([_ours_label(stage, runner)] + [
+            f"{ours['step_s'] / r['step_s']:.2f}, {ours['peak_rss'] / r['peak_rss']:.2f}, "
+            f"{_ratio(ours.get('peak_in_use'), r.get('peak_in_use'))}" for _, r in peers])
     fastest = min(r["step_s"] for _, r in peers)
     leanest = min(r["peak_rss"] for _, r in peers)
+    in_use = [r["peak_in_use"] for _, r in peers if r.get("peak_in_use")]
+    leanest_in_use = min(in_use) if in_use else None
     verdict = [f"{label}: step {ours['step_s'] / fastest:.2f}x the fastest peer, peak RSS "
-               f"{ours['peak_rss'] / leanest:.2f}x the leanest" for label, ours in ours_runs]
+               f"{ours['peak_rss'] / leanest:.2f}x the leanest, peak in use "
+               f"{_ratio(ours.get('peak_in_use'), leanest_in_use)}x the leanest"
+               for label, ours in ours_runs]
     return markdown_table(headers, rows) + "\n\n" + "; ".join(verdict) + "."
 
 

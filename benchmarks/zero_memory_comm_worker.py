@@ -11,16 +11,21 @@ torch at the top, zero or deepspeed inside its runner. Every runner trains the s
 one micro batch per rank per step, gloo, one thread per rank.
 `paired_ddp` builds our stage S and torch DDP in the same processes and alternates their steps
 (median step time of each). The other runners measure, per rank: median step time
-(barrier-to-barrier), model-state bytes (the distinct
-tensor storages the runner holds after a backward, where all of them exist: parameters,
-gradients, optimizer state, fp32 masters, communication buffers), bytes sent per step, and peak RSS (VmHWM).
+(barrier-to-barrier), model-state bytes (the distinct tensor storages the runner holds after
+a backward, where all of them exist: parameters, gradients, optimizer state, fp32 masters,
+communication buffers), bytes sent per step, peak RSS (VmHWM), and the peak of malloc's bytes
+in use over one step (what the runner holds, without what the allocator keeps of freed
+memory).
 """
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -150,6 +155,51 @@ def held_bytes(module, *roots):
     for root in roots:
         walk(root, "other", 0)
     return totals
+
+
+class MallocPeak:
+    """The most bytes glibc's malloc has handed out and not taken back (main arena plus mmapped
+    blocks, mallinfo2), sampled every 0.5 ms by a thread while running. Unlike the resident set
+    it does not count freed memory the allocator keeps, so it shows what a runner holds; None
+    where glibc's mallinfo2 is missing."""
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    def __init__(self):
+        try:
+            self._mallinfo2 = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+            self._mallinfo2.restype = self._Info
+        except (OSError, AttributeError):
+            self._mallinfo2 = None
+        self.peak, self._running = 0, False
+
+    def _in_use(self):
+        info = self._mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    def _sample(self):
+        while self._running:
+            self.peak = max(self.peak, self._in_use())
+            time.sleep(0.0005)
+
+    def __enter__(self):
+        if self._mallinfo2 is not None:
+            self._running = True
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._mallinfo2 is not None:
+            self._running = False
+            self._thread.join()
+            self.peak = max(self.peak, self._in_use())
+
+    def result(self):
+        return self.peak if self._mallinfo2 is not None else None
 
 
 def peak_rss_bytes():
@@ -347,11 +397,15 @@ def main():
     sent_per_step = (sent() - sent_before) / args.steps
     # model states where all of them exist: after backward (our stage 3 frees its partition
     # gradients at the step, as torch's zero_grad(set_to_none=True) would)
+    # (and, in the same untimed step, the peak of malloc's bytes in use: the sampling thread
+    # would take the GIL from the timed ones)
     held = {}
-    step(*_batch(0, rank, args.micro_batch, config),
-         after_backward=lambda: held.update(held_bytes(model, *roots)))
+    with MallocPeak() as in_use:
+        step(*_batch(0, rank, args.micro_batch, config),
+             after_backward=lambda: held.update(held_bytes(model, *roots)))
     result = {"rank": rank, "world": world, "numel": numel, "step_s": statistics.median(times),
-              "sent_per_step": sent_per_step, "held": held, "peak_rss": peak_rss_bytes()}
+              "sent_per_step": sent_per_step, "held": held, "peak_rss": peak_rss_bytes(),
+              "peak_in_use": in_use.result()}
     with open(f"{args.out}.rank{rank}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()
