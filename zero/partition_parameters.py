@@ -144,10 +144,42 @@ def finish_gather(param):
     if param.ds_status is ParamStatus.INFLIGHT:
         param.ds_pending.wait()
         param.ds_pending = param.ds_gather_source = None
-        full = param.ds_full
-        param.data = full.narrow(0, 0, param.ds_numel).view(param.ds_shape)
-        _GATHERED_STORAGE[full.untyped_storage().data_ptr()] = param
-        param.ds_status = ParamStatus.AVAILABLE
+        _make_available(param, param.ds_full)
+
+
+def _make_available(param, full):
+    param.ds_full = full
+    param.data = full.narrow(0, 0, param.ds_numel).view(param.ds_shape)
+    _GATHERED_STORAGE[full.untyped_storage().data_ptr()] = param
+    param.ds_status = ParamStatus.AVAILABLE
+
+
+def gather_coalesced(params):
+    """Gather not-available `params` with one all-gather per communicator, dtype and device
+    (the persistent small parameters after a step: one collective instead of one each, whose
+    fixed cost dominates for a bias). Parameters whose shard is swapped to NVMe are left to
+    `start_gather`. Returns the number of all-gathers issued."""
+    groups = {}
+    for param in params:
+        if param.ds_status is ParamStatus.NOT_AVAILABLE \
+                and getattr(param, "ds_swapper", None) is None:
+            key = (id(param.ds_comm), param.data.dtype, param.data.device)
+            groups.setdefault(key, []).append(param)
+    for group in groups.values():
+        comm, world = group[0].ds_comm, group[0].ds_comm.world_size
+        dtype, device = group[0].data.dtype, group[0].data.device
+        sizes = [p.ds_tensor.numel() for p in group]
+        total = sum(sizes)
+        packed = torch.cat([p.ds_tensor.to(device=device, dtype=dtype) for p in group])
+        rows = torch.empty(world, total, dtype=dtype, device=device)
+        comm.all_gather(rows.view(-1), packed)
+        offset = 0
+        for param, size in zip(group, sizes):
+            full = torch.empty(world, size, dtype=dtype, device=device)
+            full.copy_(rows.narrow(1, offset, size))
+            _make_available(param, full.view(-1))
+            offset += size
+    return len(groups)
 
 
 def gather_params(params):

@@ -18,6 +18,10 @@ of the modules that come next in the trace, up to `stage3_prefetch_bucket_size` 
 while fewer than `stage3_max_live_parameters` elements are gathered. A step that departs from
 the trace stops prefetching and the trace is recorded again.
 
+Persistent parameters (small ones, below `stage3_param_persistence_threshold`) are gathered
+all at once, in one all-gather, by the first fetch after a step; a bias or a LayerNorm weight
+costs as much per collective as a weight matrix while its bytes are nothing.
+
 Release policy: a parameter stays gathered if it is persistent (`ds_numel <=
 stage3_param_persistence_threshold`, within `stage3_model_persistence_threshold` in total), if
 a module still running uses it (nested/external use), if it is in flight from a prefetch, or
@@ -31,8 +35,8 @@ import torch
 
 from zero.offload.param_swapper import read_ahead
 from zero.partition_parameters import (ParamStatus, external_parameters, finish_gather,
-                                       is_zero_param, param_of_storage, release_param,
-                                       start_gather)
+                                       gather_coalesced, is_zero_param, param_of_storage,
+                                       release_param, start_gather)
 
 
 @dataclass
@@ -74,7 +78,9 @@ class ParamCoordinator:
             for param in params:
                 self.owner.setdefault(param, submodule)
         self.index = {m: i for i, m in enumerate(self.modules)}
-        self._mark_persistent()
+        self.persistent = self._mark_persistent()
+        self._any_swapped = any(getattr(p, "ds_swapper", None) is not None for p in self.owner)
+        self._persistent_stale = True  # gather them all at the next fetch
         self._handles = []
         for submodule in self.modules:
             self._handles.append(submodule.register_forward_pre_hook(self._pre_forward))
@@ -87,12 +93,15 @@ class ParamCoordinator:
         self.fetch_count = 0  # all-gathers issued (prefetches included), for tests/benchmarks
 
     def _mark_persistent(self):
-        budget = self.knobs.model_persistence_threshold
+        """Mark and return (in ds_id order, the same on every rank) the persistent params."""
+        budget, persistent = self.knobs.model_persistence_threshold, []
         for param in sorted(self.owner, key=lambda p: p.ds_id):
             if param.ds_numel <= self.knobs.param_persistence_threshold \
                     and param.ds_numel <= budget:
                 param.ds_persist = True
                 budget -= param.ds_numel
+                persistent.append(param)
+        return persistent
 
     def remove_hooks(self):
         for handle in self._handles:
@@ -115,6 +124,12 @@ class ParamCoordinator:
 
     def fetch(self, module, forward):
         self._record(module, forward)
+        if self._persistent_stale:  # first fetch since the step: all persistent params at once
+            self._persistent_stale = False
+            self.fetch_count += gather_coalesced(self.persistent)
+            for param in self.persistent:
+                if param.ds_status is ParamStatus.AVAILABLE:
+                    self._start(param)  # (counts it live)
         params = self.fetches[module]
         read_ahead(params)  # NVMe shards: all reads in flight before the first is waited for
         for param in params:
@@ -157,7 +172,8 @@ class ParamCoordinator:
         # NVMe shards: read what is gathered now, then read ahead the next bucket, so those
         # reads run on the I/O threads while this module computes (bounded by buffer_count)
         ahead, upcoming = [], 0
-        while upcoming < knobs.prefetch_bucket_size and position < len(self.trace):
+        while self._any_swapped and upcoming < knobs.prefetch_bucket_size \
+                and position < len(self.trace):
             for param in self.fetches[self.modules[self.trace[position][0]]]:
                 if param.ds_status is ParamStatus.NOT_AVAILABLE and param not in starting:
                     ahead.append(param)
@@ -236,6 +252,7 @@ class ParamCoordinator:
         self.live.clear()
         self.live_numel = 0
         self._touched_in_backward.clear()
+        self._persistent_stale = True
 
     def _set_trace(self, events):
         self.trace = list(events)

@@ -47,6 +47,7 @@ def _scenarios(rank, world_size, ckpt_dir):
                                        stage3_param_persistence_threshold=20))
     results["knobs"] = cases.train_steps(engine, 6)
     results["persist"] = {n: p.ds_persist for n, p in engine.module.named_parameters()}
+    results["forward_gathers"] = _all_gathers_of_one_forward(engine)
     engine = cases.make_engine(_stage3(precision="bf16"))
     results["bf16"] = cases.train_steps(engine, 8)
     results["bf16_dtypes"] = (engine.optimizer.sub_groups[0].flat.dtype,
@@ -57,6 +58,21 @@ def _scenarios(rank, world_size, ckpt_dir):
     results["appended"] = _init_with_appended_modules()
     results["modifier"] = _gathered_with_modifier(rank)
     return results
+
+
+def _all_gathers_of_one_forward(engine):
+    """All-gathers of a forward after a step (every partition changed): one per
+    non-persistent parameter, and one for all the persistent ones together."""
+    params = {p for p in engine.module.parameters()}
+    comms = {p.ds_comm for p in params}
+    for comm in comms:
+        comm.stats.reset()
+    tokens, labels = cases.global_batch(0, 2)
+    with torch.no_grad():
+        engine(tokens, labels)
+    persistent = sorted(n for n, p in engine.module.named_parameters() if p.ds_persist)
+    return (sum(comm.stats.calls("all_gather") for comm in comms), persistent,
+            len(params) - len(persistent))
 
 
 def _fp16(world_size):
@@ -218,6 +234,13 @@ def test_persistence_threshold_keeps_small_params_whole(dp2):
     persist = dp2[0]["persist"]
     assert persist["norm1.weight"] and persist["fc2.bias"]  # 16 elements <= 20
     assert not persist["fc1.bias"] and not persist["fc1.weight"]  # 64, 1024
+
+
+def test_persistent_params_are_gathered_together_after_a_step(dp2):
+    calls, persistent, others = dp2[0]["forward_gathers"]
+    assert persistent == ["fc2.bias", "norm1.bias", "norm1.weight", "norm2.bias",
+                          "norm2.weight"]
+    assert calls == others + 1  # (embed/head, fc1.weight, fc1.bias, fc2.weight) + 1
 
 
 def test_zero_init_partitions_at_construction_with_identical_values(dp2, dp4, reference):
