@@ -205,12 +205,21 @@ class Stage3Optimizer(PartitionedOptimizer):
         grad, param.grad = param.grad, None
         if param.ds_status is ParamStatus.NOT_AVAILABLE:  # drop the shape-only placeholder
             param.data = torch.empty(0, dtype=param.data.dtype, device=param.data.device)
-        if grad is not None:
+        if grad is not None and self._reduces_in_place(param, grad):
+            self._reduce([param], grad.view(self.dp_comm.world_size, -1))
+        elif grad is not None:
             self._bucket.append((param, grad))
             self._bucket_numel += grad.numel()
             if self._bucket_numel >= self.settings.reduce_bucket_size:
                 self._flush()
         self.coordinator.release_after_backward(param)
+
+    def _reduces_in_place(self, param, grad):
+        """A large gradient that is already laid out rank-major (contiguous, no padding: piece
+        r of it is rank r's partition) is reduce-scattered on its own, in place: no copy into
+        a bucket (a quarter of `reduce_bucket_size` or more, so the collectives stay few)."""
+        return grad.numel() >= self.settings.reduce_bucket_size // 4 and grad.is_contiguous() \
+            and grad.numel() == param.ds_tensor.numel() * self.dp_comm.world_size
 
     def _flush(self):
         if not self._bucket:
@@ -219,14 +228,21 @@ class Stage3Optimizer(PartitionedOptimizer):
         self._bucket, self._bucket_numel = [], 0
         world = self.dp_comm.world_size
         sizes = [p.ds_tensor.numel() for p, _ in items]
-        total = sum(sizes)
-        rows = torch.empty(world, total, dtype=items[0][1].dtype, device=items[0][1].device)
+        rows = torch.empty(world, sum(sizes), dtype=items[0][1].dtype,
+                           device=items[0][1].device)
         offset = 0
         for (param, grad), size in zip(items, sizes):
             _copy_rank_major(rows.narrow(1, offset, size), grad.reshape(-1), size)
             offset += size
         params = [p for p, _ in items]
         del items  # the full gradients can go now
+        self._reduce(params, rows)
+
+    def _reduce(self, params, rows):
+        """Reduce-scatter `rows` ([world, total]: row r = rank r's pieces of `params`' gradients
+        one after another), then add this rank's row to the partition gradients."""
+        world = self.dp_comm.world_size
+        sizes = [p.ds_tensor.numel() for p in params]
         # average: fp32 sums scale the reduced partition as it is accumulated (1/N of the
         # bucket); 16-bit sums could overflow, so those buckets are divided first
         post_scale = 1.0 / world if rows.dtype == torch.float32 else 1.0
