@@ -206,7 +206,8 @@ class Stage3Optimizer(PartitionedOptimizer):
         if param.ds_status is ParamStatus.NOT_AVAILABLE:  # drop the shape-only placeholder
             param.data = torch.empty(0, dtype=param.data.dtype, device=param.data.device)
         if grad is not None and self._reduces_in_place(param, grad):
-            self._reduce([param], grad.view(self.dp_comm.world_size, -1))
+            self._reduce([param], [param.ds_tensor.numel()],
+                         grad.view(self.dp_comm.world_size, -1))
         elif grad is not None:
             self._bucket.append((param, grad))
             self._bucket_numel += grad.numel()
@@ -236,13 +237,13 @@ class Stage3Optimizer(PartitionedOptimizer):
             offset += size
         params = [p for p, _ in items]
         del items  # the full gradients can go now
-        self._reduce(params, rows)
+        self._reduce(params, sizes, rows)
 
-    def _reduce(self, params, rows):
-        """Reduce-scatter `rows` ([world, total]: row r = rank r's pieces of `params`' gradients
-        one after another), then add this rank's row to the partition gradients."""
+    def _reduce(self, params, sizes, rows):
+        """Reduce-scatter `rows` ([world, total]: row r = rank r's pieces, of `sizes`, of
+        `params`' gradients one after another), then add this rank's row to the partition
+        gradients."""
         world = self.dp_comm.world_size
-        sizes = [p.ds_tensor.numel() for p in params]
         # average: fp32 sums scale the reduced partition as it is accumulated (1/N of the
         # bucket); 16-bit sums could overflow, so those buckets are divided first
         post_scale = 1.0 / world if rows.dtype == torch.float32 else 1.0

@@ -63,7 +63,7 @@ def _scenarios(rank, world_size, ckpt_dir):
 def _all_gathers_of_one_forward(engine):
     """All-gathers of a forward after a step (every partition changed): one per
     non-persistent parameter, and one for all the persistent ones together."""
-    params = {p for p in engine.module.parameters()}
+    params = set(engine.module.parameters())
     comms = {p.ds_comm for p in params}
     for comm in comms:
         comm.stats.reset()
