@@ -40,9 +40,13 @@ from common import REPO_ROOT, machine_description, markdown_table, update_docs_s
 
 import deepspeed_venv
 
+sys.path.insert(0, REPO_ROOT)
+from zero.host_memory import small_block_cache_off_environ  # noqa: E402
+
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 WORKER = "zero_memory_comm_worker.py"
 STAGES = (0, 1, 2, 3)
+OUR_RUNNERS = ("ours", "ours_release", "paired_ddp")
 TORCH_PEERS = ("ddp", "zero_redundancy", "fsdp2_reshard", "fsdp2_keep")
 PEER_NAMES = {"ddp": "torch DDP", "zero_redundancy": "ZeroRedundancyOptimizer",
               "fsdp2_reshard": "FSDP2 (reshard)", "fsdp2_keep": "FSDP2 (no reshard)"}
@@ -130,6 +134,8 @@ def run_runner(runner, stage, dp, args, work):
             "--out", prefix]
     python = None if runner == "deepspeed" else sys.executable
     env = None if runner == "deepspeed" else {"PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"}
+    if runner in OUR_RUNNERS:  # started as scripts/launch_env.sh starts our training processes
+        env["GLIBC_TUNABLES"] = small_block_cache_off_environ()["GLIBC_TUNABLES"]
     try:
         deepspeed_venv.launch_ranks(dp, argv, env_extra=env, python=python, timeout=1200)
     except RuntimeError as e:

@@ -113,5 +113,6 @@ OUTPUT_ARGS=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "
              --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL"
              --eval-iters "$EVAL_ITERS" --tensorboard-dir "$RUN_DIR")
 
+source scripts/launch_env.sh  # GLIBC_TUNABLES for ZeRO-3's host memory
 exec "$PY" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt2.py \
     "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"

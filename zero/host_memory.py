@@ -22,10 +22,25 @@ Two policies, one per process (glibc only; elsewhere both are no-ops):
   set would hold the high-water mark of everything offloaded (measured: +250 MiB peak for a
   25M-parameter model). Offload's memory goal wins: once it is set, `keep_freed_buffers()`
   does nothing.
+
+Neither policy can stop the creep that glibc's per-thread cache of small freed blocks (tcache)
+causes, and mallopt cannot turn that cache off: only `GLIBC_TUNABLES` at process start can.
+torch allocates with posix_memalign, which carves a block out of a larger free one and frees
+the small pieces before and after it; tcache keeps those pieces (up to 7 per size) without
+merging them with their neighbours, so when the big block is freed it stays walled in, too
+small by those pieces for the next aligned request of the same size, and the heap grows
+instead. Measured with ZeRO-3 (keep policy) on a 110M-parameter GPT at DP=2: the resident set
+rose step after step (1.5, 2.1, 2.3, 2.5 GB after steps 0-3, 0.78 GB in use between steps);
+started with `GLIBC_TUNABLES=glibc.malloc.tcache_count=0` it levelled off at 1.9 GB after step
+1, the same step time within this machine's noise (ZeroRedundancyOptimizer: 2.1 GB either
+way). The launch scripts in scripts/ export it (`small_block_cache_off_environ`); the engine
+warns once when ZeRO-3 runs on CPU without it.
 """
 
 import ctypes
 import ctypes.util
+import os
+import platform
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -33,6 +48,7 @@ RETURN_MMAP_THRESHOLD = 256 * 1024
 KEEP_MMAP_THRESHOLD = 1 << 30
 NEVER_TRIM = 2 ** 31 - 1  # mallopt takes an int
 DEFAULT_TRIM_THRESHOLD = 128 * 1024
+SMALL_BLOCK_CACHE_OFF = "glibc.malloc.tcache_count=0"
 
 _policy = None  # "keep" | "return" once set
 
@@ -66,3 +82,24 @@ def return_freed_buffers_to_os():
 def policy():
     """"keep", "return" or None (glibc's defaults)."""
     return _policy
+
+
+def is_glibc():
+    return platform.libc_ver()[0] == "glibc"
+
+
+def small_block_cache_off(environ=None):
+    """Whether the process was started with glibc's tcache off (GLIBC_TUNABLES is read once,
+    at start-up: setting it later changes nothing)."""
+    tunables = (os.environ if environ is None else environ).get("GLIBC_TUNABLES", "")
+    return SMALL_BLOCK_CACHE_OFF in tunables.split(":")
+
+
+def small_block_cache_off_environ(environ=None):
+    """`environ` (default: this process's) with the tcache turned off for processes started
+    from it; a tcache_count someone already set is left alone."""
+    environ = dict(os.environ if environ is None else environ)
+    tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]
+    if not any(t.startswith("glibc.malloc.tcache_count=") for t in tunables):
+        environ["GLIBC_TUNABLES"] = ":".join(tunables + [SMALL_BLOCK_CACHE_OFF])
+    return environ

@@ -73,3 +73,40 @@ def test_stage3_on_cpu_keeps_freed_buffers_unless_offloading(tmp_path):
     # stages 0-2 and offload to host memory leave glibc's defaults; NVMe offload returns
     # freed swap-ins
     assert result == ["keep", None, None, "return"]
+
+
+@pytest.mark.parametrize("tunables, expected", [
+    (None, "glibc.malloc.tcache_count=0"),
+    ("glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"),
+    ("glibc.malloc.tcache_count=3", "glibc.malloc.tcache_count=3"),  # a user's choice stays
+])
+def test_launch_environments_turn_glibcs_small_block_cache_off(tunables, expected):
+    from zero.host_memory import small_block_cache_off, small_block_cache_off_environ
+    environ = {} if tunables is None else {"GLIBC_TUNABLES": tunables}
+    assert small_block_cache_off_environ(environ)["GLIBC_TUNABLES"] == expected
+    assert small_block_cache_off(small_block_cache_off_environ(environ)) == (
+        expected.endswith("tcache_count=0"))
+    # the launch scripts source scripts/launch_env.sh, which must agree
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    env.update(environ)
+    out = subprocess.run(["bash", "-c", "set -eu; source scripts/launch_env.sh; "
+                          "echo \"$GLIBC_TUNABLES\""], capture_output=True, text=True,
+                         cwd=REPO_ROOT, env=env, check=True)
+    assert out.stdout.strip() == expected
+
+
+@pytest.mark.skipif(not _glibc(), reason="the tunable is glibc's")
+@pytest.mark.parametrize("tunables", ["", "glibc.malloc.tcache_count=0"])
+def test_zero3_on_cpu_warns_when_started_with_glibcs_small_block_cache_on(tunables):
+    script = textwrap.dedent("""
+        import torch, zero
+        zero.initialize(model=torch.nn.Linear(4, 4), config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    """)
+    env = dict(os.environ, GLIBC_TUNABLES=tunables)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=REPO_ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    warned = "GLIBC_TUNABLES=glibc.malloc.tcache_count=0" in out.stderr
+    assert warned == (tunables == "")
