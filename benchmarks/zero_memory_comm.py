@@ -27,7 +27,9 @@ processes, run one after another) is rough; the comparison with the fastest peer
 torch DDP built in the same processes and stepped alternately (`--paired-steps`). DP=4
 oversubscribes the 2 cores (4 ranks x 1 thread), so compare within a column. Every runner
 runs as shipped: our stage 3 sets glibc to reuse freed host memory by itself
-(zero/host_memory.py), which in the paired run applies to the DDP beside it too.
+(zero/host_memory.py), which in the paired run applies to the DDP beside it too, and our
+runners start with GLIBC_TUNABLES=glibc.malloc.tcache_count=0 as scripts/launch_env.sh starts
+training (the peers with the environment as it is).
 """
 
 import argparse
@@ -84,7 +86,8 @@ NOTES = {
         "makes stage 2 hold about one bucket of spare buffers. Single-runner step times swing "
         "with the machine's speed; the paired tables (each stage and DDP stepped alternately in"
         " the same processes) are the comparison."
-        " Our stage 3 reuses freed host memory by itself (see the gpt-91m notes)."),
+        " Our stage 3 reuses freed host memory by itself, and our runners start with "
+        "glibc's tcache off as scripts/launch_env.sh starts training (see the gpt-91m notes)."),
     "gpt-91m": (
         "Run on the idle box. This PlainGPT counts Ψ = 110.3M (untied position embedding "
         "and biases included). `reduce_bucket_size` is 25 MB of fp32 (DDP's default bucket) "
