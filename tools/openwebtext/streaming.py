@@ -296,8 +296,9 @@ def _filter_in_pool(context, stage, segments, out, make_filter, workers, progres
             for i, segment in enumerate(segments)]
     waiting = iter(jobs)
     try:
-        # A process pool whose results raise BrokenProcessPool when a worker dies (e.g. killed
-        # for memory), where multiprocessing.Pool would wait forever for the lost segment.
+        # A process pool raises BrokenProcessPool when a worker dies (e.g. killed for memory),
+        # from a result or from the next submit, whichever comes first, where
+        # multiprocessing.Pool would wait forever for the lost segment.
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
                                  initargs=(make_filter, progress_queue)) as pool:
             # At most 2 segments per worker in flight: bounded part files on disk.
@@ -313,6 +314,9 @@ def _filter_in_pool(context, stage, segments, out, make_filter, workers, progres
                 for job in itertools.islice(waiting, 1):
                     in_flight.append(pool.submit(_filter_segment_to_part, job))
             _drain(progress_queue, progress)
+    except BrokenProcessPool:
+        raise RuntimeError("a worker process died (exit without a Python error; killed "
+                           "for memory?); try fewer --workers") from None
     finally:
         shutil.rmtree(parts_dir, ignore_errors=True)
 
@@ -324,9 +328,6 @@ def _wait_for(future, progress_queue, progress):
             return future.result(timeout=0.2)
         except FutureTimeout:
             continue
-        except BrokenProcessPool:
-            raise RuntimeError("a worker process died (exit without a Python error; killed "
-                               "for memory?); try fewer --workers") from None
 
 
 def _drain(progress_queue, progress):
