@@ -38,8 +38,7 @@ from zero.arguments import apply_mpi_environment, resolve_config_from_args
 from zero.comm import Communicator
 from zero.config import DeepSpeedConfig
 from zero.errors import ConfigError, ZeroError
-from zero.host_memory import (SMALL_BLOCK_CACHE_OFF, is_glibc, keep_freed_buffers,
-                               small_block_cache_off)
+from zero.host_memory import keep_freed_buffers, small_block_cache_warning
 from zero.loss_scaler import build_loss_scaler
 from zero.lr_schedules import build_lr_scheduler
 from zero.optimizers import build_optimizer, check_zero_supported
@@ -169,11 +168,9 @@ class DeepSpeedEngine(torch.nn.Module):
         if self.device.type == "cpu" and zero.stage == 3 and zero.offload_optimizer is None \
                 and zero.offload_param is None:
             keep_freed_buffers()
-            if is_glibc() and not small_block_cache_off() and self.global_rank == 0:
-                logger.warning("ZeRO-3 on CPU: start the processes with GLIBC_TUNABLES=%s "
-                               "(the scripts in scripts/ do) or their resident memory creeps "
-                               "up step after step (zero/host_memory.py)",
-                               SMALL_BLOCK_CACHE_OFF)
+            warning = small_block_cache_warning()
+            if warning and self.global_rank == 0:
+                logger.warning(warning)
 
     def _place_module(self):
         """Move to this rank's GPU (if any) and cast to fp16/bf16, as DeepSpeed does."""

@@ -51,6 +51,7 @@ DEFAULT_TRIM_THRESHOLD = 128 * 1024
 SMALL_BLOCK_CACHE_OFF = "glibc.malloc.tcache_count=0"
 
 _policy = None  # "keep" | "return" once set
+_warned_small_block_cache = False
 
 
 def _mallopt(*settings):
@@ -103,3 +104,15 @@ def small_block_cache_off_environ(environ=None):
     if not any(t.startswith("glibc.malloc.tcache_count=") for t in tunables):
         environ["GLIBC_TUNABLES"] = ":".join(tunables + [SMALL_BLOCK_CACHE_OFF])
     return environ
+
+
+def small_block_cache_warning():
+    """The warning for a process that runs ZeRO-3 on CPU with glibc's tcache on: its text the
+    first time it is asked for in a process, None afterwards and where it does not apply."""
+    global _warned_small_block_cache
+    if _warned_small_block_cache or not is_glibc() or small_block_cache_off():
+        return None
+    _warned_small_block_cache = True
+    return (f"ZeRO-3 on CPU: start the processes with GLIBC_TUNABLES={SMALL_BLOCK_CACHE_OFF} "
+            "(the scripts in scripts/ do) or their resident memory creeps up step after step "
+            "(zero/host_memory.py)")
