@@ -94,22 +94,34 @@ def peak_flops(device, dtype):
 _measured_peaks = {}
 
 
-def measure_matmul_flops(device, dtype, size=2048, repeats=5):
-    """Best-of-`repeats` FLOP/s of a square matmul: the practical peak of this device."""
+def measure_matmul_flops(device, dtype, size=2048, repeats=5, min_seconds=0.05):
+    """Best-of-`repeats` FLOP/s of a square matmul: the practical peak of this device.
+
+    The matrices grow from 256 up to `size` until one product takes `min_seconds`, so a
+    dtype the device only emulates (fp16 on most CPUs: ~1 GFLOP/s) is measured in a fraction
+    of a second instead of minutes.
+    """
     import time
     key = (str(device), dtype)
     if key in _measured_peaks:
         return _measured_peaks[key]
     # A private generator: measuring must not consume the training RNG streams.
     generator = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
-    b = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        synchronize(device)
-        start = time.perf_counter()
-        torch.mm(a, b)
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    _measured_peaks[key] = 2 * size ** 3 / best
+    n = min(256, size)
+    while True:
+        a = torch.randn(n, n, generator=generator).to(device=device, dtype=dtype)
+        b = torch.randn(n, n, generator=generator).to(device=device, dtype=dtype)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            synchronize(device)
+            start = time.perf_counter()
+            torch.mm(a, b)
+            synchronize(device)
+            best = min(best, time.perf_counter() - start)
+            if n < size and best < min_seconds / 4:
+                break  # far too quick to time well: go straight to a larger size
+        if n >= size or best >= min_seconds:
+            break
+        n = min(2 * n, size)
+    _measured_peaks[key] = 2 * n ** 3 / best
     return _measured_peaks[key]
