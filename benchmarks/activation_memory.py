@@ -13,7 +13,7 @@ lengths, per micro-batch forward + backward:
                  interleaved step by step in the same processes (this machine's speed drifts
                  by 10-30% over minutes, so separate runs do not compare)
 
-for: no checkpointing; checkpointing every layer (zero.checkpointing); + partitioned
+for: no checkpointing; checkpointing every layer (zero.activation_checkpointing.recompute); + partitioned
 activations over 2 gloo ranks (TP = 2; rank 0 reported); + CPU checkpoints. Next to the
 analytic numbers of Korthikanti et al. (2022) in 16-bit: per layer s*b*h*(34 + 5*a*s/h) bytes
 without recompute, 2*s*b*h with a checkpoint per layer, /TP when partitioned; at TP = 2 the
@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-CONFIGS = {  # name: (tensor-parallel size, zero.checkpointing options or None, dropout)
+CONFIGS = {  # name: (tensor-parallel size, zero.activation_checkpointing.recompute options or None, dropout)
     "none": (1, None, 0.1),
     "checkpoint": (1, {}, 0.1),
     "none, dropout 0": (1, None, 0.0),
@@ -55,7 +55,7 @@ def _rss_bytes():
 
 def _setup(rank, world_size, init_file, size):
     """One rank's layer stack and its step(options, dropout, hooks=None): one forward +
-    backward with zero.checkpointing configured by `options` (None: no checkpointing) and
+    backward with zero.activation_checkpointing.recompute configured by `options` (None: no checkpointing) and
     hidden and attention dropout `dropout`."""
     torch.set_num_threads(1)  # the same per-rank compute at TP 1 and 2; no spin-waiting
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,

@@ -148,7 +148,7 @@ def ours_to_deepspeed(root, cases):
 
 def deepspeed_to_ours(root, stages):
     """Rows (stage, 'fp32', status, detail): DeepSpeed's checkpoints read by our consolidator."""
-    from zero.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from zero.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     rows = []
     for stage in stages:
         out = os.path.join(root, f"deepspeed_stage{stage}")

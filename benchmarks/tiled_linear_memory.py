@@ -64,8 +64,8 @@ class GatheredBytes:
     functions the coordinator and GatheredParameters call."""
 
     def __init__(self):
-        import zero.partition_parameters as pp
-        import zero.stage3_coordinator as coordinator
+        import zero.stages.partition_parameters as pp
+        import zero.stages.param_coordinator as coordinator
         self.now = self.peak = 0
         self.held = set()
         start, release = pp.start_gather, pp.release_param

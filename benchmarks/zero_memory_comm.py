@@ -16,7 +16,7 @@ processes (one thread each, benchmarks/zero_memory_comm_worker.py) so peak RSS i
             (benchmarks/install_deepspeed_venv.sh), skipped with a note when it is absent.
 Reported per rank (rank 0): model-state bytes measured from the tensors each runner holds,
 next to the ZeRO paper's formulas (deepspeed_spec.md §4.5) in their fp32 form (FORMULAS); bytes
-sent per step (ours: zero/comm.py's counters; peers: patched torch.distributed + a DDP comm
+sent per step (ours: zero/comm/communicator.py's counters; peers: patched torch.distributed + a DDP comm
 hook) in units of Ψ·4 B·(N-1)/N, next to what each configuration should send (COMM); median
 step time; peak RSS (VmHWM); and the peak of malloc's bytes in use over one step (mallinfo2,
 sampled: what a runner holds, without the freed memory glibc keeps resident, which on this
@@ -75,7 +75,7 @@ NOTES = {
         " a separate master (stages 1 and 2 partition the flat params in contiguous ranges and "
         "the master partition is a view of this rank's range, at stage 1 its gradient too; "
         "stage 3's master is the param shard). Traffic: stages 1/2 = the gradients reduced to "
-        "their owners, Ψ (gloo: point-to-point sends, zero/ring.py), + all-gather of the "
+        "their owners, Ψ (gloo: point-to-point sends, zero/comm/ring.py), + all-gather of the "
         "updated params, Ψ. Stage 3 with DeepSpeed's default `stage3_max_reuse_distance` (1e9) "
         "keeps every gathered param from forward to backward on this model: all-gather Ψ + "
         "reduce-scatter Ψ = 2Ψ, as DeepSpeed's own ZeRO-3 here. \"Release after fwd\" (reuse "

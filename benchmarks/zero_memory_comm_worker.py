@@ -52,7 +52,7 @@ BUCKET_NUMEL = 25 * 2 ** 20 // 4
 
 class WireCounter:
     """Counts what torch.distributed collectives send from this rank (bandwidth-optimal ring
-    volumes, as zero/comm.py does): patched over torch.distributed's functions, plus a DDP
+    volumes, as zero/comm/communicator.py does): patched over torch.distributed's functions, plus a DDP
     comm hook (DDP's reducer calls the backend directly)."""
 
     def __init__(self, world):

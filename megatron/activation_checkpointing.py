@@ -1,9 +1,9 @@
 """How --checkpoint-activations keeps its checkpoints: Megatron's recompute, or DeepSpeed's
-(zero.checkpointing) with partitioned / CPU / contiguous checkpoints.
+(zero.activation_checkpointing.recompute) with partitioned / CPU / contiguous checkpoints.
 
     --checkpoint-activations [--checkpoint-num-layers K]   recompute chunks of K layers
         (megatron.mpu.checkpoint: each chunk keeps only its input)
-    --deepspeed-activation-checkpointing   the same recompute through zero.checkpointing,
+    --deepspeed-activation-checkpointing   the same recompute through zero.activation_checkpointing.recompute,
         configured from the flags below and the DeepSpeed config's activation_checkpointing
         section (the flags win, as the --zero-* flags do over zero_optimization):
             --partition-activations | --distribute-checkpointed-activations  partition_activations
@@ -19,7 +19,7 @@
 Megatron-DeepSpeed's scripts set --partition-activations etc. without
 --deepspeed-activation-checkpointing, where they silently do nothing; here any of those
 options (flag or config key) turns DeepSpeed checkpointing on and says so in one line.
-Without --deepspeed the flags work too (zero.checkpointing needs no engine).
+Without --deepspeed the flags work too (zero.activation_checkpointing.recompute needs no engine).
 """
 
 from megatron.errors import ConfigError
@@ -36,7 +36,7 @@ def add_activation_checkpointing_args(parser):
     g = parser.add_argument_group(
         "activation checkpointing", "how --checkpoint-activations keeps its checkpoints")
     g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
-                   help="recompute through zero.checkpointing (DeepSpeed's), which the options "
+                   help="recompute through zero.activation_checkpointing.recompute (DeepSpeed's), which the options "
                         "below and the config's activation_checkpointing section configure")
     g.add_argument("--partition-activations", action="store_true", default=None,
                    help="each tensor-parallel rank keeps 1/TP of every checkpoint; all-gathered "
@@ -59,7 +59,7 @@ def add_activation_checkpointing_args(parser):
 
 
 def resolve_activation_checkpointing(args):
-    """Fill args.activation_checkpointing (None or zero.checkpointing.configure keywords) and
+    """Fill args.activation_checkpointing (None or zero.activation_checkpointing.recompute.configure keywords) and
     args.activation_checkpointing_notes. Runs after the DeepSpeed config is reconciled."""
     notes = []
     if args.distribute_checkpointed_activations:
@@ -113,7 +113,7 @@ def resolve_activation_checkpointing(args):
 
 
 def setup_activation_checkpointing(args, device, is_rank0):
-    """Configure zero.checkpointing and make mpu's RNG tracker its tracker, so the streams the
+    """Configure zero.activation_checkpointing.recompute and make mpu's RNG tracker its tracker, so the streams the
     model forks are the ones the recompute replays. Call before seeding."""
     options = getattr(args, "activation_checkpointing", None)
     if options is None:

@@ -51,7 +51,7 @@ def _byte_count(text):
 
 def add_deepspeed_arguments(parser):
     """DeepSpeed's own flags (zero.add_config_arguments) and Megatron-DeepSpeed's ZeRO group."""
-    from zero.arguments import add_config_arguments
+    from zero.config.arguments import add_config_arguments
     add_config_arguments(parser)
     g = parser.add_argument_group("ZeRO", "override the DeepSpeed config's zero_optimization "
                                           "keys (need --deepspeed)")
@@ -89,7 +89,7 @@ def apply_mpi_environment_if_asked(args):
     """--deepspeed_mpi: take rank and world size from the MPI launcher before anything reads
     them (so that mpirun -np N with MPICH or MVAPICH works as torchrun would)."""
     if getattr(args, "deepspeed_mpi", False):
-        from zero.arguments import apply_mpi_environment
+        from zero.config.arguments import apply_mpi_environment
         apply_mpi_environment()
 
 
@@ -115,8 +115,8 @@ def reconcile_deepspeed_config(args, global_batch_given):
 
     Runs after the data-parallel size and the number of micro batches are known.
     """
-    from zero.arguments import resolve_config_from_args
-    from zero.config import load_config_dict
+    from zero.config.arguments import resolve_config_from_args
+    from zero.config.deepspeed_config import load_config_dict
     if args.deepspeed_config is None and args.deepscale_config is None:
         raise ConfigError("--deepspeed needs --deepspeed_config <ds_config.json> (e.g. "
                           "scripts/ds_zero_stage_2.config)")

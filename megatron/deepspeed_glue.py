@@ -138,14 +138,14 @@ def save_checkpoint(iteration, engine, args, train_state, device):
 def load_checkpoint(engine, args, device):
     """Resume from args.load (the tag its `latest` names). Returns the train_state to continue
     from, or None when there is nothing to resume."""
-    from zero.checkpoint import model_states_name, read_latest
+    from zero.checkpoint.layout import model_states_name, read_latest
     tag = read_latest(args.load)
     if tag is None:
         _explain_missing_latest(args.load, args)
         return None
     states_name = model_states_name(mpu.get_model_parallel_rank())
     if zero_stage(args) == 3:  # one model states file per DP rank
-        from zero.checkpoint_stage3 import model_states_name as stage3_states_name
+        from zero.checkpoint.stage3 import model_states_name as stage3_states_name
         states_name = stage3_states_name(0, mpu.get_model_parallel_rank())
     _check_saved_args(os.path.join(args.load, tag, states_name), args)
     fresh_optimizer = args.no_load_optim or args.finetune

@@ -22,27 +22,27 @@ all-gathered per reduce bucket in one collective each (`allgather_partitions`,
 every checkpoint loads at any data-parallel size (`elastic_checkpoint`). `offload_optimizer`
 (cpu or nvme, stages 1-2) steps the partitions with CPUAdam on the host (zero/offload/).
 Stage 3 (parameters partitioned too, gathered by module hooks) is zero/stage3*.py, with
-zero/partition_parameters.py (`zero.Init`, `zero.GatheredParameters`).
+zero/stages/partition_parameters.py (`zero.Init`, `zero.GatheredParameters`).
 """
 
 import contextlib
 import logging
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
-from zero import checkpoint as ckpt
-from zero.arguments import apply_mpi_environment, resolve_config_from_args
-from zero.comm import Communicator
-from zero.config import DeepSpeedConfig
+from zero.checkpoint import layout as ckpt
+from zero.config.arguments import apply_mpi_environment, resolve_config_from_args
+from zero.comm.communicator import Communicator
+from zero.config.deepspeed_config import DeepSpeedConfig
 from zero.errors import ConfigError, ZeroError
 from zero.host_memory import keep_freed_buffers, small_block_cache_warning
-from zero.loss_scaler import build_loss_scaler
-from zero.lr_schedules import build_lr_scheduler
-from zero.optimizers import build_optimizer, check_zero_supported
-from zero.stage1_2 import ZeroOptimizer, ZeroSettings
+from zero.monitor import Monitor
+from zero.optim.loss_scaler import build_loss_scaler
+from zero.optim.lr_schedules import build_lr_scheduler
+from zero.optim.optimizers import build_optimizer, check_zero_supported
+from zero.stages.stage1_2 import ZeroOptimizer, ZeroSettings
 
 logger = logging.getLogger("zero.engine")
 
@@ -108,7 +108,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._broadcast_from_first_dp_rank()
         self.lr_scheduler = self._lr_scheduler(lr_scheduler)
         self.training_dataloader = self._dataloader(training_data, collate_fn)
-        self.monitor = _Monitor(self.config, self.global_rank)
+        self.monitor = Monitor(self.config, self.global_rank)
 
     # ----- setup -----
 
@@ -137,7 +137,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def _zero_optimizer(self, base_optimizer):
         """The partitioning wrapper for the configured stage (the seam for stage 3/offload)."""
         if self.zero_optimization_stage() == 3:  # zero/stage3*.py
-            from zero.stage3_setup import build_stage3_optimizer
+            from zero.stages.build import build_stage3_optimizer
             return build_stage3_optimizer(self, base_optimizer, build_loss_scaler(self.config))
         param_order = {p: i for i, p in enumerate(self.module.parameters())}
         if self.config.zero_optimization.offload_optimizer is not None:  # zero/offload
@@ -224,7 +224,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def _broadcast_from_first_dp_rank(self):
         """Every data-parallel rank starts from DP rank 0's weights and buffers."""
         if self.dp_world_size == 1 or self.zero_optimization_stage() == 3:
-            return  # (stage 3 partitions DP rank 0's values: zero/stage3_setup.py)
+            return  # (stage 3 partitions DP rank 0's values: zero/stages/build.py)
         flat_ptrs = set()
         for group in self.optimizer.groups:
             self.dp_comm.broadcast(group.flat)
@@ -328,7 +328,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def loss_scale(self):
         return self.optimizer.loss_scale
 
-    # ----- checkpoints (zero/checkpoint.py) -----
+    # ----- checkpoints (zero/checkpoint/layout.py) -----
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
         """Must be called on every rank. Returns True."""
@@ -344,86 +344,3 @@ class DeepSpeedEngine(torch.nn.Module):
         return ckpt.save_16bit_model(self, save_dir, save_filename)
 
     save_fp16_model = save_16bit_model
-
-
-class _Monitor:
-    """steps_per_print progress lines, wall_clock_breakdown timers and TensorBoard scalars,
-    all from global rank 0."""
-
-    def __init__(self, config, global_rank):
-        self.config, self.enabled = config, global_rank == 0
-        self.elapsed, self._loss_sum, self._loss_count = {}, 0.0, 0
-        self._writer = None
-        self._timing = config.wall_clock_breakdown
-
-    def timed(self, name):
-        return _Timer(self, name) if self._timing else _NULL_TIMER
-
-    def record_loss(self, loss):
-        if self.enabled and self.config.tensorboard.enabled:
-            self._loss_sum += float(loss.detach().float().mean())
-            self._loss_count += 1
-
-    def report(self, engine):
-        if not self.enabled:
-            return
-        every = self.config.steps_per_print
-        if every and engine.global_steps % every == 0:
-            print(f"[zero] step={engine.global_steps}, skipped={engine.skipped_steps}, "
-                  f"lr={engine.get_lr()}, mom={_momentum(engine.optimizer)}", flush=True)
-            if self._timing:
-                parts = " | ".join(f"{k}: {v * 1000:.2f}" for k, v in self.elapsed.items())
-                print(f"[zero] time (ms) | {parts}", flush=True)
-        self._write_tensorboard(engine)
-        self.elapsed = {}
-
-    def _write_tensorboard(self, engine):
-        tb = self.config.tensorboard
-        if not tb.enabled:
-            return
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-            self._writer = SummaryWriter(log_dir=os.path.join(tb.output_path, tb.job_name))
-        x = engine.global_samples
-        if self._loss_count:
-            mean_loss = self._loss_sum / self._loss_count
-            self._writer.add_scalar("Train/Samples/train_loss", mean_loss, x)
-        self._writer.add_scalar("Train/Samples/lr", engine.get_lr()[0], x)
-        if engine.fp16_enabled():
-            self._writer.add_scalar("Train/Samples/loss_scale", engine.cur_scale, x)
-        for name, seconds in self.elapsed.items():
-            self._writer.add_scalar(f"Train/Samples/elapsed_time_ms_{name}", seconds * 1000, x)
-        self._writer.flush()
-        self._loss_sum, self._loss_count = 0.0, 0
-
-
-def _momentum(optimizer):
-    moms = []
-    for group in optimizer.param_groups:
-        moms.append(group["betas"] if "betas" in group else group.get("momentum"))
-    return moms
-
-
-class _Timer:
-    def __init__(self, monitor, name):
-        self.monitor, self.name = monitor, name
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc):
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        elapsed = self.monitor.elapsed
-        elapsed[self.name] = elapsed.get(self.name, 0.0) + time.perf_counter() - self.start
-
-
-class _NullTimer:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL_TIMER = _NullTimer()

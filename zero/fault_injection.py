@@ -12,7 +12,7 @@ import signal
 
 KILL_VARIABLE = "MEGATRON_FAULT_KILL_AT"
 
-# The places in zero/checkpoint.py's save path, in the order a save passes them ("file" points
+# The places in zero/checkpoint/layout.py's save path, in the order a save passes them ("file" points
 # once per file a rank writes).
 SAVE_KILL_POINTS = (
     "zero.save.start",

@@ -69,7 +69,7 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
     in (a Megatron checkpoint's `model`), or kept in fp32 with `fp32_weights` (for
     converters, which lose nothing that way)."""
     from zero.errors import CheckpointError as ZeroCheckpointError
-    from zero.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from zero.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     tag = _tag(load_dir, iteration)
     tag_dir = os.path.join(load_dir, tag)
     if not os.path.isdir(tag_dir):

@@ -1,4 +1,4 @@
-"""GPT-2 with zero.checkpointing (DeepSpeed's activation checkpointing): gradients equal those
+"""GPT-2 with zero.activation_checkpointing.recompute (DeepSpeed's activation checkpointing): gradients equal those
 without checkpointing bit for bit (fp32, CPU, dropout on), for every combination of
 partition x CPU x contiguous x synchronize, at tensor-parallel size 1 and 2, with and
 without --split-transformers; partitioning really keeps 1/TP of every checkpoint."""

@@ -13,9 +13,9 @@ import pretrain_gpt2
 from megatron.checkpointing import safe_load
 from megatron.errors import CheckpointError
 from tests.reliability.harness import trainer_argv
-from zero.checkpoint import _torch_load as zero_load
+from zero.checkpoint.layout import _torch_load as zero_load
 from zero.errors import CheckpointError as ZeroCheckpointError
-from zero.zero_to_fp32 import main as zero_to_fp32_main
+from zero.checkpoint.zero_to_fp32 import main as zero_to_fp32_main
 
 REPO = Path(__file__).resolve().parents[2]
 

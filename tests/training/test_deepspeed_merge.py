@@ -13,7 +13,7 @@ import torch
 
 from megatron.convert import unsharded_state_dict
 from tests.training.test_deepspeed import NO_DROPOUT, read_losses, run, stage_config
-from zero.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from zero.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__)))), "tools", "merge_mp_partitions.py")

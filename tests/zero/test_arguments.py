@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from zero import ConfigError, add_config_arguments, resolve_config_from_args
-from zero.arguments import apply_mpi_environment
+from zero.config.arguments import apply_mpi_environment
 
 
 def parse(*argv):

@@ -1,4 +1,4 @@
-"""zero.checkpointing: DeepSpeed's activation checkpointing API on its own (no megatron)."""
+"""zero.activation_checkpointing.recompute: DeepSpeed's activation checkpointing API on its own (no megatron)."""
 
 import json
 

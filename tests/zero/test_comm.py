@@ -1,4 +1,4 @@
-"""zero/comm.py on gloo: the ring reduce-scatter against the all-reduce path, the point-to-point all-gather
+"""zero/comm/communicator.py on gloo: the ring reduce-scatter against the all-reduce path, the point-to-point all-gather
 and the point-to-point reduce against exact sums, byte accounting."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.zero import engine_cases as cases
-from zero.comm import Communicator
+from zero.comm.communicator import Communicator
 
 N = 4 * 1000 + 16  # a multiple of 2 and 4 ranks
 
@@ -76,8 +76,8 @@ def test_ring_sends_n_minus_one_over_n_of_the_buffer(reduce_scatter_results):
 
 
 def _gathers_and_reduces(rank, world_size):
-    import zero.ring
-    zero.ring.PIECE_NUMEL = 300  # several pieces per message, and a short last piece
+    import zero.comm.ring
+    zero.comm.ring.PIECE_NUMEL = 300  # several pieces per message, and a short last piece
     comm = Communicator()
     n = N // world_size
     x = _rank_input(rank)

@@ -100,7 +100,7 @@ def test_tutorial_zero2_values():
 
 
 def test_zero_offload_maps_cpu_offload(caplog):
-    with caplog.at_level(logging.WARNING, logger="zero.config"):
+    with caplog.at_level(logging.WARNING, logger="zero.config.deepspeed_config"):
         config = load(ds_configs.zero_offload(), world=2)
     offload = config.zero_optimization.offload_optimizer
     assert offload.device == "cpu" and offload.pin_memory is False

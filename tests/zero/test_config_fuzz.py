@@ -13,7 +13,7 @@ import torch
 
 from tests.zero import ds_configs
 from zero import ConfigError, DeepSpeedConfig, build_loss_scaler, build_lr_scheduler
-from zero.optimizers import build_optimizer
+from zero.optim.optimizers import build_optimizer
 
 JUNK = [None, True, False, 0, -1, 1, 3, 2.5, 1e30, -1e-3, float("inf"), "x", "auto", "",
         "Adam", [], [0.1, 0.2], [1, "a"], {}, {"enabled": True}, {"type": "SGD"}]

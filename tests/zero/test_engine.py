@@ -9,7 +9,7 @@ import torch
 import zero
 from tests.zero import engine_cases as cases
 from zero.errors import ConfigError, ZeroError
-from zero.stage1_2 import ZeroOptimizer
+from zero.stages.stage1_2 import ZeroOptimizer
 
 
 def _config(**overrides):

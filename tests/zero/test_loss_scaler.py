@@ -7,7 +7,7 @@ import torch
 
 from zero import ConfigError, DeepSpeedConfig, ZeroError
 from zero.errors import CheckpointError
-from zero.loss_scaler import (DynamicLossScaler, StaticLossScaler, build_loss_scaler,
+from zero.optim.loss_scaler import (DynamicLossScaler, StaticLossScaler, build_loss_scaler,
                               has_inf_or_nan, inf_or_nan_flag)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zero import ConfigError, DeepSpeedConfig, build_lr_scheduler
-from zero.lr_schedules import LRRangeTest, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zero.optim.lr_schedules import LRRangeTest, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 
 def make_optimizer(lrs=(0.2,)):

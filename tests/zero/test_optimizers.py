@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from zero import ConfigError, DeepSpeedConfig
-from zero.optimizers import build_optimizer, check_zero_supported
+from zero.optim.optimizers import build_optimizer, check_zero_supported
 
 
 def config_with(optimizer, **top):

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from tests.zero import engine_cases as cases
-from zero.flat_buffers import FlatLayout
+from zero.stages.flat_buffers import FlatLayout
 
 STEPS = 20
 
@@ -184,7 +184,7 @@ def test_gradient_and_parameter_traffic_per_step(dp2, stage):
     ops, flat_numel = dp2[0]["traffic", stage]
     flat_bytes, gas = 4 * flat_numel, 2
     # stage 0 all-reduces once per step; stage 1/2 (fp32: contiguous partitions) reduce every
-    # unit to its owner, sending the half the other rank owns (gloo: zero/ring.py), stage 1
+    # unit to its owner, sending the half the other rank owns (gloo: zero/comm/ring.py), stage 1
     # once per step, stage 2 once per micro-step; stage 1/2 add one 16-byte norm/overflow
     # all-reduce
     if stage == 0:

@@ -9,7 +9,7 @@ import torch
 import zero
 from tests.dist_utils import run_distributed
 from tests.zero import engine_cases as cases
-from zero.partition_parameters import ParamStatus, is_zero_param
+from zero.stages.partition_parameters import ParamStatus, is_zero_param
 
 STEPS = 20
 # Small knobs so that parameters really are released, prefetched and re-gathered.

@@ -11,9 +11,9 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.zero import engine_cases as cases
-from zero.checkpoint import natural_partition_numel
+from zero.checkpoint.layout import natural_partition_numel
 from zero.errors import CheckpointError
-from zero.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
+from zero.checkpoint.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
                                get_fp32_state_dict_from_zero_checkpoint)
 
 N = 4  # steps before and after the checkpoint
@@ -36,7 +36,8 @@ def test_layout_and_keys_follow_deepspeed(tmp_path):
     engine.save_checkpoint(str(tmp_path), client_state={"iteration": 2, "rng": torch.arange(3)})
     assert (tmp_path / "latest").read_text() == "global_step2"
     assert (tmp_path / "zero_to_fp32.py").read_bytes() == \
-        open(os.path.join(os.path.dirname(cases.zero.__file__), "zero_to_fp32.py"), "rb").read()
+        open(os.path.join(os.path.dirname(cases.zero.__file__), "checkpoint",
+                         "zero_to_fp32.py"), "rb").read()
     tag_dir = tmp_path / "global_step2"
     assert sorted(os.listdir(tag_dir)) == ["mp_rank_00_model_states.pt",
                                            "zero_pp_rank_0_mp_rank_00_optim_states.pt"]

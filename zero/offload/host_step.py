@@ -73,7 +73,7 @@ class HostStepStates:
         if finalizer is not None:
             finalizer()
 
-    # ----- checkpoints (zero/checkpoint.py, zero/checkpoint_stage3.py) -----
+    # ----- checkpoints (zero/checkpoint/layout.py, zero/checkpoint/stage3.py) -----
 
     def master_partition(self, key):
         return self.store.read(key, "master")

@@ -5,7 +5,7 @@
                           "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme",
                                                 "pipeline_read": true, "pipeline_write": true}}
 
-Compared with `ZeroOptimizer` (zero/stage1_2.py), which this extends:
+Compared with `ZeroOptimizer` (zero/stages/stage1_2.py), which this extends:
 - each param group's fp32 master and its reduced gradient are separate host tensors (pinned
   with pin_memory on CUDA), also where the plain engine would share the model's fp32 buffer;
 - the optimizer is `zero.ops.CPUAdam` (a torch Adam/AdamW is converted, keeping its param-group
@@ -15,7 +15,7 @@ Compared with `ZeroOptimizer` (zero/stage1_2.py), which this extends:
   same pass); one all-gather per bucket then rebuilds the model weights, as without offload;
 - device "nvme": master and moments live in swap files; memory holds `buffer_count` sub-groups.
 
-Checkpoints hold the swapped-in state as plain tensors in DeepSpeed's layout (zero/checkpoint.py
+Checkpoints hold the swapped-in state as plain tensors in DeepSpeed's layout (zero/checkpoint/layout.py
 asks through `master_partition` / `base_state_dict` / `master_restore_target` /
 `load_base_state_dict`), so resuming is exact and does not need the swap folder.
 """
@@ -26,10 +26,10 @@ from functools import partial
 import torch
 
 from zero.errors import ConfigError
-from zero.flat_buffers import FlatGroup
+from zero.stages.flat_buffers import FlatGroup
 from zero.offload.host_step import HostStepStates, as_cpu_adam
 from zero.ops.cpu_adam import CPUAdam
-from zero.stage1_2 import ZeroOptimizer
+from zero.stages.stage1_2 import ZeroOptimizer
 
 
 @dataclass
@@ -43,7 +43,7 @@ class OptimizerOffload:
     pipeline_read: bool = False
     pipeline_write: bool = False
     sub_group_size: int = 1_000_000_000
-    aio: object = None  # zero.config_sections.AioConfig
+    aio: object = None  # zero.config.sections.AioConfig
     global_rank: int = 0
     stage: int = 2
 

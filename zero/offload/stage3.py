@@ -6,7 +6,7 @@ the host ("cpu") or in swap files ("nvme"), stepped by CPUAdam one sub-group at 
                                                 "pipeline_read": true, "pipeline_write": true},
                           "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}
 
-Compared with `Stage3Optimizer` (zero/stage3.py), which this extends:
+Compared with `Stage3Optimizer` (zero/stages/stage3.py), which this extends:
 - each sub-group's master is a host fp32 tensor of its own ("cpu"), or lives in the
   optimizer-state store's files ("nvme": zero/offload/state_store.py, which swaps master +
   moments per sub_group_size piece with overlapped reads and write-backs); the reduced fp32
@@ -27,7 +27,7 @@ import torch
 from zero.offload.host_step import HostStepStates, as_cpu_adam
 from zero.offload.param_swapper import is_swapped, read_shard
 from zero.ops.cpu_adam import CPUAdam
-from zero.stage3 import Stage3Optimizer, SubGroup
+from zero.stages.stage3 import Stage3Optimizer, SubGroup
 
 
 class HostSubGroup(SubGroup):

@@ -1,7 +1,7 @@
 """ZeRO stage 3: partitioned parameters, gradients and optimizer state (spec §4.2).
 
-Parameters are partitioned one by one (zero/partition_parameters.py) and gathered on demand
-(zero/stage3_coordinator.py). This module owns what the optimizer needs:
+Parameters are partitioned one by one (zero/stages/partition_parameters.py) and gathered on demand
+(zero/stages/param_coordinator.py). This module owns what the optimizer needs:
 
 - sub-groups: the trainable parameters of each optimizer param group, in order, cut into runs
   of at most `sub_group_size` partition elements. Per sub-group the parameters' partitions
@@ -28,11 +28,11 @@ from functools import partial
 
 import torch
 
-from zero.comm import Pending
+from zero.comm.communicator import Pending
 from zero.errors import ZeroError
-from zero.partition_parameters import ParamStatus, is_zero_param
-from zero.partitioned_optimizer import PartitionedOptimizer
-from zero.stage3_coordinator import ParamCoordinator, Stage3Knobs
+from zero.stages.partition_parameters import ParamStatus, is_zero_param
+from zero.stages.partitioned_optimizer import PartitionedOptimizer
+from zero.stages.param_coordinator import ParamCoordinator, Stage3Knobs
 
 NOT_PARTITIONABLE = (torch.optim.LBFGS, torch.optim.SparseAdam)
 
@@ -103,7 +103,7 @@ class SubGroup:
 
 
 class Stage3Optimizer(PartitionedOptimizer):
-    """Wraps a torch optimizer for ZeRO stage 3 (the interface of zero.stage1_2.ZeroOptimizer).
+    """Wraps a torch optimizer for ZeRO stage 3 (the interface of zero.stages.stage1_2.ZeroOptimizer).
 
     `module`'s parameters must already be ZeRO parameters over `dp_comm`.
     """
@@ -359,7 +359,7 @@ class Stage3Optimizer(PartitionedOptimizer):
         for sub_group in self.sub_groups:
             sub_group.refresh_master()
 
-    # ----- checkpoints (zero/checkpoint_stage3.py; offload overrides these) -----
+    # ----- checkpoints (zero/checkpoint/stage3.py; offload overrides these) -----
 
     def master_partition(self, index):
         """The fp32 master of sub-group `index` as a tensor in memory."""

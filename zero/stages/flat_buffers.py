@@ -14,7 +14,7 @@ the updated chunks rebuilds the flat buffer in place. Rank r keeps the fp32 mast
 reduced gradient and the optimizer state of its [K·C] partition only.
 
 DeepSpeed's checkpoint layout cuts the same flat buffer into N contiguous slices instead;
-`zero/checkpoint.py` converts between the two.
+`zero/checkpoint/layout.py` converts between the two.
 """
 
 import math

@@ -1,9 +1,9 @@
-"""What the stage 0-2 (`zero.stage1_2.ZeroOptimizer`) and stage 3 (`zero.stage3.Stage3Optimizer`)
+"""What the stage 0-2 (`zero.stages.stage1_2.ZeroOptimizer`) and stage 3 (`zero.stages.stage3.Stage3Optimizer`)
 optimizers share: the attributes DeepSpeed's ZeRO optimizers expose, and the rules of a step
 once the gradient's global norm is known.
 
 A subclass sets `optimizer`, `loss_scaler` (None unless fp16), `settings.gradient_clipping`,
-`dp_comm` and `mp_comm` (zero.comm.Communicator; mp_comm None without tensor parallelism), and
+`dp_comm` and `mp_comm` (zero.comm.communicator.Communicator; mp_comm None without tensor parallelism), and
 provides `zero_grad()` and `_step_partitions()`.
 """
 

@@ -1,6 +1,6 @@
 """ZeRO stage 3 checkpoints in DeepSpeed's layout (deepspeed_spec.md §5), loadable at any DP size.
 
-Every DP rank writes two files into the tag directory (zero/checkpoint.py does the atomic
+Every DP rank writes two files into the tag directory (zero/checkpoint/layout.py does the atomic
 partial-directory dance around them):
 
     zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt
@@ -28,12 +28,12 @@ from collections import OrderedDict
 
 import torch
 
-from zero import checkpoint as common
+from zero.checkpoint import layout as common
 from zero.errors import CheckpointError
 from zero.offload.param_swapper import read_shard, write_shard
-from zero.partition_parameters import GatheredParameters, is_zero_param
+from zero.stages.partition_parameters import GatheredParameters, is_zero_param
 
-logger = logging.getLogger("zero.checkpoint")
+logger = logging.getLogger("zero.checkpoint.layout")
 
 
 def model_states_name(dp_rank, mp_rank):

@@ -1,12 +1,12 @@
 """Stage 0-2 optimizer state in DeepSpeed's partitioning, from and to the engine's.
 
 In memory a param group's flat buffer is cut into K buckets whose chunk n belongs to rank n
-(zero/flat_buffers.py); DeepSpeed's files cut the same flat group, padded to a multiple of
+(zero/stages/flat_buffers.py); DeepSpeed's files cut the same flat group, padded to a multiple of
 2·dp, into dp contiguous slices. `zero_optimizer_state` gathers each bucket once to cut this
 rank's DeepSpeed slice out of the masters and per-element optimizer states (collective over
 DP); `PartitionRestore` copies, slice by saved slice, the elements this rank owns back, so a
 checkpoint loads at any data-parallel size and from any ZeRO stage 0-2. The files around them
-(names, atomic saves, reading) are zero/checkpoint.py's.
+(names, atomic saves, reading) are zero/checkpoint/layout.py's.
 """
 
 import math

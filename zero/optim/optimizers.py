@@ -21,11 +21,11 @@ import logging
 
 import torch
 
-from zero.config_fields import AUTO, fail, show
+from zero.config.parsing import AUTO, fail, show
 from zero.errors import ConfigError
 from zero.ops.cpu_adam import CPUAdam
 
-logger = logging.getLogger("zero.optimizers")
+logger = logging.getLogger("zero.optim.optimizers")
 
 FUSED_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
                        "amsgrad": False}

@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-from zero.config_fields import AUTO, fail, show
+from zero.config.parsing import AUTO, fail, show
 from zero.errors import CheckpointError, ConfigError
 
 WARMUP_TYPES = ("log", "linear")

@@ -9,11 +9,11 @@ Files hold plain containers, numbers and tensors only (`torch.load(weights_only=
 them). The fp32 masters and optimizer states are saved in DeepSpeed's partitioning -- the
 flat group padded to a multiple of 2·dp and cut into dp contiguous slices -- so DeepSpeed's own
 zero_to_fp32.py can consolidate them. In memory the engine partitions differently (bucket
-chunks, zero/stage1_2.py); saving gathers each bucket once to cut out DeepSpeed's slice.
+chunks, zero/stages/stage1_2.py); saving gathers each bucket once to cut out DeepSpeed's slice.
 Loading reads, from each saved slice (memory-mapped), only the elements this rank owns, so a
 checkpoint loads at any data-parallel size and from any ZeRO stage 0-2. Stage 3 writes its
-own files (one model states file per DP rank): zero/checkpoint_stage3.py. How the stage 0-2 optimizer state maps between the
-two partitionings: zero/checkpoint_partitions.py.
+own files (one model states file per DP rank): zero/checkpoint/stage3.py. How the stage 0-2 optimizer state maps between the
+two partitionings: zero/checkpoint/partitions.py.
 
 A save writes into `<save_dir>/.<tag>.partial/`; only when every rank has written its files
 does rank 0 rename the directory to `<tag>` and then rewrite `latest`, so a crash at any moment
@@ -30,14 +30,14 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from zero.checkpoint_partitions import (  # noqa: F401  (the last two are re-exported)
+from zero.checkpoint.partitions import (  # noqa: F401  (the last two are re-exported)
     DS_VERSION, PartitionRestore, check_param_shapes, zero_optimizer_state,
     natural_partition_numel, partial_natural_partition)
 from zero.errors import CheckpointError
 from zero.fault_injection import kill_point
 from zero.fault_injection import writer as fault_writer
 
-logger = logging.getLogger("zero.checkpoint")
+logger = logging.getLogger("zero.checkpoint.layout")
 
 MODEL_STATE_KEYS = {
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
@@ -71,8 +71,8 @@ def save_checkpoint(engine, save_dir, tag, client_state, save_latest):
     _on_rank0_then_agree(engine, lambda: _fresh_dir(partial_dir), f"create {partial_dir}")
     kill_point("zero.save.partial_dir_created")
     stage = engine.zero_optimization_stage()
-    if stage == 3:  # every DP rank writes model and optim states (zero/checkpoint_stage3.py)
-        from zero.checkpoint_stage3 import stage3_files
+    if stage == 3:  # every DP rank writes model and optim states (zero/checkpoint/stage3.py)
+        from zero.checkpoint.stage3 import stage3_files
         writes = stage3_files(engine, client_state)
     else:
         writes = _stage0_2_files(engine, stage, client_state)
@@ -244,8 +244,8 @@ def load_checkpoint(engine, load_dir, tag, load_optimizer_states, load_lr_schedu
             logger.warning("no 'latest' file in %s and no tag given: nothing loaded", load_dir)
             return None, None
     ckpt_dir = find_tag_dir(load_dir, tag)
-    if engine.zero_optimization_stage() == 3:  # zero/checkpoint_stage3.py
-        from zero.checkpoint_stage3 import load_stage3
+    if engine.zero_optimization_stage() == 3:  # zero/checkpoint/stage3.py
+        from zero.checkpoint.stage3 import load_stage3
         path, states = load_stage3(engine, ckpt_dir, load_optimizer_states, load_module_only)
         client_state = {k: v for k, v in states.items() if k not in MODEL_STATE_KEYS}
         if load_module_only:
@@ -387,7 +387,7 @@ def load_zero_optimizer_state(engine, ckpt_dir, states):
 def save_16bit_model(engine, save_dir, save_filename):
     """Global rank 0 writes module.state_dict() (the model dtype) to save_dir/save_filename."""
     if engine.zero_optimization_stage() == 3:
-        from zero.checkpoint_stage3 import save_16bit_model_stage3
+        from zero.checkpoint.stage3 import save_16bit_model_stage3
         return save_16bit_model_stage3(engine, save_dir, save_filename)
     path = os.path.join(save_dir, save_filename)
 

@@ -11,10 +11,10 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from zero.config_fields import (DISABLED_SECTION, deprecated_bool, fail, key_path, option,
+from zero.config.parsing import (DISABLED_SECTION, deprecated_bool, fail, key_path, option,
                                 section)
 
-logger = logging.getLogger("zero.config")
+logger = logging.getLogger("zero.config.deepspeed_config")
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 

@@ -21,11 +21,11 @@ import dataclasses
 import json
 import os
 
-from zero.config_fields import collect_key_homes, fail, parse_section
-from zero.config_sections import TopLevelConfig
+from zero.config.parsing import collect_key_homes, fail, parse_section
+from zero.config.sections import TopLevelConfig
 from zero.errors import ConfigError
-from zero.lr_schedules import check_scheduler_section
-from zero.optimizers import check_optimizer_section
+from zero.optim.lr_schedules import check_scheduler_section
+from zero.optim.optimizers import check_optimizer_section
 
 _KEY_HOMES = collect_key_homes(TopLevelConfig)
 

@@ -5,9 +5,9 @@ per operation in `stats`, so benchmarks and tests can check the traffic ZeRO pro
 (stage 1/2 move about as many gradient bytes as plain data parallelism, arXiv 1910.02054 §7).
 
 What differs between backends is hidden here:
-- gloo's collectives that do not reduce in place are slow on CPU (zero/ring.py has the
+- gloo's collectives that do not reduce in place are slow on CPU (zero/comm/ring.py has the
   numbers): its `reduce_scatter_tensor` runs here as a ring over isend/irecv, its
-  `all_gather_into_tensor` and `reduce` as direct sends (`zero/ring.py`), each rank sending
+  `all_gather_into_tensor` and `reduce` as direct sends (`zero/comm/ring.py`), each rank sending
   (N-1)/N of the buffer.
   The ring reduce-scatter accumulates in the input's chunks, so its input is scratch: callers
   must not rely on it afterwards. `reduce_scatter_impl="all_reduce"` keeps the older path (an
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from zero.ring import (PointToPointAllGather, PointToPointReduce, RingReduceScatter,
+from zero.comm.ring import (PointToPointAllGather, PointToPointReduce, RingReduceScatter,
                        tags_needed)
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

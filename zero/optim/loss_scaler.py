@@ -25,7 +25,7 @@ import torch
 
 from zero.errors import CheckpointError, ConfigError, ZeroError
 
-logger = logging.getLogger("zero.loss_scaler")
+logger = logging.getLogger("zero.optim.loss_scaler")
 
 
 class LossScalerBase:

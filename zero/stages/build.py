@@ -15,10 +15,10 @@ import torch
 
 from zero.errors import ConfigError
 from zero.offload.param_swapper import read_shard
-from zero.partition_parameters import (is_zero_param, normalize_remote_device, param_swapper_for,
+from zero.stages.partition_parameters import (is_zero_param, normalize_remote_device, param_swapper_for,
                                        partition_module)
-from zero.stage3 import Stage3Optimizer, Stage3Settings
-from zero.stage3_coordinator import Stage3Knobs
+from zero.stages.stage3 import Stage3Optimizer, Stage3Settings
+from zero.stages.param_coordinator import Stage3Knobs
 
 
 def remote_device_of(config):

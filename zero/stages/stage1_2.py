@@ -1,7 +1,7 @@
 """ZeRO stages 0, 1 and 2: partitioned optimizer state and gradients over flat buffers.
 
 Each param group lives in one flat buffer cut into buckets whose chunk n belongs to rank n
-(`zero/flat_buffers.py`). Rank r keeps the fp32 master weights, the reduced gradient and the
+(`zero/stages/flat_buffers.py`). Rank r keeps the fp32 master weights, the reduced gradient and the
 optimizer state of its partition only.
 
 - stage 0: one partition. Gradients accumulate in a flat gradient buffer (`param.grad` are
@@ -28,10 +28,10 @@ from functools import partial
 
 import torch
 
-from zero.comm import Pending
+from zero.comm.communicator import Pending
 from zero.errors import ZeroError
-from zero.flat_buffers import FlatGroup, FlatLayout
-from zero.partitioned_optimizer import PartitionedOptimizer
+from zero.stages.flat_buffers import FlatGroup, FlatLayout
+from zero.stages.partitioned_optimizer import PartitionedOptimizer
 
 
 @dataclass
@@ -50,7 +50,7 @@ class ZeroOptimizer(PartitionedOptimizer):
     """Wraps a torch optimizer: ZeRO partitioning, mixed precision, loss scaling, clipping.
 
     `param_order` maps each model parameter to its registration index in the module (it fixes
-    the bucket launch order); `dp_comm`/`mp_comm` are `zero.comm.Communicator`s over the data-
+    the bucket launch order); `dp_comm`/`mp_comm` are `zero.comm.communicator.Communicator`s over the data-
     and model-parallel groups; `loss_scaler` is None unless fp16.
     """
 
@@ -388,7 +388,7 @@ class ZeroOptimizer(PartitionedOptimizer):
         for pending in pendings:
             pending.wait()
 
-    # ----- what zero/checkpoint.py reads and writes (offload overrides these) -----
+    # ----- what zero/checkpoint/layout.py reads and writes (offload overrides these) -----
 
     def master_partition(self, g):
         """This rank's fp32 master partition of group g (engine layout)."""

@@ -27,7 +27,7 @@ import weakref
 import torch
 from torch import nn
 
-from zero.comm import Communicator
+from zero.comm.communicator import Communicator
 from zero.errors import ConfigError, ZeroError
 
 
@@ -261,7 +261,7 @@ def external_parameters(module):
 
 def _init_settings(config, world_size):
     """(dtype, remote device, pin memory, parsed config) a DeepSpeed config asks of zero.Init."""
-    from zero.config import DeepSpeedConfig
+    from zero.config.deepspeed_config import DeepSpeedConfig
     parsed = config if isinstance(config, DeepSpeedConfig) else DeepSpeedConfig(config, world_size)
     dtype = torch.half if parsed.fp16.enabled else torch.bfloat16 if parsed.bf16.enabled else None
     offload = parsed.zero_optimization.offload_param

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from zero.offload.param_swapper import read_ahead
-from zero.partition_parameters import (ParamStatus, external_parameters, finish_gather,
+from zero.stages.partition_parameters import (ParamStatus, external_parameters, finish_gather,
                                        gather_coalesced, is_zero_param, param_of_storage,
                                        release_param, start_gather)
 

@@ -11,7 +11,7 @@ import os
 
 from zero.errors import ConfigError
 
-logger = logging.getLogger("zero.arguments")
+logger = logging.getLogger("zero.config.arguments")
 
 DEFAULT_MASTER_PORT = "29500"  # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT
 
