@@ -16,7 +16,7 @@ from megatron.cli import run_cli
 
 def train(argv):
     from megatron.gpt2 import forward_step, model_provider, train_valid_test_datasets_provider
-    from megatron.training import pretrain
+    from megatron.training.pretrain import pretrain
     args = parse_args(argv, defaults={"tokenizer_type": "GPT2BPETokenizer"})
     pretrain(train_valid_test_datasets_provider, model_provider, forward_step, args)
 

@@ -78,9 +78,9 @@ def main(argv=None):
     from megatron.convert.savers import save_model_weights
     from megatron.convert.loaders import ModelWeights
     from megatron.convert.tp_layout import WORD_EMBEDDINGS
-    from megatron.inference import build_model_from_weights
+    from megatron.inference.loading import build_model_from_weights
     from megatron.model import GPT2Model, GPTConfig
-    from megatron.text_generation import SamplingParams, TextGenerator
+    from megatron.inference.text_generation import SamplingParams, TextGenerator
 
     vocab, layers, hidden, heads, positions = 50257, 12, 768, 12, 1024
     torch.manual_seed(0)

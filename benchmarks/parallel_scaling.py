@@ -78,11 +78,11 @@ def _build(config, impl, bucket_mb, rank):
     """Model, optimizer, scheduler, ctx and a batch iterator, the way pretrain() builds them."""
     from megatron import mpu
     from megatron.distributed import wrap_data_parallel
-    from megatron.initialize import Runtime
-    from megatron.learning_rates import AnnealingLR
+    from megatron.runtime.initialize import Runtime
+    from megatron.training.learning_rates import AnnealingLR
     from megatron.model import GPT2Model, GPTConfig
-    from megatron.optimizer import build_optimizer
-    from megatron.training import TrainContext
+    from megatron.training.optimizer import build_optimizer
+    from megatron.training.pretrain import TrainContext
     c = config
     torch.manual_seed(1234)
     mpu.model_parallel_cuda_manual_seed(1234)
@@ -127,7 +127,7 @@ def _measure(rank, tp, impl, bucket_mb, config):
     from megatron import mpu
     from megatron.distributed import COMM_STATS
     from megatron.gpt2 import forward_step
-    from megatron.training import train_step
+    from megatron.training.pretrain import train_step
     mpu.initialize_model_parallel(tp)
     model, optimizer, scheduler, ctx, batches, numel, micro_batch = _build(
         config, impl, bucket_mb, rank)

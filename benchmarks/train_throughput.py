@@ -130,11 +130,11 @@ def hf_runner(precision):
 def ours_runner(precision):
     from types import SimpleNamespace
     from megatron.gpt2 import forward_step
-    from megatron.initialize import Runtime
+    from megatron.runtime.initialize import Runtime
     from megatron.model import GPT2Model, GPTConfig
-    from megatron.optimizer import build_optimizer
-    from megatron.learning_rates import AnnealingLR
-    from megatron.training import TrainContext, train_step
+    from megatron.training.optimizer import build_optimizer
+    from megatron.training.learning_rates import AnnealingLR
+    from megatron.training.pretrain import TrainContext, train_step
     from megatron import mpu
     from megatron.distributed import wrap_data_parallel
     import torch.distributed as dist
@@ -197,7 +197,7 @@ def main():
         torch.set_num_threads(args.threads)
     warmup, steps, rounds = (1, 2, 1) if args.quick else (3, 5, 3)
 
-    from megatron.device import measure_matmul_flops
+    from megatron.runtime.device import measure_matmul_flops
     from megatron.model import GPTConfig, flops_per_token
     c = CONFIG
     tokens_per_step = c["micro_batch"] * c["seq_length"]

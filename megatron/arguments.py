@@ -7,7 +7,7 @@ accepted (argparse says so) rather than parsed and ignored.
 import argparse
 import math
 
-from megatron.activation_checkpointing import (add_activation_checkpointing_args,
+from megatron.runtime.activation_checkpointing import (add_activation_checkpointing_args,
                                                resolve_activation_checkpointing)
 from megatron.checkpoint_args import fill_model_args_from_checkpoint, given_on_command_line
 from megatron.deepspeed_config import (add_deepspeed_arguments, apply_mpi_environment_if_asked,
@@ -15,7 +15,7 @@ from megatron.deepspeed_config import (add_deepspeed_arguments, apply_mpi_enviro
                                        reject_deepspeed_flags_without_deepspeed)
 from megatron.errors import ConfigError
 from megatron.model.tiling import add_tiling_arguments, validate_tiling
-from megatron.fault_tolerance import add_reliability_arguments, validate_reliability
+from megatron.runtime.fault_tolerance import add_reliability_arguments, validate_reliability
 
 
 def parse_args(argv=None, extra_args_provider=None, defaults=None, world_size=None):
@@ -35,7 +35,7 @@ def parse_args(argv=None, extra_args_provider=None, defaults=None, world_size=No
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if world_size is None:
-        from megatron.initialize import discover_launch_environment
+        from megatron.runtime.initialize import discover_launch_environment
         world_size = discover_launch_environment().world_size  # torchrun, SLURM or OpenMPI
     validate(args, world_size)
     return args

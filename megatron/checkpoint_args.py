@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from megatron.checkpointing import get_checkpoint_name, read_tracker
+from megatron.checkpointing.megatron_layout import get_checkpoint_name, read_tracker
 from megatron.errors import CheckpointError
 
 # Shape, vocab and tokenizer: what the model needs to be rebuilt as it was saved.

@@ -17,7 +17,7 @@ what the JSON leaves out, or must agree with it:
                                            --zero-allgather-bucket-size (the flags win)
     activation_checkpointing.*        <-   --partition-activations, --checkpoint-in-cpu,
                                            --contigious-checkpointing, ... (the flags win;
-                                           megatron/activation_checkpointing.py)
+                                           megatron/runtime/activation_checkpointing.py)
     gradient_checkpointing            ->   --checkpoint-activations (our extension)
 
 The result is a dict in `args.deepspeed_config_dict`, which the trainer hands to
@@ -200,7 +200,7 @@ def _reject_unbuilt_features(final, args, source):
     # offload_optimizer / cpu_offload are built (zero/offload); the config's own checks refuse
     # offload at stage 0 and offload_param below stage 3
     # The activation_checkpointing section is applied by
-    # megatron/activation_checkpointing.py (with the --partition-activations etc. flags).
+    # megatron/runtime/activation_checkpointing.py (with the --partition-activations etc. flags).
     if final.get("gradient_checkpointing"):
         args.checkpoint_activations = True  # our extension: DeepSpeed ignores this key
 

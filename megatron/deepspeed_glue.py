@@ -23,11 +23,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron import checkpointing, mpu
-from megatron.checkpoint_retention import DEEPSPEED_LAYOUT, prune_checkpoints
+from megatron.checkpointing import megatron_layout as checkpointing
+from megatron import mpu
+from megatron.checkpointing.retention import DEEPSPEED_LAYOUT, prune_checkpoints
 from megatron.errors import CheckpointError
-from megatron.learning_rates import AnnealingLR
-from megatron.optimizer import get_param_groups
+from megatron.training.learning_rates import AnnealingLR
+from megatron.training.optimizer import get_param_groups
 
 _CONFIG_WEIGHT_DECAY = object()  # marks the group whose decay the config's optimizer sets
 

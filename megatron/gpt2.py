@@ -1,4 +1,4 @@
-"""GPT-2 providers for `megatron.training.pretrain`: model, datasets, batch and loss."""
+"""GPT-2 providers for `megatron.training.pretrain.pretrain`: model, datasets, batch and loss."""
 
 import torch
 
@@ -7,7 +7,7 @@ from megatron.errors import ConfigError
 
 
 def model_provider(ctx):
-    from megatron.activation_checkpointing import checkpoint_function
+    from megatron.runtime.activation_checkpointing import checkpoint_function
     from megatron.model import GPT2Model, GPTConfig
     args = ctx.args
     config = GPTConfig(

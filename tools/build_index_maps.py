@@ -31,7 +31,7 @@ def build(argv=None):
     from megatron.arguments import parse_args
     from megatron.data.gpt2_dataset import build_index_mappings_only
     from megatron.errors import ConfigError
-    from megatron.training import num_samples_per_split
+    from megatron.training.pretrain import num_samples_per_split
     world_size = _world_size_flag(argv)
     if world_size is not None and world_size < 1:
         raise ConfigError(f"--world-size must be at least 1, got {world_size}")

@@ -8,7 +8,7 @@
 Flags follow Megatron's tasks/main.py (--task, --valid-data, --overlapping-eval,
 --strict-lambada); the model's shape and tokenizer come from the checkpoint (Megatron layout
 at any TP size, --deepspeed layout, or a Hugging Face GPT-2 folder).  Metrics are computed
-as in megatron/zeroshot.py; --results-file also writes them as JSON.
+as in megatron/inference/zeroshot.py; --results-file also writes them as JSON.
 """
 
 import json
@@ -19,12 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 
-from megatron import zeroshot  # noqa: E402
+from megatron.inference import zeroshot  # noqa: E402
 from megatron.cli import run_cli  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
-from megatron.inference import (inference_parser, initialize_inference,  # noqa: E402
+from megatron.inference.loading import (inference_parser, initialize_inference,  # noqa: E402
                                 load_inference_model)
-from megatron.initialize import destroy  # noqa: E402
+from megatron.runtime.initialize import destroy  # noqa: E402
 
 TASKS = ("WIKITEXT103", "LAMBADA")
 

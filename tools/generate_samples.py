@@ -27,10 +27,10 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.cli import run_cli  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
-from megatron.inference import (inference_parser, initialize_inference,  # noqa: E402
+from megatron.inference.loading import (inference_parser, initialize_inference,  # noqa: E402
                                 load_inference_model)
-from megatron.initialize import destroy  # noqa: E402
-from megatron.text_generation import SamplingParams, TextGenerator, generate_text  # noqa: E402
+from megatron.runtime.initialize import destroy  # noqa: E402
+from megatron.inference.text_generation import SamplingParams, TextGenerator, generate_text  # noqa: E402
 
 PROMPT = "Context prompt (stop to exit) >>> "
 

@@ -2,7 +2,7 @@
 
 Does nothing unless MEGATRON_FAULT_KILL_AT is set (one dictionary lookup per point when it is
 not).  `MEGATRON_FAULT_KILL_AT=<point>[@<n>]` kills the n-th time (default the first) execution
-reaches `kill_point("<point>")`.  It is the variable megatron/fault_injection.py reads too, so
+reaches `kill_point("<point>")`.  It is the variable megatron/runtime/fault_injection.py reads too, so
 one test drives a kill through a --deepspeed save and the trainer around it; zero keeps its own
 copy of the hook because it never imports megatron.
 """

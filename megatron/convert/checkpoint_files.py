@@ -10,7 +10,7 @@ import shutil
 from dataclasses import dataclass
 from typing import List
 
-from megatron.checkpointing import (TRACKER_FILENAME, atomic_torch_save, atomic_write_text,
+from megatron.checkpointing.megatron_layout import (TRACKER_FILENAME, atomic_torch_save, atomic_write_text,
                                     get_checkpoint_name, read_tracker, safe_load)
 from megatron.errors import CheckpointError
 

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from megatron.checkpointing import CHECKPOINT_VERSION, to_nested_state_dict
+from megatron.checkpointing.megatron_layout import CHECKPOINT_VERSION, to_nested_state_dict
 from megatron.convert.checkpoint_files import ShardedCheckpoint
 from megatron.errors import CheckpointError
 from megatron.model.tiling import join_tiled_weights

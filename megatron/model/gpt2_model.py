@@ -44,7 +44,7 @@ class GPTConfig:
     # checkpoint_num_layers then count halves)
     split_transformers: bool = False
     # checkpoint(function, *args) for the chunks: None = mpu.checkpoint; zero.activation_checkpointing.recompute's
-    # under --deepspeed-activation-checkpointing (megatron/activation_checkpointing.py)
+    # under --deepspeed-activation-checkpointing (megatron/runtime/activation_checkpointing.py)
     checkpoint_function: Optional[Callable] = None
     params_dtype: torch.dtype = torch.float32
     # --memory-centric-tiled-linear / --tile-factor (megatron/model/tiling.py)

@@ -10,7 +10,7 @@ import torch
 
 from megatron.convert.loaders import load_model_weights
 from megatron.convert.tp_layout import WORD_EMBEDDINGS, parameter_layout, split_full
-from megatron.inference import build_model_from_weights
+from megatron.inference.loading import build_model_from_weights
 from tests.convert.conftest import load_tool
 from tests.dist_utils import run_distributed
 from tests.training.test_deepspeed import NO_DROPOUT, _train_dp, stage_config, trainer_argv

@@ -10,9 +10,9 @@ import torch
 
 from megatron import mpu
 from megatron.convert.savers import save_model_weights
-from megatron.inference import build_model_from_weights
+from megatron.inference.loading import build_model_from_weights
 from megatron.model.kv_cache import KVCache, attach_kv_cache
-from megatron.text_generation import SamplingParams, TextGenerator, top_k_top_p_filter
+from megatron.inference.text_generation import SamplingParams, TextGenerator, top_k_top_p_filter
 from tests.convert.conftest import random_weights
 from tests.dist_utils import run_distributed
 

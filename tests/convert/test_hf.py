@@ -9,11 +9,11 @@ import shutil
 import pytest
 import torch
 
-from megatron.checkpointing import safe_load, to_flat_state_dict
+from megatron.checkpointing.megatron_layout import safe_load, to_flat_state_dict
 from megatron.convert.loaders import load_model_weights
 from megatron.convert.savers import save_model_weights
 from megatron.convert.tp_layout import WORD_EMBEDDINGS
-from megatron.inference import build_model_from_weights
+from megatron.inference.loading import build_model_from_weights
 from tests.convert.conftest import random_weights
 
 transformers = pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ import torch
 import pretrain_gpt2
 from megatron.convert.loaders import load_model_weights
 from megatron.convert.savers import save_model_weights
-from megatron.inference import build_model_from_weights
+from megatron.inference.loading import build_model_from_weights
 from megatron.model.tiling import join_tiled_weights
 from tests.convert.conftest import load_tool, random_weights
 from tests.training.test_deepspeed import TINY, read_losses, stage_config

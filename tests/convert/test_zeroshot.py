@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron import zeroshot
+from megatron.inference import zeroshot
 from megatron.convert.savers import save_model_weights
 from megatron.errors import DataError
-from megatron.inference import build_model_from_weights
+from megatron.inference.loading import build_model_from_weights
 from tests.convert.conftest import random_weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -122,7 +122,7 @@ def _fork_ranks(job):
     import torch._dynamo  # noqa: F401  (torch.optim imports it on first use: ~3 s)
     import pretrain_gpt2
     import megatron.gpt2  # noqa: F401
-    import megatron.training  # noqa: F401
+    import megatron.training.pretrain  # noqa: F401
     pids = []
     for rank, env in enumerate(job["rank_env"]):
         sys.stdout.flush()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron.errors import ConfigError
-from megatron.initialize import LaunchEnvironment, discover_launch_environment, first_host
+from megatron.runtime.initialize import LaunchEnvironment, discover_launch_environment, first_host
 from tests.dist_utils import free_port
 from tests.parallel.launching import (REPO, build_corpus, clean_environment, kill_session,
                                       launch_ranks, read_metrics, relative_difference,
@@ -155,7 +155,7 @@ def _collective_with_a_silent_peer(rank, port, subgroup, results):
     import torch.distributed as dist
     from megatron import mpu
     from megatron.arguments import parse_args
-    from megatron.initialize import destroy, initialize_megatron
+    from megatron.runtime.initialize import destroy, initialize_megatron
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     args = parse_args(FLAGS_FOR_SETUP_ONLY + ["--threads", "1",

@@ -54,11 +54,11 @@ def run_sequence(steps, timeout=300):
 def _run_steps(job_path):
     import torch._dynamo  # noqa: F401  (torch.optim imports it on first use: ~3 s)
     import megatron.gpt2  # noqa: F401
-    import megatron.training  # noqa: F401
+    import megatron.training.pretrain  # noqa: F401
     import pretrain_gpt2
     import torch
-    from megatron import device
-    # MFU's denominator is measured with 2048^3 matmuls (~1 s per process); these runs only
+    from megatron.runtime import device
+        # MFU's denominator is measured with 2048^3 matmuls (~1 s per process); these runs only
     # need some number, and the children inherit this one.
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         device._measured_peaks[("cpu", dtype)] = 1e11

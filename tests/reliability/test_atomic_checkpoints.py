@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.fault_injection import SAVE_KILL_POINTS
+from megatron.runtime.fault_injection import SAVE_KILL_POINTS
 from tests.reliability.harness import read_losses, run_sequence, step, trainer_argv
 from zero.fault_injection import SAVE_KILL_POINTS as ZERO_SAVE_KILL_POINTS
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pretrain_gpt2
-from megatron.checkpointing import safe_load
+from megatron.checkpointing.megatron_layout import safe_load
 from megatron.errors import CheckpointError
 from tests.reliability.harness import trainer_argv
 from zero.checkpoint.layout import _torch_load as zero_load

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 import pretrain_gpt2
-from megatron import checkpointing, mpu
-from megatron.checkpointing import to_flat_state_dict
+from megatron.checkpointing import megatron_layout as checkpointing
+from megatron import mpu
+from megatron.checkpointing.megatron_layout import to_flat_state_dict
 from megatron.convert import (COLUMN, REPLICATED, ROW, VOCAB, WORD_EMBEDDINGS,
                               parameter_layout, unsharded_state_dict)
 from megatron.convert.optimizer_state import optimizer_group_names
@@ -310,7 +311,7 @@ def test_unsharded_state_dict_takes_vocab_size_and_checks_it(tp2_run):
 
 def test_key_map_matches_the_model_tags_and_optimizer_groups():
     from megatron.model import GPT2Model, GPTConfig
-    from megatron.optimizer import get_param_groups
+    from megatron.training.optimizer import get_param_groups
     torch.manual_seed(0)
     model = GPT2Model(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                                 vocab_size=64, max_position_embeddings=16))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron.errors import ConfigError
-from megatron.learning_rates import AnnealingLR
+from megatron.training.learning_rates import AnnealingLR
 
 MAX_LR, MIN_LR, WARMUP, DECAY = 1.0, 0.05, 10, 110  # decay window = 100 steps after warmup
 

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from megatron.metrics import (TrainingLogger, Timers, format_train_line, mfu,
+from megatron.training.metrics import (TrainingLogger, Timers, format_train_line, mfu,
                               transformer_flops_per_token)
 
 RECORD = {"iteration": 20, "train_iters": 200, "consumed_samples": 640, "ms_per_iter": 91.2,
@@ -136,7 +136,7 @@ def test_mfu_and_flops_helpers():
 
 
 def test_timers_accumulate_and_synchronize(monkeypatch):
-    import megatron.metrics as metrics_mod
+    import megatron.training.metrics as metrics_mod
     syncs = []
     timers = Timers(synchronize=lambda: syncs.append(1))
     clock = iter([1.0, 1.5, 3.0, 3.25])
@@ -153,7 +153,7 @@ def test_timers_accumulate_and_synchronize(monkeypatch):
 
 
 def test_timers_with_device_use_megatron_device(monkeypatch):
-    from megatron import device as device_mod
+    from megatron.runtime import device as device_mod
     seen = []
     monkeypatch.setattr(device_mod, "synchronize", lambda dev: seen.append(dev))
     timers = Timers(device=torch.device("cpu"))

@@ -6,7 +6,7 @@ import torch
 
 from megatron.errors import CheckpointError
 from megatron.loss_scaler import DynamicLossScaler
-from megatron.optimizer import build_optimizer, clip_grad_norm_fp32, get_param_groups
+from megatron.training.optimizer import build_optimizer, clip_grad_norm_fp32, get_param_groups
 
 LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
 

@@ -149,7 +149,7 @@ def last_checkpoint_description(args):
     def describe():
         if not args.save:
             return "no checkpoint was saved (no --save); restart from scratch"
-        from megatron.checkpointing import read_tracker
+        from megatron.checkpointing.megatron_layout import read_tracker
         try:
             iteration, _ = read_tracker(args.save)
         except Exception:  # noqa: BLE001 -- a message about the message must not fail
@@ -164,7 +164,7 @@ class TrainingGuards:
     """What the train loop asks at each iteration boundary, in one object (see module doc)."""
 
     def __init__(self, args, runtime, state):
-        from megatron import fault_injection
+        from megatron.runtime import fault_injection
         self.args, self.runtime, self.state = args, runtime, state
         self.last_checkpoint = last_checkpoint_description(args)
         self.exit_conditions = ExitConditions(args, runtime.device)

@@ -21,14 +21,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron import checkpointing, mpu
-from megatron import device as device_mod
+from megatron.checkpointing import megatron_layout as checkpointing
+from megatron import mpu
+from megatron.runtime import device as device_mod
 from megatron.distributed import wrap_data_parallel
-from megatron.fault_tolerance import TrainingGuards
-from megatron.initialize import Runtime, destroy, initialize_megatron
-from megatron.learning_rates import AnnealingLR
-from megatron.metrics import TrainingLogger, mfu
-from megatron.optimizer import build_optimizer
+from megatron.runtime.fault_tolerance import TrainingGuards
+from megatron.runtime.initialize import Runtime, destroy, initialize_megatron
+from megatron.training.learning_rates import AnnealingLR
+from megatron.training.metrics import TrainingLogger, mfu
+from megatron.training.optimizer import build_optimizer
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -27,12 +27,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron import device as device_mod
+from megatron.runtime import device as device_mod
 from megatron import mpu
-from megatron.checkpoint_retention import MEGATRON_LAYOUT, prune_checkpoints
+from megatron.checkpointing.retention import MEGATRON_LAYOUT, prune_checkpoints
 from megatron.errors import CheckpointError
-from megatron.fault_injection import kill_point
-from megatron.fault_injection import writer as fault_writer
+from megatron.runtime.fault_injection import kill_point
+from megatron.runtime.fault_injection import writer as fault_writer
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 2.0

@@ -12,7 +12,7 @@ import re
 import shutil
 from dataclasses import dataclass
 
-from megatron.fault_injection import kill_point
+from megatron.runtime.fault_injection import kill_point
 
 
 @dataclass(frozen=True)

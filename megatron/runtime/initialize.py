@@ -27,9 +27,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron import device as device_mod
+from megatron.runtime import device as device_mod
 from megatron import mpu
-from megatron.activation_checkpointing import (setup_activation_checkpointing,
+from megatron.runtime.activation_checkpointing import (setup_activation_checkpointing,
                                                teardown_activation_checkpointing)
 from megatron.errors import ConfigError
 
@@ -62,7 +62,7 @@ class LaunchEnvironment:
 
     def as_torchrun_variables(self):
         """The same facts under torchrun's names, for code that reads those (the CPU thread
-        default in megatron/device.py, DataLoader worker processes)."""
+        default in megatron/runtime/device.py, DataLoader worker processes)."""
         variables = {"RANK": self.rank, "WORLD_SIZE": self.world_size,
                      "LOCAL_RANK": self.local_rank, "LOCAL_WORLD_SIZE": self.local_world_size,
                      "MASTER_PORT": self.master_port}

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from megatron import device as device_mod
+from megatron.runtime import device as device_mod
 from megatron.errors import ConfigError
 
 METRICS_FILENAME = "metrics.jsonl"
@@ -84,7 +84,7 @@ class Timers:
     """Named accumulating timers: `timers("forward").start()` ... `.stop()`.
 
     Start and stop synchronise the device first, so GPU work queued before them is counted
-    where it runs: pass `device` (uses megatron.device.synchronize) or a `synchronize`
+    where it runs: pass `device` (uses megatron.runtime.device.synchronize) or a `synchronize`
     callable; with neither, nothing is synchronised (CPU).
     """
 

@@ -55,7 +55,7 @@ def add_inference_arguments(parser):
 
 def initialize_inference(args):
     """Process group (torchrun or a single process), TP groups, seeds; returns a Runtime."""
-    from megatron.initialize import discover_launch_environment, initialize_megatron
+    from megatron.runtime.initialize import discover_launch_environment, initialize_megatron
     world_size = discover_launch_environment().world_size
     if world_size % args.model_parallel_size != 0:
         raise ConfigError(f"world size {world_size} is not divisible by --model-parallel-size "

@@ -1,0 +1,2 @@
+"""The trainer: `pretrain()` and its loop, the learning-rate schedule, the log line and
+metrics."""
