@@ -10,15 +10,15 @@ Multi-process: `torchrun --nproc_per_node N pretrain_gpt2.py ... --model-paralle
 
 import sys
 
-from megatron.arguments import parse_args
 from megatron.cli import run_cli
 
 
 def train(argv):
+    from megatron.config import resolve_config
     from megatron.gpt2 import forward_step, model_provider, train_valid_test_datasets_provider
     from megatron.training.pretrain import pretrain
-    args = parse_args(argv, defaults={"tokenizer_type": "GPT2BPETokenizer"})
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, args)
+    config = resolve_config(argv, defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, config)
 
 
 def main(argv=None):

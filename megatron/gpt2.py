@@ -2,42 +2,26 @@
 
 import torch
 
-from megatron import mpu
 from megatron.errors import ConfigError
 
 
 def model_provider(ctx):
-    from megatron.runtime.activation_checkpointing import checkpoint_function
-    from megatron.model import GPT2Model, GPTConfig
-    args = ctx.args
-    config = GPTConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, vocab_size=args.padded_vocab_size,
-        max_position_embeddings=args.max_position_embeddings,
-        ffn_hidden_size=args.ffn_hidden_size, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
-        layernorm_epsilon=args.layernorm_epsilon,
-        checkpoint_activations=args.checkpoint_activations,
-        checkpoint_num_layers=args.checkpoint_num_layers,
-        split_transformers=getattr(args, "split_transformers", False),
-        checkpoint_function=checkpoint_function(args),
-        memory_centric_tiled_linear=getattr(args, "memory_centric_tiled_linear", False),
-        tile_factor=getattr(args, "tile_factor", None) or 1)
-    return GPT2Model(config, parallel_output=True)
+    from megatron.model import GPT2Model
+    return GPT2Model(ctx.model_config, parallel_output=True)
 
 
 def train_valid_test_datasets_provider(ctx, num_samples):
     from megatron.data.gpt2_dataset import build_train_valid_test_datasets
-    args = ctx.args
-    data_prefix = args.data_path
-    if args.train_data is not None:
+    data = ctx.config.data
+    data_prefix = data.data_path
+    if data.train_data is not None:
         from megatron.data.corpora import prepare_loose_json_corpus, resolve_corpus
-        data_prefix = prepare_loose_json_corpus(resolve_corpus(args.train_data), ctx.tokenizer)
+        data_prefix = prepare_loose_json_corpus(resolve_corpus(data.train_data), ctx.tokenizer)
     train, valid, test = build_train_valid_test_datasets(
-        data_prefix, args.split, num_samples, args.seq_length, args.seed,
-        skip_warmup=not args.mmap_warmup)
+        data_prefix, data.split, num_samples, data.seq_length, ctx.config.parallel.seed,
+        skip_warmup=not data.mmap_warmup)
     if train is None:
-        raise ConfigError(f"--split {args.split!r} leaves no training documents in "
+        raise ConfigError(f"--split {data.split!r} leaves no training documents in "
                           f"{data_prefix}; give the first split a positive weight")
     return train, valid, test
 
@@ -45,12 +29,12 @@ def train_valid_test_datasets_provider(ctx, num_samples):
 def get_batch(batch, ctx):
     """tokens/labels shifted by one from the seq+1 sample, plus masks and positions."""
     from megatron.model import get_ltor_masks_and_position_ids
-    args = ctx.args
+    flags = ctx.config.data
     data = batch["text"].to(ctx.runtime.device, non_blocking=True).long()  # [b, s+1]
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-        tokens, ctx.tokenizer.eod, args.reset_position_ids, args.reset_attention_mask,
-        args.eod_mask_loss)
+        tokens, ctx.tokenizer.eod, flags.reset_position_ids, flags.reset_attention_mask,
+        flags.eod_mask_loss)
     return tokens, labels, loss_mask, attention_mask, position_ids
 
 

@@ -28,28 +28,29 @@ def add_world_size(parser):
 
 
 def build(argv=None):
-    from megatron.arguments import parse_args
+    from megatron.config import resolve_config
     from megatron.data.gpt2_dataset import build_index_mappings_only
     from megatron.errors import ConfigError
     from megatron.training.pretrain import num_samples_per_split
     world_size = _world_size_flag(argv)
     if world_size is not None and world_size < 1:
         raise ConfigError(f"--world-size must be at least 1, got {world_size}")
-    args = parse_args(argv, extra_args_provider=add_world_size,
-                      defaults={"tokenizer_type": "GPT2BPETokenizer"}, world_size=world_size)
-    data_prefix = args.data_path
-    if args.train_data is not None:
+    config = resolve_config(argv, extra_args_provider=add_world_size,
+                            defaults={"tokenizer_type": "GPT2BPETokenizer"},
+                            world_size=world_size)
+    data, seed = config.data, config.parallel.seed
+    data_prefix = data.data_path
+    if data.train_data is not None:
         from megatron.data.corpora import prepare_loose_json_corpus, resolve_corpus
         from megatron.tokenizer import build_tokenizer
-        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file,
-                                    args.tokenizer_model)
-        data_prefix = prepare_loose_json_corpus(resolve_corpus(args.train_data), tokenizer)
-    samples = num_samples_per_split(args)
+        tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file,
+                                    data.tokenizer_model)
+        data_prefix = prepare_loose_json_corpus(resolve_corpus(data.train_data), tokenizer)
+    samples = num_samples_per_split(config)
     start = time.perf_counter()
-    paths = build_index_mappings_only(data_prefix, args.split, samples, args.seq_length,
-                                      args.seed)
+    paths = build_index_mappings_only(data_prefix, data.split, samples, data.seq_length, seed)
     print(f" > index maps for {samples[0]} train / {samples[1]} valid / {samples[2]} test "
-          f"samples of {args.seq_length} tokens (seed {args.seed}) ready in "
+          f"samples of {data.seq_length} tokens (seed {seed}) ready in "
           f"{time.perf_counter() - start:.2f} s:", flush=True)
     for path in paths:
         print(f"   {path}", flush=True)

@@ -39,10 +39,9 @@ from zero.config.deepspeed_config import DeepSpeedConfig
 from zero.errors import ConfigError, ZeroError
 from zero.host_memory import keep_freed_buffers, small_block_cache_warning
 from zero.monitor import Monitor
-from zero.optim.loss_scaler import build_loss_scaler
 from zero.optim.lr_schedules import build_lr_scheduler
 from zero.optim.optimizers import build_optimizer, check_zero_supported
-from zero.stages.stage1_2 import ZeroOptimizer, ZeroSettings
+from zero.stages.build import build_zero_optimizer
 
 logger = logging.getLogger("zero.engine")
 
@@ -92,7 +91,11 @@ class DeepSpeedEngine(torch.nn.Module):
     def __init__(self, model, config, optimizer=None, model_parameters=None, training_data=None,
                  lr_scheduler=None, mpu=None, collate_fn=None):
         super().__init__()
-        self.module = model
+        # A torch DistributedDataParallel model reduces its own gradients (stage 0 only): the
+        # engine keeps the wrapped module for everything else (parameters, checkpoints).
+        self._ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
+            else None
+        self.module = model.module if self._ddp is not None else model
         self.mpu = mpu
         self._set_parallel_groups(mpu)
         self.config = config if isinstance(config, DeepSpeedConfig) \
@@ -104,7 +107,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_steps = self.global_samples = self.skipped_steps = self.micro_steps = 0
         self.device = self._place_module()
         self._tune_host_allocator()
-        self.optimizer = self._zero_optimizer(self._base_optimizer(optimizer, model_parameters))
+        self.optimizer = build_zero_optimizer(self, self._base_optimizer(optimizer,
+                                                                         model_parameters),
+                                              module_reduces_gradients=self._ddp is not None)
         self._broadcast_from_first_dp_rank()
         self.lr_scheduler = self._lr_scheduler(lr_scheduler)
         self.training_dataloader = self._dataloader(training_data, collate_fn)
@@ -133,31 +138,6 @@ class DeepSpeedEngine(torch.nn.Module):
         if not zero.contiguous_gradients and zero.stage == 2:
             logger.info("zero_optimization.contiguous_gradients=false: stage 2 always reduces "
                         "through contiguous bucket buffers here; results are the same")
-
-    def _zero_optimizer(self, base_optimizer):
-        """The partitioning wrapper for the configured stage (the seam for stage 3/offload)."""
-        if self.zero_optimization_stage() == 3:  # zero/stage3*.py
-            from zero.stages.build import build_stage3_optimizer
-            return build_stage3_optimizer(self, base_optimizer, build_loss_scaler(self.config))
-        param_order = {p: i for i, p in enumerate(self.module.parameters())}
-        if self.config.zero_optimization.offload_optimizer is not None:  # zero/offload
-            from zero.offload import OffloadZeroOptimizer, OptimizerOffload
-            return OffloadZeroOptimizer(
-                base_optimizer, param_order, self._zero_settings(), self.dp_comm, self.mp_comm,
-                self.mp_rank, build_loss_scaler(self.config),
-                offload=OptimizerOffload.from_config(self.config, self.global_rank))
-        return ZeroOptimizer(base_optimizer, param_order, self._zero_settings(), self.dp_comm,
-                             self.mp_comm, self.mp_rank, build_loss_scaler(self.config))
-
-    def _zero_settings(self):
-        zero = self.config.zero_optimization
-        return ZeroSettings(stage=zero.stage, reduce_bucket_size=zero.reduce_bucket_size,
-                            overlap_comm=bool(zero.overlap_comm),
-                            reduce_scatter=zero.reduce_scatter,
-                            prescale_gradients=self.config.prescale_gradients,
-                            gradient_predivide_factor=self.config.gradient_predivide_factor,
-                            gradient_clipping=self.config.gradient_clipping,
-                            ignore_unused_parameters=zero.ignore_unused_parameters)
 
     def _tune_host_allocator(self):
         """Stage 3 on CPU: reuse freed tensor memory across steps (zero/host_memory.py), since
@@ -247,7 +227,11 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def forward(self, *inputs, **kwargs):
         with self.monitor.timed("forward"), self._forward_context():
-            return self.module(*inputs, **kwargs)
+            if self._ddp is None:
+                return self.module(*inputs, **kwargs)
+            # DDP decides in forward whether this backward all-reduces: at the boundary only
+            self._ddp.require_backward_grad_sync = self.is_gradient_accumulation_boundary()
+            return self._ddp(*inputs, **kwargs)
 
     def _forward_context(self):
         """Stage 3: autograd keeps re-gatherable references to saved parameters."""
@@ -285,6 +269,13 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def zero_grad(self):
         self.optimizer.zero_grad()
+
+    def restore_progress(self, global_steps, global_samples, skipped_steps):
+        """Set the step counters, e.g. from a checkpoint of another layout than DeepSpeed's
+        (whose loads restore them themselves). Resuming happens at a step boundary."""
+        self.global_steps, self.global_samples = int(global_steps), int(global_samples)
+        self.skipped_steps = int(skipped_steps)
+        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
 
     def destroy(self):
         """Remove the gradient hooks and whatever the optimizer keeps outside memory (NVMe swap

@@ -11,8 +11,9 @@ reads it.  The model is stored in Megatron 1.1.5's nested form
 `model['language_model']['transformer']['layers.0.attention.query_key_value.weight']`), which
 the usual converters understand; flat state dicts are accepted on load as well.
 
-Under --deepspeed the zero engine writes DeepSpeed's layout instead (`<save>/global_step200/`,
-`<save>/latest`), plus the same tracker file; see megatron/deepspeed_glue.py.
+The trainer runs on the zero engine at ZeRO stage 0 here too; its flat optimizer state is
+saved one tensor per parameter (megatron/checkpointing/optimizer_state.py). Under --deepspeed
+DeepSpeed's layout is written instead (megatron/checkpointing/deepspeed_layout.py).
 
 Atomicity: every file is written to a temporary name, fsynced and renamed; the tracker is
 rewritten (the same way) only after every rank's file is complete.  A crash at any moment
@@ -20,19 +21,17 @@ leaves the previous checkpoint and tracker intact.
 """
 
 import os
-import random
 import re
 
-import numpy as np
-import torch
-import torch.distributed as dist
-
-from megatron.runtime import device as device_mod
 from megatron import mpu
+from megatron.checkpointing.files import (atomic_torch_save, atomic_write_text, barrier,
+                                          is_global_rank0, safe_load)
+from megatron.checkpointing.optimizer_state import (load_megatron_optimizer_state,
+                                                    megatron_optimizer_state)
 from megatron.checkpointing.retention import MEGATRON_LAYOUT, prune_checkpoints
+from megatron.checkpointing.rng import get_rng_states, set_rng_states
 from megatron.errors import CheckpointError
 from megatron.runtime.fault_injection import kill_point
-from megatron.runtime.fault_injection import writer as fault_writer
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 2.0
@@ -70,69 +69,6 @@ def read_tracker(checkpoints_path):
                               f"found {text!r}; fix or delete the file") from None
 
 
-# --------------------------------------------------------------------------- file helpers
-
-def atomic_torch_save(obj, path):
-    """torch.save to `path` so that `path` is either absent/old or complete, never partial."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        kill_point("save.file.tmp_opened")
-        torch.save(obj, fault_writer(f, "save.file.tmp_half_written"))
-        kill_point("save.file.tmp_written")
-        f.flush()
-        os.fsync(f.fileno())
-    kill_point("save.file.tmp_synced")
-    os.replace(tmp, path)
-    kill_point("save.file.renamed")
-    _fsync_dir(os.path.dirname(path))
-
-
-def atomic_write_text(path, text, point=None):
-    """Replace `path` by `text` atomically; `point` names the kill points on the way."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    if point:
-        kill_point(f"{point}.tmp_written")
-    os.replace(tmp, path)
-    if point:
-        kill_point(f"{point}.renamed")
-    _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_dir(directory):
-    fd = os.open(directory or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def safe_load(path):
-    """Load a checkpoint file without executing pickled code."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} does not exist") from None
-    except Exception as exc:  # corrupt file or a pickle with code in it
-        raise CheckpointError(f"cannot read checkpoint {path}: {load_failure_reason(exc)}. The "
-                              "file is corrupt or not a plain-tensor checkpoint (refused: "
-                              "only tensors and plain containers are unpickled)") from None
-
-
-def load_failure_reason(exc):
-    """One line out of torch.load's multi-paragraph error: what it refused, or the first line."""
-    text = str(exc)
-    refused = re.search(r"Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+", text)
-    if refused:
-        return refused.group(0)
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return first[:300]
-
-
 # ------------------------------------------------------------------- state dict formats
 
 def to_nested_state_dict(flat):
@@ -162,105 +98,47 @@ def to_flat_state_dict(nested, prefix=""):
     return flat
 
 
-def plain_args(args):
-    """The Namespace as a dict of plain values (loadable with weights_only=True)."""
-    plain = {}
-    for key, value in vars(args).items():
-        if value is None or isinstance(value, (bool, int, float, str)):
-            plain[key] = value
-        elif isinstance(value, (list, tuple)) and all(
-                isinstance(v, (bool, int, float, str)) for v in value):
-            plain[key] = list(value)
-    return plain
-
-
-# ------------------------------------------------------------------------- RNG states
-
-def get_rng_states(device):
-    np_state = np.random.get_state()
-    version, py_state, gauss = random.getstate()
-    return {
-        "random_rng_state": {"version": version, "state": list(py_state), "gauss": gauss},
-        "np_rng_state": {"algorithm": np_state[0],
-                         "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                         "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
-                         "cached_gaussian": float(np_state[4])},
-        "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": device_mod.get_rng_state(device),
-        "rng_tracker_states": mpu.get_cuda_rng_tracker().get_states(),
-    }
-
-
-def set_rng_states(states, device):
-    py = states["random_rng_state"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
-    npst = states["np_rng_state"]
-    np.random.set_state((npst["algorithm"], npst["keys"].numpy().astype(np.uint32),
-                         npst["pos"], npst["has_gauss"], npst["cached_gaussian"]))
-    torch.set_rng_state(states["torch_rng_state"])
-    device_mod.set_rng_state(device, states.get("cuda_rng_state"))
-    mpu.get_cuda_rng_tracker().set_states(states["rng_tracker_states"])
-
-
 # ------------------------------------------------------------------------- save / load
 
-def _unwrap(model):
-    return model.module if hasattr(model, "module") else model
-
-
-def save_checkpoint(iteration, model, optimizer, lr_scheduler, args, train_state, device):
-    """Write this rank's shard (if DP rank 0), then atomically advance the tracker.
-
-    Under --deepspeed `model` is the zero engine, which writes DeepSpeed's layout
-    (megatron/deepspeed_glue.py); the tracker file is written as well.
-    """
-    if getattr(args, "deepspeed", False):
-        from megatron import deepspeed_glue
-        return deepspeed_glue.save_checkpoint(iteration, model, args, train_state, device)
+def save_checkpoint(iteration, module, engine, checkpoint, run_args, train_state, device):
+    """Write this rank's file (data-parallel rank 0 of each tensor-parallel group), then
+    atomically advance the tracker. `checkpoint` is the config's CheckpointConfig, `run_args`
+    the flat args dict the file records."""
     kill_point("save.start")
     if mpu.get_data_parallel_rank() == 0:
         state = {
             "iteration": iteration,
             "checkpoint_version": CHECKPOINT_VERSION,
-            "args": plain_args(args),
-            "model": to_nested_state_dict(_unwrap(model).state_dict()),
+            "args": dict(run_args),
+            "model": to_nested_state_dict(module.state_dict()),
             "train_state": dict(train_state),
         }
-        if not args.no_save_optim:
-            state["optimizer"] = optimizer.state_dict()
-            state["lr_scheduler"] = lr_scheduler.state_dict()
-        if not args.no_save_rng:
+        if not checkpoint.no_save_optim:
+            state["optimizer"] = megatron_optimizer_state(engine)
+            state["lr_scheduler"] = engine.lr_scheduler.state_dict()
+        if not checkpoint.no_save_rng:
             state.update(get_rng_states(device))
-        atomic_torch_save(state, get_checkpoint_name(args.save, iteration))
+        atomic_torch_save(state, get_checkpoint_name(checkpoint.save, iteration))
     kill_point("save.files_done")
-    _barrier()
-    if dist.get_rank() == 0 if dist.is_initialized() else True:
-        atomic_write_text(get_checkpoint_tracker_filename(args.save), str(iteration),
+    barrier()
+    if is_global_rank0():
+        atomic_write_text(get_checkpoint_tracker_filename(checkpoint.save), str(iteration),
                           point="save.tracker")
         # Only now, with the new checkpoint complete and named, may older ones go.
-        prune_checkpoints(args.save, getattr(args, "keep_last_n_checkpoints", None),
-                          MEGATRON_LAYOUT)
-    _barrier()
+        prune_checkpoints(checkpoint.save, checkpoint.keep_last_n_checkpoints, MEGATRON_LAYOUT)
+    barrier()
     kill_point("save.done")
 
 
-def _barrier():
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def check_checkpoint_args(saved_args, args, path):
+def check_checkpoint_args(saved_args, run_args, path):
     """Raise CheckpointError listing every shape-defining flag that differs."""
     differences = []
     for key in MODEL_SHAPE_ARGS:
         if key not in saved_args:
             continue
-        ours = getattr(args, key, None)
-        if key == "ffn_hidden_size":
-            ours = ours or 4 * args.hidden_size
-            saved = saved_args[key] or 4 * saved_args.get("hidden_size", args.hidden_size)
-        else:
-            saved = saved_args[key]
+        ours, saved = run_args.get(key), saved_args[key]
+        if key == "ffn_hidden_size" and saved is None:  # recorded before it was resolved
+            saved = 4 * saved_args.get("hidden_size", run_args["hidden_size"])
         if saved != ours:
             differences.append(f"--{key.replace('_', '-')}: checkpoint {saved}, flags {ours}")
     if differences:
@@ -274,55 +152,33 @@ def check_checkpoint_args(saved_args, args, path):
                               "matching shape." + hint)
 
 
-def load_checkpoint(model, optimizer, lr_scheduler, args, device):
-    """Resume from args.load. Returns the train_state dict to continue from (or None).
-
-    Under --deepspeed the zero engine (`model`) loads its own layout (deepspeed_glue.py).
-    """
-    if getattr(args, "deepspeed", False):
-        from megatron import deepspeed_glue
-        return deepspeed_glue.load_checkpoint(model, args, device)
-    iteration, release = read_tracker(args.load)
+def load_checkpoint(module, engine, checkpoint, run_args, device):
+    """Resume from checkpoint.load. Returns the train_state dict to continue from, or None
+    when there is nothing to resume."""
+    load_dir = checkpoint.load
+    iteration, release = read_tracker(load_dir)
     if iteration is None:
-        if os.path.isdir(args.load) and os.listdir(args.load) and not resuming_own_save(args):
-            raise CheckpointError(f"--load {args.load} has no {TRACKER_FILENAME}; point --load "
+        if os.path.isdir(load_dir) and os.listdir(load_dir) and \
+                not resuming_own_save(checkpoint):
+            raise CheckpointError(f"--load {load_dir} has no {TRACKER_FILENAME}; point --load "
                                   "at a directory written by --save")
         return None  # nothing to resume: start from scratch (Megatron behaviour)
-    path = get_checkpoint_name(args.load, iteration, release=release)
+    path = get_checkpoint_name(load_dir, iteration, release=release)
     directory = os.path.dirname(os.path.dirname(path))
     if not os.path.isfile(path):
-        deepspeed_tag = os.path.join(args.load, f"global_step{iteration}")
-        if os.path.isdir(deepspeed_tag):
-            raise CheckpointError(
-                f"--load {args.load} holds a --deepspeed checkpoint (DeepSpeed's layout: "
-                f"{deepspeed_tag}), not Megatron's. Resume it with the --deepspeed "
-                "--deepspeed_config flags it was trained with, or convert it first: python "
-                f"tools/merge_mp_partitions.py --deepspeed --load {args.load} --save <dir>, "
-                "then --load <dir> --no-load-optim")
-        # Without our rank's file, the rank directories present tell the saved size.
-        _check_model_parallel_size(args, directory, _count_rank_files(directory))
-        raise CheckpointError(f"{get_checkpoint_tracker_filename(args.load)} names iteration "
-                              f"{iteration}, but {path} is missing: the checkpoint is "
-                              "incomplete. Resume from an earlier iteration or save again")
+        _explain_missing_file(load_dir, iteration, path, directory, run_args)
     state = safe_load(path)
     if "args" in state:
-        _check_model_parallel_size(args, directory, state["args"].get("model_parallel_size"))
-        check_checkpoint_args(state["args"], args, path)
-    _load_model_weights(model, state, path)
-    if args.finetune or release:
-        return {"iteration": 0, "consumed_train_samples": 0}
-    if not args.no_load_optim:
-        from megatron.model.tiling import optimizer_state_tiling_mismatch
-        mismatch = optimizer_state_tiling_mismatch(state.get("args", {}), args)
-        if mismatch:
-            raise CheckpointError(f"{path}: {mismatch}")
-        for key in ("optimizer", "lr_scheduler"):
-            if key not in state:
-                raise CheckpointError(f"{path} has no {key} state (saved with --no-save-optim); "
-                                      "load it with --no-load-optim or --finetune")
-        optimizer.load_state_dict(state["optimizer"])
-        lr_scheduler.load_state_dict(state["lr_scheduler"])
-    if not args.no_load_rng:
+        _check_model_parallel_size(load_dir, run_args, directory,
+                                   state["args"].get("model_parallel_size"))
+        check_checkpoint_args(state["args"], run_args, path)
+    _load_model_weights(module, state, path)
+    engine.optimizer.refresh_masters_from_model()  # 16-bit weights: the fp32 masters follow
+    if checkpoint.finetune or release:
+        return {"iteration": 0, "consumed_train_samples": 0, "skipped_iters": 0}
+    if not checkpoint.no_load_optim:
+        _load_optimizer(engine, state, run_args, path)
+    if not checkpoint.no_load_rng:
         if "torch_rng_state" not in state:
             raise CheckpointError(f"{path} has no RNG state (saved with --no-save-rng); "
                                   "load it with --no-load-rng")
@@ -330,15 +186,64 @@ def load_checkpoint(model, optimizer, lr_scheduler, args, device):
     train_state = dict(state.get("train_state", {}))
     train_state["iteration"] = state.get("iteration", state.get("total_iters", iteration))
     train_state.setdefault("consumed_train_samples",
-                           train_state["iteration"] * args.global_batch_size)
+                           train_state["iteration"] * run_args["global_batch_size"])
+    train_state.setdefault("skipped_iters", 0)
     return train_state
 
 
-def resuming_own_save(args):
+def _load_optimizer(engine, state, run_args, path):
+    mismatch = optimizer_state_tiling_mismatch(state.get("args", {}), run_args)
+    if mismatch:
+        raise CheckpointError(f"{path}: {mismatch}")
+    for key in ("optimizer", "lr_scheduler"):
+        if key not in state:
+            raise CheckpointError(f"{path} has no {key} state (saved with --no-save-optim); "
+                                  "load it with --no-load-optim or --finetune")
+    load_megatron_optimizer_state(engine, state["optimizer"], path)
+    engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
+def _explain_missing_file(load_dir, iteration, path, directory, run_args):
+    deepspeed_tag = os.path.join(load_dir, f"global_step{iteration}")
+    if os.path.isdir(deepspeed_tag):
+        raise CheckpointError(
+            f"--load {load_dir} holds a --deepspeed checkpoint (DeepSpeed's layout: "
+            f"{deepspeed_tag}), not Megatron's. Resume it with the --deepspeed "
+            "--deepspeed_config flags it was trained with, or convert it first: python "
+            f"tools/merge_mp_partitions.py --deepspeed --load {load_dir} --save <dir>, "
+            "then --load <dir> --no-load-optim")
+    # Without our rank's file, the rank directories present tell the saved size.
+    _check_model_parallel_size(load_dir, run_args, directory, _count_rank_files(directory))
+    raise CheckpointError(f"{get_checkpoint_tracker_filename(load_dir)} names iteration "
+                          f"{iteration}, but {path} is missing: the checkpoint is "
+                          "incomplete. Resume from an earlier iteration or save again")
+
+
+def resuming_own_save(checkpoint):
     """--load is --save: a job that restarts itself (torchrun --max-restarts, a requeued
     scheduler job). Before its first checkpoint the directory may already hold metrics.jsonl
     or an interrupted save; that is a fresh start, not a mistake."""
-    return bool(args.save) and os.path.realpath(args.load) == os.path.realpath(args.save)
+    return bool(checkpoint.save) and \
+        os.path.realpath(checkpoint.load) == os.path.realpath(checkpoint.save)
+
+
+def optimizer_state_tiling_mismatch(saved_args, run_args):
+    """Why a checkpoint's optimizer state cannot be loaded under these tiling flags, or None.
+
+    Model weights are saved untiled and load either way; the optimizer state is a list over
+    parameters, and tiling changes that list.
+    """
+    def grid(values):
+        tiled = bool(values.get("memory_centric_tiled_linear", False))
+        return f"--memory-centric-tiled-linear --tile-factor {values.get('tile_factor') or 1}" \
+            if tiled else "no --memory-centric-tiled-linear"
+    saved, ours = grid(saved_args), grid(run_args)
+    if saved == ours:
+        return None
+    return (f"the checkpoint was trained with {saved} but this run has {ours}: its model "
+            "weights load either way, its optimizer state does not (tiling changes the "
+            "parameter list). Resume with --no-load-optim (or --finetune), or with the "
+            "checkpoint's tiling flags")
 
 
 def _count_rank_files(directory):
@@ -350,23 +255,22 @@ def _count_rank_files(directory):
     return len(ranks) or None
 
 
-def _check_model_parallel_size(args, directory, saved_size):
+def _check_model_parallel_size(load_dir, run_args, directory, saved_size):
     """A checkpoint saved at another TP size must be converted, not loaded: say how."""
-    ours = args.model_parallel_size
+    ours = run_args["model_parallel_size"]
     if saved_size is None or saved_size == ours:
         return
-    converted = f"{os.path.normpath(args.load)}_mp{ours}"
+    converted = f"{os.path.normpath(load_dir)}_mp{ours}"
     raise CheckpointError(
         f"checkpoint {directory} was saved with --model-parallel-size {saved_size}, but this "
         f"run uses --model-parallel-size {ours}. Convert it to the new size first:\n"
-        f"  python tools/merge_mp_partitions.py --load {args.load} "
+        f"  python tools/merge_mp_partitions.py --load {load_dir} "
         f"--target-model-parallel-size {ours} --save {converted}\n"
         f"then resume with --load {converted} (or run with --model-parallel-size {saved_size})")
 
 
-def _load_model_weights(model, state, path):
+def _load_model_weights(module, state, path):
     flat = to_flat_state_dict(state["model"])
-    module = _unwrap(model)
     expected = module.state_dict()
     missing = sorted(set(expected) - set(flat))
     unexpected = sorted(set(flat) - set(expected))

@@ -1,6 +1,7 @@
 """The trainer's optimizer state, merged to full tensors and split again like the model.
 
-What `megatron.training.optimizer.MegatronOptimizer.state_dict()` saves on each tensor-parallel rank:
+What a Megatron-layout checkpoint holds as "optimizer" on each tensor-parallel rank
+(megatron/checkpointing/optimizer_state.py writes it):
 
     {"optimizer": AdamW state_dict {"state": {index: {"step", "exp_avg", "exp_avg_sq"}},
                                     "param_groups": [{"params": [index, ...], "lr", ...}]},
@@ -8,7 +9,7 @@ What `megatron.training.optimizer.MegatronOptimizer.state_dict()` saves on each 
      "grad_scaler": loss-scaler state or None}
 
 Indices count parameters group by group.  The groups are [weight decay, no weight decay]
-with empty ones dropped, each in model order (`megatron.training.optimizer.get_param_groups`), so the
+with empty ones dropped, each in model order (`megatron.training.param_groups.get_param_groups`), so the
 key map's weight-decay column names the parameter behind every index.  Adam moments and fp32
 masters have their parameter's shape and are sharded like it; `step` is one scalar per
 parameter, the same on every rank.  The number and order of parameters do not depend on the

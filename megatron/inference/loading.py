@@ -12,7 +12,6 @@ so a checkpoint saved at one tensor-parallel size runs at any other.
 
 import argparse
 import os
-from types import SimpleNamespace
 
 import torch
 
@@ -55,16 +54,22 @@ def add_inference_arguments(parser):
 
 def initialize_inference(args):
     """Process group (torchrun or a single process), TP groups, seeds; returns a Runtime."""
-    from megatron.runtime.initialize import discover_launch_environment, initialize_megatron
+    from megatron.config.sections import ParallelConfig
+    from megatron.runtime.initialize import initialize_megatron
+    from megatron.runtime.launch import discover_launch_environment
     world_size = discover_launch_environment().world_size
-    if world_size % args.model_parallel_size != 0:
+    tp = args.model_parallel_size
+    if tp < 1 or world_size % tp != 0:
         raise ConfigError(f"world size {world_size} is not divisible by --model-parallel-size "
-                          f"{args.model_parallel_size}")
-    runtime_args = SimpleNamespace(
-        local_rank=None, world_size=world_size, device=args.device, threads=args.threads,
-        distributed_backend=None, distributed_timeout_minutes=args.distributed_timeout_minutes,
-        model_parallel_size=args.model_parallel_size, seed=args.seed)
-    return initialize_megatron(runtime_args)
+                          f"{tp}")
+    if not args.distributed_timeout_minutes > 0:
+        raise ConfigError(f"--distributed-timeout-minutes must be positive, got "
+                          f"{args.distributed_timeout_minutes}")
+    return initialize_megatron(ParallelConfig(
+        world_size=world_size, model_parallel_size=tp, data_parallel_size=world_size // tp,
+        distributed_backend=None, device=args.device, local_rank=None,
+        distributed_timeout_minutes=args.distributed_timeout_minutes, threads=args.threads,
+        DDP_impl="local", ddp_bucket_size=0.0, seed=args.seed))
 
 
 def load_inference_model(args, device=torch.device("cpu")):

@@ -67,34 +67,48 @@ class GPTConfig:
 
     def validate(self, model_parallel_size):
         """Raise ConfigError, with the arithmetic, if this model cannot be built at this TP."""
-        positive = dict(num_layers=self.num_layers, hidden_size=self.hidden_size,
-                        num_attention_heads=self.num_attention_heads,
-                        vocab_size=self.vocab_size, ffn_hidden_size=self.ffn_hidden_size,
-                        max_position_embeddings=self.max_position_embeddings)
-        for name, value in positive.items():
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
-                                  f"got {value!r}")
-        _require_divides(self.num_attention_heads, "--num-attention-heads",
-                         self.hidden_size, "--hidden-size")
-        for value, flag in ((self.num_attention_heads, "--num-attention-heads"),
-                            (self.vocab_size, "the padded vocab size"),
-                            (self.ffn_hidden_size, "--ffn-hidden-size (default 4 * hidden)")):
-            _require_divides(model_parallel_size, "--model-parallel-size", value, flag)
-        if self.memory_centric_tiled_linear:
-            from megatron.model.tiling import check_tile_factor
-            check_tile_factor(self.tile_factor, self.hidden_size, self.ffn_hidden_size,
-                              model_parallel_size)
+        check_shape(self, model_parallel_size)
+        if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
+            raise ConfigError(f"the vocab size must be a positive integer, got "
+                              f"{self.vocab_size!r}")
+        _require_divides(model_parallel_size, "--model-parallel-size", self.vocab_size,
+                         "the padded vocab size")
         if self.checkpoint_activations:
             _require_divides(self.checkpoint_num_layers, "--checkpoint-num-layers",
                              self.num_layers, "--num-layers")
-        for name in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got "
-                                  f"{getattr(self, name)}")
         if self.params_dtype not in _PARAMS_DTYPES:
             raise ConfigError(f"params_dtype must be one of {_PARAMS_DTYPES}, got "
                               f"{self.params_dtype}")
+
+
+def check_shape(model, model_parallel_size):
+    """ConfigError, with the arithmetic, unless the architecture fields of `model` (a GPTConfig
+    or the trainer's model config: num_layers, hidden_size, num_attention_heads,
+    ffn_hidden_size, max_position_embeddings, the dropouts, the tiling) can be built at this
+    tensor-parallel size."""
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                 "max_position_embeddings"):
+        value = getattr(model, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
+                              f"got {value!r}")
+    if isinstance(model_parallel_size, bool) or not isinstance(model_parallel_size, int) \
+            or model_parallel_size < 1:
+        raise ConfigError(f"--model-parallel-size must be a positive integer, got "
+                          f"{model_parallel_size!r}")
+    _require_divides(model.num_attention_heads, "--num-attention-heads", model.hidden_size,
+                     "--hidden-size")
+    for value, flag in ((model.num_attention_heads, "--num-attention-heads"),
+                        (model.ffn_hidden_size, "--ffn-hidden-size (default 4 * hidden)")):
+        _require_divides(model_parallel_size, "--model-parallel-size", value, flag)
+    if model.memory_centric_tiled_linear:
+        from megatron.model.tiling import check_tile_factor
+        check_tile_factor(model.tile_factor, model.hidden_size, model.ffn_hidden_size,
+                          model_parallel_size)
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = getattr(model, name)
+        if not 0.0 <= value < 1.0:  # False for NaN too
+            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
 
 
 def _require_divides(divisor, divisor_name, value, value_name):

@@ -21,48 +21,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron.errors import ConfigError, TrainingError
-
-
-def add_reliability_arguments(parser):
-    g = parser.add_argument_group("reliability")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM, every rank saves at the next iteration boundary (when "
-                        "--save is set) and exits 0")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
-                   help="save and exit once the job has run this many minutes")
-    g.add_argument("--keep-last-n-checkpoints", type=int, default=None, metavar="N",
-                   help="after each save, delete all but the newest N checkpoints in --save "
-                        "(the new one is complete before any is deleted); default: keep all")
-    g.add_argument("--max-nan-iterations", type=int, default=10, metavar="N",
-                   help="stop after N consecutive iterations whose loss is NaN or inf (each is "
-                        "skipped and counted); 0 never stops")
-
-
-def validate_reliability(args):
-    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
-        raise ConfigError(f"--exit-duration-in-mins must be positive, got "
-                          f"{args.exit_duration_in_mins}")
-    if args.keep_last_n_checkpoints is not None:
-        if args.keep_last_n_checkpoints < 1:
-            raise ConfigError(f"--keep-last-n-checkpoints must be at least 1, got "
-                              f"{args.keep_last_n_checkpoints}")
-        if args.save is None:
-            raise ConfigError("--keep-last-n-checkpoints needs --save (the directory to prune)")
-    if args.max_nan_iterations < 0:
-        raise ConfigError(f"--max-nan-iterations must be >= 0 (0: never stop), got "
-                          f"{args.max_nan_iterations}")
+from megatron.errors import TrainingError
 
 
 class ExitConditions:
     """Decides, identically on every rank, whether to save and stop after this iteration."""
 
-    def __init__(self, args, device, start_time=None):
-        self.args, self.device = args, device
+    def __init__(self, training, device, start_time=None):
+        self.training, self.device = training, device
         self.start_time = time.monotonic() if start_time is None else start_time
         self.signal_received = False
         self._previous_handler = None
-        if args.exit_signal_handler:
+        if training.exit_signal_handler:
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
 
     def _on_signal(self, signum, frame):
@@ -70,7 +40,7 @@ class ExitConditions:
 
     @property
     def active(self):
-        return bool(self.args.exit_signal_handler or self.args.exit_duration_in_mins)
+        return bool(self.training.exit_signal_handler or self.training.exit_duration_in_mins)
 
     def reason(self):
         """None, or why every rank stops now. A collective when either flag is set."""
@@ -84,7 +54,7 @@ class ExitConditions:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0].item() > 0:
             return "SIGTERM received (--exit-signal-handler)"
-        limit = self.args.exit_duration_in_mins
+        limit = self.training.exit_duration_in_mins
         if limit and flags[1].item() >= limit:
             return f"ran {flags[1].item():.2f} minutes (--exit-duration-in-mins {limit:g})"
         return None
@@ -127,7 +97,7 @@ _PEER_FAILURE = re.compile(r"gloo|nccl|Timed out|Connection (reset|closed|refuse
 
 
 @contextlib.contextmanager
-def explain_collective_failures(args, state, rank, last_checkpoint):
+def explain_collective_failures(timeout_minutes, state, rank, last_checkpoint):
     """A collective that fails because a peer died or hangs -> one clear TrainingError."""
     try:
         yield
@@ -138,37 +108,37 @@ def explain_collective_failures(args, state, rank, last_checkpoint):
         raise TrainingError(
             f"rank {rank}: a collective failed during iteration {state['iteration'] + 1}: "
             f"{first_line}. Another rank most likely died or hangs (see its log); a collective "
-            f"waits at most --distributed-timeout-minutes {args.distributed_timeout_minutes:g}. "
+            f"waits at most --distributed-timeout-minutes {timeout_minutes:g}. "
             f"{last_checkpoint()[0].upper()}{last_checkpoint()[1:]} (under torchrun "
             f"--max-restarts with --load = --save, the restarted job resumes from it)") \
             from None
 
 
-def last_checkpoint_description(args):
+def last_checkpoint_description(save_dir):
     """A callable describing the checkpoint a user resumes from (read when needed)."""
     def describe():
-        if not args.save:
+        if not save_dir:
             return "no checkpoint was saved (no --save); restart from scratch"
         from megatron.checkpointing.megatron_layout import read_tracker
         try:
-            iteration, _ = read_tracker(args.save)
+            iteration, _ = read_tracker(save_dir)
         except Exception:  # noqa: BLE001 -- a message about the message must not fail
             iteration = None
         if iteration is None:
-            return f"no checkpoint in {args.save} yet; restart from scratch"
-        return f"resume from iteration {iteration} with --load {args.save}"
+            return f"no checkpoint in {save_dir} yet; restart from scratch"
+        return f"resume from iteration {iteration} with --load {save_dir}"
     return describe
 
 
 class TrainingGuards:
     """What the train loop asks at each iteration boundary, in one object (see module doc)."""
 
-    def __init__(self, args, runtime, state):
+    def __init__(self, config, runtime, state):
         from megatron.runtime import fault_injection
-        self.args, self.runtime, self.state = args, runtime, state
-        self.last_checkpoint = last_checkpoint_description(args)
-        self.exit_conditions = ExitConditions(args, runtime.device)
-        self.nan_guard = NanGuard(args.max_nan_iterations, self.last_checkpoint)
+        self.config, self.runtime, self.state = config, runtime, state
+        self.last_checkpoint = last_checkpoint_description(config.checkpoint.save)
+        self.exit_conditions = ExitConditions(config.training, runtime.device)
+        self.nan_guard = NanGuard(config.training.max_nan_iterations, self.last_checkpoint)
         self._injection = fault_injection
 
     def wrap_forward_step(self, forward_step_func):
@@ -188,7 +158,8 @@ class TrainingGuards:
         return self.exit_conditions.reason()
 
     def explaining_failures(self):
-        return explain_collective_failures(self.args, self.state, self.runtime.rank,
+        return explain_collective_failures(self.config.parallel.distributed_timeout_minutes,
+                                           self.state, self.runtime.rank,
                                            self.last_checkpoint)
 
     def close(self):

@@ -10,8 +10,7 @@ import os
 import pytest
 
 import pretrain_gpt2
-from megatron.arguments import build_parser
-from megatron.checkpoint_args import given_on_command_line
+from megatron.config.flags import build_parser, given_on_command_line
 from megatron.convert.savers import save_model_weights
 from tests.convert.conftest import load_tool, random_weights
 from tests.training.test_deepspeed import TINY, read_losses, stage_config

@@ -69,7 +69,7 @@ def test_flops_per_token_matches_megatron_formula():
     (dict(checkpoint_activations=True, checkpoint_num_layers=3, num_layers=4),
      "--checkpoint-num-layers 3 must divide --num-layers 4"),
     (dict(hidden_dropout=1.0), "--hidden-dropout"),
-    (dict(vocab_size=0), "--vocab-size"),
+    (dict(vocab_size=0), "the vocab size must be a positive integer"),
     (dict(params_dtype=torch.int32), "params_dtype"),
 ])
 def test_config_errors(kwargs, match):

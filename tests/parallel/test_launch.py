@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron.errors import ConfigError
-from megatron.runtime.initialize import LaunchEnvironment, discover_launch_environment, first_host
+from megatron.runtime.launch import LaunchEnvironment, discover_launch_environment, first_host
 from tests.dist_utils import free_port
 from tests.parallel.launching import (REPO, build_corpus, clean_environment, kill_session,
                                       launch_ranks, read_metrics, relative_difference,
@@ -107,13 +107,13 @@ def test_malformed_variable_is_a_clear_error():
 
 
 def test_flags_are_checked_against_the_world_size_the_launcher_reports(monkeypatch):
-    from megatron.arguments import parse_args
+    from megatron.config import resolve_config
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "2")
-    args = parse_args(FLAGS_FOR_SETUP_ONLY)
-    assert args.world_size == 2 and args.data_parallel_size == 2
+    parallel = resolve_config(FLAGS_FOR_SETUP_ONLY).parallel
+    assert parallel.world_size == 2 and parallel.data_parallel_size == 2
 
 
 @pytest.fixture(scope="module")
@@ -154,14 +154,14 @@ def _collective_with_a_silent_peer(rank, port, subgroup, results):
     import torch
     import torch.distributed as dist
     from megatron import mpu
-    from megatron.arguments import parse_args
+    from megatron.config import resolve_config
     from megatron.runtime.initialize import destroy, initialize_megatron
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    args = parse_args(FLAGS_FOR_SETUP_ONLY + ["--threads", "1",
-                                              "--distributed-timeout-minutes", "0.05"],
-                      world_size=2)
-    initialize_megatron(args)
+    config = resolve_config(FLAGS_FOR_SETUP_ONLY + ["--threads", "1",
+                                                    "--distributed-timeout-minutes", "0.05"],
+                            world_size=2)
+    initialize_megatron(config.parallel)
     if rank == 1:
         time.sleep(7)  # alive, connected, silent; exiting would close the sockets instead
         return

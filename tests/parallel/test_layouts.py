@@ -138,8 +138,8 @@ BAD_LAYOUTS = {
                                   "world size 2 is not divisible by --model-parallel-size 4"),
     "heads-not-divisible-by-tp": (["--num-attention-heads", "3", "--hidden-size", "48",
                                    "--model-parallel-size", "2"],
-                                  "--num-attention-heads 3 is not divisible by "
-                                  "--model-parallel-size 2"),
+                                  "--model-parallel-size 2 must divide "
+                                  "--num-attention-heads 3"),
     "ffn-not-divisible-by-tp": (["--ffn-hidden-size", "65", "--model-parallel-size", "2"],
                                 "--model-parallel-size 2 must divide --ffn-hidden-size"),
 }

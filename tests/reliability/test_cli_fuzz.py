@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.arguments import parse_args
+from megatron.config import resolve_config
 from megatron.errors import MegatronError
 from tests.parallel.launching import REPO, clean_environment
 from tests.zero import ds_configs
@@ -86,7 +86,7 @@ def _mutate_config(rng, config):
 
 def _check(argv, world_size, save_dir, outcomes):
     try:
-        parse_args(argv, world_size=world_size)
+        resolve_config(argv, world_size=world_size)
         outcomes["accepted"] += 1
     except USER_ERRORS as error:
         message = str(error)

@@ -311,7 +311,7 @@ def test_unsharded_state_dict_takes_vocab_size_and_checks_it(tp2_run):
 
 def test_key_map_matches_the_model_tags_and_optimizer_groups():
     from megatron.model import GPT2Model, GPTConfig
-    from megatron.training.optimizer import get_param_groups
+    from megatron.training.param_groups import get_param_groups
     torch.manual_seed(0)
     model = GPT2Model(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                                 vocab_size=64, max_position_embeddings=16))
@@ -340,12 +340,13 @@ def test_loading_at_another_tp_size_names_the_tool(corpus, tp2_run, tmp_path, ca
 
 def test_tp1_checkpoint_loaded_by_tp_rank_1_names_the_tool(tp2_run, tmp_path):
     merged = _convert(tp2_run["save"], str(tmp_path / "m"), 1)
-    args = SimpleNamespace(load=merged, model_parallel_size=2)
+    checkpoint = SimpleNamespace(load=merged, save=None)
     mpu.set_model_parallel_world_size(2)
     mpu.set_model_parallel_rank(1)  # this rank's file does not exist at TP=1
     try:
         with pytest.raises(CheckpointError, match="merge_mp_partitions.py") as error:
-            checkpointing.load_checkpoint(None, None, None, args, torch.device("cpu"))
+            checkpointing.load_checkpoint(None, None, checkpoint, {"model_parallel_size": 2},
+                                          torch.device("cpu"))
         assert "saved with --model-parallel-size 1" in str(error.value)
     finally:
         mpu.destroy_model_parallel()

@@ -4,7 +4,8 @@ CPU in fp32), with and without --deepspeed; every flag acts or is refused clearl
 
 import pytest
 
-from megatron.arguments import parse_args
+from megatron.config import resolve_config
+from megatron.config.sections import RecomputeOptions
 from megatron.errors import ConfigError
 from tests.training.test_deepspeed import (NO_DROPOUT, read_losses, run, stage_config,
                                            trainer_argv)
@@ -50,21 +51,21 @@ def test_losses_match_with_deepspeed_config_section(corpus, tmp_path, capsys):
 
 
 def _parse(corpus, tmp_path, *extra):
-    return parse_args(trainer_argv(corpus, tmp_path, 2, *NO_DROPOUT, *extra),
-                      defaults={"tokenizer_type": "GPT2BPETokenizer"}, world_size=1)
+    return resolve_config(trainer_argv(corpus, tmp_path, 2, *NO_DROPOUT, *extra),
+                          defaults={"tokenizer_type": "GPT2BPETokenizer"}, world_size=1)
 
 
 def test_flags_reconcile_with_the_config(corpus, tmp_path):
     config = stage_config(tmp_path, 1, activation_checkpointing={"profile": True})
-    args = _parse(corpus, tmp_path, "--deepspeed", "--deepspeed_config", config,
-                  "--checkpoint-activations", "--distribute-checkpointed-activations",
-                  "--checkpoint-num-layers", "2")
-    assert args.deepspeed_activation_checkpointing
-    assert args.activation_checkpointing == dict(
+    recompute = _parse(corpus, tmp_path, "--deepspeed", "--deepspeed_config", config,
+                       "--checkpoint-activations", "--distribute-checkpointed-activations",
+                       "--checkpoint-num-layers", "2").activation_checkpointing
+    assert recompute.deepspeed_activation_checkpointing == RecomputeOptions(
         partition_activations=True, checkpoint_in_cpu=False, contiguous_checkpointing=False,
         num_checkpoints=1, synchronize=False, profile=True)
-    args = _parse(corpus, tmp_path, "--checkpoint-activations")
-    assert args.activation_checkpointing is None  # Megatron's own recompute
+    recompute = _parse(corpus, tmp_path, "--checkpoint-activations").activation_checkpointing
+    assert recompute.checkpoint_activations
+    assert recompute.deepspeed_activation_checkpointing is None  # Megatron's own recompute
 
 
 @pytest.mark.parametrize("extra, message", [

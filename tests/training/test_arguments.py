@@ -1,8 +1,11 @@
-"""Flag validation: every inconsistency is a ConfigError that shows the arithmetic."""
+"""Resolving the flags: defaults derived once, and every inconsistency a ConfigError that shows
+the arithmetic."""
 
 import pytest
 
-from megatron.arguments import parse_args
+import dataclasses
+
+from megatron.config import resolve_config
 from megatron.errors import ConfigError
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -12,33 +15,76 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 def parse(*extra, world_size=1):
-    return parse_args(BASE + list(extra), world_size=world_size)
+    return resolve_config(BASE + list(extra), world_size=world_size)
 
 
 def test_defaults_and_derived_values():
-    args = parse()
-    assert args.max_position_embeddings == 32
-    assert args.global_batch_size == 4 and args.num_micro_batches == 1
-    assert args.lr_decay_iters == 10 and args.warmup_iters == 0
-    assert args.params_dtype == "float32"
-    args = parse("--global-batch-size", "16", "--model-parallel-size", "2", world_size=4)
-    assert args.data_parallel_size == 2 and args.num_micro_batches == 2
-    assert parse("--bf16").params_dtype == "bfloat16"
-    assert parse("--warmup-iters", "3").warmup_iters == 3
+    config = parse()
+    assert config.model.max_position_embeddings == 32 and config.model.ffn_hidden_size == 256
+    assert config.training.global_batch_size == 4 and config.training.num_micro_batches == 1
+    assert config.optimizer.lr_decay_iters == 10 and config.optimizer.warmup_iters == 0
+    assert config.optimizer.clip_grad == 1.0 and config.model.tile_factor == 1
+    assert config.precision.params_dtype == "float32"
+    assert config.checkpoint.save_interval is None and config.logging.log_dir is None
+    config = parse("--global-batch-size", "16", "--model-parallel-size", "2", world_size=4)
+    assert config.parallel.data_parallel_size == 2 and config.training.num_micro_batches == 2
+    assert parse("--bf16").precision.params_dtype == "bfloat16"
+    assert parse("--warmup-iters", "3").optimizer.warmup_iters == 3
+    config = parse("--save", "ckpt", "--tensorboard-dir", "tb")
+    assert config.checkpoint.save_interval == 10 and config.logging.log_dir == "tb"
+
+
+def test_the_config_is_frozen_and_records_the_flags():
+    config = parse("--fp16")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.model.num_layers = 4
+    flat = config.as_flat_dict()
+    assert flat["num_layers"] == 2 and flat["model_parallel_size"] == 1
+    assert flat["params_dtype"] == "float16" and flat["tokenizer_type"] == "GPT2BPETokenizer"
+
+
+def test_megatron_flags_become_the_stage_0_engine_config():
+    """Without --deepspeed the zero engine runs at stage 0 with what the flags say."""
+    ds = parse("--fp16", "--loss-scale-window", "50", "--hysteresis", "3",
+               "--initial-loss-scale", "1024", "--global-batch-size", "8", "--clip-grad", "0.5",
+               "--ddp-bucket-size", "2", "--fp32-allreduce").engine.ds_config
+    assert ds.zero_optimization.stage == 0 and ds.zero_optimization.overlap_comm
+    assert ds.zero_optimization.reduce_bucket_size == 2 * 2 ** 20 // 4  # fp32 elements
+    assert (ds.fp16.enabled, ds.fp16.initial_scale_power, ds.fp16.loss_scale_window,
+            ds.fp16.hysteresis, ds.fp16.loss_scale) == (True, 10, 50, 3, 0.0)
+    assert ds.gradient_clipping == 0.5 and ds.communication_data_type == "fp32"
+    assert (ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (4, 2)
+    assert parse("--bf16").engine.ds_config.zero_optimization.reduce_bucket_size == \
+        25 * 2 ** 20 // 2
 
 
 def test_named_model_size_fills_unset_flags():
     argv = BASE[6:]  # without --num-layers/--hidden-size/--num-attention-heads
-    args = parse_args(argv + ["--model-size", "gpt2-124m", "--num-layers", "3"], world_size=1)
-    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (3, 768, 12)
+    config = resolve_config(argv + ["--model-size", "gpt2-124m", "--num-layers", "3"],
+                            world_size=1)
+    assert (config.model.num_layers, config.model.hidden_size,
+            config.model.num_attention_heads) == (3, 768, 12)
 
 
 @pytest.mark.parametrize("extra, world_size, message", [
-    (["--num-attention-heads", "5"], 1, "--hidden-size 64 is not divisible by --num-attention-heads 5"),
+    (["--num-attention-heads", "5"], 1, "--num-attention-heads 5 must divide --hidden-size 64 (64 % 5 = 4)"),
     (["--max-position-embeddings", "16"], 1, "--seq-length 32 is longer than --max-position-embeddings 16"),
     (["--global-batch-size", "10"], 2, "--global-batch-size 10 is not divisible by --batch-size 4 x data-parallel size 2 = 8"),
     (["--model-parallel-size", "3"], 4, "world size 4 is not divisible by --model-parallel-size 3"),
-    (["--model-parallel-size", "8", "--num-attention-heads", "4"], 8, "--num-attention-heads 4 is not divisible by --model-parallel-size 8"),
+    (["--model-parallel-size", "8", "--num-attention-heads", "4"], 8, "--model-parallel-size 8 must divide --num-attention-heads 4"),
+    (["--lr", "nan"], 1, "--lr must be non-negative, got nan"),
+    (["--adam-beta2", "1.0"], 1, "--adam-beta2 must be in [0, 1), got 1.0"),
+    (["--hidden-dropout", "1.5"], 1, "--hidden-dropout must be in [0, 1), got 1.5"),
+    (["--warmup", "2"], 1, "--warmup must be a fraction in [0, 1], got 2.0"),
+    (["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes must be positive"),
+    (["--eval-iters", "-1"], 1, "--eval-iters must be >= 0, got -1"),
+    (["--tile-factor", "2"], 1, "--tile-factor 2 has no effect without --memory-centric-tiled-linear"),
+    (["--memory-centric-tiled-linear", "--tile-factor", "3"], 1, "--tile-factor 3 does not divide the layers"),
+    (["--keep-last-n-checkpoints", "2"], 1, "--keep-last-n-checkpoints needs --save"),
+    (["--initial-loss-scale", "1000", "--fp16"], 1, "--initial-loss-scale 1000 must be a power of 2"),
+    (["--loss-scale", "-1", "--fp16"], 1, "--loss-scale must be positive"),
+    (["--ddp-bucket-size", "0"], 1, "--ddp-bucket-size must be a positive number of megabytes"),
+    (["--zero-stage", "1"], 1, "--zero-stage only act(s) with --deepspeed"),
     (["--min-lr", "1"], 1, "--min-lr 1.0 is larger than --lr"),
     (["--fp16", "--bf16"], 1, "mutually exclusive"),
     (["--train-data", "webtext"], 1, "exactly one of --data-path"),
@@ -47,7 +93,7 @@ def test_named_model_size_fills_unset_flags():
     (["--tokenizer-type", "SentencePieceTokenizer"], 1, "needs --tokenizer-model"),
 ])
 def test_inconsistent_flags(extra, world_size, message):
-    with pytest.raises(ConfigError, match=None) as info:
+    with pytest.raises(ConfigError) as info:
         parse(*extra, world_size=world_size)
     assert message in str(info.value)
 
@@ -56,7 +102,7 @@ def test_missing_required_flag():
     argv = [a for a in BASE if a not in ("--lr", "1e-3")]
     assert len(argv) == len(BASE) - 2
     with pytest.raises(ConfigError, match="--lr is required"):
-        parse_args(argv, world_size=1)
+        resolve_config(argv, world_size=1)
 
 
 def test_unknown_flag_is_rejected_not_ignored():

@@ -1,7 +1,9 @@
-"""pretrain_gpt2.py --deepspeed: the zero engine inside the Megatron trainer.
+"""pretrain_gpt2.py --deepspeed: the user's DeepSpeed JSON on the zero engine.
 
-Checked against the trainer without --deepspeed (independent code: MegatronOptimizer, local
-DDP) and against itself only for resume (2N == N + resume + N, bit for bit).
+Both trainers run on the zero engine, so stage 0 under --deepspeed is checked against the
+trainer without it as a consistency check of the config paths; tests/training/
+test_reference.py checks the engine itself against plain PyTorch. Resume is checked against an
+unbroken run (2N == N + resume + N, bit for bit).
 """
 
 import json
@@ -13,7 +15,7 @@ import torch
 
 import pretrain_gpt2
 import zero
-from megatron.arguments import parse_args
+from megatron.config import resolve_config
 from megatron.errors import ConfigError
 from tests.dist_utils import run_distributed
 
@@ -206,38 +208,42 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 def parse(*extra, world_size=1):
-    return parse_args(BASE + [str(e) for e in extra], world_size=world_size)
+    return resolve_config(BASE + [str(e) for e in extra], world_size=world_size)
 
 
 def test_flags_override_the_config_and_fill_its_batch_sizes(tmp_path):
     config = write_config(tmp_path, zero_optimization={"stage": 2, "reduce_bucket_size": 10},
                           bf16={"enabled": True})
-    args = parse("--deepspeed", "--deepspeed_config", config, "--global-batch-size", 16,
-                 "--zero-stage", 1, "--zero-reduce-bucket-size", "5e7",
-                 "--zero-allgather-bucket-size", 1000, "--zero-contigious-gradients",
-                 "--zero-reduce-scatter", world_size=2)
-    final = args.deepspeed_config_dict
+    parsed = parse("--deepspeed", "--deepspeed_config", config, "--global-batch-size", 16,
+                   "--zero-stage", 1, "--zero-reduce-bucket-size", "5e7",
+                   "--zero-allgather-bucket-size", 1000, "--zero-contigious-gradients",
+                   "--zero-reduce-scatter", world_size=2)
+    final = parsed.engine.ds_config.raw
     assert final["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 50_000_000,
                                           "allgather_bucket_size": 1000,
                                           "contiguous_gradients": True,
                                           "reduce_scatter": True}
     assert final["train_micro_batch_size_per_gpu"] == 4
     assert final["gradient_accumulation_steps"] == 2  # 16 / (4 x 2 ranks)
-    assert args.params_dtype == "bfloat16" and args.bf16 and not args.fp16
-    assert args.clip_grad == 0.0  # the config has no gradient_clipping: DeepSpeed's default
+    assert parsed.precision.params_dtype == "bfloat16"
+    assert parsed.precision.bf16 and not parsed.precision.fp16
+    assert parsed.optimizer.clip_grad == 0.0  # no gradient_clipping: DeepSpeed's default
     assert "gradient_clipping" not in final
+    assert parsed.engine.ds_config.zero_optimization.reduce_bucket_size == 50_000_000
     spelled = parse("--deepspeed", "--deepspeed_config", config,
                     "--zero-contiguous-gradients")
-    assert spelled.deepspeed_config_dict["zero_optimization"]["contiguous_gradients"] is True
+    assert spelled.engine.ds_config.zero_optimization.contiguous_gradients is True
 
 
 def test_global_batch_comes_from_the_config_when_not_given(tmp_path):
     config = write_config(tmp_path, train_batch_size=24, train_micro_batch_size_per_gpu=4)
-    args = parse("--deepspeed", "--deepspeed_config", config, world_size=2)
-    assert args.global_batch_size == 24 and args.num_micro_batches == 3  # 24 / (4 x 2)
-    args = parse("--deepspeed", "--deepspeed_config", config, "--clip-grad", 0.5,
-                 world_size=2)
-    assert args.clip_grad == 0.5 and args.deepspeed_config_dict["gradient_clipping"] == 0.5
+    parsed = parse("--deepspeed", "--deepspeed_config", config, world_size=2)
+    assert parsed.training.global_batch_size == 24
+    assert parsed.training.num_micro_batches == 3  # 24 / (4 x 2)
+    parsed = parse("--deepspeed", "--deepspeed_config", config, "--clip-grad", 0.5,
+                   world_size=2)
+    assert parsed.optimizer.clip_grad == 0.5
+    assert parsed.engine.ds_config.gradient_clipping == 0.5
 
 
 def test_deepspeed_mpi_takes_rank_and_world_size_from_mpi(tmp_path, monkeypatch):
@@ -248,9 +254,10 @@ def test_deepspeed_mpi_takes_rank_and_world_size_from_mpi(tmp_path, monkeypatch)
     monkeypatch.setenv("PMI_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "localhost")
     config = write_config(tmp_path, train_micro_batch_size_per_gpu=4)
-    args = parse_args(BASE + ["--deepspeed", "--deepspeed_config", config, "--deepspeed_mpi"])
+    parsed = resolve_config(BASE + ["--deepspeed", "--deepspeed_config", config,
+                                    "--deepspeed_mpi"])
     assert os.environ["RANK"] == "1" and os.environ["WORLD_SIZE"] == "2"
-    assert args.world_size == 2 and args.global_batch_size == 8
+    assert parsed.parallel.world_size == 2 and parsed.training.global_batch_size == 8
 
 
 BAD_FLAGS = {
@@ -281,8 +288,16 @@ BAD_FLAGS = {
         "'zero_optimization.offload_param' needs ZeRO stage 3"),
     "bad-bucket": ({}, ["--zero-reduce-bucket-size", "0"],
                    "--zero-reduce-bucket-size must be a positive number"),
-    "loss-scale": ({}, ["--loss-scale", "128"], "--loss-scale has no effect under --deepspeed"),
-    "no-save-optim": ({}, ["--no-save-optim"], "--no-save-optim is not supported"),
+    "loss-scale-without-fp16": ({}, ["--loss-scale", "128"],
+                                "--loss-scale has no effect: 'fp16.enabled' is not true"),
+    "loss-scale-window-mismatch": ({"fp16": {"enabled": True, "loss_scale_window": 100}},
+                                   ["--loss-scale-window", "200"],
+                                   "--loss-scale-window 200 disagrees with "
+                                   "'fp16.loss_scale_window'"),
+    "fp32-allreduce-mismatch": ({}, ["--fp32-allreduce"],
+                                "--fp32-allreduce True disagrees with 'communication_data_type'"),
+    "ddp-impl": ({}, ["--DDP-impl", "torch"], "--DDP-impl has no effect under --deepspeed"),
+    "no-save-optim": ({}, ["--no-save-optim"], "--no-save-optim has no effect under --deepspeed"),
 }
 
 
@@ -343,5 +358,4 @@ def test_gradient_checkpointing_key_turns_on_recomputation(corpus, tmp_path):
     assert all(a[i][0] == pytest.approx(b[i][0], rel=1e-6) for i in a)
     argv = trainer_argv(corpus, tmp_path / "c", 2, "--deepspeed", "--deepspeed_config",
                         recompute, "--tokenizer-type", "GPT2BPETokenizer")
-    args = parse_args(argv, world_size=1)
-    assert args.checkpoint_activations
+    assert resolve_config(argv, world_size=1).activation_checkpointing.checkpoint_activations

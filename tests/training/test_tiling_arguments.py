@@ -7,13 +7,13 @@ from megatron.errors import ConfigError
 from tests.training.test_arguments import parse
 
 
-def test_tile_factor_defaults_to_one_and_reaches_the_args():
-    assert parse("--memory-centric-tiled-linear", "--tile-factor", "64").tile_factor == 64
-    args = parse("--memory-centric-tiled-linear")
-    assert args.memory_centric_tiled_linear and args.tile_factor == 1
-    assert parse("--memory-centric-tiled-linear", "--tile-factor", "4").tile_factor == 4
-    args = parse()
-    assert not args.memory_centric_tiled_linear and args.tile_factor == 1
+def test_tile_factor_defaults_to_one_and_reaches_the_model_config():
+    assert parse("--memory-centric-tiled-linear", "--tile-factor", "64").model.tile_factor == 64
+    model = parse("--memory-centric-tiled-linear").model
+    assert model.memory_centric_tiled_linear and model.tile_factor == 1
+    assert parse("--memory-centric-tiled-linear", "--tile-factor", "4").model.tile_factor == 4
+    model = parse().model
+    assert not model.memory_centric_tiled_linear and model.tile_factor == 1
 
 
 @pytest.mark.parametrize("extra, world_size, message", [

@@ -273,11 +273,9 @@ def _restore_counters(engine, states, load_lr_scheduler_states, path, client_sta
     if load_lr_scheduler_states and engine.lr_scheduler is not None \
             and states.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
-    engine.global_steps = states["global_steps"]
-    engine.global_samples = states.get("global_samples",
-                                       engine.global_steps * engine.train_batch_size())
-    engine.skipped_steps = states["skipped_steps"]
-    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    steps = states["global_steps"]
+    engine.restore_progress(steps, states.get("global_samples", steps * engine.train_batch_size()),
+                            states["skipped_steps"])
     return path, client_state
 
 

@@ -254,7 +254,7 @@ class TensorboardConfig:
 UNIMPLEMENTED_TOP_LEVEL = {
     "sparse_gradients": False, "dump_state": False, "memory_breakdown": False,
     "dataloader_drop_last": False, "zero_force_ds_cpu_optimizer": True,
-    "communication_data_type": None, "sequence_parallel_size": 1,
+    "sequence_parallel_size": 1,
     "checkpoint": {"tag_validation": "Warn", "load_universal": False,
                    "use_node_local_storage": False},
     "data_types": {"grad_accum_dtype": None},
@@ -277,6 +277,9 @@ class TopLevelConfig:
     gradient_predivide_factor: float = option(1.0)
     zero_allow_untested_optimizer: bool = option(False)
     gradient_checkpointing: bool = option(False)  # our extension
+    # the dtype gradients are all-reduced in; only "fp32" for 16-bit params at stage 0 differs
+    # from the params' own
+    communication_data_type: Optional[str] = option(None, choices=("fp32", "fp16", "bf16"))
     fp16: FP16Config = section(FP16Config)
     bf16: BF16Config = section(BF16Config, aliases=("bfloat16",))
     optimizer: Optional[OptimizerSection] = section(OptimizerSection, optional=True)
@@ -313,6 +316,13 @@ class TopLevelConfig:
             fail(source, f"'gradient_predivide_factor' must be > 0, got "
                          f"{self.gradient_predivide_factor}")
         zero = self.zero_optimization
+        params = "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+        if self.communication_data_type not in (None, params) and (
+                self.communication_data_type != "fp32" or zero.stage != 0):
+            fail(source, f"'communication_data_type' {self.communication_data_type!r} with "
+                         f"{params} parameters at ZeRO stage {zero.stage}: zero communicates "
+                         "gradients in the parameters' dtype, except \"fp32\" for 16-bit "
+                         "parameters at stage 0; drop the key or change it")
         if zero.stage >= 2 and zero.reduce_scatter:
             # DeepSpeed asserts both: its reduce-scatter averages with a fixed 1/dp
             if self.prescale_gradients:

@@ -1,4 +1,8 @@
-"""How the engine turns a model into a ZeRO stage 3 one (called from DeepSpeedEngine).
+"""The optimizer the engine steps through, for the configured ZeRO stage and offload.
+
+Stages 0-2 wrap the base optimizer in a ZeroOptimizer over flat buffers (zero/stages/
+stage1_2.py); with offload_optimizer its masters and states live on the host or NVMe
+(zero/offload/). Stage 3 first turns the model into a partitioned one:
 
 1. Parameters not built under `zero.Init` are partitioned now (each rank keeps its piece of
    DP rank 0's values), over the engine's data-parallel group.
@@ -14,11 +18,46 @@
 import torch
 
 from zero.errors import ConfigError
+from zero.optim.loss_scaler import build_loss_scaler
 from zero.offload.param_swapper import read_shard
 from zero.stages.partition_parameters import (is_zero_param, normalize_remote_device, param_swapper_for,
                                        partition_module)
+from zero.stages.stage1_2 import ZeroOptimizer, ZeroSettings
 from zero.stages.stage3 import Stage3Optimizer, Stage3Settings
 from zero.stages.param_coordinator import Stage3Knobs
+
+
+def build_zero_optimizer(engine, base_optimizer, module_reduces_gradients=False):
+    """The partitioning optimizer for engine.config around `base_optimizer` (a torch one)."""
+    config = engine.config
+    loss_scaler = build_loss_scaler(config)
+    if config.zero_optimization.stage == 3:
+        return build_stage3_optimizer(engine, base_optimizer, loss_scaler)
+    param_order = {p: i for i, p in enumerate(engine.module.parameters())}
+    settings = zero_settings(config, module_reduces_gradients)
+    if config.zero_optimization.offload_optimizer is not None:  # zero/offload
+        from zero.offload import OffloadZeroOptimizer, OptimizerOffload
+        return OffloadZeroOptimizer(
+            base_optimizer, param_order, settings, engine.dp_comm, engine.mp_comm,
+            engine.mp_rank, loss_scaler,
+            offload=OptimizerOffload.from_config(config, engine.global_rank))
+    return ZeroOptimizer(base_optimizer, param_order, settings, engine.dp_comm, engine.mp_comm,
+                         engine.mp_rank, loss_scaler)
+
+
+def zero_settings(config, module_reduces_gradients=False):
+    zero = config.zero_optimization
+    if module_reduces_gradients and zero.stage != 0:
+        raise ConfigError(f"a model that reduces its own gradients (torch DistributedDataParallel)"
+                          f" runs at ZeRO stage 0 only; the config asks for stage {zero.stage}")
+    return ZeroSettings(stage=zero.stage, reduce_bucket_size=zero.reduce_bucket_size,
+                        overlap_comm=bool(zero.overlap_comm), reduce_scatter=zero.reduce_scatter,
+                        prescale_gradients=config.prescale_gradients,
+                        gradient_predivide_factor=config.gradient_predivide_factor,
+                        gradient_clipping=config.gradient_clipping,
+                        ignore_unused_parameters=zero.ignore_unused_parameters,
+                        fp32_communication=config.communication_data_type == "fp32",
+                        external_reduction=module_reduces_gradients)
 
 
 def remote_device_of(config):

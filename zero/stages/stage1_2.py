@@ -34,16 +34,20 @@ from zero.stages.flat_buffers import FlatGroup, FlatLayout
 from zero.stages.partitioned_optimizer import PartitionedOptimizer
 
 
-@dataclass
+@dataclass(frozen=True)
 class ZeroSettings:
-    stage: int = 0
-    reduce_bucket_size: int = 500_000_000
-    overlap_comm: bool = False
-    reduce_scatter: bool = True
-    prescale_gradients: bool = False
-    gradient_predivide_factor: float = 1.0
-    gradient_clipping: float = 0.0
-    ignore_unused_parameters: bool = True
+    """What the config decides for stages 0-2 (zero/stages/build.py fills it from the config,
+    where each key's default lives)."""
+    stage: int
+    reduce_bucket_size: int
+    overlap_comm: bool
+    reduce_scatter: bool
+    prescale_gradients: bool
+    gradient_predivide_factor: float
+    gradient_clipping: float
+    ignore_unused_parameters: bool
+    fp32_communication: bool  # stage 0: all-reduce 16-bit gradients in fp32 (their masters)
+    external_reduction: bool  # the module reduces its own gradients (torch DDP), stage 0
 
 
 class ZeroOptimizer(PartitionedOptimizer):
@@ -149,7 +153,8 @@ class ZeroOptimizer(PartitionedOptimizer):
     def backward(self, loss, reduce_gradients):
         """loss.backward() with loss scaling; reduce over data parallel if `reduce_gradients`
         (stage 2 always reduces: it keeps no full gradients between micro-steps)."""
-        self._reducing = reduce_gradients or self.settings.stage == 2
+        self._reducing = (reduce_gradients and not self.settings.external_reduction) \
+            or self.settings.stage == 2
         if self.settings.stage < 2:
             for group in self.groups:  # the user may have set grads to None (zero_grad)
                 for i in range(len(group.params)):
@@ -233,6 +238,8 @@ class ZeroOptimizer(PartitionedOptimizer):
             source = group.unit(group.full_grads, k)
         else:
             source = group.flat_bucket(group.full_grads, k)
+            if self._reduces_in_masters(group):  # reduce the fp32 copy: the master's grad
+                source = group.flat_bucket(group.master.grad, k).copy_(source)
         if async_op and (self.settings.stage == 2 or group.units is not None):
             while len(self._in_flight) >= 2:  # bound the buffers in flight
                 self._in_flight.pop(0).wait()
@@ -328,10 +335,18 @@ class ZeroOptimizer(PartitionedOptimizer):
         self.optimizer.step()
         self.publish_masters()
 
+    def _reduces_in_masters(self, group):
+        """Stage 0 with fp32 communication of 16-bit gradients: each bucket is copied into
+        the fp32 master's gradient and all-reduced there."""
+        return self.settings.stage == 0 and self.settings.fp32_communication \
+            and not self.settings.external_reduction and not group.master_is_flat
+
     def _stage_master_grads(self):
-        """Stage 0 with 16-bit params: the fp32 master's grad is a copy of the reduced grads."""
+        """Stage 0 with 16-bit params: the fp32 master's grad is a copy of the reduced grads
+        (already there when they were reduced in fp32)."""
         for group in self.groups:
-            if self.settings.stage == 0 and not group.master_is_flat:
+            if self.settings.stage == 0 and not group.master_is_flat \
+                    and not self._reduces_in_masters(group):
                 group.master.grad.copy_(group.full_grads)
 
     def _reduced_grad_norm_sq(self):

@@ -1,7 +1,9 @@
-"""Data-parallel gradient synchronisation (megatron/distributed.py) against one process.
+"""Data-parallel gradient reduction (the zero engine at stage 0, --DDP-impl local and torch)
+against one process.
 
 Every gloo run computes gradients of one global batch split over data-parallel ranks (and
-micro batches); the reference is the same model in the test process on the whole batch.
+micro batches) through the engine; the reference is the same model in the test process on the
+whole batch.
 """
 
 import io
@@ -13,11 +15,12 @@ import torch
 import torch.distributed as dist
 
 import pretrain_gpt2
+import zero
 from megatron import mpu
-from megatron.arguments import parse_args
-from megatron.distributed import COMM_STATS, wrap_data_parallel
+from megatron.config import resolve_config
 from megatron.errors import ConfigError
 from megatron.model import GPT2Model, GPTConfig, get_ltor_masks_and_position_ids
+from megatron.training.torch_ddp import wrap_torch_ddp
 from tests.dist_utils import free_port, run_distributed
 from tests.training.conftest import corpus  # noqa: F401  (the fixture)
 
@@ -70,26 +73,68 @@ def _grads(module):
     return {name: p.grad.detach().clone() for name, p in module.named_parameters()}
 
 
+def _engine(impl, num_micro, dtype, bucket_mb, fp32_allreduce, checkpoint_activations):
+    """The trainer's engine without --deepspeed: ZeRO stage 0 (and torch's DDP for 'torch')."""
+    module = _build_model(dtype, checkpoint_activations)
+    model = module
+    if impl == "torch":
+        model = wrap_torch_ddp(module, mpu.get_data_parallel_group(), bucket_mb, fp32_allreduce)
+    itemsize = 4 if fp32_allreduce or dtype == torch.float32 else 2
+    config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // num_micro //
+              mpu.get_data_parallel_world_size(), "gradient_accumulation_steps": num_micro,
+              "zero_optimization": {"stage": 0, "overlap_comm": True,
+                                    "reduce_bucket_size": int(bucket_mb * 2 ** 20 / itemsize)},
+              "bf16": {"enabled": dtype == torch.bfloat16}}
+    if fp32_allreduce:
+        config["communication_data_type"] = "fp32"
+    engine, *_ = zero.initialize(model=model, optimizer=torch.optim.AdamW(module.parameters()),
+                                 mpu=mpu, config=config)
+    return engine
+
+
+def _reduced_grads(engine):
+    """{name: reduced gradient} after the last backward: param.grad, or the fp32 masters'
+    gradient when 16-bit gradients were reduced in fp32."""
+    grads = {}
+    names = {p: n for n, p in engine.module.named_parameters()}
+    for group in engine.optimizer.groups:
+        in_masters = engine.optimizer._reduces_in_masters(group)
+        for param, offset, numel in zip(group.params, group.layout.offsets,
+                                        group.layout.numels):
+            grad = group.master.grad[offset:offset + numel].view_as(param) if in_masters \
+                else param.grad
+            grads[names[param]] = grad.detach().clone()
+    return grads
+
+
 def _ddp_step(impl, num_micro, dtype=torch.float32, bucket_mb=25.0, fp32_allreduce=False,
               checkpoint_activations=False):
-    """One accumulated step through the wrapper: (grads, comm stats) of this rank."""
-    module = _build_model(dtype, checkpoint_activations)
-    model = wrap_data_parallel(module, impl, mpu.get_data_parallel_group(), bucket_mb,
-                               fp32_allreduce)
+    """One accumulated step's backward through the engine: (grads, comm stats) of this rank."""
+    engine = _engine(impl, num_micro, dtype, bucket_mb, fp32_allreduce, checkpoint_activations)
     batches = _micro_batches(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
                              num_micro)
-    COMM_STATS.reset()
-    for i, (tokens, labels) in enumerate(batches):
-        if i < num_micro - 1:
-            with model.no_sync():
-                (_loss(model, tokens, labels) / num_micro).backward()
-        else:
-            (_loss(model, tokens, labels) / num_micro).backward()
-    model.finish_gradient_synchronization()
-    stats = dict(calls=COMM_STATS.calls, payload_bytes=COMM_STATS.payload_bytes,
-                 launched_in_backward=COMM_STATS.launched_in_backward,
-                 buckets=len(getattr(model, "buckets", [])))
-    return _grads(module), stats
+    stats = engine.optimizer.dp_comm.stats
+    stats.reset()
+    first_param = next(engine.module.parameters())  # the word embeddings: its gradient is last
+    launched = []
+    first_param.register_hook(lambda grad: launched.append(stats.calls("all_reduce")))
+    for tokens, labels in batches:
+        engine.backward(_loss(engine, tokens, labels))
+        # what engine.step() counts, without its optimizer step at the last micro batch
+        engine.micro_steps += 1
+    groups = engine.optimizer.groups
+    result = dict(calls=stats.calls("all_reduce"),
+                  payload_bytes=stats.ops["all_reduce"].payload_bytes if stats.calls(
+                      "all_reduce") else 0,
+                  launched_before_last_grad=launched[-1],
+                  buckets=sum(g.layout.num_buckets for g in groups),
+                  # the flat buffers: the gradients plus alignment padding (zeros)
+                  flat_bytes=sum(g.layout.total * (4 if engine.optimizer._reduces_in_masters(g)
+                                                   else g.full_grads.element_size())
+                                 for g in groups))
+    grads = _reduced_grads(engine)
+    engine.destroy()
+    return grads, result
 
 
 def _local_then_flat_allreduce():
@@ -103,21 +148,6 @@ def _local_then_flat_allreduce():
     dist.all_reduce(flat, group=mpu.get_data_parallel_group())
     return dict(zip([n for n, _ in module.named_parameters()],
                     torch._utils._unflatten_dense_tensors(flat, grads)))
-
-
-def _double_backward_error():
-    model = wrap_data_parallel(_build_model(), "local", mpu.get_data_parallel_group())
-    (tokens, labels), = _micro_batches(mpu.get_data_parallel_rank(),
-                                       mpu.get_data_parallel_world_size(), 1)
-    _loss(model, tokens, labels).backward()  # launches all buckets (one bucket here)
-    try:
-        _loss(model, tokens, labels).backward()
-    except RuntimeError as error:
-        message = str(error)
-    else:
-        message = None
-    model.finish_gradient_synchronization()  # the launched all-reduce completes on all ranks
-    return message
 
 
 def _bf16_local_grads(num_micro=1):
@@ -139,15 +169,14 @@ def dp2_worker(rank, world_size):
                checkpointed=_ddp_step("local", 2, bucket_mb=0.004, checkpoint_activations=True),
                bf16_local_accum=_bf16_local_grads(2),
                bf16_fp32_allreduce_accum=_ddp_step("local", 2, torch.bfloat16, bucket_mb=0.004,
-                                                   fp32_allreduce=True),
-               double_backward=_double_backward_error())
+                                                   fp32_allreduce=True))
     return _to_bytes(out)
 
 
 def world4_worker(rank, world_size, impl):
     """Both layouts of 4 processes; torch's DDP costs ~5 s of imports per process."""
     mpu.initialize_model_parallel(1)
-    out = dict(dp4=_ddp_step(impl, 1), bf16_local=_bf16_local_grads(),
+    out = dict(impl=impl, dp4=_ddp_step(impl, 1), bf16_local=_bf16_local_grads(),
                bf16=_ddp_step(impl, 1, torch.bfloat16),
                bf16_fp32_allreduce=_ddp_step(impl, 1, torch.bfloat16, fp32_allreduce=True))
     mpu.initialize_model_parallel(2)  # tensor-parallel 2 x data-parallel 2
@@ -208,6 +237,12 @@ def _numel(grads, element_size):
     return sum(g.numel() for g in grads.values()) * element_size
 
 
+def _assert_payload(stats, gradient_bytes):
+    """The all-reduces carried the flat gradient buffers, whose padding is a few percent."""
+    assert stats["payload_bytes"] == stats["flat_bytes"]
+    assert gradient_bytes <= stats["flat_bytes"] <= 1.03 * gradient_bytes
+
+
 @pytest.mark.parametrize("case", ["local", "local_accum_small_buckets", "torch_accum",
                                   "checkpointed"])
 def test_dp2_grads_equal_single_process_full_batch(dp2, case):
@@ -229,24 +264,21 @@ def test_dp2_buckets_are_reduced_during_backward_and_bytes_counted(dp2):
     reference, _ = _reference()
     for out in dp2:
         grads, stats = out["local_accum_small_buckets"]
-        # One all-reduce per bucket, all launched from backward hooks (none at finish), and
-        # only on the last micro batch: accumulation passes communicate nothing.
+        # One all-reduce per bucket, most launched from backward hooks before the last
+        # gradient is done, and only on the last micro batch: accumulation passes
+        # communicate nothing.
         assert stats["buckets"] > 5
-        assert stats["calls"] == stats["launched_in_backward"] == stats["buckets"]
-        assert stats["payload_bytes"] == _numel(reference, 4)
-        assert out["torch_accum"][1]["payload_bytes"] == _numel(reference, 4)
-
-
-def test_finishing_a_gradient_twice_is_a_clear_error(dp2):
-    for out in dp2:
-        assert out["double_backward"] is not None and "no_sync()" in out["double_backward"]
+        assert stats["calls"] == stats["buckets"]
+        assert 0 < stats["launched_before_last_grad"] < stats["buckets"]
+        _assert_payload(stats, _numel(reference, 4))
 
 
 def test_dp4_grads_equal_single_process_full_batch(world4):
     reference, _ = _reference()
     for out in world4:
         _assert_grads_match(out["dp4"][0], reference)
-        assert out["dp4"][1]["payload_bytes"] == _numel(reference, 4)
+        if out["impl"] == "local":  # (torch's DDP all-reduces outside the engine's counters)
+            _assert_payload(out["dp4"][1], _numel(reference, 4))
 
 
 def test_tp2_dp2_grads_equal_slices_of_single_process(world4):
@@ -256,34 +288,43 @@ def test_tp2_dp2_grads_equal_slices_of_single_process(world4):
         expected = {name: _expected_shard(ref, params[name], tp_rank)
                     for name, ref in reference.items()}
         _assert_grads_match(out["tp2_accum"][0], expected, what=f"rank {rank}")
-        assert out["tp2_accum"][1]["payload_bytes"] == _numel(expected, 4)
+        if out["impl"] == "local":
+            _assert_payload(out["tp2_accum"][1], _numel(expected, 4))
 
 
-def test_bf16_fp32_allreduce_rounds_the_exact_mean_once(world4):
-    """fp32 all-reduce: bf16(mean of the 4 ranks' bf16 grads); bf16 all-reduce rounds more."""
+def test_bf16_fp32_allreduce_is_the_exact_mean(world4):
+    """fp32 all-reduce: the fp32 masters' gradients hold the mean of the 4 ranks' bf16
+    gradients, exact in fp32 (torch's DDP: rounded to bf16 once); bf16 all-reduce rounds
+    more."""
     local = [out["bf16_local"] for out in world4]
     exact = {name: sum(g[name].double() for g in local) / len(local) for name in local[0]}
     bf16_errors = []
     for out in world4:
         for name, grad in out["bf16_fp32_allreduce"][0].items():
-            assert grad.dtype == torch.bfloat16
-            assert torch.equal(grad, exact[name].to(torch.bfloat16)), name
+            if out["impl"] == "local":
+                assert grad.dtype == torch.float32
+                torch.testing.assert_close(grad.double(), exact[name], rtol=1e-6, atol=0,
+                                           msg=name)
+            else:
+                assert torch.equal(grad, exact[name].to(torch.bfloat16)), name
         for name, grad in out["bf16"][0].items():
             error = (grad.double() - exact[name]).abs().max().item()
             bf16_errors.append(error)
             # bf16 summation still lands within a few bf16 ulps of the exact mean
             assert error <= 2 ** -6 * exact[name].abs().max().item(), name
-        assert out["bf16_fp32_allreduce"][1]["payload_bytes"] == \
-            2 * out["bf16"][1]["payload_bytes"] == _numel(exact, 4)
+        if out["impl"] == "local":
+            _assert_payload(out["bf16_fp32_allreduce"][1], _numel(exact, 4))
+            _assert_payload(out["bf16"][1], _numel(exact, 2))
     assert max(bf16_errors) > 0, "bf16 all-reduce was exact: the test cannot tell fp32 apart"
 
 
 def test_dp2_bf16_accumulation_with_fp32_allreduce_is_the_exact_mean(dp2):
+    """Each rank accumulates its two micro batches in bf16; their mean is reduced in fp32."""
     local = [out["bf16_local_accum"] for out in dp2]
     for out in dp2:
         for name, grad in out["bf16_fp32_allreduce_accum"][0].items():
             exact = (local[0][name].double() + local[1][name].double()) / 2
-            assert torch.equal(grad, exact.to(torch.bfloat16)), name
+            torch.testing.assert_close(grad.double(), exact, rtol=1e-6, atol=0, msg=name)
 
 
 def test_bf16_ddp_grads_close_to_single_process_full_batch(world4):
@@ -328,12 +369,14 @@ _FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "
 
 
 def test_ddp_flags_parse_with_megatron_names():
-    args = parse_args(_FLAGS, world_size=2)
-    assert (args.DDP_impl, args.ddp_bucket_size, args.fp32_allreduce) == ("local", 25.0, False)
-    args = parse_args(_FLAGS + ["--DDP-impl", "torch", "--ddp-bucket-size", "4",
-                                "--fp32-allreduce", "--bf16"], world_size=2)
-    assert (args.DDP_impl, args.ddp_bucket_size, args.fp32_allreduce) == ("torch", 4.0, True)
+    config = resolve_config(_FLAGS, world_size=2)
+    assert (config.parallel.DDP_impl, config.parallel.ddp_bucket_size) == ("local", 25.0)
+    assert config.engine.ds_config.communication_data_type is None
+    config = resolve_config(_FLAGS + ["--DDP-impl", "torch", "--ddp-bucket-size", "4",
+                                      "--fp32-allreduce", "--bf16"], world_size=2)
+    assert (config.parallel.DDP_impl, config.parallel.ddp_bucket_size) == ("torch", 4.0)
+    assert config.engine.ds_config.communication_data_type == "fp32"
     with pytest.raises(ConfigError, match="--ddp-bucket-size must be a positive"):
-        parse_args(_FLAGS + ["--ddp-bucket-size", "0"], world_size=2)
+        resolve_config(_FLAGS + ["--ddp-bucket-size", "0"], world_size=2)
     with pytest.raises(SystemExit):  # argparse: invalid choice
-        parse_args(_FLAGS + ["--DDP-impl", "apex"], world_size=2)
+        resolve_config(_FLAGS + ["--DDP-impl", "apex"], world_size=2)

@@ -1,4 +1,4 @@
-"""Take the model's shape and tokenizer from the checkpoint that `--load` names.
+"""What a `--load` checkpoint supplies: the model's shape and tokenizer.
 
 A checkpoint records the arguments it was trained with (a converted one records the model's
 shape, vocab and tokenizer files), so
@@ -6,16 +6,11 @@ shape, vocab and tokenizer files), so
     python pretrain_gpt2.py --load checkpoints/converted --save out --data-path ... \
         --batch-size 8 --train-iters 100 --lr 1e-4
 
-needs no model flags.  Every key of `FROM_CHECKPOINT` the user did not give on the command
-line is filled from the checkpoint, with one note listing them; a flag the user did give
-keeps its value, and `check_checkpoint_args` rejects it later when it disagrees with the
-checkpoint.  "Given" is decided by parsing the command line a second time with every
-default replaced by argparse.SUPPRESS, so a flag given with its default value
-(`--layernorm-epsilon 1e-5`) still counts as given.
+needs no model flags. Every key of `FROM_CHECKPOINT` the user did not give on the command
+line is taken from the checkpoint, with one note listing them; a flag the user did give keeps
+its value, and loading rejects it later when it disagrees with the checkpoint.
 """
 
-import argparse
-import copy
 import os
 
 import torch
@@ -31,15 +26,8 @@ FROM_CHECKPOINT = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attentio
 # --model-size fills these itself; given, it counts as giving them.
 _NAMED_SIZE_KEYS = ("num_layers", "hidden_size", "num_attention_heads")
 _TOKENIZER_FILE_KEYS = ("vocab_file", "merge_file", "tokenizer_model")
-
-
-def given_on_command_line(parser, argv):
-    """Destinations of the flags present in `argv` (whatever their value)."""
-    probe = copy.deepcopy(parser)
-    for action in probe._actions:  # argparse has no public way to reach every action
-        action.default = argparse.SUPPRESS
-    namespace, _ = probe.parse_known_args(argv)
-    return set(vars(namespace))
+# The model-states file of tensor-parallel rank 0 in DeepSpeed's layout: stages 0-2, stage 3.
+_DEEPSPEED_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
 def saved_args_of(load_dir, deepspeed=False):
@@ -48,10 +36,10 @@ def saved_args_of(load_dir, deepspeed=False):
         return None
     path = _deepspeed_states_path(load_dir) if deepspeed else _megatron_path(load_dir)
     if path is None or not os.path.isfile(path):
-        return None  # a missing file is reported by load_checkpoint with its full context
+        return None  # a missing file is reported by the load itself, with its full context
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 -- load_checkpoint reports a damaged file properly
+    except Exception:  # noqa: BLE001 -- the load itself reports a damaged file properly
         return None
     saved = state.get("args") if isinstance(state, dict) else None
     return saved if isinstance(saved, dict) else None
@@ -70,38 +58,39 @@ def _deepspeed_states_path(load_dir):
         return None
     with open(latest) as f:
         tag = f.read().strip()
-    return os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")
+    for name in _DEEPSPEED_STATES:
+        path = os.path.join(load_dir, tag, name)
+        if os.path.isfile(path):
+            return path
+    return None
 
 
-def fill_model_args_from_checkpoint(args, given, log=print):
-    """Set each FROM_CHECKPOINT key of `args` not in `given` from the checkpoint at
-    args.load; returns the keys whose value that changed."""
-    saved = saved_args_of(getattr(args, "load", None), getattr(args, "deepspeed", False))
+def values_from_checkpoint(raw, given):
+    """{flag: value} for each FROM_CHECKPOINT flag not in `given` that the checkpoint at
+    raw["load"] records differently; `raw` is the parsed command line."""
+    saved = saved_args_of(raw.get("load"), raw.get("deepspeed", False))
     if saved is None:
-        return []
+        return {}
     skip = set(given)
     if "model_size" in given:
         skip.update(_NAMED_SIZE_KEYS)
     if given & {"tokenizer_type", *_TOKENIZER_FILE_KEYS}:
         # A tokenizer named on the command line replaces the recorded one as a whole.
         skip.update(("tokenizer_type", *_TOKENIZER_FILE_KEYS))
-    filled = []
+    taken = {}
     for key in FROM_CHECKPOINT:
         value = saved.get(key)
-        if key in skip or value is None:
+        if key in skip or value is None or raw.get(key) == value:
             continue
         if key in _TOKENIZER_FILE_KEYS and not os.path.isfile(value):
             raise CheckpointError(
-                f"checkpoint {args.load} records --{key.replace('_', '-')} {value}, which does "
+                f"checkpoint {raw['load']} records --{key.replace('_', '-')} {value}, which does "
                 "not exist here; give the tokenizer files on the command line")
-        if getattr(args, key, None) != value:  # a resume with full flags stays quiet
-            setattr(args, key, value)
-            filled.append(key)
-    if filled and _is_first_process():
-        log(" taking from checkpoint " + args.load + ": " + ", ".join(
-            f"--{key.replace('_', '-')} {getattr(args, key)}" for key in filled), flush=True)
-    return filled
+        taken[key] = value
+    return taken
 
 
-def _is_first_process():
-    return int(os.environ.get("RANK", "0")) == 0
+def describe(load_dir, taken):
+    """The one line that says what was taken from the checkpoint."""
+    return " taking from checkpoint " + load_dir + ": " + ", ".join(
+        f"--{key.replace('_', '-')} {value}" for key, value in taken.items())

@@ -1,0 +1,111 @@
+"""--deepspeed checkpoints: DeepSpeed's layout written by the zero engine, plus the trainer's
+client state and Megatron's tracker file, as Megatron-DeepSpeed's save_ds_checkpoint does.
+
+    <save>/global_step200/...           the engine's files (zero.checkpoint.layout)
+    <save>/latest                       "global_step200"
+    <save>/latest_checkpointed_iteration.txt   "200" (Megatron's tracker, for the tools)
+
+The client state holds the iteration, the data position, the run's args and the RNG states.
+"""
+
+import os
+
+import torch
+from zero.checkpoint.layout import model_states_name, read_latest
+from zero.checkpoint.stage3 import model_states_name as stage3_model_states_name
+
+from megatron import mpu
+from megatron.checkpointing.files import (atomic_write_text, barrier, is_global_rank0,
+                                          load_failure_reason)
+from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, TRACKER_FILENAME,
+                                                    check_checkpoint_args,
+                                                    get_checkpoint_tracker_filename,
+                                                    resuming_own_save)
+from megatron.checkpointing.retention import DEEPSPEED_LAYOUT, prune_checkpoints
+from megatron.checkpointing.rng import get_rng_states, set_rng_states
+from megatron.errors import CheckpointError
+
+
+def checkpoint_tag(iteration):
+    return f"global_step{iteration}"
+
+
+def save_checkpoint(iteration, engine, checkpoint, run_args, train_state, device):
+    """DeepSpeed's layout through the engine (every rank), then Megatron's tracker."""
+    client_state = {
+        "iteration": iteration,
+        "consumed_train_samples": train_state["consumed_train_samples"],
+        "train_state": dict(train_state),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "args": dict(run_args),
+    }
+    if not checkpoint.no_save_rng:
+        client_state.update(get_rng_states(device))
+    engine.save_checkpoint(checkpoint.save, tag=checkpoint_tag(iteration),
+                           client_state=client_state)
+    if is_global_rank0():
+        atomic_write_text(get_checkpoint_tracker_filename(checkpoint.save), str(iteration),
+                          point="save.tracker")
+        # After `latest` and the tracker name the new checkpoint: older ones may go.
+        prune_checkpoints(checkpoint.save, checkpoint.keep_last_n_checkpoints,
+                          DEEPSPEED_LAYOUT)
+    barrier()
+
+
+def load_checkpoint(engine, checkpoint, run_args, device):
+    """Resume from checkpoint.load (the tag its `latest` names). Returns the train_state to
+    continue from, or None when there is nothing to resume."""
+    load_dir = checkpoint.load
+    tag = read_latest(load_dir)
+    if tag is None:
+        _explain_missing_latest(checkpoint)
+        return None
+    if engine.zero_optimization_stage() == 3:  # one model states file per DP rank
+        states_name = stage3_model_states_name(0, mpu.get_model_parallel_rank())
+    else:
+        states_name = model_states_name(mpu.get_model_parallel_rank())
+    _check_saved_args(os.path.join(load_dir, tag, states_name), run_args)
+    fresh_optimizer = checkpoint.no_load_optim or checkpoint.finetune
+    path, client_state = engine.load_checkpoint(
+        load_dir, tag=tag, load_optimizer_states=not fresh_optimizer,
+        load_lr_scheduler_states=not fresh_optimizer, load_module_only=checkpoint.finetune)
+    if checkpoint.finetune:
+        return {"iteration": 0, "consumed_train_samples": 0, "skipped_iters": 0}
+    if not checkpoint.no_load_rng:
+        if "torch_rng_state" not in client_state:
+            raise CheckpointError(f"{path} has no RNG state (saved with --no-save-rng); load it "
+                                  "with --no-load-rng")
+        set_rng_states(client_state, device)
+    train_state = dict(client_state.get("train_state", {}))
+    train_state["iteration"] = int(client_state.get("iteration", engine.global_steps))
+    train_state["consumed_train_samples"] = int(client_state.get(
+        "consumed_train_samples", engine.global_samples))
+    train_state["skipped_iters"] = engine.skipped_steps
+    return train_state
+
+
+def _explain_missing_latest(checkpoint):
+    load_dir = checkpoint.load
+    if os.path.isfile(get_checkpoint_tracker_filename(load_dir)):
+        raise CheckpointError(
+            f"--load {load_dir} holds a Megatron-layout checkpoint ({TRACKER_FILENAME}, "
+            "iter_*/) but no DeepSpeed 'latest' file: it was saved without --deepspeed. Resume "
+            "it without --deepspeed, or start this run from its weights with a fresh --save "
+            "directory")
+    if os.path.isdir(load_dir) and os.listdir(load_dir) and not resuming_own_save(checkpoint):
+        raise CheckpointError(f"--load {load_dir} has no 'latest' file; point --load at a "
+                              "directory written by --save with --deepspeed")
+
+
+def _check_saved_args(model_states_path, run_args):
+    """Shape-defining flags must match the checkpoint's: say which differ before loading."""
+    if not os.path.isfile(model_states_path):
+        return  # the engine names what is missing
+    try:
+        states = torch.load(model_states_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read checkpoint {model_states_path}: "
+                              f"{load_failure_reason(exc)}. The file is corrupt or not a "
+                              "plain-tensor checkpoint") from None
+    if isinstance(states.get("args"), dict):
+        check_checkpoint_args(states["args"], run_args, model_states_path)

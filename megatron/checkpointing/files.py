@@ -1,0 +1,86 @@
+"""Checkpoint files that are complete or absent: atomic writes, and reads that execute no
+pickled code. Both layouts (Megatron's and DeepSpeed's) write through these.
+
+Every file is written to a temporary name, fsynced and renamed, so a crash at any moment
+leaves either the old file or the new one, never a partial one.
+"""
+
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+from megatron.errors import CheckpointError
+from megatron.runtime.fault_injection import kill_point
+from megatron.runtime.fault_injection import writer as fault_writer
+
+
+def atomic_torch_save(obj, path):
+    """torch.save to `path` so that `path` is either absent/old or complete, never partial."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        kill_point("save.file.tmp_opened")
+        torch.save(obj, fault_writer(f, "save.file.tmp_half_written"))
+        kill_point("save.file.tmp_written")
+        f.flush()
+        os.fsync(f.fileno())
+    kill_point("save.file.tmp_synced")
+    os.replace(tmp, path)
+    kill_point("save.file.renamed")
+    _fsync_dir(os.path.dirname(path))
+
+
+def atomic_write_text(path, text, point=None):
+    """Replace `path` by `text` atomically; `point` names the kill points on the way."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    if point:
+        kill_point(f"{point}.tmp_written")
+    os.replace(tmp, path)
+    if point:
+        kill_point(f"{point}.renamed")
+    _fsync_dir(os.path.dirname(path))
+
+
+def _fsync_dir(directory):
+    fd = os.open(directory or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def safe_load(path):
+    """Load a checkpoint file without executing pickled code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} does not exist") from None
+    except Exception as exc:  # corrupt file or a pickle with code in it
+        raise CheckpointError(f"cannot read checkpoint {path}: {load_failure_reason(exc)}. The "
+                              "file is corrupt or not a plain-tensor checkpoint (refused: "
+                              "only tensors and plain containers are unpickled)") from None
+
+
+def load_failure_reason(exc):
+    """One line out of torch.load's multi-paragraph error: what it refused, or the first line."""
+    text = str(exc)
+    refused = re.search(r"Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+", text)
+    if refused:
+        return refused.group(0)
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return first[:300]
+
+
+def barrier():
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def is_global_rank0():
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -1,0 +1,260 @@
+"""The zero engine's config: the user's DeepSpeed JSON under --deepspeed, else the ZeRO stage 0
+config the Megatron flags describe. Either way it is parsed once into a typed
+`DeepSpeedConfig`, which the engine receives as it is.
+
+Under --deepspeed the JSON decides what DeepSpeed's JSON decides (ZeRO, precision, clipping,
+batch sizes, and the optimizer and schedule when it has those sections). Megatron flags that
+describe the same thing fill what the JSON leaves out, or must agree with it:
+
+    train_micro_batch_size_per_gpu    <->  --batch-size
+    train_batch_size                  <->  --global-batch-size (taken from the JSON when the
+                                           flag is not given)
+    gradient_accumulation_steps       <->  --global-batch-size / (--batch-size x data-parallel)
+    fp16.enabled / bf16.enabled       <->  --fp16 / --bf16 (absent flags: the JSON decides)
+    gradient_clipping                 <->  --clip-grad (absent flag: the JSON decides)
+    zero_optimization.stage, ...      <-   --zero-stage, --zero-reduce-scatter,
+                                           --zero-contigious-gradients,
+                                           --zero-reduce-bucket-size,
+                                           --zero-allgather-bucket-size (the flags win)
+    gradient_checkpointing            ->   --checkpoint-activations (our extension)
+
+Without --deepspeed the flags are the whole story:
+
+    --batch-size, --global-batch-size  ->  train_micro_batch_size_per_gpu, accumulation steps
+    --clip-grad (default 1.0)          ->  gradient_clipping
+    --fp16 --loss-scale --initial-loss-scale --loss-scale-window --hysteresis --min-scale
+                                       ->  fp16 {enabled, loss_scale, initial_scale_power, ...}
+    --bf16                             ->  bf16.enabled
+    --ddp-bucket-size MB (default 25)  ->  zero_optimization {stage 0, reduce_bucket_size in
+                                           gradient elements, overlap_comm}
+    --fp32-allreduce                   ->  communication_data_type "fp32"
+"""
+
+import copy
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from megatron.errors import ConfigError
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
+              "gradient_accumulation_steps")
+# flag dest -> zero_optimization key it overrides
+ZERO_FLAG_KEYS = (("zero_stage", "stage"), ("zero_reduce_scatter", "reduce_scatter"),
+                  ("zero_contiguous_gradients", "contiguous_gradients"),
+                  ("zero_reduce_bucket_size", "reduce_bucket_size"),
+                  ("zero_allgather_bucket_size", "allgather_bucket_size"))
+# flag dest -> how it is spelled (DeepSpeed's own flags use underscores)
+DEEPSPEED_ONLY_FLAGS = {
+    "cpu_optimizer": "--cpu-optimizer", "cpu_torch_adam": "--cpu_torch_adam",
+    "deepspeed_config": "--deepspeed_config", "deepscale_config": "--deepscale_config",
+    "deepspeed_mpi": "--deepspeed_mpi", "remote_device": "--remote-device",
+    "use_pin_memory": "--use-pin-memory",
+    **{dest: f"--{dest.replace('_', '-')}" for dest, _ in ZERO_FLAG_KEYS}}
+# Megatron flags with no job under --deepspeed: given, they are errors.
+_NO_EFFECT_UNDER_DEEPSPEED = {
+    "DDP_impl": ("--DDP-impl", "the zero engine reduces the gradients as {source} configures"),
+    "ddp_bucket_size": ("--ddp-bucket-size",
+                        "the bucket size is zero_optimization.reduce_bucket_size in {source}"),
+    "no_save_optim": ("--no-save-optim", "the zero engine always saves its partitioned "
+                      "optimizer states (use --no-load-optim or --finetune when loading "
+                      "instead)"),
+}
+# Megatron flags the DeepSpeed JSON also sets under --deepspeed: given, they must agree with it.
+# flag dest -> (flag, JSON key, the JSON's value in the flag's terms)
+_MUST_AGREE = {
+    "loss_scale": ("--loss-scale", "fp16.loss_scale",
+                   lambda c: c.fp16.loss_scale if c.fp16.loss_scale > 0 else None),
+    "initial_loss_scale": ("--initial-loss-scale", "fp16.initial_scale_power",
+                           lambda c: 2.0 ** c.fp16.initial_scale_power),
+    "min_scale": ("--min-scale", "fp16.min_loss_scale", lambda c: c.fp16.min_loss_scale),
+    "loss_scale_window": ("--loss-scale-window", "fp16.loss_scale_window",
+                          lambda c: c.fp16.loss_scale_window),
+    "hysteresis": ("--hysteresis", "fp16.hysteresis", lambda c: c.fp16.hysteresis),
+    "fp32_allreduce": ("--fp32-allreduce", "communication_data_type",
+                       lambda c: c.communication_data_type == "fp32"),
+}
+DEFAULT_DDP_BUCKET_MB = 25.0
+DEFAULT_CLIP_GRAD = 1.0
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What the engine config decides for the rest of the trainer's config."""
+    ds_config: object  # zero.config.deepspeed_config.DeepSpeedConfig
+    global_batch_size: int
+    num_micro_batches: int
+    fp16: bool
+    bf16: bool
+    clip_grad: float
+    checkpoint_activations: bool
+
+
+def settle_engine(raw, given, data_parallel_size, num_micro_batches):
+    """The engine config for the parsed flags `raw` (given: the flags on the command line)."""
+    if raw["deepspeed"]:
+        return _from_deepspeed_json(raw, given, data_parallel_size, num_micro_batches)
+    stray = [flag for dest, flag in DEEPSPEED_ONLY_FLAGS.items() if dest in given]
+    if stray:
+        raise ConfigError(f"{', '.join(stray)} only act(s) with --deepspeed; add --deepspeed "
+                          "to train with a DeepSpeed config, or drop them")
+    return _from_megatron_flags(raw, data_parallel_size, num_micro_batches)
+
+
+# ----------------------------------------------------------------------------- --deepspeed
+
+def _from_deepspeed_json(raw, given, dp, num_micro_batches):
+    from zero.config.arguments import resolve_config_from_args
+    from zero.config.deepspeed_config import load_config_dict
+    if raw["deepspeed_config"] is None and raw["deepscale_config"] is None:
+        raise ConfigError("--deepspeed needs --deepspeed_config <ds_config.json> (e.g. "
+                          "scripts/ds_zero_stage_2.config)")
+    path = resolve_config_from_args(SimpleNamespace(deepspeed_config=raw["deepspeed_config"],
+                                                    deepscale_config=raw["deepscale_config"]))
+    final, source = load_config_dict(path)
+    for dest, (flag, reason) in _NO_EFFECT_UNDER_DEEPSPEED.items():
+        if dest in given:
+            raise ConfigError(f"{flag} has no effect under --deepspeed: "
+                              f"{reason.format(source=source)}; drop the flag")
+    _apply_zero_flags(final, raw, source)
+    stage = final.get("zero_optimization", {}).get("stage", 0)
+    if stage != 3 and (raw["remote_device"] is not None or raw["use_pin_memory"]):
+        flag = "--remote-device" if raw["remote_device"] is not None else "--use-pin-memory"
+        raise ConfigError(f"{flag} places ZeRO stage 3 parameter partitions (zero.Init), but "
+                          f"the ZeRO stage is {stage}; add --zero-stage 3 or drop {flag}")
+    if all(final.get(key) is None for key in BATCH_KEYS):
+        final["train_micro_batch_size_per_gpu"] = raw["batch_size"]
+        final["gradient_accumulation_steps"] = num_micro_batches
+    if raw["clip_grad"] is not None and "gradient_clipping" not in final:
+        final["gradient_clipping"] = raw["clip_grad"]
+    config = _parse(final, dp, source)
+    _check_agreement(raw, given, config, source)
+    global_batch, micro_batches = _settle_batch(raw, config, dp, source)
+    fp16, bf16 = _settle_precision(raw, config, source)
+    if raw["clip_grad"] is not None and raw["clip_grad"] != config.gradient_clipping:
+        raise ConfigError(f"--clip-grad {raw['clip_grad']} disagrees with 'gradient_clipping': "
+                          f"{config.gradient_clipping} in DeepSpeed config {source}; the config "
+                          "decides under --deepspeed: drop --clip-grad or change the config")
+    return Settled(config, global_batch, micro_batches, fp16, bf16, config.gradient_clipping,
+                   raw["checkpoint_activations"] or config.gradient_checkpointing)
+
+
+def _parse(config_dict, data_parallel_size, source):
+    """zero's strict parse of the final dict; errors name the user's file, not '(dict)'."""
+    import zero
+    try:
+        return zero.DeepSpeedConfig(config_dict, data_parallel_size)
+    except zero.ConfigError as error:
+        message = str(error).replace("DeepSpeed config (dict)", f"DeepSpeed config {source}")
+        raise zero.ConfigError(message) from None
+
+
+def _apply_zero_flags(final, raw, source):
+    section = final.get("zero_optimization", {})
+    if isinstance(section, bool):  # ZeRO-1 era spelling: true = stage 1
+        section = {"stage": int(section)}
+    if not isinstance(section, dict):
+        raise ConfigError(f"DeepSpeed config {source}: 'zero_optimization' must be an object "
+                          f"{{...}}, got {section!r}")
+    if raw["zero_stage"] is not None and raw["zero_stage"] not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero-stage {raw['zero_stage']} is not a ZeRO stage; use 0, 1, 2 "
+                          "or 3")
+    for dest, key in ZERO_FLAG_KEYS:
+        value = raw[dest]
+        if value is None:
+            continue
+        if key.endswith("bucket_size") and value < 1:
+            raise ConfigError(f"--{dest.replace('_', '-')} must be a positive number of "
+                              f"elements, got {value}")
+        section[key] = value
+    if section or "zero_optimization" in final:
+        final["zero_optimization"] = section
+
+
+def _check_agreement(raw, given, config, source):
+    for dest, (flag, key, json_value) in _MUST_AGREE.items():
+        if dest not in given:
+            continue
+        if key.startswith("fp16.") and not config.fp16.enabled:
+            raise ConfigError(f"{flag} has no effect: 'fp16.enabled' is not true in DeepSpeed "
+                              f"config {source}, so nothing is loss-scaled; drop the flag")
+        if raw[dest] != json_value(config):
+            raise ConfigError(f"{flag} {raw[dest]} disagrees with '{key}' in DeepSpeed config "
+                              f"{source}, which decides under --deepspeed; drop the flag or "
+                              "change the config")
+
+
+def _settle_batch(raw, config, dp, source):
+    micro, gas, total = (config.train_micro_batch_size_per_gpu,
+                         config.gradient_accumulation_steps, config.train_batch_size)
+    from_config = (f"DeepSpeed config {source}: train_batch_size {total} = "
+                   f"train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps "
+                   f"{gas} x data-parallel size {dp}")
+    if micro != raw["batch_size"]:
+        raise ConfigError(f"--batch-size {raw['batch_size']} disagrees with {from_config}; "
+                          "make --batch-size equal train_micro_batch_size_per_gpu, or remove "
+                          "the batch sizes from the config to take them from the flags")
+    if raw["global_batch_size"] is not None and total != raw["global_batch_size"]:
+        raise ConfigError(f"--global-batch-size {raw['global_batch_size']} disagrees with "
+                          f"{from_config}; make them equal, or drop --global-batch-size to "
+                          "take it from the config")
+    return total, gas
+
+
+def _settle_precision(raw, config, source):
+    for flag, wanted, key in (("--fp16", raw["fp16"], "fp16"), ("--bf16", raw["bf16"], "bf16")):
+        if wanted and not getattr(config, key).enabled:
+            raise ConfigError(f"{flag} is given but '{key}.enabled' is not true in DeepSpeed "
+                              f"config {source}; under --deepspeed the config decides the "
+                              f"precision: drop {flag} or enable {key} in the config")
+    return bool(config.fp16.enabled), bool(config.bf16.enabled)
+
+
+# ------------------------------------------------------------------------- Megatron flags
+
+def _from_megatron_flags(raw, dp, num_micro_batches):
+    clip = DEFAULT_CLIP_GRAD if raw["clip_grad"] is None else raw["clip_grad"]
+    bucket_mb = DEFAULT_DDP_BUCKET_MB if raw["ddp_bucket_size"] is None \
+        else raw["ddp_bucket_size"]
+    if not (math.isfinite(bucket_mb) and bucket_mb > 0):
+        raise ConfigError(f"--ddp-bucket-size must be a positive number of megabytes, got "
+                          f"{raw['ddp_bucket_size']}")
+    if not (math.isfinite(clip) and clip >= 0):
+        raise ConfigError(f"--clip-grad must be >= 0 (0 disables clipping), got {clip}")
+    comm_bytes = 4 if raw["fp32_allreduce"] or not (raw["fp16"] or raw["bf16"]) else 2
+    config = {
+        "train_micro_batch_size_per_gpu": raw["batch_size"],
+        "gradient_accumulation_steps": num_micro_batches,
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": 0, "overlap_comm": True,
+                              "reduce_bucket_size": max(1, int(bucket_mb * 2 ** 20 /
+                                                               comm_bytes))},
+        "fp16": _fp16_section(raw) if raw["fp16"] else {"enabled": False},
+        "bf16": {"enabled": bool(raw["bf16"])},
+    }
+    if raw["fp32_allreduce"]:
+        config["communication_data_type"] = "fp32"
+    parsed = _parse(copy.deepcopy(config), dp, "built from the command-line flags")
+    return Settled(parsed, parsed.train_batch_size, num_micro_batches, bool(raw["fp16"]),
+                   bool(raw["bf16"]), clip, raw["checkpoint_activations"])
+
+
+def _fp16_section(raw):
+    if raw["loss_scale"] is not None and not (math.isfinite(raw["loss_scale"])
+                                              and raw["loss_scale"] > 0):
+        raise ConfigError(f"--loss-scale must be positive, got {raw['loss_scale']}; leave it "
+                          "out for dynamic loss scaling")
+    initial, minimum = raw["initial_loss_scale"], raw["min_scale"]
+    if not (math.isfinite(initial) and initial > 0 and math.isfinite(minimum) and minimum > 0):
+        raise ConfigError(f"--initial-loss-scale ({initial}) and --min-scale ({minimum}) must "
+                          "be positive")
+    power = math.log2(initial)
+    if power != int(power) or not 0 <= power <= 127:
+        raise ConfigError(f"--initial-loss-scale {initial:g} must be a power of 2 between 1 "
+                          "and 2**127 (dynamic scaling halves and doubles it)")
+    if raw["loss_scale_window"] < 1 or raw["hysteresis"] < 1:
+        raise ConfigError(f"--loss-scale-window ({raw['loss_scale_window']}) and --hysteresis "
+                          f"({raw['hysteresis']}) must be at least 1")
+    return {"enabled": True, "loss_scale": raw["loss_scale"] or 0.0,
+            "initial_scale_power": int(power), "loss_scale_window": raw["loss_scale_window"],
+            "hysteresis": raw["hysteresis"], "min_loss_scale": minimum}

@@ -1,0 +1,291 @@
+"""The command line: Megatron-LM 1.1.5's flag names plus DeepSpeed's and Megatron-DeepSpeed's.
+
+Each flag's default is written here once. A default of None means "not given": the value is
+then derived from other flags in `megatron/config/resolve.py`, as the help text says. Flags of
+the original trainers that this one does not implement are not accepted (argparse says so)
+rather than parsed and ignored.
+"""
+
+import argparse
+import copy
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description="Megatron-style GPT-2 pretraining",
+                                     allow_abbrev=False)
+    for add_group in (_network, _regularization, _training, _learning_rate, _checkpointing,
+                      _mixed_precision, _distributed, _validation, _data, _logging,
+                      _reliability, _deepspeed, _zero, _activation_checkpointing, _tiling):
+        add_group(parser)
+    return parser
+
+
+def given_on_command_line(parser, argv):
+    """Destinations of the flags present in `argv`, whatever their value: `--layernorm-epsilon
+    1e-5` counts as given even though 1e-5 is the default."""
+    probe = copy.deepcopy(parser)
+    for action in probe._actions:  # argparse has no public way to reach every action
+        action.default = argparse.SUPPRESS
+    namespace, _ = probe.parse_known_args(argv)
+    return set(vars(namespace))
+
+
+def _byte_count(text):
+    """Bucket sizes as DeepSpeed scripts write them: 50000000 or 5e7."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return int(value)
+
+
+def _network(parser):
+    g = parser.add_argument_group("network size")
+    g.add_argument("--model-size", default=None,
+                   help="named size from megatron.model.MODEL_SIZES (e.g. gpt2-124m); fills "
+                        "--num-layers/--hidden-size/--num-attention-heads not given explicitly")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP inner size (default 4 * hidden)")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="default: --seq-length")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocab to a multiple of this times --model-parallel-size")
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+
+def _regularization(parser):
+    g = parser.add_argument_group("regularization")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=None,
+                   help="0 disables clipping (default 1.0; under --deepspeed the config's "
+                        "gradient_clipping)")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+
+
+def _training(parser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="micro batch size per data-parallel rank")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per iteration over all data-parallel ranks; larger than "
+                        "batch-size x data-parallel-size means gradient accumulation (default: "
+                        "batch-size x data-parallel-size, or the DeepSpeed config's)")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving, if --save is set) when iteration %% N == 0")
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each chunk of --checkpoint-num-layers layers in backward")
+    g.add_argument("--checkpoint-num-layers", type=int, default=1)
+    g.add_argument("--seed", type=int, default=1234)
+
+
+def _learning_rate(parser):
+    g = parser.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "exponential"])
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--warmup", type=float, default=0.01,
+                   help="fraction of --lr-decay-iters used for linear warmup")
+    g.add_argument("--warmup-iters", type=int, default=None, help="overrides --warmup")
+    g.add_argument("--override-lr-scheduler", action="store_true",
+                   help="on --load, use the schedule from the flags, not the checkpoint")
+    g.add_argument("--use-checkpoint-lr-scheduler", action="store_true",
+                   help="on --load, use the schedule stored in the checkpoint")
+
+
+def _checkpointing(parser):
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="directory to save checkpoints to")
+    g.add_argument("--save-interval", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--load", default=None,
+                   help="directory to resume from; model flags left out are taken from its "
+                        "checkpoint")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load model weights only; start at iteration 0 with fresh optimizer")
+
+
+def _mixed_precision(parser):
+    g = parser.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 parameters with fp32 master weights and loss scaling")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters with fp32 master weights (no loss scaling)")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="static loss scale; default (None) is dynamic loss scaling")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32,
+                   help="dynamic loss scaling starts here (a power of 2)")
+    g.add_argument("--min-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+
+def _distributed(parser):
+    g = parser.add_argument_group("distributed")
+    g.add_argument("--model-parallel-size", type=int, default=1,
+                   help="tensor-parallel size; adjacent ranks form a tensor-parallel group")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   help="default: nccl on CUDA, gloo on CPU")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank",
+                   help="set by torch.distributed.launch; torchrun uses LOCAL_RANK instead")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="a collective (or the start-up rendezvous) that waits longer than "
+                        "this for another rank fails instead of hanging; fractions allowed")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per process (default: cores / local processes)")
+    g.add_argument("--DDP-impl", default="local", choices=["local", "torch"], dest="DDP_impl",
+                   help="data-parallel gradient all-reduce without --deepspeed: local (the "
+                        "zero engine's stage 0 buckets, overlapped with backward) or torch "
+                        "(torch.nn.parallel.DistributedDataParallel)")
+    g.add_argument("--ddp-bucket-size", type=float, default=None, metavar="MB",
+                   help="megabytes of gradients per all-reduce bucket without --deepspeed "
+                        "(default 25); smaller buckets start communicating earlier in "
+                        "backward, larger ones make fewer calls")
+    g.add_argument("--fp32-allreduce", action="store_true",
+                   help="all-reduce 16-bit (--fp16/--bf16) gradients in fp32 (ZeRO stage 0)")
+
+
+def _validation(parser):
+    g = parser.add_argument_group("validation")
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+
+
+def _data(parser):
+    g = parser.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", default=None,
+                   help="prefix of a preprocessed dataset (without .bin/.idx)")
+    g.add_argument("--train-data", default=None,
+                   help="a named loose-JSON corpus (webtext) or a .json path; tokenized into "
+                        ".bin/.idx next to it on first use")
+    g.add_argument("--data-impl", default="mmap", choices=["mmap", "infer"],
+                   help="only the mmap (MMIDIDX) format is supported; infer checks the file")
+    g.add_argument("--mmap-warmup", action="store_true",
+                   help="read the whole .bin once at start to warm the page cache")
+    g.add_argument("--split", default="969, 30, 1",
+                   help="train,valid,test weights over documents")
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--tokenizer-type", default=None,
+                   choices=["GPT2BPETokenizer", "SentencePieceTokenizer"])
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", default=None, help="SentencePiece model file")
+    g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+
+def _logging(parser):
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-dir", default=None,
+                   help="where metrics.jsonl goes (default: --tensorboard-dir, else --save)")
+
+
+def _reliability(parser):
+    g = parser.add_argument_group("reliability")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, every rank saves at the next iteration boundary (when "
+                        "--save is set) and exits 0")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save and exit once the job has run this many minutes")
+    g.add_argument("--keep-last-n-checkpoints", type=int, default=None, metavar="N",
+                   help="after each save, delete all but the newest N checkpoints in --save "
+                        "(the new one is complete before any is deleted); default: keep all")
+    g.add_argument("--max-nan-iterations", type=int, default=10, metavar="N",
+                   help="stop after N consecutive iterations whose loss is NaN or inf (each is "
+                        "skipped and counted); 0 never stops")
+
+
+def _deepspeed(parser):
+    """DeepSpeed's own flags (as `deepspeed.add_config_arguments` adds them)."""
+    from zero.config.arguments import add_config_arguments
+    add_config_arguments(parser)
+
+
+def _zero(parser):
+    """Megatron-DeepSpeed's ZeRO flags: they override the DeepSpeed config's keys."""
+    g = parser.add_argument_group("ZeRO", "override the DeepSpeed config's zero_optimization "
+                                          "keys (need --deepspeed)")
+    g.add_argument("--zero-stage", type=int, default=None,
+                   help="zero_optimization.stage: 0, 1 (optimizer states partitioned), 2 "
+                        "(and gradients) or 3 (and parameters; the model is built under "
+                        "zero.Init)")
+    g.add_argument("--remote-device", choices=("none", "cpu", "nvme"), default=None,
+                   help="stage 3: where zero.Init keeps the parameter partitions: 'none' the "
+                        "compute device, 'cpu' host memory (on a CPU-only machine the same "
+                        "memory), 'nvme' swap files under the config's offload_param.nvme_path "
+                        "(the model is built straight into them). Default: the config's "
+                        "offload_param device")
+    g.add_argument("--use-pin-memory", action="store_true",
+                   help="stage 3 with --remote-device cpu: pin the host partitions (CUDA)")
+    g.add_argument("--zero-reduce-scatter", action="store_true", default=None,
+                   help="zero_optimization.reduce_scatter = true")
+    g.add_argument("--zero-contigious-gradients", "--zero-contiguous-gradients",
+                   action="store_true", default=None, dest="zero_contiguous_gradients",
+                   help="zero_optimization.contiguous_gradients = true")
+    g.add_argument("--zero-reduce-bucket-size", type=_byte_count, default=None,
+                   help="zero_optimization.reduce_bucket_size (elements)")
+    g.add_argument("--zero-allgather-bucket-size", type=_byte_count, default=None,
+                   help="zero_optimization.allgather_bucket_size (elements)")
+    g.add_argument("--cpu-optimizer", action="store_true",
+                   help="the client optimizer is zero.ops.CPUAdam (DeepSpeedCPUAdam) instead of "
+                        "torch AdamW; pair it with offload_optimizer in the config")
+    g.add_argument("--cpu_torch_adam", "--cpu-torch-adam", action="store_true",
+                   dest="cpu_torch_adam",
+                   help="with --cpu-optimizer: use torch.optim.AdamW as the CPU optimizer")
+
+
+def _activation_checkpointing(parser):
+    g = parser.add_argument_group(
+        "activation checkpointing", "how --checkpoint-activations keeps its checkpoints")
+    g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                   help="recompute through zero.checkpointing (DeepSpeed's), which the options "
+                        "below and the config's activation_checkpointing section configure")
+    g.add_argument("--partition-activations", action="store_true",
+                   help="each tensor-parallel rank keeps 1/TP of every checkpoint; all-gathered "
+                        "before recompute (no-op without tensor parallelism)")
+    g.add_argument("--distribute-checkpointed-activations", action="store_true",
+                   help="Megatron's name for --partition-activations")
+    g.add_argument("--checkpoint-in-cpu", action="store_true",
+                   help="keep checkpoints in host memory (pinned on CUDA)")
+    g.add_argument("--contigious-checkpointing", "--contiguous-checkpointing",
+                   action="store_true", dest="contiguous_checkpointing",
+                   help="keep checkpoints in one buffer preallocated for all of them")
+    g.add_argument("--synchronize-each-layer", action="store_true",
+                   help="device synchronize at the start and end of every checkpoint")
+    g.add_argument("--profile-backward", action="store_true",
+                   help="print forward/recompute/backward milliseconds of every checkpoint "
+                        "after each backward pass (rank 0)")
+    g.add_argument("--split-transformers", action="store_true",
+                   help="checkpoint the attention and MLP halves of each layer separately")
+
+
+def _tiling(parser):
+    g = parser.add_argument_group("memory optimizations")
+    g.add_argument("--memory-centric-tiled-linear", action="store_true",
+                   help="hold QKV, dense, h->4h and 4h->h as grids of tiles "
+                        "(zero.TiledLinearReturnBias); under ZeRO stage 3 one tile is "
+                        "gathered at a time. Same weights and losses as untiled")
+    g.add_argument("--tile-factor", type=int, default=None,
+                   help="with --memory-centric-tiled-linear (default 1): F tiles QKV F x 3F, "
+                        "dense F x F, h->4h F x 4F, 4h->h 4F x F (input x output splits)")
+

@@ -1,0 +1,252 @@
+"""Parse the command line, merge what `--load`'s checkpoint supplies, validate, freeze.
+
+    config = resolve_config(argv)          # a frozen TrainConfig, before any process group
+
+Each flag is validated here once, with the arithmetic in the one-line error; the values other
+flags, the checkpoint or the DeepSpeed JSON decide are settled here too, so nothing downstream
+fills in or checks a flag again. Architecture checks are the model's own
+(`megatron.model.gpt2_model.check_shape`), called from here.
+"""
+
+import math
+import sys
+from types import MappingProxyType
+
+from megatron.config import activation, engine
+from megatron.config.flags import build_parser, given_on_command_line
+from megatron.config.from_checkpoint import describe, values_from_checkpoint
+from megatron.config.sections import (CheckpointConfig, DataConfig, EngineConfig, LoggingConfig,
+                                      ModelConfig, OptimizerConfig, ParallelConfig,
+                                      PrecisionConfig, TrainConfig, TrainingConfig)
+from megatron.errors import ConfigError
+
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "batch_size",
+            "train_iters", "lr")
+POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "batch_size", "train_iters", "max_position_embeddings", "global_batch_size",
+                 "ffn_hidden_size", "make_vocab_size_divisible_by", "exit_interval",
+                 "save_interval", "log_interval", "eval_interval", "lr_decay_iters",
+                 "model_parallel_size", "threads")
+NON_NEGATIVE_INTS = ("eval_iters", "num_workers", "warmup_iters", "max_nan_iterations")
+# float flags that must be finite (NaN and inf are never meaningful) -> (low, high, what)
+FLOAT_RANGES = {
+    "lr": (0.0, None, "non-negative"), "min_lr": (0.0, None, "non-negative"),
+    "weight_decay": (0.0, None, "non-negative"), "adam_eps": (0.0, None, "positive"),
+    "adam_beta1": (0.0, 1.0, "in [0, 1)"), "adam_beta2": (0.0, 1.0, "in [0, 1)"),
+    "warmup": (0.0, 1.0, "a fraction in [0, 1]"),
+    "init_method_std": (0.0, None, "positive"), "layernorm_epsilon": (0.0, None, "positive"),
+    "distributed_timeout_minutes": (0.0, None, "positive"),
+    "exit_duration_in_mins": (0.0, None, "positive"),
+}
+_STRICT_LOW = {"adam_eps", "init_method_std", "layernorm_epsilon",
+               "distributed_timeout_minutes", "exit_duration_in_mins"}
+_INCLUSIVE_HIGH = {"warmup"}
+
+
+def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provider=None):
+    """The frozen TrainConfig of a pretrain_gpt2.py command line.
+
+    `defaults` fills flags the user did not give (Megatron's `args_defaults`);
+    `extra_args_provider(parser) -> parser` adds a script's own flags, whose values land in
+    `config.extra`. `world_size` defaults to what the launcher says (torchrun, SLURM or
+    OpenMPI variables; 1 when absent).
+    """
+    parser = build_parser()
+    known = {action.dest for action in parser._actions}
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    raw = vars(parser.parse_args(argv))
+    given = given_on_command_line(parser, argv)
+    if raw["deepspeed_mpi"]:  # rank and world size from the MPI launcher, before they are read
+        from zero.config.arguments import apply_mpi_environment
+        apply_mpi_environment()
+    taken = values_from_checkpoint(raw, given)
+    raw.update(taken)
+    for key, value in (defaults or {}).items():
+        if raw.get(key) is None:
+            raw[key] = value
+    if world_size is None:
+        from megatron.runtime.launch import discover_launch_environment
+        world_size = discover_launch_environment().world_size
+    extra = {key: value for key, value in raw.items() if key not in known}
+    notes = (describe(raw["load"], taken),) if taken else ()
+    return freeze(raw, given, world_size, notes, extra)
+
+
+def require(condition, message):
+    if not condition:
+        raise ConfigError(message)
+
+
+def freeze(raw, given, world_size, notes=(), extra=None):
+    """TrainConfig from the parsed flags `raw` (`given`: the flags on the command line)."""
+    raw = dict(raw)
+    _fill_model_defaults(raw)
+    _check_scalars(raw)
+    parallel = _parallel(raw, world_size)
+    training = _training(raw, parallel)
+    settled = engine.settle_engine(raw, given, parallel.data_parallel_size,
+                                   training.num_micro_batches)
+    training = TrainingConfig(**{**training.__dict__,
+                                 "global_batch_size": settled.global_batch_size,
+                                 "num_micro_batches": settled.num_micro_batches})
+    model = _model(raw, parallel.model_parallel_size)
+    require(raw["seq_length"] <= model.max_position_embeddings,
+            f"--seq-length {raw['seq_length']} is longer than --max-position-embeddings "
+            f"{model.max_position_embeddings}")
+    checkpoint = _checkpoint(raw)
+    return TrainConfig(
+        model=model,
+        activation_checkpointing=activation.activation_checkpointing(
+            raw, settled.checkpoint_activations, settled.ds_config.activation_checkpointing,
+            model.num_layers, parallel.model_parallel_size),
+        data=_data(raw),
+        optimizer=_optimizer(raw, settled.clip_grad),
+        precision=PrecisionConfig(fp16=settled.fp16, bf16=settled.bf16),
+        parallel=parallel,
+        training=training,
+        checkpoint=checkpoint,
+        logging=LoggingConfig(raw["log_interval"], raw["tensorboard_dir"],
+                              raw["log_dir"] or raw["tensorboard_dir"] or raw["save"]),
+        engine=EngineConfig(deepspeed=raw["deepspeed"], deepspeed_config=raw["deepspeed_config"],
+                            ds_config=settled.ds_config, remote_device=raw["remote_device"],
+                            use_pin_memory=raw["use_pin_memory"]),
+        notes=tuple(notes), extra=MappingProxyType(dict(extra or {})))
+
+
+def _fill_model_defaults(raw):
+    if raw["model_size"] is not None:
+        from megatron.model import MODEL_SIZES
+        require(raw["model_size"] in MODEL_SIZES,
+                f"--model-size {raw['model_size']!r} is not known; choose one of "
+                f"{', '.join(sorted(MODEL_SIZES))}")
+        for key, value in MODEL_SIZES[raw["model_size"]].items():
+            if raw[key] is None:
+                raw[key] = value
+    for flag in REQUIRED:
+        require(raw[flag] is not None, f"--{flag.replace('_', '-')} is required")
+    if raw["max_position_embeddings"] is None:
+        raw["max_position_embeddings"] = raw["seq_length"]
+    if raw["ffn_hidden_size"] is None and isinstance(raw["hidden_size"], int):
+        raw["ffn_hidden_size"] = 4 * raw["hidden_size"]
+
+
+def _check_scalars(raw):
+    for flag in POSITIVE_INTS:
+        value = raw.get(flag)
+        require(value is None or value > 0, f"--{flag.replace('_', '-')} must be positive, got "
+                                            f"{value}")
+    for flag in NON_NEGATIVE_INTS:
+        value = raw.get(flag)
+        require(value is None or value >= 0, f"--{flag.replace('_', '-')} must be >= 0, got "
+                                             f"{value}")
+    for flag, (low, high, what) in FLOAT_RANGES.items():
+        value = raw.get(flag)
+        if value is None:
+            continue
+        ok = math.isfinite(value) and (value > low if flag in _STRICT_LOW else value >= low)
+        if high is not None:
+            ok = ok and (value <= high if flag in _INCLUSIVE_HIGH else value < high)
+        require(ok, f"--{flag.replace('_', '-')} must be {what}, got {value}")
+    require(raw["min_lr"] <= raw["lr"], f"--min-lr {raw['min_lr']} is larger than --lr "
+                                        f"{raw['lr']}")
+    require(not (raw["fp16"] and raw["bf16"]), "--fp16 and --bf16 are mutually exclusive")
+
+
+def _parallel(raw, world_size):
+    tp = raw["model_parallel_size"]
+    require(world_size % tp == 0,
+            f"world size {world_size} is not divisible by --model-parallel-size {tp} "
+            f"({world_size} % {tp} = {world_size % tp})")
+    return ParallelConfig(
+        world_size=world_size, model_parallel_size=tp, data_parallel_size=world_size // tp,
+        distributed_backend=raw["distributed_backend"], device=raw["device"],
+        local_rank=raw["local_rank"],
+        distributed_timeout_minutes=raw["distributed_timeout_minutes"], threads=raw["threads"],
+        DDP_impl=raw["DDP_impl"], seed=raw["seed"],
+        ddp_bucket_size=engine.DEFAULT_DDP_BUCKET_MB if raw["ddp_bucket_size"] is None
+        else raw["ddp_bucket_size"])
+
+
+def _training(raw, parallel):
+    """The batch arithmetic from the flags (a DeepSpeed JSON may still decide it)."""
+    per_step = raw["batch_size"] * parallel.data_parallel_size
+    global_batch = per_step if raw["global_batch_size"] is None else raw["global_batch_size"]
+    require(global_batch % per_step == 0,
+            f"--global-batch-size {global_batch} is not divisible by --batch-size "
+            f"{raw['batch_size']} x data-parallel size {parallel.data_parallel_size} = "
+            f"{per_step} ({global_batch} % {per_step} = {global_batch % per_step})")
+    return TrainingConfig(
+        batch_size=raw["batch_size"], global_batch_size=global_batch,
+        num_micro_batches=global_batch // per_step, train_iters=raw["train_iters"],
+        exit_interval=raw["exit_interval"], eval_iters=raw["eval_iters"],
+        eval_interval=raw["eval_interval"], exit_signal_handler=raw["exit_signal_handler"],
+        exit_duration_in_mins=raw["exit_duration_in_mins"],
+        max_nan_iterations=raw["max_nan_iterations"])
+
+
+def _model(raw, model_parallel_size):
+    from megatron.model.gpt2_model import check_shape
+    tiled = raw["memory_centric_tiled_linear"]
+    require(raw["tile_factor"] is None or tiled,
+            f"--tile-factor {raw['tile_factor']} has no effect without "
+            "--memory-centric-tiled-linear; add that flag or drop --tile-factor")
+    model = ModelConfig(
+        num_layers=raw["num_layers"], hidden_size=raw["hidden_size"],
+        ffn_hidden_size=raw["ffn_hidden_size"], num_attention_heads=raw["num_attention_heads"],
+        max_position_embeddings=raw["max_position_embeddings"],
+        make_vocab_size_divisible_by=raw["make_vocab_size_divisible_by"],
+        layernorm_epsilon=raw["layernorm_epsilon"], init_method_std=raw["init_method_std"],
+        attention_dropout=raw["attention_dropout"], hidden_dropout=raw["hidden_dropout"],
+        memory_centric_tiled_linear=tiled,
+        tile_factor=1 if raw["tile_factor"] is None else raw["tile_factor"])
+    check_shape(model, model_parallel_size)
+    return model
+
+
+def _data(raw):
+    require((raw["data_path"] is None) != (raw["train_data"] is None),
+            "give exactly one of --data-path (a preprocessed .bin/.idx prefix) or "
+            "--train-data (a loose-JSON corpus name or path)")
+    require(raw["tokenizer_type"] is not None, "--tokenizer-type is required")
+    if raw["tokenizer_type"] == "GPT2BPETokenizer":
+        require(raw["vocab_file"] and raw["merge_file"],
+                "GPT2BPETokenizer needs --vocab-file and --merge-file (build them with: python "
+                "tools/train_tokenizer.py --input data.json --output-dir DIR)")
+    else:
+        require(raw["tokenizer_model"], "SentencePieceTokenizer needs --tokenizer-model")
+    return DataConfig(**{name: raw[name] for name in DataConfig.__dataclass_fields__})
+
+
+def _optimizer(raw, clip_grad):
+    decay_iters = raw["train_iters"] if raw["lr_decay_iters"] is None else raw["lr_decay_iters"]
+    warmup_iters = int(raw["warmup"] * decay_iters) if raw["warmup_iters"] is None \
+        else raw["warmup_iters"]
+    require(0 <= warmup_iters <= decay_iters,
+            f"warmup iterations ({warmup_iters}, from --warmup or --warmup-iters) must lie "
+            f"between 0 and --lr-decay-iters ({decay_iters})")
+    return OptimizerConfig(
+        lr=raw["lr"], min_lr=raw["min_lr"], weight_decay=raw["weight_decay"],
+        clip_grad=clip_grad, adam_beta1=raw["adam_beta1"], adam_beta2=raw["adam_beta2"],
+        adam_eps=raw["adam_eps"], lr_decay_style=raw["lr_decay_style"],
+        lr_decay_iters=decay_iters, warmup_iters=warmup_iters,
+        override_lr_scheduler=raw["override_lr_scheduler"],
+        use_checkpoint_lr_scheduler=raw["use_checkpoint_lr_scheduler"],
+        cpu_optimizer=raw["cpu_optimizer"], cpu_torch_adam=raw["cpu_torch_adam"])
+
+
+def _checkpoint(raw):
+    keep = raw["keep_last_n_checkpoints"]
+    if keep is not None:
+        require(keep >= 1, f"--keep-last-n-checkpoints must be at least 1, got {keep}")
+        require(raw["save"] is not None,
+                "--keep-last-n-checkpoints needs --save (the directory to prune)")
+    save_interval = raw["save_interval"]
+    if raw["save"] is not None and save_interval is None:
+        save_interval = raw["train_iters"]
+    return CheckpointConfig(
+        save=raw["save"], save_interval=save_interval, load=raw["load"],
+        no_save_optim=raw["no_save_optim"], no_save_rng=raw["no_save_rng"],
+        no_load_optim=raw["no_load_optim"], no_load_rng=raw["no_load_rng"],
+        finetune=raw["finetune"], keep_last_n_checkpoints=keep)

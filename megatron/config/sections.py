@@ -1,0 +1,213 @@
+"""The resolved training configuration: one frozen dataclass per concern.
+
+Field names are the Megatron flag names (`--num-layers` -> `num_layers`), so the flat view
+(`TrainConfig.as_flat_dict`) is the `args` dict Megatron checkpoints record. Every value is
+final: defaults derived from other flags, what `--load`'s checkpoint supplied and what the
+DeepSpeed JSON decides are already in. `megatron/config/resolve.py` builds it; nothing writes
+to it afterwards.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Tuple
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The GPT-2 architecture (`megatron.model.GPTConfig` is derived from it with the vocab)."""
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    max_position_embeddings: int
+    make_vocab_size_divisible_by: int
+    layernorm_epsilon: float
+    init_method_std: float
+    attention_dropout: float
+    hidden_dropout: float
+    memory_centric_tiled_linear: bool
+    tile_factor: int
+
+
+@dataclass(frozen=True)
+class RecomputeOptions:
+    """Where zero.checkpointing keeps the checkpointed inputs (its `configure` keywords)."""
+    partition_activations: bool
+    checkpoint_in_cpu: bool
+    contiguous_checkpointing: bool
+    num_checkpoints: int
+    synchronize: bool
+    profile: bool
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointConfig:
+    checkpoint_activations: bool
+    checkpoint_num_layers: int
+    split_transformers: bool
+    # None: Megatron's recompute (mpu.checkpoint); else DeepSpeed's (zero.checkpointing)
+    deepspeed_activation_checkpointing: Optional[RecomputeOptions]
+    notes: Tuple[str, ...]  # one-line notes printed by rank 0 at start-up
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    data_path: Optional[str]
+    train_data: Optional[str]
+    data_impl: str
+    mmap_warmup: bool
+    split: str
+    seq_length: int
+    tokenizer_type: str
+    vocab_file: Optional[str]
+    merge_file: Optional[str]
+    tokenizer_model: Optional[str]
+    num_workers: int
+    reset_position_ids: bool
+    reset_attention_mask: bool
+    eod_mask_loss: bool
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW and the learning-rate schedule (a DeepSpeed JSON may replace either)."""
+    lr: float
+    min_lr: float
+    weight_decay: float
+    clip_grad: float  # 0: no clipping
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    lr_decay_style: str
+    lr_decay_iters: int
+    warmup_iters: int
+    override_lr_scheduler: bool
+    use_checkpoint_lr_scheduler: bool
+    cpu_optimizer: bool
+    cpu_torch_adam: bool
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    fp16: bool
+    bf16: bool
+
+    @property
+    def params_dtype(self):
+        return "float16" if self.fp16 else "bfloat16" if self.bf16 else "float32"
+
+    @property
+    def torch_dtype(self):
+        return DTYPES[self.params_dtype]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Process layout and what the processes run on."""
+    world_size: int
+    model_parallel_size: int
+    data_parallel_size: int
+    distributed_backend: Optional[str]  # None: nccl on CUDA, gloo on CPU
+    device: str
+    local_rank: Optional[int]
+    distributed_timeout_minutes: float
+    threads: Optional[int]
+    DDP_impl: str  # without --deepspeed: "local" (the engine's stage 0 buckets) or "torch"
+    ddp_bucket_size: float  # MB per all-reduce bucket, without --deepspeed
+    seed: int
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    batch_size: int  # micro batch per data-parallel rank
+    global_batch_size: int
+    num_micro_batches: int
+    train_iters: int
+    exit_interval: Optional[int]
+    eval_iters: int
+    eval_interval: int
+    exit_signal_handler: bool
+    exit_duration_in_mins: Optional[float]
+    max_nan_iterations: int
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: Optional[str]
+    save_interval: Optional[int]
+    load: Optional[str]
+    no_save_optim: bool
+    no_save_rng: bool
+    no_load_optim: bool
+    no_load_rng: bool
+    finetune: bool
+    keep_last_n_checkpoints: Optional[int]
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int
+    tensorboard_dir: Optional[str]
+    log_dir: Optional[str]  # metrics.jsonl
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The zero engine both trainers run on. `ds_config` is the typed DeepSpeed config: the
+    user's JSON under --deepspeed, else the ZeRO stage 0 config the Megatron flags describe."""
+    deepspeed: bool  # DeepSpeed's checkpoint layout and JSON; else Megatron's
+    deepspeed_config: Optional[str]  # the JSON file given, for messages and checkpoints
+    ds_config: Any  # zero.config.deepspeed_config.DeepSpeedConfig
+    remote_device: Optional[str]  # stage 3: where zero.Init keeps the partitions
+    use_pin_memory: bool
+
+    @property
+    def zero_stage(self):
+        return self.ds_config.zero_optimization.stage
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig
+    activation_checkpointing: ActivationCheckpointConfig
+    data: DataConfig
+    optimizer: OptimizerConfig
+    precision: PrecisionConfig
+    parallel: ParallelConfig
+    training: TrainingConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    engine: EngineConfig
+    notes: Tuple[str, ...] = ()  # what resolution took from elsewhere, printed at start-up
+    # flags an extra_args_provider added (Megatron's hook for custom scripts)
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+
+    def as_flat_dict(self):
+        """Every plain value under its flag name: the `args` dict checkpoints record."""
+        flat = {}
+        for section in dataclasses.fields(self):
+            value = getattr(self, section.name)
+            if dataclasses.is_dataclass(value):
+                flat.update(_plain_fields(value))
+        flat["params_dtype"] = self.precision.params_dtype
+        flat["zero_stage"] = self.engine.zero_stage
+        return flat
+
+
+def _plain_fields(section):
+    plain = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if value is None or isinstance(value, (bool, int, float, str)):
+            plain[f.name] = value
+        elif dataclasses.is_dataclass(value) and f.name != "ds_config":
+            plain.update(_plain_fields(value))
+    if isinstance(section, ActivationCheckpointConfig):
+        plain["deepspeed_activation_checkpointing"] = \
+            section.deepspeed_activation_checkpointing is not None
+    return plain

@@ -1,0 +1,191 @@
+"""The one object the trainer trains, checkpoints and reports through.
+
+Both trainers run on the zero engine: without --deepspeed it is ZeRO stage 0 configured from
+the Megatron flags (plain data parallelism: fp32 master weights, loss scaling, clipping and a
+bucketed all-reduce overlapped with backward), under --deepspeed whatever the DeepSpeed JSON
+asks for. So there is one optimizer, loss-scaler and gradient-reduction stack. What differs
+is chosen once, at start-up, by the backend class:
+
+    MegatronBackend   Megatron's checkpoint layout; --DDP-impl torch
+    ZeroBackend       DeepSpeed's checkpoint layout; zero.Init at ZeRO stage 3
+
+The trainer calls `train_step`, `report`, `save`, `load`, `checkpoint_tag` and uses `model`
+for forward passes; nothing else of the engine.
+"""
+
+import contextlib
+import functools
+
+import torch
+
+from megatron import mpu
+from megatron.checkpointing import deepspeed_layout, megatron_layout
+from megatron.training.learning_rates import AnnealingLR
+from megatron.training.param_groups import get_param_groups
+
+_CONFIG_WEIGHT_DECAY = object()  # marks the group whose decay the config's optimizer sets
+
+
+class Backend:
+    def __init__(self, engine, ctx):
+        self.engine, self.ctx = engine, ctx
+
+    @property
+    def model(self):
+        """What forward steps call: the engine (it gathers ZeRO-3 parameters as it goes)."""
+        return self.engine
+
+    @property
+    def module(self):
+        """The model itself, without any wrapper."""
+        return self.engine.module
+
+    def train_step(self, forward_step, data_iterator):
+        """One global batch: per micro batch forward, backward (gradients reduced over data
+        parallelism at the last one), then the optimizer step (unscale, skip on inf/nan,
+        clip, step, loss-scale update) and the learning-rate schedule, in the engine.
+        Returns (summed micro-batch losses on this rank, update done, grad norm or None when
+        the step was skipped)."""
+        engine = self.engine
+        skipped_before = engine.skipped_steps
+        total = torch.zeros((), dtype=torch.float32, device=self.ctx.runtime.device)
+        for _ in range(self.ctx.config.training.num_micro_batches):
+            loss = forward_step(next(data_iterator), engine, self.ctx)
+            engine.backward(loss)
+            engine.step()  # acts at the last micro batch only
+            total += loss.detach().float()
+        updated = engine.skipped_steps == skipped_before
+        return total.item(), updated, engine.get_global_grad_norm() if updated else None
+
+    def report(self):
+        """What the log line shows of the optimizer."""
+        return {"lr": self.engine.optimizer.param_groups[0]["lr"],
+                "loss_scale": self.engine.optimizer.cur_scale}
+
+    @classmethod
+    def construction_context(cls, ctx):
+        """The context the model is built in."""
+        return contextlib.nullcontext()
+
+    @classmethod
+    def prepare_module(cls, module, ctx):
+        """The model as the engine receives it."""
+        return module
+
+
+class MegatronBackend(Backend):
+    """ZeRO stage 0 from the Megatron flags; Megatron's checkpoint layout."""
+
+    @classmethod
+    def prepare_module(cls, module, ctx):
+        if ctx.config.parallel.DDP_impl != "torch" or mpu.get_data_parallel_world_size() == 1:
+            return module
+        from megatron.training.torch_ddp import wrap_torch_ddp
+        return wrap_torch_ddp(module, mpu.get_data_parallel_group(),
+                              ctx.config.parallel.ddp_bucket_size,
+                              ctx.config.engine.ds_config.communication_data_type == "fp32")
+
+    def save(self, iteration, train_state):
+        megatron_layout.save_checkpoint(iteration, self.module, self.engine,
+                                        self.ctx.config.checkpoint, self.ctx.run_args,
+                                        train_state, self.ctx.runtime.device)
+
+    def load(self):
+        state = megatron_layout.load_checkpoint(self.module, self.engine,
+                                                self.ctx.config.checkpoint, self.ctx.run_args,
+                                                self.ctx.runtime.device)
+        if state is not None:
+            self.engine.restore_progress(state["iteration"], state["consumed_train_samples"],
+                                         state["skipped_iters"])
+        return state
+
+    @staticmethod
+    def checkpoint_tag(iteration):
+        return f"iter_{iteration:07d}"
+
+
+class ZeroBackend(Backend):
+    """The user's DeepSpeed JSON; DeepSpeed's checkpoint layout."""
+
+    @classmethod
+    def construction_context(cls, ctx):
+        """ZeRO stage 3: zero.Init over the data-parallel group, so each rank keeps only its
+        partition of every parameter from the moment the layer is built (Megatron-DeepSpeed's
+        model_provider)."""
+        import zero
+        engine = ctx.config.engine
+        return zero.Init(data_parallel_group=mpu.get_data_parallel_group(),
+                         remote_device=engine.remote_device, pin_memory=engine.use_pin_memory,
+                         config=engine.ds_config, enabled=engine.zero_stage == 3)
+
+    @classmethod
+    def prepare_module(cls, module, ctx):
+        if ctx.config.engine.zero_stage == 3:
+            # GPT2Model's forward multiplies by the word embeddings outside their module:
+            # stage 3 must gather them for the whole model forward.
+            import zero
+            zero.register_external_parameter(
+                module, module.language_model.embedding.word_embeddings.weight)
+        return module
+
+    def save(self, iteration, train_state):
+        deepspeed_layout.save_checkpoint(iteration, self.engine, self.ctx.config.checkpoint,
+                                         self.ctx.run_args, train_state, self.ctx.runtime.device)
+
+    def load(self):
+        return deepspeed_layout.load_checkpoint(self.engine, self.ctx.config.checkpoint,
+                                                self.ctx.run_args, self.ctx.runtime.device)
+
+    checkpoint_tag = staticmethod(deepspeed_layout.checkpoint_tag)
+
+
+def build_backend(ctx, model_provider):
+    """Build the model (`model_provider(ctx)`) and the engine around it."""
+    config = ctx.config
+    cls = ZeroBackend if config.engine.deepspeed else MegatronBackend
+    with cls.construction_context(ctx):
+        module = model_provider(ctx)
+    module.to(device=ctx.runtime.device, dtype=config.precision.torch_dtype)
+    if ctx.runtime.is_rank0:
+        n_local = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+        print(f" > parameters on tensor-parallel rank 0: {n_local:,}", flush=True)
+    return cls(_initialize_engine(cls.prepare_module(module, ctx), config), ctx)
+
+
+def _initialize_engine(model, config):
+    """zero.initialize with the client optimizer and schedule the trainer brings: AdamW over
+    Megatron's parameter groups (unless the DeepSpeed JSON has an 'optimizer' section) and
+    AnnealingLR (unless it has a 'scheduler' section)."""
+    import zero
+    import zero.ops
+    ds_config, opt = config.engine.ds_config, config.optimizer
+    module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
+        else model
+    if ds_config.optimizer is None:
+        # --cpu-optimizer: Megatron-DeepSpeed's DeepSpeedCPUAdam (torch AdamW with
+        # --cpu_torch_adam); under offload_optimizer the engine picks CPUAdam either way
+        adam = zero.ops.CPUAdam if opt.cpu_optimizer and not opt.cpu_torch_adam \
+            else torch.optim.AdamW
+        optimizer = adam(get_param_groups(module, opt.weight_decay), lr=opt.lr,
+                         betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
+        parameters = None
+    else:
+        # The config's optimizer builds over our groups: its weight_decay applies to the decay
+        # group, biases and LayerNorm keep 0.
+        optimizer = None
+        parameters = [{k: v for k, v in group.items() if v is not _CONFIG_WEIGHT_DECAY}
+                      for group in get_param_groups(module, _CONFIG_WEIGHT_DECAY)]
+    scheduler = None if ds_config.scheduler is not None \
+        else functools.partial(_annealing_lr, config=opt)  # called with the engine's optimizer
+    engine, _, _, _ = zero.initialize(model=model, optimizer=optimizer,
+                                      model_parameters=parameters, lr_scheduler=scheduler,
+                                      mpu=mpu, config=ds_config)
+    return engine
+
+
+def _annealing_lr(optimizer, config):
+    return AnnealingLR(optimizer, max_lr=config.lr, min_lr=config.min_lr,
+                       warmup_steps=config.warmup_iters, decay_steps=config.lr_decay_iters,
+                       decay_style=config.lr_decay_style,
+                       use_checkpoint_lr_scheduler=config.use_checkpoint_lr_scheduler,
+                       override_lr_scheduler=config.override_lr_scheduler)

@@ -1,0 +1,131 @@
+"""The training loop: iterations, the log line, evaluation, checkpoints, stopping.
+
+Data flow of one iteration (global batch G = micro batch b x data-parallel size d x A):
+
+    A micro batches -> forward_step -> loss -> engine.backward (/A, x loss scale; the last
+        one also reduces the gradients over data parallelism) -> engine.step (acts at the
+        last: unscale, skip on inf/nan, clip, Adam, learning-rate schedule)
+    loss averaged over data parallelism for the log line
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron import mpu
+from megatron.model import flops_per_token
+from megatron.runtime import device as device_mod
+from megatron.training.metrics import mfu
+
+
+def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
+    """The loop. Returns the iteration of the last checkpoint written (or None)."""
+    config, runtime = ctx.config, ctx.runtime
+    training, checkpoint = config.training, config.checkpoint
+    train_forward_step = guards.wrap_forward_step(forward_step_func)  # test fault hooks
+    backend.model.train()
+    iterator = _data_iterator(datasets[0], state["consumed_train_samples"], ctx)
+    flops_per_sample = _flops_per_sample(ctx)
+    peak = device_mod.peak_flops(runtime.device, config.precision.torch_dtype) * \
+        runtime.world_size
+    window = {"loss": 0.0, "iters": 0, "start": time.perf_counter(), "grad_norm": None}
+    saved_at = None
+    while state["iteration"] < training.train_iters:
+        guards.before_iteration(state["iteration"] + 1)
+        total, updated, grad_norm = backend.train_step(train_forward_step, iterator)
+        loss = _average_over_data_parallel(total / training.num_micro_batches, runtime.device)
+        state["iteration"] += 1
+        state["consumed_train_samples"] += training.global_batch_size
+        state["skipped_iters"] += 0 if updated else 1
+        window["loss"] += loss
+        window["iters"] += 1
+        window["grad_norm"] = grad_norm
+        iteration = state["iteration"]
+        if iteration % config.logging.log_interval == 0 or iteration == training.train_iters:
+            _log_window(window, state, backend, flops_per_sample, peak, ctx, logger)
+        guards.after_iteration(iteration, loss)  # counts NaN losses; stops a long streak
+        if datasets[1] is not None and training.eval_iters > 0 and \
+                iteration % training.eval_interval == 0 and iteration != training.train_iters:
+            eval_start = time.perf_counter()
+            logger.log_eval(iteration, "valid",
+                            evaluate(forward_step_func, backend.model, datasets[1], ctx))
+            window["start"] += time.perf_counter() - eval_start  # keep eval out of ms/iter
+        exiting = training.exit_interval and iteration % training.exit_interval == 0
+        stop_reason = guards.stop_reason()  # SIGTERM or time limit, agreed by all ranks
+        if checkpoint.save and (iteration % checkpoint.save_interval == 0 or exiting
+                                or stop_reason):
+            backend.save(iteration, state)
+            saved_at = iteration
+        if exiting:
+            runtime.print0(f" exiting at iteration {iteration} (--exit-interval)")
+            break
+        if stop_reason:
+            runtime.print0(f" exiting at iteration {iteration}: {stop_reason}"
+                           + (", checkpoint saved" if checkpoint.save else ""))
+            break
+    return saved_at
+
+
+@torch.no_grad()
+def evaluate(forward_step_func, model, dataset, ctx):
+    """Mean loss over --eval-iters global batches, always the same leading batches."""
+    training = ctx.config.training
+    model.eval()
+    iterator = _data_iterator(dataset, 0, ctx)
+    total, count = 0.0, 0
+    for _ in range(training.eval_iters):
+        for _ in range(training.num_micro_batches):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            total += forward_step_func(batch, model, ctx).float().item()
+            count += 1
+    model.train()
+    return _average_over_data_parallel(total / max(count, 1), ctx.runtime.device)
+
+
+def _data_iterator(dataset, consumed_samples, ctx):
+    from megatron.data.samplers import build_pretraining_data_loader
+    loader = build_pretraining_data_loader(
+        dataset, consumed_samples, ctx.config.training.batch_size,
+        mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
+        ctx.config.data.num_workers)
+    return iter(loader)
+
+
+def _average_over_data_parallel(value, device):
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    if mpu.get_data_parallel_world_size() > 1:
+        dist.all_reduce(tensor, group=mpu.get_data_parallel_group())
+        tensor /= mpu.get_data_parallel_world_size()
+    return tensor.item()
+
+
+def _flops_per_sample(ctx):
+    seq_length = ctx.config.data.seq_length
+    # recompute adds one more forward: 4 passes' worth instead of 3
+    passes = 4 if ctx.config.activation_checkpointing.checkpoint_activations else 3
+    return flops_per_token(ctx.model_config, seq_length) * seq_length * passes / 3
+
+
+def _log_window(window, state, backend, flops_per_sample, peak, ctx, logger):
+    config, runtime = ctx.config, ctx.runtime
+    device_mod.synchronize(runtime.device)
+    elapsed = time.perf_counter() - window["start"]
+    seconds_per_iter = elapsed / window["iters"]
+    samples_per_s = config.training.global_batch_size / seconds_per_iter
+    logger.log_train({
+        "iteration": state["iteration"], "train_iters": config.training.train_iters,
+        "consumed_samples": state["consumed_train_samples"],
+        "ms_per_iter": seconds_per_iter * 1000.0,
+        **backend.report(),  # lr (what the schedule set, ours or the config's), loss scale
+        "lm_loss": window["loss"] / window["iters"],
+        "grad_norm": window["grad_norm"],
+        "tokens_per_s": samples_per_s * config.data.seq_length,
+        "mfu": mfu(samples_per_s, flops_per_sample, peak),
+        "skipped_iters": state["skipped_iters"],
+    })
+    window.update(loss=0.0, iters=0, start=time.perf_counter())
+

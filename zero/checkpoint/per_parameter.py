@@ -1,0 +1,127 @@
+"""Stage 0 optimizer state one tensor per parameter, for checkpoint formats that keep it so
+(Megatron's `model_optim_rng.pt`: a torch optimizer state per parameter, fp32 masters per
+parameter).
+
+At stage 0 every rank holds one partition: a param group's fp32 master and its per-element
+optimizer state (Adam's moments) are flat tensors in which parameter i occupies
+[offset_i, offset_i + numel_i) (zero/stages/flat_buffers.py). These functions cut them into
+per-parameter copies and put such copies back; the elements past the last parameter are
+padding and stay zero.
+"""
+
+import torch
+
+from zero.errors import CheckpointError
+
+
+def _check_single_partition(optimizer):
+    if getattr(optimizer, "partition_count", None) != 1:
+        raise CheckpointError("per-parameter optimizer states need ZeRO stage 0 (one partition "
+                              "per rank); this engine partitions them over data parallelism")
+
+
+def _torch_group_index(optimizer, group):
+    """Which of the torch optimizer's param groups steps `group`'s master."""
+    for k, torch_group in enumerate(optimizer.param_groups):
+        if any(p is group.master for p in torch_group["params"]):
+            return k
+    raise CheckpointError("a ZeRO parameter group has no master in the torch optimizer")
+
+
+def _slices(group):
+    for param, offset, numel in zip(group.params, group.layout.offsets, group.layout.numels):
+        yield param, slice(offset, offset + numel)
+
+
+@torch.no_grad()
+def per_parameter_state(optimizer):
+    """(param_groups, per-group lists) of a stage 0 ZeroOptimizer.
+
+    `param_groups` are the torch optimizer's hyper-parameters per group (its state_dict's,
+    without "params"); each list holds one dict per parameter, in the group's order:
+    {"param": the model parameter, "master": its fp32 master as a CPU tensor of its shape
+    (None when the master is the fp32 parameter itself), "state": {"step": the group's step,
+    each per-element state: a CPU tensor of the parameter's shape} ({} before the first step)}.
+    """
+    _check_single_partition(optimizer)
+    base = optimizer.base_state_dict()
+    groups, per_group = [], []
+    for g, group in enumerate(optimizer.groups):
+        torch_group = base["param_groups"][_torch_group_index(optimizer, group)]
+        hyper = {k: v for k, v in torch_group.items() if k != "params"}
+        saved = base["state"].get(torch_group["params"][0], {})
+        master = None if group.master_is_flat else optimizer.master_partition(g)
+        entries = []
+        for param, where in _slices(group):
+            state = {key: _per_param(value, where, param, group) for key, value in saved.items()}
+            entries.append({"param": param, "state": state,
+                            "master": None if master is None else
+                            master[where].to("cpu", copy=True).view_as(param)})
+        groups.append(hyper)
+        per_group.append(entries)
+    return groups, per_group
+
+
+def _per_param(value, where, param, group):
+    if torch.is_tensor(value) and value.dim() == 1 and \
+            value.numel() == group.layout.partition_numel:
+        return value[where].to("cpu", copy=True).view(param.shape)
+    return value.clone() if torch.is_tensor(value) else value
+
+
+@torch.no_grad()
+def load_per_parameter_state(optimizer, param_groups, per_group):
+    """Restore a stage 0 ZeroOptimizer from what `per_parameter_state` returns.
+
+    Each parameter's "master" may be None: its master is then rebuilt from the (already
+    loaded) model weights. "state" may be {} for all parameters of a group (saved before the
+    first step). Hyper-parameters come from `param_groups`; the torch implementation flags
+    (fused, foreach, ...) stay this optimizer's.
+    """
+    _check_single_partition(optimizer)
+    if [len(entries) for entries in per_group] != [len(g.params) for g in optimizer.groups]:
+        raise CheckpointError(
+            f"the optimizer state has parameter groups of sizes "
+            f"{[len(entries) for entries in per_group]}, this model's are "
+            f"{[len(g.params) for g in optimizer.groups]}")
+    optimizer.refresh_masters_from_model()
+    base = optimizer.base_state_dict()
+    states, groups = {}, [dict(group) for group in base["param_groups"]]
+    for g, (group, entries) in enumerate(zip(optimizer.groups, per_group)):
+        k = _torch_group_index(optimizer, group)
+        current = base["param_groups"][k]
+        index = current["params"][0]
+        groups[k] = {**param_groups[g], **{key: current[key] for key in _IMPL_FLAGS
+                                           if key in current}, "params": current["params"]}
+        target = optimizer.master_restore_target(g)
+        state = {}
+        for (param, where), entry in zip(_slices(group), entries):
+            if entry.get("master") is not None:
+                _check_shape(entry["master"], param, "fp32 master")
+                target[where].copy_(entry["master"].reshape(-1))
+            for key, value in (entry.get("state") or {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    _check_shape(value, param, f"optimizer state {key!r}")
+                    flat = state.setdefault(key, torch.zeros(group.layout.partition_numel,
+                                                             dtype=value.dtype))
+                    flat[where].copy_(value.reshape(-1))
+                else:
+                    state.setdefault(key, value.clone() if torch.is_tensor(value) else value)
+        if state:
+            states[index] = state
+    try:
+        optimizer.load_base_state_dict({"state": states, "param_groups": groups})
+    except (ValueError, KeyError) as error:
+        raise CheckpointError(f"the saved optimizer state does not fit this optimizer: {error}") \
+            from None
+    optimizer.commit_restored_masters()
+    optimizer.publish_masters()
+
+
+_IMPL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def _check_shape(tensor, param, what):
+    if tensor.numel() != param.numel():
+        raise CheckpointError(f"{what} of shape {tuple(tensor.shape)} does not fit the "
+                              f"parameter of shape {tuple(param.shape)}")
