@@ -59,3 +59,23 @@ def update_docs_section(section, body, path=DOCS_PATH):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write(text)
+
+
+def trainer_backend(flags, vocab_size, world_size=1):
+    """The trainer's backend (model + zero engine) for pretrain_gpt2.py `flags`, as pretrain()
+    builds it, without data or tokenizer files: (backend, ctx). Under several processes the
+    caller sets the launcher variables (RANK, WORLD_SIZE, ...) first."""
+    from types import SimpleNamespace
+
+    from megatron.config import resolve_config
+    from megatron.gpt2 import model_provider
+    from megatron.runtime.initialize import initialize_megatron
+    from megatron.training.backend import build_backend
+    from megatron.training.pretrain import TrainContext, model_config
+    config = resolve_config(list(flags) + ["--data-path", "unused", "--tokenizer-type",
+                                           "GPT2BPETokenizer", "--vocab-file", "unused",
+                                           "--merge-file", "unused"], world_size=world_size)
+    runtime = initialize_megatron(config.parallel)
+    tokenizer = SimpleNamespace(eod=0, vocab_size=vocab_size)
+    ctx = TrainContext(config, tokenizer, runtime, model_config(config, vocab_size))
+    return build_backend(ctx, model_provider), ctx

@@ -1,14 +1,14 @@
 """Tensor- and data-parallel scaling on this machine: tokens/s, time split, bytes on the wire.
 
-One GPT-2 model and one global batch, trained with the trainer's own `train_step` in several
-layouts (gloo, one torch thread per process unless stated):
+One GPT-2 model and one global batch, trained with the trainer's own step (the backend
+pretrain() builds) in several layouts (gloo, one torch thread per process unless stated):
 
     TP=1 DP=1 (1 and 2 threads), TP=2 DP=1, TP=1 DP=2 with --DDP-impl local (25 MB buckets,
     and 2 MB buckets to overlap the all-reduce with backward) and torch
 
 For each layout: median ms per iteration and tokens/s after warm-up; the time split into
 compute, tensor-parallel all-reduces (synchronous, timed around each call) and the wait for
-the data-parallel gradient all-reduce (local DDP only: torch's DDP waits inside backward);
+the data-parallel gradient all-reduce (local only: torch's DDP waits inside backward);
 the bytes each rank sent per iteration, measured from the kernel's count of bytes the process
 wrote (/proc/self/io `wchar`: gloo sends with writev on TCP sockets), against the analytic
 ring all-reduce volume 2 (N - 1) / N x payload, with payloads from first principles:
@@ -25,7 +25,6 @@ import argparse
 import os
 import statistics
 import time
-from types import SimpleNamespace
 
 from common import machine_description, markdown_table, update_docs_section
 
@@ -74,78 +73,62 @@ class _TensorParallelTimer:
         self.seconds, self.payload_bytes = 0.0, 0
 
 
-def _build(config, impl, bucket_mb, rank):
-    """Model, optimizer, scheduler, ctx and a batch iterator, the way pretrain() builds them."""
+def _build(config, tp, impl, bucket_mb, world_size):
+    """The trainer's backend and a batch iterator, the way pretrain() builds them."""
+    from common import trainer_backend
     from megatron import mpu
-    from megatron.distributed import wrap_data_parallel
-    from megatron.runtime.initialize import Runtime
-    from megatron.training.learning_rates import AnnealingLR
-    from megatron.model import GPT2Model, GPTConfig
-    from megatron.training.optimizer import build_optimizer
-    from megatron.training.pretrain import TrainContext
     c = config
-    torch.manual_seed(1234)
-    mpu.model_parallel_cuda_manual_seed(1234)
-    module = GPT2Model(GPTConfig(
-        num_layers=c["num_layers"], hidden_size=c["hidden_size"],
-        num_attention_heads=c["num_attention_heads"], vocab_size=c["vocab_size"],
-        max_position_embeddings=c["seq_length"], hidden_dropout=0.0, attention_dropout=0.0))
-    model = wrap_data_parallel(module, impl, mpu.get_data_parallel_group(), bucket_mb)
-    optimizer = build_optimizer(module, lr=1e-4, weight_decay=0.01, adam_beta1=0.9,
-                                adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0,
-                                params_dtype=torch.float32, grad_norm_fn=mpu.clip_grad_norm)
-    scheduler = AnnealingLR(optimizer, max_lr=1e-4, min_lr=0.0, warmup_steps=0,
-                            decay_steps=10 ** 9, decay_style="constant")
-    micro_batch = c["global_batch"] // mpu.get_data_parallel_world_size()
-    args = SimpleNamespace(num_micro_batches=1, reset_position_ids=False,
-                           reset_attention_mask=False, eod_mask_loss=False)
-    ctx = TrainContext(args, SimpleNamespace(eod=0),
-                       Runtime(device=torch.device("cpu"), rank=rank,
-                               world_size=dist.get_world_size(), local_rank=rank))
+    micro_batch = c["global_batch"] * tp // world_size
+    flags = ["--num-layers", c["num_layers"], "--hidden-size", c["hidden_size"],
+             "--num-attention-heads", c["num_attention_heads"], "--seq-length", c["seq_length"],
+             "--batch-size", micro_batch, "--train-iters", 10 ** 6, "--lr", 1e-4,
+             "--lr-decay-style", "constant", "--warmup-iters", 0, "--clip-grad", 1.0,
+             "--attention-dropout", 0, "--hidden-dropout", 0, "--model-parallel-size", tp,
+             "--DDP-impl", impl, "--ddp-bucket-size", bucket_mb,
+             "--threads", torch.get_num_threads()]
+    backend, _ = trainer_backend([str(f) for f in flags], c["vocab_size"], world_size)
     generator = torch.Generator().manual_seed(mpu.get_data_parallel_rank())
     data = torch.randint(0, c["vocab_size"], (micro_batch, c["seq_length"] + 1),
                          generator=generator)
     batches = iter(lambda: {"text": data}, None)
-    numel = sum(p.numel() for p in module.parameters())
-    return model, optimizer, scheduler, ctx, batches, numel, micro_batch
+    numel = sum(p.numel() for p in backend.module.parameters())
+    return backend, batches, numel, micro_batch
 
 
 def _worker(rank, world_size, layout, config, port, queue):
     _, _, tp, impl, bucket_mb, threads = layout
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     try:
-        queue.put((rank, _measure(rank, tp, impl, bucket_mb, config)))
+        queue.put((rank, _measure(tp, impl, bucket_mb, config, world_size)))
     finally:
-        from megatron import mpu
-        mpu.destroy_model_parallel()
-        dist.destroy_process_group()
+        from megatron.runtime.initialize import destroy
+        destroy()
 
 
-def _measure(rank, tp, impl, bucket_mb, config):
+def _measure(tp, impl, bucket_mb, config, world_size):
     from megatron import mpu
-    from megatron.distributed import COMM_STATS
     from megatron.gpt2 import forward_step
-    from megatron.training.pretrain import train_step
-    mpu.initialize_model_parallel(tp)
-    model, optimizer, scheduler, ctx, batches, numel, micro_batch = _build(
-        config, impl, bucket_mb, rank)
+    backend, batches, numel, micro_batch = _build(config, tp, impl, bucket_mb, world_size)
+    dp_stats = backend.engine.optimizer.dp_comm.stats
     tp_timer = _TensorParallelTimer(mpu.get_model_parallel_group(), active=tp > 1)
     records = []
     for step in range(config["warmup"] + config["steps"]):
-        COMM_STATS.reset()
+        dp_stats.reset()
         tp_timer.reset()
         dist.barrier()
         written, cpu, start = _bytes_written(), time.process_time(), time.perf_counter()
-        train_step(forward_step, batches, model, optimizer, scheduler, ctx)
+        backend.train_step(forward_step, batches)
         seconds = time.perf_counter() - start
         if step >= config["warmup"]:
+            dp_payload = dp_stats.ops["all_reduce"].payload_bytes \
+                if "all_reduce" in dp_stats.ops else 0
             records.append(dict(seconds=seconds, cpu=time.process_time() - cpu,
-                                dp_wait=COMM_STATS.wait_seconds,
+                                dp_wait=dp_stats.wait_seconds,
                                 tp_seconds=tp_timer.seconds, sent=_bytes_written() - written,
-                                dp_payload=COMM_STATS.payload_bytes,
-                                tp_payload=tp_timer.payload_bytes))
+                                dp_payload=dp_payload, tp_payload=tp_timer.payload_bytes))
     return dict(records=records, numel=numel, micro_batch=micro_batch,
                 dp=mpu.get_data_parallel_world_size())
 
@@ -260,16 +243,17 @@ def main():
             f"{c['num_attention_heads']} heads, seq {c['seq_length']}, vocab {c['vocab_size']}, "
             f"fp32, AdamW, clip 1.0; global batch {c['global_batch']} in every layout "
             f"({c['global_batch'] * c['seq_length']} tokens per iteration), the trainer's "
-            f"`train_step`. Medians of {c['steps'] * c['rounds']} steps "
+            f"training step. Medians of {c['steps'] * c['rounds']} steps "
             f"per layout after {c['warmup']} warm-up steps, layouts taking turns.\n\n"
             f"{table}\n\n"
             "CPU ms/iter: CPU time of rank 0's process (all its threads, gloo's included) "
             "per iteration; wall time above it means the process waited for a core. "
             "Compute = ms/iter - TP all-reduce - DP wait. TP all-reduces are synchronous (timed "
-            "around each call on the tensor-parallel group); the DP wait is the time "
-            "`finish_gradient_synchronization` blocks after backward, i.e. the part of the "
-            "gradient all-reduce that backward did not hide. Payloads: counted by "
-            "`megatron.distributed.COMM_STATS` (DP) and a wrapper around `dist.all_reduce` (TP) "
+            "around each call on the tensor-parallel group); the DP wait is the time the zero "
+            "engine (ZeRO stage 0) blocks on its gradient all-reduces after backward, i.e. the "
+            "part backward did not hide. Payloads: counted by the engine's data-parallel "
+            "`Communicator` (DP; its flat buckets include a little alignment padding) and a "
+            "wrapper around `dist.all_reduce` (TP) "
             "against the formula in the script's docstring. Sent bytes are measured by the "
             "kernel (/proc/self/io wchar; gloo writes to TCP sockets); analytic = "
             "2 (N - 1) / N x payload per all-reduce (ring).\n")

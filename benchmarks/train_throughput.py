@@ -128,42 +128,22 @@ def hf_runner(precision):
 
 
 def ours_runner(precision):
-    from types import SimpleNamespace
+    """pretrain_gpt2.py's training step: the backend and zero engine pretrain() builds."""
+    from common import trainer_backend
     from megatron.gpt2 import forward_step
-    from megatron.runtime.initialize import Runtime
-    from megatron.model import GPT2Model, GPTConfig
-    from megatron.training.optimizer import build_optimizer
-    from megatron.training.learning_rates import AnnealingLR
-    from megatron.training.pretrain import TrainContext, train_step
-    from megatron import mpu
-    from megatron.distributed import wrap_data_parallel
-    import torch.distributed as dist
     c = CONFIG
-    if not dist.is_initialized():  # the trainer always runs inside a (here 1-process) group
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        mpu.initialize_model_parallel(1)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    torch.manual_seed(0)
-    model = GPT2Model(GPTConfig(num_layers=c["num_layers"], hidden_size=c["hidden_size"],
-                                num_attention_heads=c["num_attention_heads"],
-                                vocab_size=c["vocab_size"],
-                                max_position_embeddings=c["seq_length"], hidden_dropout=0.0,
-                                attention_dropout=0.0)).to(dtype=dtype)
-    model = wrap_data_parallel(model, "local", mpu.get_data_parallel_group())
-    optimizer = build_optimizer(model.module, lr=1e-4, weight_decay=0.01, adam_beta1=0.9,
-                                adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0,
-                                params_dtype=dtype, grad_norm_fn=mpu.clip_grad_norm)
-    scheduler = AnnealingLR(optimizer, max_lr=1e-4, min_lr=0.0, warmup_steps=0,
-                            decay_steps=10 ** 9, decay_style="constant")
-    args = SimpleNamespace(num_micro_batches=1, deepspeed=False, reset_position_ids=False,
-                           reset_attention_mask=False, eod_mask_loss=False)
-    ctx = TrainContext(args, SimpleNamespace(eod=0),
-                       Runtime(device=torch.device("cpu"), rank=0, world_size=1, local_rank=0))
+    flags = ["--num-layers", c["num_layers"], "--hidden-size", c["hidden_size"],
+             "--num-attention-heads", c["num_attention_heads"], "--seq-length", c["seq_length"],
+             "--batch-size", c["micro_batch"], "--train-iters", 10 ** 6, "--lr", 1e-4,
+             "--lr-decay-style", "constant", "--warmup-iters", 0, "--weight-decay", 0.01,
+             "--clip-grad", 1.0, "--attention-dropout", 0, "--hidden-dropout", 0,
+             "--threads", torch.get_num_threads()] + (["--bf16"] if precision == "bf16" else [])
+    backend, _ = trainer_backend([str(f) for f in flags], c["vocab_size"])
     data = torch.randint(0, c["vocab_size"], (c["micro_batch"], c["seq_length"] + 1))
     batches = iter(lambda: {"text": data}, None)
 
     def step():
-        train_step(forward_step, batches, model, optimizer, scheduler, ctx)
+        backend.train_step(forward_step, batches)
     return step
 
 

@@ -20,6 +20,7 @@ Every op takes `async_op` and returns a `Pending` whose `wait()` finishes it (in
 the emulation needs). With a world of one, ops are local copies and nothing is sent.
 """
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -41,8 +42,10 @@ class OpStats:
 
 @dataclass
 class CommStats:
-    """Traffic of one rank since the last `reset()`, per operation name."""
+    """Traffic of one rank since the last `reset()`, per operation name, and the time spent
+    waiting for collectives to finish (`Pending.wait`)."""
     ops: dict = field(default_factory=dict)
+    wait_seconds: float = 0.0
 
     def record(self, op, payload_bytes, sent_bytes):
         entry = self.ops.setdefault(op, OpStats())
@@ -52,6 +55,7 @@ class CommStats:
 
     def reset(self):
         self.ops.clear()
+        self.wait_seconds = 0.0
 
     def total_sent_bytes(self):
         return sum(entry.sent_bytes for entry in self.ops.values())
@@ -64,18 +68,22 @@ class CommStats:
 
 
 class Pending:
-    """A launched collective; `wait()` blocks until its result is in place."""
+    """A launched collective; `wait()` blocks until its result is in place (and adds the time
+    it blocked to `stats.wait_seconds` when given)."""
 
-    def __init__(self, work=None, then=None):
-        self._work, self._then = work, then
+    def __init__(self, work=None, then=None, stats=None):
+        self._work, self._then, self._stats = work, then, stats
 
     def wait(self):
+        start = time.perf_counter()
         if self._work is not None:
             self._work.wait()
             self._work = None
         if self._then is not None:
             then, self._then = self._then, None
             then()
+        if self._stats is not None:
+            self._stats.wait_seconds += time.perf_counter() - start
 
 
 def _nbytes(tensor):
@@ -117,7 +125,7 @@ class Communicator:
 
     def _run(self, call, async_op):
         if async_op:
-            return Pending(then=call.finish)
+            return Pending(then=call.finish, stats=self.stats)
         call.finish()
         return Pending()
 
@@ -130,7 +138,7 @@ class Communicator:
         nbytes = _nbytes(tensor)
         self.stats.record("all_reduce", nbytes, 2 * self._ring_fraction() * nbytes)
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
-        return Pending(work if async_op else None)
+        return Pending(work if async_op else None, stats=self.stats)
 
     def reduce_scatter(self, output, input, async_op=False):
         """Sum `input` ([world * n]) over ranks; this rank's chunk `n` lands in `output`.
@@ -157,7 +165,7 @@ class Communicator:
                                      self.global_rank, self.group, self._tags(n))
             return self._run(ring, async_op)
         work = _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
-        return Pending(work if async_op else None)
+        return Pending(work if async_op else None, stats=self.stats)
 
     def reduce(self, tensor, dst, async_op=False):
         """Sum `tensor` over ranks into group rank `dst`'s copy; other ranks' are unchanged."""
@@ -171,7 +179,7 @@ class Communicator:
                                         self._tags(tensor.numel()))
             return self._run(reduce, async_op)
         work = dist.reduce(tensor, self.global_rank(dst), group=self.group, async_op=async_op)
-        return Pending(work if async_op else None)
+        return Pending(work if async_op else None, stats=self.stats)
 
     def all_gather(self, output, input, async_op=False):
         """Concatenate every rank's `input` ([n]) in rank order into `output` ([world * n]).
@@ -190,7 +198,7 @@ class Communicator:
                                            self.global_rank, self.group, self._tags(n))
             return self._run(gather, async_op)
         work = _all_gather_single(output, input, group=self.group, async_op=async_op)
-        return Pending(work if async_op else None)
+        return Pending(work if async_op else None, stats=self.stats)
 
     def broadcast(self, tensor, src_group_rank=0):
         if self.world_size == 1:
