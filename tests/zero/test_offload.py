@@ -118,8 +118,8 @@ def test_nvme_keeps_the_optimizer_state_out_of_memory(tmp_path):
     partition = sum(g.layout.partition_numel for g in optimizer.groups)
     assert all(g.master.untyped_storage().nbytes() == 0 for g in optimizer.groups)
     assert not optimizer.optimizer.state  # no moments in memory
-    assert optimizer.store.resident_bytes() == 2 * 3 * 4 * 500 < 3 * 4 * partition
-    files = os.listdir(optimizer.store.swap_dir)
+    assert optimizer.masters.store.resident_bytes() == 2 * 3 * 4 * 500 < 3 * 4 * partition
+    files = os.listdir(optimizer.masters.store.swap_dir)
     assert sorted(files) == sorted(f"{g}_{name}.tensor.swp" for g in range(2)
                                    for name in ("master", "exp_avg", "exp_avg_sq"))
 

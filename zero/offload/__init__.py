@@ -1,5 +1,4 @@
-"""ZeRO-Offload / ZeRO-Infinity: optimizer state on the host or in NVMe swap files."""
-
-from zero.offload.aio import AsyncTensorIO
-from zero.offload.optimizer import OffloadZeroOptimizer, OptimizerOffload
-from zero.offload.state_store import NvmeStateStore, ResidentStateStore, SubGroup
+"""ZeRO-Offload / ZeRO-Infinity: optimizer state on the host or in NVMe swap files
+(`host_masters.py`, over the stores of `state_store.py`), stage 3 parameter shards in swap
+files (`param_swapper.py`), the asynchronous file I/O both use (`aio.py`) and the swap folder
+(`swap_dir.py`)."""

@@ -10,9 +10,11 @@ stage1_2.py); with offload_optimizer its masters and states live on the host or 
    `.bfloat16()`, `.to(device)` only change the empty placeholders, so the partitions are
    cast/moved to match (except partitions kept in host memory by remote_device "cpu").
 3. Buffers are broadcast from DP rank 0, as for the other stages.
-4. The Stage3Optimizer wraps the base optimizer with the config's stage 3 knobs; with
-   offload_optimizer, the OffloadStage3Optimizer (zero/offload/stage3.py) steps on the host.
+4. The Stage3Optimizer wraps the base optimizer with the config's stage 3 knobs.
    offload_param "nvme" puts the shards in swap files (zero/offload/param_swapper.py).
+
+Every stage composes with a master store (zero/stages/masters.py): DeviceMasters, or with
+offload_optimizer HostMasters (zero/offload/host_masters.py).
 """
 
 import torch
@@ -22,6 +24,7 @@ from zero.optim.loss_scaler import build_loss_scaler
 from zero.offload.param_swapper import read_shard
 from zero.stages.partition_parameters import (is_zero_param, normalize_remote_device, param_swapper_for,
                                        partition_module)
+from zero.stages.masters import DeviceMasters
 from zero.stages.stage1_2 import ZeroOptimizer, ZeroSettings
 from zero.stages.stage3 import Stage3Optimizer, Stage3Settings
 from zero.stages.param_coordinator import Stage3Knobs
@@ -35,14 +38,17 @@ def build_zero_optimizer(engine, base_optimizer, module_reduces_gradients=False)
         return build_stage3_optimizer(engine, base_optimizer, loss_scaler)
     param_order = {p: i for i, p in enumerate(engine.module.parameters())}
     settings = zero_settings(config, module_reduces_gradients)
-    if config.zero_optimization.offload_optimizer is not None:  # zero/offload
-        from zero.offload import OffloadZeroOptimizer, OptimizerOffload
-        return OffloadZeroOptimizer(
-            base_optimizer, param_order, settings, engine.dp_comm, engine.mp_comm,
-            engine.mp_rank, loss_scaler,
-            offload=OptimizerOffload.from_config(config, engine.global_rank))
     return ZeroOptimizer(base_optimizer, param_order, settings, engine.dp_comm, engine.mp_comm,
-                         engine.mp_rank, loss_scaler)
+                         engine.mp_rank, loss_scaler, masters=master_store(engine))
+
+
+def master_store(engine):
+    """Where the fp32 masters and optimizer state live: on the device (stepped by the torch
+    optimizer), or with offload_optimizer on the host or NVMe (stepped by CPUAdam)."""
+    if engine.config.zero_optimization.offload_optimizer is None:
+        return DeviceMasters()
+    from zero.offload.host_masters import HostMasters, OptimizerOffload
+    return HostMasters(OptimizerOffload.from_config(engine.config, engine.global_rank))
 
 
 def zero_settings(config, module_reduces_gradients=False):
@@ -94,14 +100,8 @@ def build_stage3_optimizer(engine, base_optimizer, loss_scaler):
                               reduce_scatter=zero.reduce_scatter,
                               gradient_clipping=config.gradient_clipping,
                               sub_group_size=zero.sub_group_size, knobs=knobs)
-    if zero.offload_optimizer is not None:  # zero/offload/stage3.py: CPUAdam over a store
-        from zero.offload import OptimizerOffload
-        from zero.offload.stage3 import OffloadStage3Optimizer
-        return OffloadStage3Optimizer(
-            base_optimizer, module, settings, engine.dp_comm, engine.mp_comm, engine.mp_rank,
-            loss_scaler, offload=OptimizerOffload.from_config(config, engine.global_rank))
     return Stage3Optimizer(base_optimizer, module, settings, engine.dp_comm, engine.mp_comm,
-                           engine.mp_rank, loss_scaler)
+                           engine.mp_rank, loss_scaler, masters=master_store(engine))
 
 
 @torch.no_grad()

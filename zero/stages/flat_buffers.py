@@ -71,11 +71,8 @@ class FlatLayout:
 class FlatGroup:
     """One param group: flat buffer, optional full gradient buffer, fp32 master partition."""
 
-    def __init__(self, params, layout, rank, keep_full_grads, alias_master=False):
+    def __init__(self, params, layout, rank, keep_full_grads, masters, alias_master=False):
         self.params, self.layout, self.rank = params, layout, rank
-        # fp32 params in one bucket: the master partition and its gradient can be this rank's
-        # chunk of `flat` / `full_grads` themselves instead of copies (see _make_master)
-        self.master_aliases_flat = alias_master
         first = params[0]
         self.dtype, self.device = first.dtype, first.device
         self.flat = torch.zeros(layout.total, dtype=self.dtype, device=self.device)
@@ -91,7 +88,8 @@ class FlatGroup:
                                for p, offset in zip(params, layout.offsets)]
             for param, view in zip(params, self.grad_views):
                 param.grad = view
-        self.master = self._make_master()
+        self.master_is_flat = self.master_aliases_flat = False
+        self.master = self._make_master(masters, alias_master)
         self.pieces = [layout.bucket_pieces(k) for k in range(layout.num_buckets)]
         self.param_pieces = [[] for _ in params]  # i -> [(bucket, param_off, bucket_off, length)]
         for k, pieces in enumerate(self.pieces):
@@ -101,33 +99,34 @@ class FlatGroup:
         self.spare_buffers = []  # stage 2 reduction buffers, reused across buckets and steps
         self._replicated_runs = None
 
-    @property
-    def master_is_flat(self):
-        return self.master.data_ptr() == self.flat.data_ptr() \
-            and self.master.numel() == self.flat.numel()  # not just rank 0's aliased chunk
-
-    def _make_master(self):
+    def _make_master(self, masters, alias_master):
+        """The fp32 master of this rank's partition, from the master store (its values are
+        written by the optimizer's refresh from the model). Without a copy where possible:
+        - fp32 params at world size 1: the master is the flat buffer itself;
+        - `alias_master` (fp32 params in one bucket): this rank's chunk of the flat buffer,
+          so model states are the fp32 formulas 4Ψ + 4Ψ + 8Ψ/N (stage 2) and 4Ψ + 12Ψ/N
+          (stage 1), and the master's gradient is this rank's chunk of the full gradients
+          (stage 1) or its own reduced partition gradient (stage 2)."""
         lay = self.layout
-        if self.master_aliases_flat:
-            if lay.num_buckets != 1 or self.dtype != torch.float32:
-                raise ValueError("an aliased master needs fp32 params and one bucket (its chunk "
-                                 "is then one contiguous range of the flat)")
-            master = torch.nn.Parameter(self.flat.narrow(0, self.rank * lay.chunk, lay.chunk))
-            # stage 1: this rank's range of the full gradients; stage 2 keeps no full
-            # gradients, only the reduced gradient of its partition
-            master.grad = self.full_grads.narrow(0, self.rank * lay.chunk, lay.chunk) \
-                if self.full_grads is not None else torch.zeros_like(master)
-            return master
-        if lay.world_size == 1 and self.dtype == torch.float32:
-            master = torch.nn.Parameter(self.flat, requires_grad=True)  # shares storage
+        if masters.can_alias and lay.world_size == 1 and self.dtype == torch.float32:
+            self.master_is_flat = True
+            master = masters.new_master(lay.partition_numel, self.device, alias=self.flat)
             master.grad = self.full_grads if self.full_grads is not None \
                 else torch.zeros_like(self.flat)
             return master
-        master = torch.nn.Parameter(torch.empty(lay.partition_numel, dtype=torch.float32,
-                                                device=self.device))
-        with torch.no_grad():
-            master.view(lay.num_buckets, lay.chunk).copy_(self.own_chunks(self.flat))
-        master.grad = torch.zeros_like(master)
+        if alias_master:
+            if lay.num_buckets != 1 or self.dtype != torch.float32:
+                raise ValueError("an aliased master needs fp32 params and one bucket (its chunk "
+                                 "is then one contiguous range of the flat)")
+            self.master_aliases_flat = True
+            master = masters.new_master(lay.chunk, self.device,
+                                        alias=self.flat.narrow(0, self.rank * lay.chunk,
+                                                               lay.chunk))
+            master.grad = self.full_grads.narrow(0, self.rank * lay.chunk, lay.chunk) \
+                if self.full_grads is not None else torch.zeros_like(master)
+            return master
+        master = masters.new_master(lay.partition_numel, self.device)
+        master.grad = masters.grad_buffer(master)
         return master
 
     def use_owner_units(self, unit_numel):

@@ -1,10 +1,12 @@
-"""What the stage 0-2 (`zero.stages.stage1_2.ZeroOptimizer`) and stage 3 (`zero.stages.stage3.Stage3Optimizer`)
-optimizers share: the attributes DeepSpeed's ZeRO optimizers expose, and the rules of a step
-once the gradient's global norm is known.
+"""What the stage 0-2 (`zero.stages.stage1_2.ZeroOptimizer`) and stage 3
+(`zero.stages.stage3.Stage3Optimizer`) optimizers share: the attributes DeepSpeed's ZeRO
+optimizers expose, the rules of a step once the gradient's global norm is known, and the
+checkpoint hooks into their master store.
 
-A subclass sets `optimizer`, `loss_scaler` (None unless fp16), `settings.gradient_clipping`,
-`dp_comm` and `mp_comm` (zero.comm.communicator.Communicator; mp_comm None without tensor parallelism), and
-provides `zero_grad()` and `_step_partitions()`.
+A subclass sets `optimizer`, `masters` (its master store, zero/stages/masters.py),
+`loss_scaler` (None unless fp16), `settings.gradient_clipping`, `dp_comm` and `mp_comm`
+(zero.comm.communicator.Communicator; None without tensor parallelism), and provides
+`zero_grad()` and `_step_partitions()`.
 """
 
 import math
@@ -29,16 +31,6 @@ class PartitionedOptimizer:
         return self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
 
     loss_scale = cur_scale
-
-    def _use_fused_adam(self):
-        """torch's fused Adam on flat fp32 tensors is ~5x faster than the default on CPU
-        (offload overrides this with CPUAdam)."""
-        if type(self.optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-            return
-        for group in self.optimizer.param_groups:
-            if group.get("fused") is None and not group.get("foreach") \
-                    and not group.get("differentiable") and not group.get("capturable"):
-                group["fused"] = True
 
     def _global_norm_sq(self, counted, everything, over_dp=True):
         """(squared global norm, overflow) from this rank's float64 sums of squares: `counted`
@@ -84,3 +76,27 @@ class PartitionedOptimizer:
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         return True
+
+    # ----- what zero/checkpoint reads and writes: the masters in their store -----
+
+    def master_partition(self, key):
+        """This rank's fp32 master of `key` (a param group, or a stage 3 sub-group)."""
+        return self.masters.read_master(key)
+
+    def base_state_dict(self):
+        return self.masters.state_dict()
+
+    def master_restore_target(self, key):
+        """The tensor a checkpoint load writes the fp32 master of `key` into."""
+        return self.masters.restore_target(key)
+
+    def load_base_state_dict(self, state_dict):
+        self.masters.load_state_dict(state_dict)
+
+    def commit_restored_masters(self):
+        """Called after a load wrote the masters, before publish_masters()."""
+        self.masters.commit()
+
+    def close(self):
+        """Release what the masters keep outside memory (NVMe swap files)."""
+        self.masters.close()

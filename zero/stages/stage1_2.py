@@ -31,6 +31,7 @@ import torch
 from zero.comm.communicator import Pending
 from zero.errors import ZeroError
 from zero.stages.flat_buffers import FlatGroup, FlatLayout
+from zero.stages.masters import DeviceMasters
 from zero.stages.partitioned_optimizer import PartitionedOptimizer
 
 
@@ -59,17 +60,18 @@ class ZeroOptimizer(PartitionedOptimizer):
     """
 
     def __init__(self, optimizer, param_order, settings, dp_comm, mp_comm=None, mp_rank=0,
-                 loss_scaler=None):
+                 loss_scaler=None, masters=None):
         if settings.stage not in (0, 1, 2):
             raise ZeroError(f"ZeroOptimizer handles stages 0-2, got stage {settings.stage}")
-        self.optimizer, self.settings = optimizer, settings
+        self.settings, self.masters = settings, masters or DeviceMasters()
         self.dp_comm, self.mp_comm, self.mp_rank = dp_comm, mp_comm, mp_rank
         self.loss_scaler = loss_scaler
         self.partition_count = 1 if settings.stage == 0 else dp_comm.world_size
         self.partition_rank = 0 if settings.stage == 0 else dp_comm.rank
         self._pre_factor, self._post_factor = self._averaging_factors()
-        self.groups = self._flatten_param_groups(param_order)
-        self._use_fused_adam()
+        self.groups = self._flatten_param_groups(optimizer, param_order)
+        self.optimizer = self.masters.finish(optimizer)
+        self.refresh_masters_from_model()
         self._launch_order = self._bucket_launch_order(param_order)
         self._hooks = [param.register_post_accumulate_grad_hook(partial(self._grad_ready, g, i))
                        for g, group in enumerate(self.groups)
@@ -89,16 +91,16 @@ class ZeroOptimizer(PartitionedOptimizer):
             pre = 1.0 / world  # fp16 sums over ranks could overflow where the mean does not
         return pre, 1.0 / (world * pre)
 
-    def _flatten_param_groups(self, param_order):
+    def _flatten_param_groups(self, optimizer, param_order):
         groups = []
-        for group in self.optimizer.param_groups:
+        for group in optimizer.param_groups:
             params = [p for p in group["params"] if p.requires_grad]
             unknown = [p for p in params if p not in param_order]
             if unknown:
                 raise ZeroError(f"the optimizer holds {len(unknown)} parameter(s) that are not "
                                 "parameters of the model given to zero.initialize")
             for p in group["params"]:
-                self.optimizer.state.pop(p, None)
+                optimizer.state.pop(p, None)
             if not params:
                 group["params"] = []
                 continue
@@ -110,7 +112,8 @@ class ZeroOptimizer(PartitionedOptimizer):
             alias = self._alias_master_in_flat(params[0].dtype)
             bucket = sum(numels) if alias else self.settings.reduce_bucket_size
             layout = FlatLayout(numels, self.partition_count, bucket)
-            flat = self._new_group(params, layout, alias)
+            flat = FlatGroup(params, layout, self.partition_rank, self.settings.stage < 2,
+                             self.masters, alias)
             if flat.master_aliases_flat:
                 flat.use_owner_units(self.settings.reduce_bucket_size)
             group["params"] = [flat.master]
@@ -125,12 +128,7 @@ class ZeroOptimizer(PartitionedOptimizer):
         (FlatGroup.use_owner_units). With 16-bit params the master is a copy anyway and the
         partition stays K strided bucket chunks, reduce-scattered bucket by bucket."""
         return self.settings.stage in (1, 2) and dtype == torch.float32 \
-            and self.partition_count > 1
-
-    def _new_group(self, params, layout, alias_master=False):
-        """The FlatGroup of one param group (zero/offload keeps its master on the host)."""
-        return FlatGroup(params, layout, self.partition_rank, self.settings.stage < 2,
-                         alias_master)
+            and self.partition_count > 1 and self.masters.can_alias
 
     def _bucket_launch_order(self, param_order):
         """All (group, bucket) pairs, the one whose earliest param is latest in the model first."""
@@ -331,9 +329,10 @@ class ZeroOptimizer(PartitionedOptimizer):
                                  fold)
 
     def _step_partitions(self):
-        """Step the fp32 partitions and publish them into the model (offload overrides)."""
-        self.optimizer.step()
-        self.publish_masters()
+        """Step the fp32 partitions; each updated range goes into this rank's chunks of the
+        model's flat buffers, which are then all-gathered."""
+        self.masters.step(self._write_own_chunks)
+        self._all_gather_own_chunks()
 
     def _reduces_in_masters(self, group):
         """Stage 0 with fp32 communication of 16-bit gradients: each bucket is copied into
@@ -383,52 +382,54 @@ class ZeroOptimizer(PartitionedOptimizer):
 
     @torch.no_grad()
     def publish_masters(self):
-        """Copy the updated fp32 masters into the model's flat buffers and all-gather them."""
+        """Copy the fp32 masters into the model's flat buffers and all-gather them."""
+        self.masters.publish(self._write_own_chunks)
+        self._all_gather_own_chunks()
+
+    @torch.no_grad()
+    def _write_own_chunks(self, g, lo, values):
+        """Master elements [lo, lo + n) of group g (fp32) -> this rank's chunks of the model's
+        flat buffer (model dtype and device)."""
+        group = self.groups[g]
+        if group.master_is_flat or group.master_aliases_flat:
+            return  # the master is the buffer itself
+        lay = group.layout
+        own = group.own_chunks(group.flat)  # [K, C]
+        non_blocking = self.masters.pinned
+        if lo == 0 and values.numel() == lay.partition_numel:
+            own.copy_(values.view(lay.num_buckets, lay.chunk), non_blocking=non_blocking)
+            return
+        start, end, done = lo, lo + values.numel(), 0
+        while start < end:
+            k, offset = divmod(start, lay.chunk)
+            length = min(end - start, lay.chunk - offset)
+            own[k, offset:offset + length].copy_(values[done:done + length],
+                                                 non_blocking=non_blocking)
+            start, done = start + length, done + length
+
+    def _all_gather_own_chunks(self):
+        if self.masters.pinned:
+            torch.cuda.current_stream().synchronize()  # the non-blocking copies
         pendings = []
         for group in self.groups:
-            if group.master_is_flat:
-                continue
             lay = group.layout
             if lay.world_size == 1:
-                group.flat.copy_(group.master)
                 continue
-            own = group.own_chunks(group.flat)  # [K, C] views of this rank's chunks
-            same_dtype = group.dtype == torch.float32
-            if not same_dtype:
-                own.copy_(group.master.view(lay.num_buckets, lay.chunk))
+            own = group.own_chunks(group.flat)
             for k in range(lay.num_buckets):
-                source = group.master_chunk(group.master, k) if same_dtype else own[k]
                 pendings.append(self.dp_comm.all_gather(group.flat_bucket(group.flat, k),
-                                                        source, async_op=True))
+                                                        own[k], async_op=True))
         for pending in pendings:
             pending.wait()
-
-    # ----- what zero/checkpoint/layout.py reads and writes (offload overrides these) -----
-
-    def master_partition(self, g):
-        """This rank's fp32 master partition of group g (engine layout)."""
-        return self.groups[g].master.detach()
-
-    def base_state_dict(self):
-        return self.optimizer.state_dict()
-
-    def master_restore_target(self, g):
-        """The tensor a checkpoint load writes group g's fp32 master partition into."""
-        return self.groups[g].master.data
-
-    def load_base_state_dict(self, state_dict):
-        self.optimizer.load_state_dict(state_dict)
-
-    def commit_restored_masters(self):
-        """Called after a load wrote the masters, before publish_masters()."""
 
     @torch.no_grad()
     def refresh_masters_from_model(self):
         """Rebuild the fp32 masters from the (possibly 16-bit) model weights."""
-        for group in self.groups:
+        for g, group in enumerate(self.groups):
             if not (group.master_is_flat or group.master_aliases_flat):
-                lay = group.layout
-                group.master.view(lay.num_buckets, lay.chunk).copy_(group.own_chunks(group.flat))
+                own, chunk = group.own_chunks(group.flat), group.layout.chunk
+                for k in range(group.layout.num_buckets):
+                    self.masters.write(g, k * chunk, own[k].float())
 
     def remove_hooks(self):
         for handle in self._hooks:

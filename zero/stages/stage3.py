@@ -23,6 +23,7 @@ Parameters are partitioned one by one (zero/stages/partition_parameters.py) and 
   copy fp32 masters back into the partitions.
 """
 
+import bisect
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -30,6 +31,8 @@ import torch
 
 from zero.comm.communicator import Pending
 from zero.errors import ZeroError
+from zero.offload.param_swapper import is_swapped, read_shard
+from zero.stages.masters import DeviceMasters
 from zero.stages.partition_parameters import ParamStatus, is_zero_param
 from zero.stages.partitioned_optimizer import PartitionedOptimizer
 from zero.stages.param_coordinator import ParamCoordinator, Stage3Knobs
@@ -62,44 +65,67 @@ def check_partitionable(optimizer):
 
 
 class SubGroup:
-    """A run of parameters whose partitions are packed into one flat buffer and one master."""
+    """A run of parameters whose partitions are packed into one flat buffer and one master.
 
-    def __init__(self, params, mp_rank):
+    Partitions in memory: `flat` (model dtype) holds them and the `ds_tensor`s are its views.
+    Swapped partitions (offload_param nvme): `flat` is None and each shard stays in its swap
+    file. The fp32 master comes from the master store: the flat buffer itself when it is fp32
+    and the store allows it, else a tensor of its own (its values: `partitions()`).
+    """
+
+    def __init__(self, params, mp_rank, masters):
         self.params = params
         self.sizes = [p.ds_tensor.numel() for p in params]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
-        first = params[0].ds_tensor
         total = sum(self.sizes)
-        self.flat = torch.empty(total, dtype=first.dtype, device=first.device)
-        with torch.no_grad():
-            for param, offset, size in zip(params, self.offsets, self.sizes):
-                view = self.flat.narrow(0, offset, size)
-                view.copy_(param.ds_tensor)
-                param.ds_tensor = view
-        if self.flat.dtype == torch.float32:
-            self.master = torch.nn.Parameter(self.flat)  # shares storage: no extra copy
-        else:
-            self.master = torch.nn.Parameter(self.flat.float())
-        # master.grad: None between a step and the next backward (Stage3Optimizer)
+        self.swapped = [is_swapped(p) for p in params]
+        self.flat = None
+        if not any(self.swapped):
+            first = params[0].ds_tensor
+            self.flat = torch.empty(total, dtype=first.dtype, device=first.device)
+            with torch.no_grad():
+                for param, offset, size in zip(params, self.offsets, self.sizes):
+                    view = self.flat.narrow(0, offset, size)
+                    view.copy_(param.ds_tensor)
+                    param.ds_tensor = view
+        self.master_is_flat = masters.can_alias and self.flat is not None \
+            and self.flat.dtype == torch.float32
+        device = self.flat.device if self.flat is not None else torch.device("cpu")
+        self.master = masters.new_master(total, device,
+                                         alias=self.flat if self.master_is_flat else None)
+        # master.grad: None between a step and the next backward, unless the store keeps
+        # persistent gradient buffers (offload: host memory, allocated once)
+        if not masters.frees_grads:
+            self.master.grad = masters.grad_buffer(self.master)
         # (start, length) of params replicated over TP: their norm counts on TP rank 0 only
         self.replicated_runs = [] if mp_rank == 0 else [
             (o, s) for p, o, s in zip(params, self.offsets, self.sizes)
             if not (getattr(p, "model_parallel", False)
                     or getattr(p, "tensor_model_parallel", False))]
 
-    @property
-    def master_is_flat(self):
-        return self.master.data_ptr() == self.flat.data_ptr()
+    def partitions(self):
+        """(this rank's piece of each parameter in memory, its offset), one at a time."""
+        for param, offset in zip(self.params, self.offsets):
+            yield read_shard(param), offset
 
     @torch.no_grad()
-    def publish(self):
-        if not self.master_is_flat:
-            self.flat.copy_(self.master)
-
-    @torch.no_grad()
-    def refresh_master(self):
-        if not self.master_is_flat:
-            self.master.copy_(self.flat)
+    def write_tile(self, start, updated, pending):
+        """Partition elements [start, start + len(updated)) <- updated (fp32); writes to
+        swapped shards go to their files in the background (appended to `pending`)."""
+        if self.flat is not None:
+            self.flat.narrow(0, start, updated.numel()).copy_(updated)
+            return
+        end = start + updated.numel()
+        i = bisect.bisect_right(self.offsets, start) - 1
+        while i < len(self.params) and self.offsets[i] < end:
+            param, offset = self.params[i], self.offsets[i]
+            lo, hi = max(start, offset), min(end, offset + self.sizes[i])
+            values = updated[lo - start:hi - start]
+            if self.swapped[i]:
+                pending.append(param.ds_swapper.write(param, values, lo - offset))
+            else:
+                param.ds_tensor.narrow(0, lo - offset, hi - lo).copy_(values)
+            i += 1
 
 
 class Stage3Optimizer(PartitionedOptimizer):
@@ -108,25 +134,23 @@ class Stage3Optimizer(PartitionedOptimizer):
     `module`'s parameters must already be ZeRO parameters over `dp_comm`.
     """
 
-    # free the fp32 partition gradients at zero_grad (offload keeps its host buffers)
-    frees_partition_grads = True
-
     def __init__(self, optimizer, module, settings, dp_comm, mp_comm=None, mp_rank=0,
-                 loss_scaler=None):
+                 loss_scaler=None, masters=None):
         check_partitionable(optimizer)
-        self.optimizer, self.settings = optimizer, settings
+        self.settings, self.masters = settings, masters or DeviceMasters()
         self.dp_comm, self.mp_comm, self.mp_rank = dp_comm, mp_comm, mp_rank
         self.loss_scaler = loss_scaler
         self.partition_count = dp_comm.world_size
         self.coordinator = ParamCoordinator(module, settings.knobs)
         self.param_names = {p: n for n, p in module.named_parameters()}
-        self.sub_groups = self._build_sub_groups(module)
+        self.sub_groups = self._build_sub_groups(optimizer, module)
         self.location = {}  # param -> (sub-group, offset in its flat)
         for sub_group in self.sub_groups:
             for param, offset in zip(sub_group.params, sub_group.offsets):
                 self.location[param] = (sub_group, offset)
                 param.ds_on_partition_update = self._partition_updated
-        self._use_fused_adam()
+        self.optimizer = self.masters.finish(optimizer)
+        self.refresh_masters_from_model()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for p in self.location]
         self._hooks += [p.register_hook(partial(_shape_for_accumulation, p))
@@ -136,13 +160,13 @@ class Stage3Optimizer(PartitionedOptimizer):
 
     # ----- construction -----
 
-    def _build_sub_groups(self, module):
+    def _build_sub_groups(self, optimizer, module):
         model_params = {id(p) for p in module.parameters()}
         sub_groups = []
-        for group in self.optimizer.param_groups:
+        for group in optimizer.param_groups:
             params = [p for p in group["params"] if p.requires_grad]
             for p in group["params"]:
-                self.optimizer.state.pop(p, None)
+                optimizer.state.pop(p, None)
             if any(id(p) not in model_params or not is_zero_param(p) for p in params):
                 raise ZeroError("the optimizer holds parameters that are not parameters of the "
                                 "model given to zero.initialize")
@@ -153,14 +177,10 @@ class Stage3Optimizer(PartitionedOptimizer):
                 if len(kinds) > 1:
                     raise ZeroError("all parameters of one optimizer param group must share "
                                     f"dtype and device; found {sorted(kinds, key=str)}")
-                sub_group = self._new_sub_group(run)
+                sub_group = SubGroup(run, self.mp_rank, self.masters)
                 group["params"].append(sub_group.master)
                 sub_groups.append(sub_group)
         return sub_groups
-
-    def _new_sub_group(self, params):
-        """(zero/offload/stage3.py keeps the masters on the host or in swap files instead)"""
-        return SubGroup(params, self.mp_rank)
 
     def _cut(self, params):
         runs, run, numel = [], [], 0
@@ -176,10 +196,7 @@ class Stage3Optimizer(PartitionedOptimizer):
     def _partition_updated(self, param):
         """GatheredParameters(modifier_rank=...) changed param's partition: follow in fp32."""
         sub_group, offset = self.location[param]
-        if not sub_group.master_is_flat:
-            with torch.no_grad():
-                sub_group.master.narrow(0, offset, param.ds_tensor.numel()).copy_(
-                    param.ds_tensor)
+        self.masters.write(self.sub_groups.index(sub_group), offset, read_shard(param).float())
 
     def forward_context(self):
         """Wrap the module's forward: saved parameters become re-gatherable references."""
@@ -313,7 +330,7 @@ class Stage3Optimizer(PartitionedOptimizer):
 
     def zero_grad(self, set_to_none=True):
         for sub_group in self.sub_groups:
-            if set_to_none and self.frees_partition_grads:
+            if set_to_none and self.masters.frees_grads:
                 sub_group.master.grad = None
             elif sub_group.master.grad is not None:
                 sub_group.master.grad.zero_()
@@ -330,13 +347,22 @@ class Stage3Optimizer(PartitionedOptimizer):
                                  [sub_group.master.grad for sub_group in self.sub_groups])
 
     def _step_partitions(self):
-        """Step the fp32 masters and copy them into the partitions."""
-        self.optimizer.step()
-        self.publish_masters()
+        """Step the fp32 masters; each updated range goes straight into the partitions (flat
+        buffer, or the shards' swap files, written in the background)."""
+        pending = []
+        self.masters.step(partial(self._write_partition, pending))
+        for p in pending:
+            p.wait()
 
+    @torch.no_grad()
     def publish_masters(self):
-        for sub_group in self.sub_groups:
-            sub_group.publish()
+        pending = []
+        self.masters.publish(partial(self._write_partition, pending))
+        for p in pending:
+            p.wait()
+
+    def _write_partition(self, pending, key, lo, values):
+        self.sub_groups[key].write_tile(lo, values, pending)
 
     def _grad_norm_sq(self):
         """(squared norm of the averaged, loss-scaled gradient over DP and TP, overflow)."""
@@ -355,28 +381,12 @@ class Stage3Optimizer(PartitionedOptimizer):
             counted += whole
         return self._global_norm_sq(counted, everything)
 
+    @torch.no_grad()
     def refresh_masters_from_model(self):
-        for sub_group in self.sub_groups:
-            sub_group.refresh_master()
-
-    # ----- checkpoints (zero/checkpoint/stage3.py; offload overrides these) -----
-
-    def master_partition(self, index):
-        """The fp32 master of sub-group `index` as a tensor in memory."""
-        return self.sub_groups[index].master.detach()
-
-    def master_restore_target(self, index):
-        """Where a checkpoint's fp32 master of sub-group `index` is written."""
-        return self.sub_groups[index].master.data
-
-    def commit_restored_masters(self):
-        """After the restore targets are filled (NVMe: write them to the swap files)."""
-
-    def base_state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_base_state_dict(self, state_dict):
-        self.optimizer.load_state_dict(state_dict)
+        for key, sub_group in enumerate(self.sub_groups):
+            if not sub_group.master_is_flat:
+                for piece, offset in sub_group.partitions():
+                    self.masters.write(key, offset, piece.float())
 
     def remove_hooks(self):
         for handle in self._hooks:
@@ -390,19 +400,26 @@ class Stage3Optimizer(PartitionedOptimizer):
         """This rank's model-state bytes by category (what the ZeRO paper's formulas count).
         The partition gradients count at their size whether or not they exist right now."""
         def nbytes(t):
-            return t.numel() * t.element_size()
+            return t.untyped_storage().nbytes() if t is not None else 0
         partitions = sum(nbytes(g.flat) for g in self.sub_groups)
+        partitions += sum(nbytes(p.ds_tensor) for g in self.sub_groups
+                          for p, swapped in zip(g.params, g.swapped) if swapped)  # 0: on disk
         frozen = sum(nbytes(p.ds_tensor) for p in self.coordinator.owner
                      if p not in self.location)
-        masters = sum(nbytes(g.master) for g in self.sub_groups if not g.master_is_flat)
-        states = sum(nbytes(v) for s in self.optimizer.state.values() for v in s.values()
-                     if torch.is_tensor(v) and v.dim() > 0)
         gathered = sum(nbytes(p.ds_full) for p in self.coordinator.owner
                        if p.ds_full is not None)
         return {"parameters": partitions + frozen,
                 "gradients": sum(g.master.numel() * 4 for g in self.sub_groups),
-                "master_weights": masters, "optimizer_states": states,
+                "master_weights": self.masters.master_bytes(),
+                "optimizer_states": self.masters.state_bytes(),
                 "gathered_parameters": gathered}
+
+    def close(self):
+        """Delete the swap files (optimizer states and parameter shards)."""
+        super().close()
+        for param in self.location:
+            if is_swapped(param):
+                param.ds_swapper.forget([param])
 
 
 def _shape_for_accumulation(param, grad):
