@@ -58,16 +58,16 @@ class TiledLinear(nn.Module):
         self.combine_out_splits = combine_out_splits
         self.in_parts = partition_uniform(in_features, in_splits)
         self.out_parts = partition_uniform(out_features, out_splits)
+        # Each row of tiles is built inside its ModuleList's constructor, so under zero.Init
+        # a row's tiles are partitioned as soon as the row exists: one row is whole at a time.
         self.linears = nn.ModuleList()
         for o in range(out_splits):
             out_size = self.out_parts[o + 1] - self.out_parts[o]
-            row = nn.ModuleList()
-            for i in range(in_splits):
-                in_size = self.in_parts[i + 1] - self.in_parts[i]
+            self.linears.append(nn.ModuleList(
                 # Only the last input tile of each output row adds the bias.
-                row.append(linear_cls(in_size, out_size,
-                                      bias=bias if i == in_splits - 1 else False, **kwargs))
-            self.linears.append(row)
+                linear_cls(self.in_parts[i + 1] - self.in_parts[i], out_size,
+                           bias=bias if i == in_splits - 1 else False, **kwargs)
+                for i in range(in_splits)))
         if init_linear is not None:
             self.copy_params_from(init_linear)
 

@@ -47,7 +47,7 @@ class GPTConfig:
     # under --deepspeed-activation-checkpointing (megatron/runtime/activation_checkpointing.py)
     checkpoint_function: Optional[Callable] = None
     params_dtype: torch.dtype = torch.float32
-    # --memory-centric-tiled-linear / --tile-factor (megatron/model/tiling.py)
+    # the transformer's linears as tile grids (megatron/model/tiling.py)
     memory_centric_tiled_linear: bool = False
     tile_factor: int = 1
 
@@ -162,9 +162,6 @@ class GPT2Model(nn.Module):
         self.config = config
         self.parallel_output = parallel_output
         self.language_model = TransformerLanguageModel(config)
-        if config.memory_centric_tiled_linear:
-            from megatron.model.tiling import tile_transformer_linears
-            tile_transformer_linears(self.language_model.transformer, config.tile_factor)
         if config.params_dtype != torch.float32:
             self.to(config.params_dtype)  # initialised in fp32 on CPU, then cast
 

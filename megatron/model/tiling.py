@@ -12,9 +12,11 @@ longer owns whole heads, and a RowParallelLinear per tile would all-reduce once 
 Tiling the local shard keeps every rank's layout, and its one all-reduce, as in the untiled
 model, so a tiled model computes the same function at any tensor-parallel size.
 
-Same weights as untiled: each layer first builds the untiled mpu layer (which draws the
-master weight from the seeded generator in the layout-independent way) and copies its shard
-into the tiles, so the RNG stream and every value match the untiled model.
+Same weights as untiled, without building the untiled layer: the tiles are made row band by
+row band (`mpu.ShardRows`) from the master weight drawn from the seeded generator the way the
+untiled mpu layer draws it, so the RNG stream and every value match the untiled model while
+at most one band of this rank's shard exists outside the tiles (under zero.Init each band's
+tiles are partitioned as soon as they are built).
 
 Checkpoints keep the untiled keys (`...query_key_value.weight`, `.bias`): state_dict() joins
 the tiles and load_state_dict() cuts an untiled weight into them, so tiled and untiled
@@ -22,11 +24,11 @@ checkpoints load into either model and the checkpoint tools keep working.
 """
 
 import re
-import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from zero.tiling import TiledLinearReturnBias, partition_uniform
 
 from megatron import mpu
 from megatron.errors import ConfigError
@@ -35,21 +37,44 @@ from megatron.errors import ConfigError
 class LocalLinearTile(nn.Module):
     """One tile: Y = X W^T (+ b), Megatron's (output, bias) convention, no communication.
 
-    Parameters start uninitialised (nothing is drawn from the generator): the tiled layer
-    copies them from the untiled layer.
+    `weight` holds its values ([out_features, in_features], fp32); the bias starts at zero,
+    as the mpu layers' biases do.
     """
 
     def __init__(self, in_features, out_features, bias=True, skip_bias_add=False,
-                 dtype=torch.float32):
+                 weight=None):
         super().__init__()
         self.skip_bias_add = skip_bias_add
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(weight if weight is not None else
+                                   torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, input_):
         if self.skip_bias_add:
             return F.linear(input_, self.weight), self.bias
         return F.linear(input_, self.weight, self.bias), None
+
+
+class _TilesFromShard:
+    """`linear_cls` for zero.TiledLinear: makes each tile, in the row-major order TiledLinear
+    asks for them, from the rows of this rank's shard that `shard` (mpu.ShardRows) hands out.
+    Its cuts are TiledLinear's (zero.tiling.partition_uniform)."""
+
+    def __init__(self, shard, rows, columns, in_splits, out_splits, **tile_kwargs):
+        self.shard, self.tile_kwargs = shard, tile_kwargs
+        self.row_starts = partition_uniform(rows, out_splits)
+        self.col_starts = partition_uniform(columns, in_splits)
+        self.in_splits, self.made, self.band = in_splits, 0, None
+
+    def __call__(self, in_features, out_features, bias=True):
+        o, i = divmod(self.made, self.in_splits)
+        if i == 0:  # the first tile of a band of output rows
+            self.band = self.shard.take(self.row_starts[o], self.row_starts[o] + out_features)
+        col = self.col_starts[i]
+        self.made += 1
+        return LocalLinearTile(in_features, out_features, bias=bias,
+                               weight=self.band[:, col:col + in_features].clone(),
+                               **self.tile_kwargs)
 
 
 def check_tile_factor(tile_factor, hidden_size, ffn_hidden_size, model_parallel_size):
@@ -89,22 +114,26 @@ class _UntiledStateDictMixin:
         return f"tiled.linears.{o}.{i}.{name}"
 
 
+def _join_grid(tile, out_splits, in_splits):
+    """(weight, bias or None) of a tile grid, `tile(o, i, name)` giving a tile's tensor (None
+    where it has none): each row of tiles is joined along the input, the rows along the
+    output; the biases are those of each row's last tile."""
+    weight = torch.cat([torch.cat([tile(o, i, "weight") for i in range(in_splits)], dim=1)
+                        for o in range(out_splits)], dim=0)
+    biases = [tile(o, in_splits - 1, "bias") for o in range(out_splits)]
+    return weight, torch.cat(biases, dim=0) if all(b is not None for b in biases) else None
+
+
 def _join_tiles_in_state_dict(module, state_dict, prefix, local_metadata):
     tiled = module.tiled
-    rows, biases = [], []
-    for o in range(tiled.out_splits):
-        rows.append(torch.cat([state_dict.pop(prefix + module._tile_key(o, i, "weight"))
-                               for i in range(tiled.in_splits)], dim=1))
-        bias_key = prefix + module._tile_key(o, tiled.in_splits - 1, "bias")
-        if bias_key in state_dict:
-            biases.append(state_dict.pop(bias_key))
+    weight, bias = _join_grid(
+        lambda o, i, name: state_dict.pop(prefix + module._tile_key(o, i, name), None),
+        tiled.out_splits, tiled.in_splits)
     # Re-insert a bias the wrapper owns (row parallel) after the weight: Megatron's key order.
     own_bias = state_dict.pop(prefix + "bias", None)
-    state_dict[prefix + "weight"] = torch.cat(rows, dim=0).detach()
-    if biases:
-        state_dict[prefix + "bias"] = torch.cat(biases, dim=0).detach()
-    elif own_bias is not None:
-        state_dict[prefix + "bias"] = own_bias
+    state_dict[prefix + "weight"] = weight.detach()
+    if bias is not None or own_bias is not None:
+        state_dict[prefix + "bias"] = (bias if bias is not None else own_bias).detach()
 
 
 def _cut_untiled_weight_into_tiles(module, state_dict, prefix, local_metadata, strict,
@@ -150,34 +179,32 @@ def join_tiled_weights(state_dict):
             result[prefix + "weight"] = None  # keep the layer where its first tile was
         tiles[prefix][int(match["o"]), int(match["i"]), match["name"]] = tensor
     for prefix, parts in tiles.items():
-        out_splits = 1 + max(o for o, _, _ in parts)
-        in_splits = 1 + max(i for _, i, _ in parts)
-        result[prefix + "weight"] = torch.cat([
-            torch.cat([parts[o, i, "weight"] for i in range(in_splits)], dim=1)
-            for o in range(out_splits)], dim=0)
-        biases = [parts.get((o, in_splits - 1, "bias")) for o in range(out_splits)]
-        if all(bias is not None for bias in biases):
-            result[prefix + "bias"] = torch.cat(biases, dim=0)
+        weight, bias = _join_grid(lambda o, i, name: parts.get((o, i, name)),
+                                  1 + max(o for o, _, _ in parts),
+                                  1 + max(i for _, i, _ in parts))
+        result[prefix + "weight"] = weight
+        if bias is not None:
+            result[prefix + "bias"] = bias
     return result
 
 
 class TiledColumnParallelLinear(_UntiledStateDictMixin, nn.Module):
-    """ColumnParallelLinear (Y = XA, A = [A_1, ..., A_p]) with A_r^T held as a tile grid.
+    """ColumnParallelLinear (Y = XA, A = [A_1, ..., A_p]) with A_r^T held as a tile grid:
+    this rank's shard [output_size / p, input_size] as out_splits x in_splits tiles."""
 
-    Built from an initialised `mpu.ColumnParallelLinear`, whose shard
-    [output_size / p, input_size] is copied into out_splits x in_splits tiles.
-    """
-
-    def __init__(self, untiled, in_splits, out_splits):
+    def __init__(self, input_size, output_size, in_splits, out_splits, bias=True,
+                 gather_output=True, init_method=mpu.init_method_normal(0.02),
+                 skip_bias_add=False):
         super().__init__()
-        from zero import TiledLinearReturnBias
-        self.input_size, self.output_size = untiled.input_size, untiled.output_size
-        self.gather_output, self.skip_bias_add = untiled.gather_output, untiled.skip_bias_add
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        rows = mpu.divide(output_size, mpu.get_model_parallel_world_size())
+        shard = mpu.ShardRows((output_size, input_size), 0, init_method)
         self.tiled = TiledLinearReturnBias(
-            untiled.input_size, untiled.output_size_per_partition,
-            bias=untiled.bias is not None, in_splits=in_splits, out_splits=out_splits,
-            linear_cls=LocalLinearTile, init_linear=untiled, skip_bias_add=self.skip_bias_add,
-            dtype=untiled.weight.dtype)
+            input_size, rows, bias=bias, in_splits=in_splits, out_splits=out_splits,
+            linear_cls=_TilesFromShard(shard, rows, input_size, in_splits, out_splits,
+                                       skip_bias_add=skip_bias_add))
+        shard.finish()
         _tag_params(self.tiled, True, partition_dim=0, bias_is_parallel=True)
         self._register_untiled_state_dict_hooks()
 
@@ -193,24 +220,24 @@ class TiledColumnParallelLinear(_UntiledStateDictMixin, nn.Module):
 
 class TiledRowParallelLinear(_UntiledStateDictMixin, nn.Module):
     """RowParallelLinear (Y = sum_r X_r A_r + b) with A_r^T [output_size, input_size / p] held
-    as a tile grid; the replicated bias stays whole and is added once after the all-reduce.
+    as a tile grid; the replicated bias stays whole and is added once after the all-reduce."""
 
-    Built from an initialised `mpu.RowParallelLinear`.
-    """
-
-    def __init__(self, untiled, in_splits, out_splits):
+    def __init__(self, input_size, output_size, in_splits, out_splits, bias=True,
+                 input_is_parallel=False, init_method=mpu.init_method_normal(0.02),
+                 skip_bias_add=False):
         super().__init__()
-        from zero import TiledLinearReturnBias
-        self.input_size, self.output_size = untiled.input_size, untiled.output_size
-        self.input_is_parallel = untiled.input_is_parallel
-        self.skip_bias_add = untiled.skip_bias_add
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        columns = mpu.divide(input_size, mpu.get_model_parallel_world_size())
+        shard = mpu.ShardRows((output_size, input_size), 1, init_method)
         self.tiled = TiledLinearReturnBias(
-            untiled.input_size_per_partition, untiled.output_size, bias=False,
-            in_splits=in_splits, out_splits=out_splits, linear_cls=LocalLinearTile,
-            init_linear=types.SimpleNamespace(weight=untiled.weight, bias=None),
-            dtype=untiled.weight.dtype)
+            columns, output_size, bias=False, in_splits=in_splits, out_splits=out_splits,
+            linear_cls=_TilesFromShard(shard, output_size, columns, in_splits, out_splits))
+        shard.finish()
         _tag_params(self.tiled, True, partition_dim=1, bias_is_parallel=False)
-        self.bias = untiled.bias  # replicated; tagged so by RowParallelLinear
+        self.bias = nn.Parameter(torch.zeros(output_size)) if bias else None
+        if self.bias is not None:
+            mpu.set_model_parallel_attributes(self.bias, False)  # replicated on every rank
         self._register_untiled_state_dict_hooks()
 
     def forward(self, input_):
@@ -234,18 +261,18 @@ def tile_grid(tile_factor):
             "dense_h_to_4h": (f, 4 * f), "dense_4h_to_h": (4 * f, f)}
 
 
-def tile_transformer_linears(transformer, tile_factor):
-    """Replace QKV, dense, h->4h and 4h->h of every layer by their tiled equivalents.
+def column_parallel_linear(config, name, input_size, output_size, **kwargs):
+    """The transformer's column-parallel linear `name`: tiled under
+    config.memory_centric_tiled_linear, else mpu's."""
+    if not config.memory_centric_tiled_linear:
+        return mpu.ColumnParallelLinear(input_size, output_size, **kwargs)
+    return TiledColumnParallelLinear(input_size, output_size,
+                                     *tile_grid(config.tile_factor)[name], **kwargs)
 
-    Runs after the untiled model is built, so the initial weights (and the generator's state
-    afterwards) are exactly those of the untiled model; one linear at a time exists twice
-    while being copied.
-    """
-    grid = tile_grid(tile_factor)
-    for parent in list(transformer.modules()):  # the attention and MLP blocks of each layer
-        for name, (in_splits, out_splits) in grid.items():
-            untiled = getattr(parent, name, None)
-            if isinstance(untiled, mpu.ColumnParallelLinear):
-                setattr(parent, name, TiledColumnParallelLinear(untiled, in_splits, out_splits))
-            elif isinstance(untiled, mpu.RowParallelLinear):
-                setattr(parent, name, TiledRowParallelLinear(untiled, in_splits, out_splits))
+
+def row_parallel_linear(config, name, input_size, output_size, **kwargs):
+    """The transformer's row-parallel linear `name` (see column_parallel_linear)."""
+    if not config.memory_centric_tiled_linear:
+        return mpu.RowParallelLinear(input_size, output_size, **kwargs)
+    return TiledRowParallelLinear(input_size, output_size, *tile_grid(config.tile_factor)[name],
+                                  **kwargs)

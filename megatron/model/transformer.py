@@ -2,7 +2,9 @@
 
 Activations are [b, s, h] (batch first): the QKV projection then views into the
 [b, np, s, hn] layout that scaled_dot_product_attention wants without a copy, and its
-output transposes back to [b, s, h] for free.  `config` is a `GPTConfig`.
+output transposes back to [b, s, h] for free.  `config` is a `GPTConfig`; with
+memory_centric_tiled_linear the four linears of a layer are tile grids
+(megatron/model/tiling.py).
 """
 
 import contextlib
@@ -13,6 +15,7 @@ from torch import nn
 
 from megatron import mpu
 from megatron.model.dropout import drop_unscaled, dropout
+from megatron.model.tiling import column_parallel_linear, row_parallel_linear
 
 
 class ParallelSelfAttention(nn.Module):
@@ -29,10 +32,11 @@ class ParallelSelfAttention(nn.Module):
         self.num_heads_per_partition = mpu.divide(config.num_attention_heads,
                                                   mpu.get_model_parallel_world_size())
         self.attention_dropout = config.attention_dropout
-        self.query_key_value = mpu.ColumnParallelLinear(
-            hidden_size, 3 * hidden_size, gather_output=False, init_method=init_method)
-        self.dense = mpu.RowParallelLinear(
-            hidden_size, hidden_size, input_is_parallel=True,
+        self.query_key_value = column_parallel_linear(
+            config, "query_key_value", hidden_size, 3 * hidden_size, gather_output=False,
+            init_method=init_method)
+        self.dense = row_parallel_linear(
+            config, "dense", hidden_size, hidden_size, input_is_parallel=True,
             init_method=output_layer_init_method)
         # A megatron.model.kv_cache.LayerKVCache while generating (attach_kv_cache).
         self.kv_cache = None
@@ -122,12 +126,12 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, config, init_method, output_layer_init_method):
         super().__init__()
-        self.dense_h_to_4h = mpu.ColumnParallelLinear(
-            config.hidden_size, config.ffn_hidden_size, gather_output=False,
-            init_method=init_method)
-        self.dense_4h_to_h = mpu.RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, input_is_parallel=True,
-            init_method=output_layer_init_method)
+        self.dense_h_to_4h = column_parallel_linear(
+            config, "dense_h_to_4h", config.hidden_size, config.ffn_hidden_size,
+            gather_output=False, init_method=init_method)
+        self.dense_4h_to_h = row_parallel_linear(
+            config, "dense_4h_to_h", config.ffn_hidden_size, config.hidden_size,
+            input_is_parallel=True, init_method=output_layer_init_method)
 
     def forward(self, hidden_states):
         intermediate, _ = self.dense_h_to_4h(hidden_states)  # [b, s, 4h / p]

@@ -14,7 +14,7 @@ from megatron.mpu.initialize import (ParallelState, destroy_model_parallel,
                                      get_model_parallel_world_size, get_parallel_state,
                                      initialize_model_parallel, model_parallel_is_initialized,
                                      set_model_parallel_rank, set_model_parallel_world_size)
-from megatron.mpu.layers import (ColumnParallelLinear, RowParallelLinear,
+from megatron.mpu.layers import (ColumnParallelLinear, RowParallelLinear, ShardRows,
                                  VocabParallelEmbedding, init_method_normal,
                                  initialize_affine_weight, initialize_replicated_weight,
                                  scaled_init_method_normal,

@@ -102,6 +102,51 @@ def initialize_affine_weight(weight, full_shape, partition_dim, init_method, str
             weight[row_start:row_end] = chunk.index_select(partition_dim, keep)
 
 
+class ShardRows:
+    """This rank's shard of a master weight, handed out band of rows by band of rows.
+
+    The master weight is generated chunk by chunk exactly as `initialize_affine_weight`
+    generates it (the same stream of the global CPU generator), so a layer built in pieces
+    (tiles) holds the same values as the whole layer would, without ever holding its whole
+    shard: `take(lo, hi)` returns shard rows [lo, hi) ([hi - lo, shard columns]); ranges
+    come in increasing order; `finish()` draws what is left, so the generator ends where
+    `initialize_affine_weight` leaves it.
+    """
+
+    def __init__(self, full_shape, partition_dim, init_method, stride=1):
+        keep = _local_indices(full_shape[partition_dim], get_model_parallel_rank(),
+                              get_model_parallel_world_size(), stride)
+        # shard row j is full row `rows[j]`; its columns are `columns` (None: all)
+        self.rows = keep if partition_dim == 0 else torch.arange(full_shape[0])
+        self.columns = keep if partition_dim == 1 else None
+        self.width = len(keep) if partition_dim == 1 else math.prod(full_shape[1:])
+        self._chunks = _master_weight_chunks(full_shape, init_method)
+        self._chunk = (0, 0, None)  # (first row, end row, values) of the current chunk
+
+    @torch.no_grad()
+    def take(self, lo, hi):
+        full_rows = self.rows[lo:hi]
+        out = torch.empty(hi - lo, self.width, dtype=torch.float32)
+        done = 0
+        while done < len(full_rows):
+            start, end, chunk = self._chunk
+            if full_rows[done] >= end:
+                self._chunk = next(self._chunks)
+                continue
+            n = int(torch.searchsorted(full_rows[done:], end))  # rows inside this chunk
+            values = chunk.reshape(end - start, -1).index_select(
+                0, full_rows[done:done + n] - start)
+            if self.columns is not None:
+                values = values.index_select(1, self.columns)
+            out[done:done + n] = values
+            done += n
+        return out
+
+    def finish(self):
+        for _ in self._chunks:
+            pass
+
+
 @torch.no_grad()
 def initialize_replicated_weight(weight, init_method):
     """Fill a weight that every rank holds in full, generated in the same chunks."""

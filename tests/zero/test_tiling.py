@@ -158,3 +158,23 @@ def test_wrong_input_width_is_reported():
     tiled = zero.TiledLinear(IN, OUT, in_splits=2)
     with pytest.raises(ValueError, match="last dim is 9, TiledLinear expects in_features=10"):
         tiled(torch.zeros(2, 9))
+
+
+def test_under_zero_init_one_row_of_tiles_is_whole_at_a_time():
+    """Each row of tiles is partitioned as soon as it is built: building a tile never finds
+    tiles of an earlier row still whole (the memory tiling exists to save)."""
+    built, whole_when_built = [], []
+
+    class CountingTile(nn.Linear):
+        def __init__(self, *args, **kwargs):
+            whole_when_built.append(sum(not zero.stages.partition_parameters.is_zero_param(
+                t.weight) for t in built))
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    with zero.Init():
+        tiled = zero.TiledLinear(IN, OUT, in_splits=2, out_splits=3, linear_cls=CountingTile)
+    assert len(built) == 6 and max(whole_when_built) == 1  # only its own row's first tile
+    assert all(zero.stages.partition_parameters.is_zero_param(t.weight) for t in built)
+    with zero.GatheredParameters(list(tiled.parameters())):
+        assert all(t.weight.shape == (t.out_features, t.in_features) for t in built)
