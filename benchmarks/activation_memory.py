@@ -13,7 +13,8 @@ lengths, per micro-batch forward + backward:
                  interleaved step by step in the same processes (this machine's speed drifts
                  by 10-30% over minutes, so separate runs do not compare)
 
-for: no checkpointing; checkpointing every layer (zero.activation_checkpointing.recompute); + partitioned
+for: no checkpointing; checkpointing every layer (zero.activation_checkpointing.recompute); +
+partitioned
 activations over 2 gloo ranks (TP = 2; rank 0 reported); + CPU checkpoints. Next to the
 analytic numbers of Korthikanti et al. (2022) in 16-bit: per layer s*b*h*(34 + 5*a*s/h) bytes
 without recompute, 2*s*b*h with a checkpoint per layer, /TP when partitioned; at TP = 2 the
@@ -36,7 +37,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-CONFIGS = {  # name: (tensor-parallel size, zero.activation_checkpointing.recompute options or None, dropout)
+# name: (tensor-parallel size, zero.checkpointing options or None, dropout)
+CONFIGS = {
     "none": (1, None, 0.1),
     "checkpoint": (1, {}, 0.1),
     "none, dropout 0": (1, None, 0.0),
@@ -55,7 +57,8 @@ def _rss_bytes():
 
 def _setup(rank, world_size, init_file, size):
     """One rank's layer stack and its step(options, dropout, hooks=None): one forward +
-    backward with zero.activation_checkpointing.recompute configured by `options` (None: no checkpointing) and
+    backward with zero.activation_checkpointing.recompute configured by `options` (None: no
+    checkpointing) and
     hidden and attention dropout `dropout`."""
     torch.set_num_threads(1)  # the same per-rank compute at TP 1 and 2; no spin-waiting
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -196,7 +199,8 @@ def main(argv=None):
                          f"{ref['forward'] / ref['step']:.0%}"])
             print(" | ".join(str(c) for c in rows[-1]), flush=True)
     config = (f"{base['layers']} layers, hidden {base['hidden']}, {base['heads']} heads, micro "
-              f"batch {base['batch']}, bf16, dropout 0.1 unless the row says 0, one checkpoint per layer. Bytes: one "
+              f"batch {base['batch']}, bf16, dropout 0.1 unless the row says 0, one checkpoint "
+              f"per layer. Bytes: one "
               f"step per configuration, each in fresh processes. Times: median of "
               f"{base['repeats']} steps after 1 warm-up, the configurations of one TP size "
               f"interleaved step by step in the same processes")

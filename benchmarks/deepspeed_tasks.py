@@ -65,7 +65,7 @@ def train_tiny(out_dir, stage, steps=3):
     import deepspeed
     import torch.distributed as dist
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(7)
     model = TinyNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -4,7 +4,8 @@ The peer is Hugging Face `tokenizers` (Rust) encoding the same documents with th
 vocab.json/merges.txt on one thread (skipped when not installed). Input: the default corpus
 (data/webtext/data.json, made by scripts/pretrain_gpt2.sh) or --input.
 
-    python benchmarks/preprocess_throughput.py [--input data.json --vocab-file ... --merge-file ...] [--quick]
+    python benchmarks/preprocess_throughput.py [--quick] \
+        [--input data.json --vocab-file ... --merge-file ...]
 """
 
 import argparse
@@ -47,8 +48,10 @@ def main():
     default_data = os.path.join(REPO_ROOT, "data")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", default=os.path.join(default_data, "webtext", "data.json"))
-    parser.add_argument("--vocab-file", default=os.path.join(default_data, "tokenizer", "vocab.json"))
-    parser.add_argument("--merge-file", default=os.path.join(default_data, "tokenizer", "merges.txt"))
+    parser.add_argument("--vocab-file",
+                        default=os.path.join(default_data, "tokenizer", "vocab.json"))
+    parser.add_argument("--merge-file",
+                        default=os.path.join(default_data, "tokenizer", "merges.txt"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-docs", action="store_true")
@@ -56,7 +59,8 @@ def main():
     for path in (args.input, args.vocab_file, args.merge_file):
         if not os.path.exists(path):
             sys.exit(f"error: {path} is missing; run `bash scripts/pretrain_gpt2.sh` once (it "
-                     "prepares the default corpus and tokenizer) or pass --input/--vocab-file/--merge-file")
+                     "prepares the default corpus and tokenizer) or pass "
+                     "--input/--vocab-file/--merge-file")
     repeats = 1 if args.quick else args.repeats
     megabytes = os.path.getsize(args.input) / 1e6
     rows = []

@@ -1,10 +1,11 @@
-"""gloo reduce-scatter on CPU: zero/comm/communicator.py's ring against an all-reduce and the native collective.
+"""gloo reduce-scatter on CPU: zero/comm's ring against an all-reduce and the native collective.
 
     python benchmarks/reduce_scatter_gloo.py [--quick] [--dp 2 4] [--numel 1000000 4000000]
                                              [--repeats 10] [--no-docs]
 
 For each data-parallel size (gloo processes, one thread each) and bucket size (fp32 elements),
-times, per call, the three ways `zero.comm.communicator.Communicator.reduce_scatter` can run on gloo:
+times, per call, the three ways `zero.comm.communicator.Communicator.reduce_scatter` can run on
+gloo:
   ring        isend/irecv ring (zero/comm/ring.py), the default on gloo: sends (N-1)/N of the bucket
   all_reduce  in-place all-reduce then keep this rank's chunk: sends 2(N-1)/N
   native      torch.distributed.reduce_scatter_tensor (gloo's own)

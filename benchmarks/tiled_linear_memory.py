@@ -157,7 +157,7 @@ def _child(mode, hidden, tokens, tile_factor, repeats):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc_per_node", "2"] + command[1:]
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"{mode} F={tile_factor} failed:\n{out.stdout[-2000:]}"
                            f"{out.stderr[-3000:]}")
@@ -232,7 +232,8 @@ def main(argv=None):
             f"{machine_description()}\n\n"
             f"GPT-2 MLP h={args.hidden} (h->4h->h, {weights_mb:.0f} MB of fp32 weights), "
             f"{args.tokens} tokens, fp32, 1 thread per process; ZeRO stage 3 over 2 gloo "
-            f"ranks with prefetch off, persistence threshold 0 and max reuse distance 0, so no tile stays gathered (worst rank shown); "
+            f"ranks with prefetch off, persistence threshold 0 and max reuse distance 0, so "
+            f"no tile stays gathered (worst rank shown); "
             f"median step of {args.repeats} after the first.  Ratios are against F=1 "
             f"(untiled) in the same run.  1-minute load average {load_before:.1f} at the "
             f"start, {os.getloadavg()[0]:.1f} at the end (on 2 cores: above ~2 the times are "

@@ -16,14 +16,17 @@ processes (one thread each, benchmarks/zero_memory_comm_worker.py) so peak RSS i
             (benchmarks/install_deepspeed_venv.sh), skipped with a note when it is absent.
 Reported per rank (rank 0): model-state bytes measured from the tensors each runner holds,
 next to the ZeRO paper's formulas (deepspeed_spec.md §4.5) in their fp32 form (FORMULAS); bytes
-sent per step (ours: zero/comm/communicator.py's counters; peers: patched torch.distributed + a DDP comm
+sent per step (ours: zero/comm/communicator.py's counters; peers: patched torch.distributed + a DDP
+comm
 hook) in units of Ψ·4 B·(N-1)/N, next to what each configuration should send (COMM); median
 step time; peak RSS (VmHWM); and the peak of malloc's bytes in use over one step (mallinfo2,
 sampled: what a runner holds, without the freed memory glibc keeps resident, which on this
-machine moves peak RSS by +-100 MB from run to run). Then the ratios ours/peer. Also records the DeepSpeed checkpoint
+machine moves peak RSS by +-100 MB from run to run). Then the ratios ours/peer. Also records the
+DeepSpeed checkpoint
 compatibility check (benchmarks/deepspeed_compat.py) unless --no-compat. Timings on this
 2-core machine drift by 10-30% over minutes, so each runner's own step time (separate
-processes, run one after another) is rough; the comparison with the fastest peer is made by the paired runs: each of our stages and
+processes, run one after another) is rough; the comparison with the fastest peer is made by the
+paired runs: each of our stages and
 torch DDP built in the same processes and stepped alternately (`--paired-steps`). DP=4
 oversubscribes the 2 cores (4 ranks x 1 thread), so compare within a column. Every runner
 runs as shipped: our stage 3 sets glibc to reuse freed host memory by itself

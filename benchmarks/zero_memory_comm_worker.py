@@ -1,9 +1,11 @@
 """One rank of one runner of benchmarks/zero_memory_comm.py (started by it, one process per rank).
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=.. MASTER_PORT=.. python zero_memory_comm_worker.py \
-        --runner ours|ours_release|ddp|zero_redundancy|fsdp2_reshard|fsdp2_keep|deepspeed|paired_ddp \
-        --stage S \
-        --model small|gpt-91m --steps N --warmup W --micro-batch B --out PREFIX  # -> PREFIX.rank<r>.json
+        --runner RUNNER --stage S --model small|gpt-91m --steps N --warmup W \
+        --micro-batch B --out PREFIX                        # writes PREFIX.rank<r>.json
+
+    RUNNER: ours, ours_release, ddp, zero_redundancy, fsdp2_reshard, fsdp2_keep, deepspeed,
+    paired_ddp
 
 Runs in the project's venv, or (runner deepspeed) in the DeepSpeed venv: so it imports only
 torch at the top, zero or deepspeed inside its runner. Every runner trains the same PlainGPT
@@ -52,7 +54,8 @@ BUCKET_NUMEL = 25 * 2 ** 20 // 4
 
 class WireCounter:
     """Counts what torch.distributed collectives send from this rank (bandwidth-optimal ring
-    volumes, as zero/comm/communicator.py does): patched over torch.distributed's functions, plus a DDP
+    volumes, as zero/comm/communicator.py does): patched over torch.distributed's functions, plus a
+    DDP
     comm hook (DDP's reducer calls the backend directly)."""
 
     def __init__(self, world):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Run the test suite (the README's second command; .ci/run calls exactly this).
+# Lint, then run the test suite (the README's second command; .ci/run calls exactly this).
 #
-#   bash scripts/test.sh                # default suite (~minutes on 2 cores)
+#   bash scripts/test.sh                # ruff (pyproject.toml), then the default suite
 #   bash scripts/test.sh -m slow        # the long tests only
 #   bash scripts/test.sh tests/mpu -x   # any pytest arguments
 set -euo pipefail
@@ -9,8 +9,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 # convert: transformers + safetensors, so the checkpoint-conversion tests run, not skip.
 EXTRAS="test,convert${EXTRAS:+,$EXTRAS}" bash scripts/setup.sh
+PY="${VENV:-$ROOT/.venv}/bin/python"
+"$PY" -m ruff check .   # fails the run on a lint error, before any test starts
 set +e
-"${VENV:-$ROOT/.venv}/bin/python" -m pytest -q "$@"
+"$PY" -m pytest -q "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then   # pytest: no tests collected (e.g. a -k that matches nothing)

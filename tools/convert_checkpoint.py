@@ -1,7 +1,8 @@
 """Convert GPT-2 checkpoints between Megatron, DeepSpeed and Hugging Face formats.
 
     # Megatron (any TP size) or --deepspeed (any ZeRO stage / TP / DP) -> Hugging Face
-    python tools/convert_checkpoint.py --load-dir checkpoints/gpt2_small --save-dir hf/gpt2_small --saver hf
+    python tools/convert_checkpoint.py --load-dir checkpoints/gpt2_small \
+        --save-dir hf/gpt2_small --saver hf
     # Hugging Face GPT-2 -> Megatron at TP=2, to continue pretraining it
     python tools/convert_checkpoint.py --load-dir hf/gpt2 --save-dir checkpoints/gpt2_tp2 \
         --saver megatron --target-tensor-parallel-size 2

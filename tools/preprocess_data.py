@@ -1,8 +1,8 @@
 """Tokenize a loose-JSON corpus into Megatron mmap `.bin/.idx` files for `--data-path`.
 
     python tools/preprocess_data.py --input data/webtext/data.json --output-prefix data/my-gpt2 \
-        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt \
-        --append-eod --workers 4
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json \
+        --merge-file gpt2-merges.txt --append-eod --workers 4
 
 writes data/my-gpt2_text_document.bin/.idx; pass `--data-path data/my-gpt2_text_document`.
 Lines that are not JSON objects with a string under every --json-keys key are counted, quoted

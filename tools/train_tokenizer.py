@@ -31,15 +31,20 @@ MALFORMED_EXAMPLES_SHOWN = 5
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", nargs="+", required=True, metavar="PATH", help="loose-JSON files")
-    parser.add_argument("--json-keys", nargs="+", default=["text"], help="keys whose text to train on")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                        help="loose-JSON files")
+    parser.add_argument("--json-keys", nargs="+", default=["text"],
+                        help="keys whose text to train on")
     parser.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    parser.add_argument("--vocab-size", type=int, default=8192, help="tokens in the vocab, <|endoftext|> included")
+    parser.add_argument("--vocab-size", type=int, default=8192,
+                        help="tokens in the vocab, <|endoftext|> included")
     parser.add_argument("--output-dir", required=True)
     parser.add_argument(
         "--min-frequency", type=int, default=None,
-        help="GPT2BPETokenizer only: stop merging when the best pair occurs fewer times (default 2)",
+        help="GPT2BPETokenizer only: stop merging when the best pair occurs fewer times "
+             "(default 2)",
     )
     return parser.parse_args(argv)
 
@@ -51,9 +56,11 @@ def validate_args(args):
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise ConfigError(f"--output-dir '{args.output_dir}' exists and is not a directory")
     if args.tokenizer_type == "GPT2BPETokenizer" and args.vocab_size < 257:
-        raise ConfigError(f"--vocab-size {args.vocab_size} is too small: GPT2BPETokenizer needs at least 257 (256 byte symbols + <|endoftext|>)")
+        raise ConfigError(f"--vocab-size {args.vocab_size} is too small: GPT2BPETokenizer needs "
+                          "at least 257 (256 byte symbols + <|endoftext|>)")
     if args.tokenizer_type == "SentencePieceTokenizer" and args.min_frequency is not None:
-        raise ConfigError("--min-frequency applies to GPT2BPETokenizer only; sentencepiece has no such option")
+        raise ConfigError("--min-frequency applies to GPT2BPETokenizer only; sentencepiece has no "
+                          "such option")
     if args.min_frequency is not None and args.min_frequency < 1:
         raise ConfigError(f"--min-frequency must be >= 1, got {args.min_frequency}")
 
@@ -112,26 +119,31 @@ def train_sentencepiece_model(reader, args):
     sentences = [line for text in reader.texts() for line in text.split("\n") if line]
     require_documents(reader)
     os.makedirs(args.output_dir, exist_ok=True)
-    model_path = train_sentencepiece(sentences, args.vocab_size, os.path.join(args.output_dir, "tokenizer.model"))
+    model_path = train_sentencepiece(sentences, args.vocab_size,
+                                     os.path.join(args.output_dir, "tokenizer.model"))
     return SentencePieceTokenizer(model_path).vocab_size, (model_path,)
 
 
 def require_documents(reader):
     if reader.documents == 0:
         raise DataError(
-            f"no usable documents in {', '.join(reader.paths)}: each line must be a JSON object with "
-            f"a string under --json-keys {' '.join(reader.json_keys)} ({reader.malformed} malformed lines)"
+            f"no usable documents in {', '.join(reader.paths)}: each line must be a JSON object "
+            f"with a string under --json-keys {' '.join(reader.json_keys)} "
+            f"({reader.malformed} malformed lines)"
         )
 
 
 def print_summary(reader, args, vocab_size, paths, seconds):
-    print(f"read {reader.documents} documents ({reader.text_bytes / 1e6:.2f} MB of text) from {len(args.input)} file(s)")
+    print(f"read {reader.documents} documents ({reader.text_bytes / 1e6:.2f} MB of text) from "
+          f"{len(args.input)} file(s)")
     if reader.malformed:
-        print(f"skipped {reader.malformed} malformed line(s): {'; '.join(reader.malformed_examples)}"
+        examples = "; ".join(reader.malformed_examples)
+        print(f"skipped {reader.malformed} malformed line(s): {examples}"
               + (" ..." if reader.malformed > len(reader.malformed_examples) else ""))
     else:
         print("skipped 0 malformed lines")
-    note = "" if vocab_size == args.vocab_size else f" (asked for {args.vocab_size}: the corpus has no more frequent pairs)"
+    note = "" if vocab_size == args.vocab_size else \
+        f" (asked for {args.vocab_size}: the corpus has no more frequent pairs)"
     print(f"{args.tokenizer_type}: vocab size {vocab_size}{note}, trained in {seconds:.1f} s")
     print(f"wrote {', '.join(paths)}")
 
@@ -140,7 +152,8 @@ def train_tokenizer(args):
     validate_args(args)
     reader = LooseJsonReader(args.input, args.json_keys)
     start = time.perf_counter()
-    train = train_gpt2_bpe if args.tokenizer_type == "GPT2BPETokenizer" else train_sentencepiece_model
+    train = train_gpt2_bpe if args.tokenizer_type == "GPT2BPETokenizer" \
+        else train_sentencepiece_model
     vocab_size, paths = train(reader, args)
     print_summary(reader, args, vocab_size, paths, time.perf_counter() - start)
 

@@ -11,7 +11,8 @@ The client state holds the iteration, the data position, the run's args and the 
 import os
 
 import torch
-from zero.checkpoint.layout import model_states_name, read_latest
+from zero.checkpoint.files import model_states_name
+from zero.checkpoint.layout import read_latest
 from zero.checkpoint.stage3 import model_states_name as stage3_model_states_name
 
 from megatron import mpu

@@ -10,8 +10,9 @@ import shutil
 from dataclasses import dataclass
 from typing import List
 
-from megatron.checkpointing.megatron_layout import (TRACKER_FILENAME, atomic_torch_save, atomic_write_text,
-                                    get_checkpoint_name, read_tracker, safe_load)
+from megatron.checkpointing.files import atomic_torch_save, atomic_write_text, safe_load
+from megatron.checkpointing.megatron_layout import (TRACKER_FILENAME, get_checkpoint_name,
+                                                    read_tracker)
 from megatron.errors import CheckpointError
 
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})")

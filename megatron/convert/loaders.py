@@ -19,7 +19,8 @@ from typing import Dict
 
 import torch
 
-from megatron.checkpointing.megatron_layout import TRACKER_FILENAME, safe_load
+from megatron.checkpointing.files import safe_load
+from megatron.checkpointing.megatron_layout import TRACKER_FILENAME
 from megatron.convert.checkpoint_files import read_sharded_checkpoint
 from megatron.convert.deepspeed_source import read_deepspeed_checkpoint
 from megatron.convert.hf import hf_to_megatron_state_dict, model_args_from_hf_config

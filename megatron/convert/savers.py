@@ -16,7 +16,8 @@ import shutil
 
 import torch
 
-from megatron.checkpointing.megatron_layout import CHECKPOINT_VERSION, atomic_write_text, to_nested_state_dict
+from megatron.checkpointing.files import atomic_write_text
+from megatron.checkpointing.megatron_layout import CHECKPOINT_VERSION, to_nested_state_dict
 from megatron.convert.checkpoint_files import write_sharded_checkpoint
 from megatron.convert.hf import hf_config_from_model_args, megatron_to_hf_state_dict
 from megatron.convert.reshard import check_target_size

@@ -36,8 +36,9 @@ DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
           6: np.float64, 7: np.float32, 8: np.uint16}
 
 BUILD_HINT = ("build it with: python tools/preprocess_data.py --input <corpus.json> "
-              "--output-prefix <prefix> --tokenizer-type GPT2BPETokenizer --vocab-file <vocab.json> "
-              "--merge-file <merges.txt> --append-eod  (the prefix then ends in _text_document)")
+              "--output-prefix <prefix> --tokenizer-type GPT2BPETokenizer "
+              "--vocab-file <vocab.json> --merge-file <merges.txt> --append-eod  (the prefix "
+              "then ends in _text_document)")
 
 
 def data_file_path(prefix):

@@ -216,7 +216,8 @@ def tokenize_loose_json(input_path, output_prefix, make_tokenizer, json_keys=("t
             reporter.flush()
         else:
             if context.get_start_method() == "fork":
-                make_tokenizer = ConstantFactory(tokenizer)  # inherited, neither pickled nor rebuilt
+                # inherited by the forked workers, neither pickled nor rebuilt
+                make_tokenizer = ConstantFactory(tokenizer)
             stats = _tokenize_in_workers(context, input_path, ranges, outputs, make_tokenizer,
                                          json_keys, append_eod, dtype, progress, log_interval)
     finally:

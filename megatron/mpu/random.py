@@ -97,7 +97,7 @@ def get_cuda_rng_tracker():
 
 
 def use_rng_tracker(tracker):
-    """Make `tracker` (same API, e.g. zero.activation_checkpointing.recompute's) the one the model forks and the
+    """Make `tracker` (same API, e.g. zero.checkpointing's) the one the model forks and the
     checkpoints save, as Megatron-DeepSpeed does under --deepspeed-activation-checkpointing:
     its recompute replays its own tracker. None restores this module's own."""
     global _RNG_STATE_TRACKER

@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron.checkpointing.megatron_layout import read_tracker
 from megatron.errors import TrainingError
 
 
@@ -119,7 +120,6 @@ def last_checkpoint_description(save_dir):
     def describe():
         if not save_dir:
             return "no checkpoint was saved (no --save); restart from scratch"
-        from megatron.checkpointing.megatron_layout import read_tracker
         try:
             iteration, _ = read_tracker(save_dir)
         except Exception:  # noqa: BLE001 -- a message about the message must not fail

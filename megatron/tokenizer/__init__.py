@@ -26,9 +26,10 @@ def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None, tokenizer_
     if tokenizer_type == "GPT2BPETokenizer":
         if vocab_file is None or merge_file is None:
             raise TokenizerError(
-                "--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file "
-                "(merges.txt); build a pair with `python tools/train_tokenizer.py --input corpus.json "
-                "--tokenizer-type GPT2BPETokenizer --output-dir DIR` or use GPT-2's own files"
+                "--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and "
+                "--merge-file (merges.txt); build a pair with `python tools/train_tokenizer.py "
+                "--input corpus.json --tokenizer-type GPT2BPETokenizer --output-dir DIR` or use "
+                "GPT-2's own files"
             )
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "SentencePieceTokenizer":
@@ -48,7 +49,8 @@ def vocab_size_with_padding(orig_vocab_size, make_vocab_size_divisible_by, model
     """Round the vocab up to a multiple of divisible_by * mp, so each tensor-parallel shard of the
     embedding gets an equal, matmul-friendly number of rows (GPT-2: 50257 -> 50304 at 128 x 1)."""
     if make_vocab_size_divisible_by < 1:
-        raise ConfigError(f"--make-vocab-size-divisible-by must be >= 1, got {make_vocab_size_divisible_by}")
+        raise ConfigError(f"--make-vocab-size-divisible-by must be >= 1, got "
+                          f"{make_vocab_size_divisible_by}")
     if model_parallel_size < 1:
         raise ConfigError(f"--model-parallel-size must be >= 1, got {model_parallel_size}")
     multiple = make_vocab_size_divisible_by * model_parallel_size

@@ -18,7 +18,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from megatron.tokenizer.file_utils import atomic_write_bytes
-from megatron.tokenizer.gpt2_bpe import EOD_TOKEN, PRETOKENIZE_PATTERN, byte_symbols_in_vocab_order, word_to_symbols
+from megatron.tokenizer.gpt2_bpe import (EOD_TOKEN, PRETOKENIZE_PATTERN,
+                                         byte_symbols_in_vocab_order, word_to_symbols)
 
 NUM_BYTE_SYMBOLS = 256
 MERGES_VERSION_LINE = "#version: 0.2"
@@ -45,7 +46,8 @@ def train_byte_level_bpe(pretoken_counts, vocab_size, min_frequency=2):
     smaller than asked for.
     """
     if vocab_size < NUM_BYTE_SYMBOLS + 1:
-        raise ValueError(f"vocab_size must be at least {NUM_BYTE_SYMBOLS + 1} (256 bytes + end of document)")
+        raise ValueError(f"vocab_size must be at least {NUM_BYTE_SYMBOLS + 1} (256 bytes + end of "
+                         "document)")
     id_to_token = byte_symbols_in_vocab_order()
     token_to_id = {token: i for i, token in enumerate(id_to_token)}
     words, freqs = _initial_words(pretoken_counts, token_to_id)

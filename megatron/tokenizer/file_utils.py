@@ -9,7 +9,8 @@ def atomic_write_bytes(path, data):
     atomic), are fsynced, and only then replace `path`; a crash leaves no half-written file.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.",
+                                    suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

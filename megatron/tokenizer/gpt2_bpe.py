@@ -75,7 +75,8 @@ def word_to_symbols(word):
 def load_vocab(vocab_file):
     """vocab.json -> {symbol string: id}, with ids exactly 0..N-1."""
     if not os.path.isfile(vocab_file):
-        raise TokenizerError(f"vocab file '{vocab_file}' (--vocab-file) does not exist. {HOW_TO_GET_FILES}")
+        raise TokenizerError(f"vocab file '{vocab_file}' (--vocab-file) does not exist. "
+                             f"{HOW_TO_GET_FILES}")
     try:
         with open(vocab_file, encoding="utf-8") as f:
             vocab = json.load(f)
@@ -93,8 +94,9 @@ def load_vocab(vocab_file):
     if bad or len(set(vocab.values())) != len(vocab):
         detail = f"e.g. {bad[0][0]!r}: {bad[0][1]!r}" if bad else "some ids appear twice"
         raise TokenizerError(
-            f"vocab file '{vocab_file}' (--vocab-file): ids must be the integers 0..{len(vocab) - 1}, "
-            f"each used once; {detail}. Is this really a GPT-2 style vocab.json?"
+            f"vocab file '{vocab_file}' (--vocab-file): ids must be the integers "
+            f"0..{len(vocab) - 1}, each used once; {detail}. Is this really a GPT-2 style "
+            "vocab.json?"
         )
     return vocab
 
@@ -102,12 +104,14 @@ def load_vocab(vocab_file):
 def load_merges(merge_file, vocab, vocab_file):
     """merges.txt -> {(left, right): rank}, checking every merge against the vocab."""
     if not os.path.isfile(merge_file):
-        raise TokenizerError(f"merge file '{merge_file}' (--merge-file) does not exist. {HOW_TO_GET_FILES}")
+        raise TokenizerError(f"merge file '{merge_file}' (--merge-file) does not exist. "
+                             f"{HOW_TO_GET_FILES}")
     try:
         with open(merge_file, encoding="utf-8") as f:
             lines = f.read().split("\n")
     except UnicodeDecodeError as e:
-        raise TokenizerError(f"merge file '{merge_file}' (--merge-file) is not UTF-8 text: {e}") from None
+        raise TokenizerError(f"merge file '{merge_file}' (--merge-file) is not UTF-8 text: "
+                             f"{e}") from None
     ranks = {}
     merge_index = 0
     for line_number, line in enumerate(lines, start=1):
@@ -160,7 +164,8 @@ class GPT2BPETokenizer:
         # large corpus does not grow memory without limit; lru_cache's C code keeps hits cheap.
         self._pretoken_ids = functools.lru_cache(maxsize=cache_size)(self._bpe_ids)
         byte_of_symbol = {s: b for b, s in bytes_to_unicode().items()}
-        self._id_to_bytes = [self._token_bytes(self.inv_vocab[i], byte_of_symbol) for i in range(len(vocab))]
+        self._id_to_bytes = [self._token_bytes(self.inv_vocab[i], byte_of_symbol)
+                             for i in range(len(vocab))]
 
     @staticmethod
     def _token_bytes(token, byte_of_symbol):
@@ -177,13 +182,15 @@ class GPT2BPETokenizer:
         return list(chain.from_iterable(map(self._pretoken_ids, PRETOKENIZE_PATTERN.findall(text))))
 
     def detokenize(self, ids):
-        """ids (list, numpy array or tensor) -> text; bytes that are not valid UTF-8 become U+FFFD."""
+        """ids (list, numpy array or tensor) -> text; bytes that are not valid UTF-8 become
+        U+FFFD."""
         ids = [int(i) for i in ids]
         if ids and not (0 <= min(ids) and max(ids) < len(self._id_to_bytes)):
             bad = next(i for i in ids if not 0 <= i < len(self._id_to_bytes))
             raise TokenizerError(
-                f"cannot detokenize id {bad}: the tokenizer has ids 0..{len(self._id_to_bytes) - 1} "
-                f"(ids in the padded part of the model's vocab have no text)"
+                f"cannot detokenize id {bad}: the tokenizer has ids "
+                f"0..{len(self._id_to_bytes) - 1} (ids in the padded part of the model's vocab "
+                "have no text)"
             )
         return b"".join([self._id_to_bytes[i] for i in ids]).decode("utf-8", errors="replace")
 
@@ -224,7 +231,8 @@ class GPT2BPETokenizer:
 
     # Pickling (e.g. to spawned data workers): send the parsed tables, rebuild the cache.
     def __getstate__(self):
-        return {"vocab": self.vocab, "merge_ranks": self._merge_ranks, "cache_size": self._cache_size}
+        return {"vocab": self.vocab, "merge_ranks": self._merge_ranks,
+                "cache_size": self._cache_size}
 
     def __setstate__(self, state):
         self._setup(state["vocab"], state["merge_ranks"], state["cache_size"])

@@ -23,7 +23,8 @@ class SentencePieceTokenizer:
 
     def __init__(self, model_file):
         if not os.path.isfile(model_file):
-            raise TokenizerError(f"tokenizer model '{model_file}' (--tokenizer-model) does not exist. {HOW_TO_GET_MODEL}")
+            raise TokenizerError(f"tokenizer model '{model_file}' (--tokenizer-model) does not "
+                                 f"exist. {HOW_TO_GET_MODEL}")
         self._processor = sentencepiece.SentencePieceProcessor()
         try:
             self._processor.load(model_file)
@@ -32,20 +33,23 @@ class SentencePieceTokenizer:
                 f"tokenizer model '{model_file}' (--tokenizer-model) is not a sentencepiece model "
                 f"({e}). {HOW_TO_GET_MODEL}"
             ) from None
-        self.vocab = {self._processor.id_to_piece(i): i for i in range(self._processor.get_piece_size())}
+        self.vocab = {self._processor.id_to_piece(i): i
+                      for i in range(self._processor.get_piece_size())}
         self.inv_vocab = {i: piece for piece, i in self.vocab.items()}
         self.eod = self._find_eod(model_file)
 
     def _find_eod(self, model_file):
         eod_id = self._processor.piece_to_id(EOD_TOKEN)  # the unk id when the piece is absent
-        if not self._processor.is_unknown(eod_id) and self._processor.id_to_piece(eod_id) == EOD_TOKEN:
+        if not self._processor.is_unknown(eod_id) and \
+                self._processor.id_to_piece(eod_id) == EOD_TOKEN:
             return eod_id
         if self._processor.eos_id() >= 0:
             return self._processor.eos_id()
         raise TokenizerError(
             f"tokenizer model '{model_file}' has neither a '{EOD_TOKEN}' piece nor an eos id, so "
-            f"there is no end-of-document token. Retrain it with `--user_defined_symbols={EOD_TOKEN}` "
-            f"(tools/train_tokenizer.py does this) or with eos enabled."
+            f"there is no end-of-document token. Retrain it with "
+            f"`--user_defined_symbols={EOD_TOKEN}` (tools/train_tokenizer.py does this) or with "
+            "eos enabled."
         )
 
     @property

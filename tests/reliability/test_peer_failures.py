@@ -5,7 +5,6 @@ machine trains and resumes."""
 import json
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import pretrain_gpt2
-from megatron.checkpointing.megatron_layout import safe_load
+from megatron.checkpointing.files import safe_load
 from megatron.errors import CheckpointError
 from tests.reliability.harness import trainer_argv
-from zero.checkpoint.layout import _torch_load as zero_load
+from zero.checkpoint.files import torch_load as zero_load
 from zero.errors import CheckpointError as ZeroCheckpointError
 from zero.checkpoint.zero_to_fp32 import main as zero_to_fp32_main
 

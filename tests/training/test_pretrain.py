@@ -102,7 +102,7 @@ def test_loss_falls_and_outputs_are_written(corpus, tmp_path, capsys):
     curve = losses(tmp_path)
     first, last = curve[1][0], curve[40][0]
     assert first > 6.0 and last < first - 1.5, (first, last)
-    records = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     evals = [r for r in records if "split" in r]
     assert {r["split"] for r in evals} >= {"valid", "test"}
     keys = {"iteration", "lm_loss", "lr", "loss_scale", "grad_norm", "ms_per_iter",

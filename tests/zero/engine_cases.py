@@ -124,7 +124,7 @@ def train_steps(engine, steps, start=0):
 
 def fp32_weights(engine):
     """{name: fp32 weight} as the fp32 masters hold them (gathered over data parallel)."""
-    from zero.checkpoint.layout import partial_natural_partition
+    from zero.checkpoint.partitions import partial_natural_partition
     optimizer = engine.optimizer
     names = {p: n for n, p in engine.module.named_parameters()}
     result = {}

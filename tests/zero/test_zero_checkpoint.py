@@ -11,7 +11,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.zero import engine_cases as cases
-from zero.checkpoint.layout import natural_partition_numel
+from zero.checkpoint.partitions import natural_partition_numel
 from zero.errors import CheckpointError
 from zero.checkpoint.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
                                get_fp32_state_dict_from_zero_checkpoint)

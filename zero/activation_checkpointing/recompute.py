@@ -36,9 +36,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from zero.activation_checkpointing.storage import ContiguousBuffers, Stashed, StoragePlan, stash, unstash
+from zero.activation_checkpointing.storage import (ContiguousBuffers, Stashed, StoragePlan, stash,
+                                                   unstash)
 from zero.errors import ConfigError
-from zero.activation_checkpointing.rng_tracker import (MODEL_PARALLEL_RNG_TRACKER_NAME, CudaRNGStatesTracker,  # noqa: F401
+from zero.activation_checkpointing.rng_tracker import (  # noqa: F401
+    MODEL_PARALLEL_RNG_TRACKER_NAME, CudaRNGStatesTracker,
                               get_rng_states, seed_model_parallel, set_rng_states)
 
 _OPTION_KEYS = {  # configure() argument -> activation_checkpointing key
@@ -192,7 +194,7 @@ def checkpoint(function, *args):
     if not torch.is_grad_enabled():  # nothing will run backward: nothing to keep
         return function(*args)
     if not any(t.requires_grad for t in tensors):
-        warnings.warn("zero.activation_checkpointing.recompute.checkpoint: no input requires grad, so gradients of "
+        warnings.warn("zero.checkpointing.checkpoint: no input requires grad, so gradients of "
                       "the parameters inside the checkpoint will be None")
     outputs = CheckpointFunction.apply(function, *args)
     return outputs
@@ -208,7 +210,7 @@ class CheckpointFunction(torch.autograd.Function):
             raise RuntimeError(
                 f"contiguous activation checkpointing: checkpoint {index + 1} in one forward, "
                 f"but num_checkpoints ('number_checkpoints') is {options.num_checkpoints}; "
-                "raise it, or call zero.activation_checkpointing.recompute.reset() after forwards without backward")
+                "raise it, or call zero.checkpointing.reset() after forwards without backward")
         _STATE.next_index, _STATE.live = index + 1, _STATE.live + 1
         device = next((a.device for a in args if torch.is_tensor(a)), torch.device("cpu"))
         _synchronize(options.synchronize or options.profile, device)

@@ -12,7 +12,8 @@ zero_to_fp32.py can consolidate them. In memory the engine partitions differentl
 chunks, zero/stages/stage1_2.py); saving gathers each bucket once to cut out DeepSpeed's slice.
 Loading reads, from each saved slice (memory-mapped), only the elements this rank owns, so a
 checkpoint loads at any data-parallel size and from any ZeRO stage 0-2. Stage 3 writes its
-own files (one model states file per DP rank): zero/checkpoint/stage3.py. How the stage 0-2 optimizer state maps between the
+own files (one model states file per DP rank): zero/checkpoint/stage3.py. How the stage 0-2
+optimizer state maps between the
 two partitionings: zero/checkpoint/partitions.py.
 
 A save writes into `<save_dir>/.<tag>.partial/`; only when every rank has written its files
@@ -23,16 +24,16 @@ leaves the previous checkpoint and tracker intact.
 import glob
 import logging
 import os
-import re
 import shutil
 from collections import OrderedDict
 
 import torch
-import torch.distributed as dist
 
-from zero.checkpoint.partitions import (  # noqa: F401  (the last two are re-exported)
-    DS_VERSION, PartitionRestore, check_param_shapes, zero_optimizer_state,
-    natural_partition_numel, partial_natural_partition)
+from zero.checkpoint.partitions import (DS_VERSION, PartitionRestore, check_param_shapes,
+                                        zero_optimizer_state)
+from zero.checkpoint.files import (all_agree, engine_counters, model_states_name,
+                                   module_state_on_cpu, on_rank0_then_agree, optim_files,
+                                   optim_states_name, shared_params, torch_load, try_)
 from zero.errors import CheckpointError
 from zero.fault_injection import kill_point
 from zero.fault_injection import writer as fault_writer
@@ -45,14 +46,6 @@ MODEL_STATE_KEYS = {
     "sparse_tensor_module_names", "csr_tensor_module_names", "skipped_steps", "global_steps",
     "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version"}
 ZERO_TO_FP32 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_to_fp32.py")
-
-
-def model_states_name(mp_rank):
-    return f"mp_rank_{mp_rank:02d}_model_states.pt"
-
-
-def optim_states_name(dp_rank, mp_rank, bf16=False):
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,7 +61,7 @@ def save_checkpoint(engine, save_dir, tag, client_state, save_latest):
     _check_plain(client_state, "client_state")
     kill_point("zero.save.start")
     partial_dir = os.path.join(save_dir, f".{tag}.partial")
-    _on_rank0_then_agree(engine, lambda: _fresh_dir(partial_dir), f"create {partial_dir}")
+    on_rank0_then_agree(engine, lambda: _fresh_dir(partial_dir), f"create {partial_dir}")
     kill_point("zero.save.partial_dir_created")
     stage = engine.zero_optimization_stage()
     if stage == 3:  # every DP rank writes model and optim states (zero/checkpoint/stage3.py)
@@ -76,10 +69,10 @@ def save_checkpoint(engine, save_dir, tag, client_state, save_latest):
         writes = stage3_files(engine, client_state)
     else:
         writes = _stage0_2_files(engine, stage, client_state)
-    _all_agree(engine, _try(lambda: [_durable_save(obj, os.path.join(partial_dir, name))
+    all_agree(engine, try_(lambda: [_durable_save(obj, os.path.join(partial_dir, name))
                                      for name, obj in writes]), f"write into {partial_dir}")
     kill_point("zero.save.files_done")
-    _on_rank0_then_agree(engine, lambda: _publish(save_dir, partial_dir, tag, save_latest),
+    on_rank0_then_agree(engine, lambda: _publish(save_dir, partial_dir, tag, save_latest),
                          f"publish {tag} in {save_dir}")
     return True
 
@@ -189,48 +182,10 @@ def _model_states(engine, optimizer_state):
                          for group in engine.optimizer.groups],
         "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen),
         "frozen_param_fragments": {n: p.detach().to("cpu", copy=True) for n, p in frozen},
-        "shared_params": _shared_params(module),
+        "shared_params": shared_params(module),
         "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
         **engine_counters(engine),
     }
-
-
-def engine_counters(engine):
-    """The model-states entries every ZeRO stage writes the same way (DeepSpeed's keys)."""
-    return {
-        "data_sampler": None,
-        "random_ltd": None,
-        "sparse_tensor_module_names": set(),
-        "skipped_steps": engine.skipped_steps,
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
-        "dp_world_size": engine.dp_world_size,
-        "mp_world_size": engine.mp_world_size,
-        "ds_config": engine.config.raw,
-        "ds_version": DS_VERSION,
-    }
-
-
-def module_state_on_cpu(module):
-    """module.state_dict() as compact CPU copies; tied tensors stay one tensor."""
-    copies, state = {}, OrderedDict()
-    for name, tensor in module.state_dict().items():
-        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
-        if key not in copies:
-            copies[key] = tensor.detach().to("cpu", copy=True)
-        state[name] = copies[key]
-    return state
-
-
-def _shared_params(module):
-    """{alias name: name it is stored under} for parameters registered under several names."""
-    first, shared = {}, {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if param in first:
-            shared[name] = first[param]
-        else:
-            first[param] = name
-    return shared
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +273,7 @@ def _load_model_states(path, ckpt_dir, mp_world_size):
                                   "--model-parallel-size or convert the checkpoint first")
         raise CheckpointError(f"{ckpt_dir} holds no model states file ({os.path.basename(path)}); "
                               "it is not a complete zero/DeepSpeed checkpoint")
-    states = _torch_load(path)
+    states = torch_load(path)
     saved_mp = states.get("mp_world_size", 1)
     if saved_mp != mp_world_size:
         raise CheckpointError(f"{path} was saved with tensor-parallel size {saved_mp}, this run "
@@ -327,49 +282,20 @@ def _load_model_states(path, ckpt_dir, mp_world_size):
     return states
 
 
-def _torch_load(path, mmap=False):
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as e:  # noqa: BLE001 -- truncated files, pickled classes, ...
-        raise CheckpointError(f"cannot read {path}: {load_failure_reason(e)}. The file is "
-                              "damaged or was not written "
-                              "by zero (DeepSpeed's own files pickle classes; convert them with "
-                              "DeepSpeed's zero_to_fp32.py)") from None
-
-
-def load_failure_reason(exc):
-    """One line out of torch.load's multi-paragraph error: what it refused, or the first line."""
-    text = str(exc)
-    refused = re.search(r"Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+", text)
-    if refused:
-        return refused.group(0)
-    return (text.strip().splitlines()[0] if text.strip() else type(exc).__name__)[:300]
-
-
-def _optim_files(ckpt_dir, mp_rank):
-    pattern = re.compile(rf"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_{mp_rank:02d}_?optim_states\.pt$")
-    found = {}
-    for name in os.listdir(ckpt_dir):
-        match = pattern.match(name)
-        if match:
-            found[int(match.group(2))] = os.path.join(ckpt_dir, name)
-    return [found[r] for r in sorted(found)]
-
-
 def load_zero_optimizer_state(engine, ckpt_dir, states):
     """Fill the optimizer from the saved slices; True when fp32 masters were restored."""
     optimizer = engine.optimizer
     if states.get("optimizer") is not None:  # a stage 0 checkpoint: one full "slice"
         sources = [lambda: states["optimizer"]]
     else:
-        files = _optim_files(ckpt_dir, engine.mp_rank)
+        files = optim_files(ckpt_dir, engine.mp_rank)
         expected = states.get("dp_world_size")
         if not files or len(files) != expected:
             raise CheckpointError(
                 f"optimizer states missing in {ckpt_dir}: expected {expected} "
                 f"zero_pp_rank_*_mp_rank_{engine.mp_rank:02d}_optim_states.pt file(s), found "
                 f"{len(files)}. Pass load_optimizer_states=False to load the weights only")
-        sources = [lambda path=path: _torch_load(path, mmap=True)["optimizer_state_dict"]
+        sources = [lambda path=path: torch_load(path, mmap=True)["optimizer_state_dict"]
                    for path in files]
     check_param_shapes(engine, states.get("param_shapes"), ckpt_dir)
     # load_from_fp32_weights: false rebuilds the masters from the (16-bit) module weights
@@ -394,33 +320,7 @@ def save_16bit_model(engine, save_dir, save_filename):
         tmp = f"{path}.tmp-{os.getpid()}"
         torch.save(module_state_on_cpu(engine.module), tmp)
         os.replace(tmp, path)
-    _on_rank0_then_agree(engine, write, f"save {path}")
+    on_rank0_then_agree(engine, write, f"save {path}")
     return True
 
 
-def _try(action):
-    try:
-        action()
-        return None
-    except Exception as e:  # noqa: BLE001 -- re-raised after every rank has heard of it
-        return e
-
-
-def _on_rank0_then_agree(engine, action, what):
-    error = _try(action) if engine.global_rank == 0 else None
-    _all_agree(engine, error, what)
-
-
-def _all_agree(engine, error, what):
-    """Every rank learns whether any rank failed, so no rank waits forever or goes on alone."""
-    failed = torch.tensor([0.0 if error is None else 1.0])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
-            failed = failed.cuda()
-        dist.all_reduce(failed)
-    if isinstance(error, OSError):
-        raise CheckpointError(f"could not {what}: {error}") from None
-    if error is not None:
-        raise error
-    if failed.item() > 0:
-        raise CheckpointError(f"could not {what}: another rank failed (see its error)")

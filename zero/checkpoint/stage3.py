@@ -28,7 +28,7 @@ from collections import OrderedDict
 
 import torch
 
-from zero.checkpoint import layout as common
+from zero.checkpoint import files as common
 from zero.errors import CheckpointError
 from zero.offload.param_swapper import read_shard, write_shard
 from zero.stages.partition_parameters import GatheredParameters, is_zero_param
@@ -90,7 +90,7 @@ def _model_states(engine):
                          for g in optimizer.sub_groups],
         "frozen_param_shapes": OrderedDict((n, torch.Size(_shape(p))) for n, p in frozen),
         "frozen_param_fragments": {n: _piece(p) for n, p in frozen},
-        "shared_params": common._shared_params(module),
+        "shared_params": common.shared_params(module),
         "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
         **common.engine_counters(engine),
     }
@@ -194,19 +194,19 @@ class _SavedStage3:
                 if os.path.isfile(os.path.join(ckpt_dir, other)) else ""
             raise CheckpointError(f"{ckpt_dir} holds no ZeRO stage 3 model states "
                                   f"({os.path.basename(first)}).{hint}")
-        self.states0 = common._torch_load(first, mmap=True)
+        self.states0 = common.torch_load(first, mmap=True)
         saved_mp = self.states0.get("mp_world_size", 1)
         if saved_mp != engine.mp_world_size:
             raise CheckpointError(f"{first} was saved with tensor-parallel size {saved_mp}, "
                                   f"this run uses {engine.mp_world_size}; resume with the "
                                   "saved size or convert the checkpoint first")
         self.world = self.states0["dp_world_size"]
-        files = common._optim_files(ckpt_dir, engine.mp_rank)
+        files = common.optim_files(ckpt_dir, engine.mp_rank)
         if len(files) != self.world:
             raise CheckpointError(f"optimizer states missing in {ckpt_dir}: expected "
                                   f"{self.world} zero_pp_rank_*_mp_rank_{engine.mp_rank:02d}_"
                                   f"optim_states.pt file(s), found {len(files)}")
-        self.optim = [common._torch_load(f, mmap=True)["optimizer_state_dict"] for f in files]
+        self.optim = [common.torch_load(f, mmap=True)["optimizer_state_dict"] for f in files]
         self.first_optim = self.optim[0]
         if self.first_optim.get("zero_stage") != 3:
             raise CheckpointError(f"{ckpt_dir} was saved at ZeRO stage "
@@ -222,7 +222,7 @@ class _SavedStage3:
 
     def model_states(self, dp_rank):
         if dp_rank < self.world and os.path.isfile(self.path):
-            return common._torch_load(self.path)
+            return common.torch_load(self.path)
         return dict(self.states0)  # a larger DP size than saved: the shared parts agree
 
     def _full(self, name, numel, tensors_of_rank):
@@ -231,7 +231,7 @@ class _SavedStage3:
         return torch.cat(pieces)[:numel]
 
     def frozen_full(self, name, numel):
-        pieces = [common._torch_load(os.path.join(self.ckpt_dir, model_states_name(
+        pieces = [common.torch_load(os.path.join(self.ckpt_dir, model_states_name(
             r, self.mp_rank)), mmap=True)["frozen_param_fragments"][name].reshape(-1)
             for r in range(self.world)]
         return torch.cat(pieces)[:numel]
@@ -316,5 +316,5 @@ def save_16bit_model_stage3(engine, save_dir, save_filename):
         tmp = f"{path}.tmp-{os.getpid()}"
         torch.save(state, tmp)
         os.replace(tmp, path)
-    common._on_rank0_then_agree(engine, write, f"save {path}")
+    common.on_rank0_then_agree(engine, write, f"save {path}")
     return True

@@ -165,7 +165,8 @@ def _without_foreign(value):
         return value.args[0] if len(value.args) == 1 and value.state is None else value
     if isinstance(value, dict):
         return type(value)((k, _without_foreign(v)) for k, v in value.items()) \
-            if isinstance(value, OrderedDict) else {k: _without_foreign(v) for k, v in value.items()}
+            if isinstance(value, OrderedDict) \
+            else {k: _without_foreign(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_without_foreign(v) for v in value]
     return value

@@ -22,8 +22,8 @@ import torch
 from zero.errors import ConfigError
 from zero.optim.loss_scaler import build_loss_scaler
 from zero.offload.param_swapper import read_shard
-from zero.stages.partition_parameters import (is_zero_param, normalize_remote_device, param_swapper_for,
-                                       partition_module)
+from zero.stages.partition_parameters import (is_zero_param, normalize_remote_device,
+                                              param_swapper_for, partition_module)
 from zero.stages.masters import DeviceMasters
 from zero.stages.stage1_2 import ZeroOptimizer, ZeroSettings
 from zero.stages.stage3 import Stage3Optimizer, Stage3Settings

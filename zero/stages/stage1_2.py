@@ -55,7 +55,8 @@ class ZeroOptimizer(PartitionedOptimizer):
     """Wraps a torch optimizer: ZeRO partitioning, mixed precision, loss scaling, clipping.
 
     `param_order` maps each model parameter to its registration index in the module (it fixes
-    the bucket launch order); `dp_comm`/`mp_comm` are `zero.comm.communicator.Communicator`s over the data-
+    the bucket launch order); `dp_comm`/`mp_comm` are `zero.comm.communicator.Communicator`s over
+    the data-
     and model-parallel groups; `loss_scaler` is None unless fp16.
     """
 

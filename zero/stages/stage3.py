@@ -129,7 +129,7 @@ class SubGroup:
 
 
 class Stage3Optimizer(PartitionedOptimizer):
-    """Wraps a torch optimizer for ZeRO stage 3 (the interface of zero.stages.stage1_2.ZeroOptimizer).
+    """Wraps a torch optimizer for ZeRO stage 3 (the interface of stage1_2.ZeroOptimizer).
 
     `module`'s parameters must already be ZeRO parameters over `dp_comm`.
     """

@@ -1,0 +1,116 @@
+"""What the stage 0-2 (zero/checkpoint/layout.py) and stage 3 (zero/checkpoint/stage3.py)
+checkpoint files share: their names, the entries every stage writes alike, plain-tensor
+reads, and the agreement of all ranks on a file operation."""
+
+import os
+import re
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+
+from zero.checkpoint.partitions import DS_VERSION
+from zero.errors import CheckpointError
+
+
+def model_states_name(mp_rank):
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def optim_states_name(dp_rank, mp_rank, bf16=False):
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def engine_counters(engine):
+    """The model-states entries every ZeRO stage writes the same way (DeepSpeed's keys)."""
+    return {
+        "data_sampler": None,
+        "random_ltd": None,
+        "sparse_tensor_module_names": set(),
+        "skipped_steps": engine.skipped_steps,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "dp_world_size": engine.dp_world_size,
+        "mp_world_size": engine.mp_world_size,
+        "ds_config": engine.config.raw,
+        "ds_version": DS_VERSION,
+    }
+
+
+def module_state_on_cpu(module):
+    """module.state_dict() as compact CPU copies; tied tensors stay one tensor."""
+    copies, state = {}, OrderedDict()
+    for name, tensor in module.state_dict().items():
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if key not in copies:
+            copies[key] = tensor.detach().to("cpu", copy=True)
+        state[name] = copies[key]
+    return state
+
+
+def shared_params(module):
+    """{alias name: name it is stored under} for parameters registered under several names."""
+    first, shared = {}, {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if param in first:
+            shared[name] = first[param]
+        else:
+            first[param] = name
+    return shared
+
+
+def torch_load(path, mmap=False):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # noqa: BLE001 -- truncated files, pickled classes, ...
+        raise CheckpointError(f"cannot read {path}: {load_failure_reason(e)}. The file is "
+                              "damaged or was not written "
+                              "by zero (DeepSpeed's own files pickle classes; convert them with "
+                              "DeepSpeed's zero_to_fp32.py)") from None
+
+
+def load_failure_reason(exc):
+    """One line out of torch.load's multi-paragraph error: what it refused, or the first line."""
+    text = str(exc)
+    refused = re.search(r"Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+", text)
+    if refused:
+        return refused.group(0)
+    return (text.strip().splitlines()[0] if text.strip() else type(exc).__name__)[:300]
+
+
+def optim_files(ckpt_dir, mp_rank):
+    pattern = re.compile(rf"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_{mp_rank:02d}_?optim_states\.pt$")
+    found = {}
+    for name in os.listdir(ckpt_dir):
+        match = pattern.match(name)
+        if match:
+            found[int(match.group(2))] = os.path.join(ckpt_dir, name)
+    return [found[r] for r in sorted(found)]
+
+
+def try_(action):
+    try:
+        action()
+        return None
+    except Exception as e:  # noqa: BLE001 -- re-raised after every rank has heard of it
+        return e
+
+
+def on_rank0_then_agree(engine, action, what):
+    error = try_(action) if engine.global_rank == 0 else None
+    all_agree(engine, error, what)
+
+
+def all_agree(engine, error, what):
+    """Every rank learns whether any rank failed, so no rank waits forever or goes on alone."""
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":
+            failed = failed.cuda()
+        dist.all_reduce(failed)
+    if isinstance(error, OSError):
+        raise CheckpointError(f"could not {what}: {error}") from None
+    if error is not None:
+        raise error
+    if failed.item() > 0:
+        raise CheckpointError(f"could not {what}: another rank failed (see its error)")
