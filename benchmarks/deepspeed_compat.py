@@ -1,4 +1,4 @@
-"""Checkpoint compatibility with real DeepSpeed, both ways (deepspeed_spec.md §5.4).
+"""Checkpoint compatibility with real DeepSpeed, both ways (its deepspeed/utils/zero_to_fp32.py).
 
     python benchmarks/deepspeed_compat.py [--no-docs]
 

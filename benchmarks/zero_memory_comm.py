@@ -15,9 +15,9 @@ processes (one thread each, benchmarks/zero_memory_comm_worker.py) so peak RSS i
             reshard_after_forward True / False, and DeepSpeed stages 0-3 from its own venv
             (benchmarks/install_deepspeed_venv.sh), skipped with a note when it is absent.
 Reported per rank (rank 0): model-state bytes measured from the tensors each runner holds,
-next to the ZeRO paper's formulas (deepspeed_spec.md §4.5) in their fp32 form (FORMULAS); bytes
-sent per step (ours: zero/comm/communicator.py's counters; peers: patched torch.distributed + a DDP
-comm
+next to the ZeRO paper's formulas (Rajbhandari et al. 2020, arXiv 1910.02054) in their fp32
+form (FORMULAS); bytes sent per step (ours: zero/comm/communicator.py's counters; peers: patched
+torch.distributed + a DDP comm
 hook) in units of Ψ·4 B·(N-1)/N, next to what each configuration should send (COMM); median
 step time; peak RSS (VmHWM); and the peak of malloc's bytes in use over one step (mallinfo2,
 sampled: what a runner holds, without the freed memory glibc keeps resident, which on this

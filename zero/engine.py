@@ -9,8 +9,10 @@
     engine.save_checkpoint("checkpoints")   # DeepSpeed's layout; zero_to_fp32.py alongside
 
 Data parallelism is over `mpu.get_data_parallel_group()` when an `mpu` (Megatron's) is given,
-else over the whole world. The optimizer is always a `ZeroOptimizer` (stage 0 = plain data
-parallel over the same flat buffers); fp16 and bf16 keep fp32 master weights in it.
+else over the whole world. The optimizer is always a partitioning one (zero/stages/build.py
+picks it: stage 0 is plain data parallelism over the same flat buffers); fp16 and bf16 keep
+fp32 master weights in it. A model wrapped in torch's DistributedDataParallel reduces its own
+gradients (stage 0 only); the engine then keeps the step.
 
 How `zero_optimization` keys act here: `stage`, `reduce_bucket_size`, `overlap_comm`,
 `reduce_scatter` (false: all-reduce each bucket, keep this rank's chunk),
@@ -20,9 +22,11 @@ gradients always go through contiguous buckets (`contiguous_gradients`), paramet
 all-gathered per reduce bucket in one collective each (`allgather_partitions`,
 `allgather_bucket_size`, which DeepSpeed also ignores when all_gather_into_tensor exists), and
 every checkpoint loads at any data-parallel size (`elastic_checkpoint`). `offload_optimizer`
-(cpu or nvme, stages 1-2) steps the partitions with CPUAdam on the host (zero/offload/).
-Stage 3 (parameters partitioned too, gathered by module hooks) is zero/stage3*.py, with
-zero/stages/partition_parameters.py (`zero.Init`, `zero.GatheredParameters`).
+(cpu or nvme, stages 1-3) keeps the masters and optimizer state on the host
+(zero/offload/host_masters.py). Stage 3 (parameters partitioned too, gathered by module hooks)
+is zero/stages/stage3.py, with zero/stages/partition_parameters.py (`zero.Init`,
+`zero.GatheredParameters`). The top-level `communication_data_type` "fp32" all-reduces 16-bit
+gradients in fp32 at stage 0.
 """
 
 import contextlib

@@ -1,19 +1,14 @@
 """Dropout whose mask is cheap to draw on CPU.
 
-torch's CPU dropout draws one Bernoulli sample per element from the default generator
-(mt19937): ~9 ms for the 0.5M attention probabilities of 2 x 4 heads x 256² tokens, more than
-the attention's matmuls, softmax and backward together. With activation checkpointing the
-forward runs twice, so those draws are paid twice. Here one full-range 64-bit draw
-(`random_(-2**63, None)`) gives four 16-bit uniform lanes, so a mask costs a quarter of the
-draws and one compare over contiguous lanes: an element is dropped when its lane is below
-round(p · 65536), i.e. with probability p rounded to a multiple of 1/65536 (0.1 -> 0.100006);
-kept elements are scaled by 1 / (1 - p) as torch does. Measured (1 thread, 0.5M elements):
-4.6 ns per element, where three lanes of 63-bit draws took 8.5 (the compare then ran over a
-strided view and the mask was copied) and torch's dropout 18.9. A counter-based hash over
-int64 (splitmix64 in torch ops) was slower than the generator here (3.8 against 2.3 ns per
-element for the draws). The draws come from the default CPU generator, so
-`torch.manual_seed`, the model-parallel RNG tracker and checkpoint recompute (which restore
-that generator's state) replay the same masks.
+torch's CPU dropout draws one Bernoulli sample per element, which costs more than the
+attention it is applied to (and is paid again by every checkpoint recompute). Here one
+full-range 64-bit draw (`random_(-2**63, None)`) gives four 16-bit uniform lanes, so a mask
+costs a quarter of the draws and one compare over contiguous lanes: an element is dropped when
+its lane is below round(p · 65536), i.e. with probability p rounded to a multiple of 1/65536
+(0.1 -> 0.100006); kept elements are scaled by 1 / (1 - p) as torch does. The draws come from
+the default CPU generator, so `torch.manual_seed`, the model-parallel RNG tracker and
+checkpoint recompute (which restore that generator's state) replay the same masks.
+Measurements: docs/design/cpu-dropout-attention.md.
 
 On other devices (CUDA's dropout is a fused Philox kernel) and for p outside (0, 1) this is
 `torch.nn.functional.dropout`.

@@ -1,3 +1,5 @@
+"""Writing a file so that it is either complete or absent."""
+
 import os
 import tempfile
 

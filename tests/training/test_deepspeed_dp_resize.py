@@ -1,7 +1,7 @@
 """pretrain_gpt2.py --deepspeed: a ZeRO checkpoint saved at DP=2 resumes at DP=1.
 
-Beyond DeepSpeed (which refuses another DP size for the optimizer state, deepspeed_spec.md
-§5.7): the fp32 masters and Adam moments are re-partitioned on load. The global batch stays 8;
+Beyond DeepSpeed (which refuses another DP size for the optimizer state unless its checkpoint
+is converted): the fp32 masters and Adam moments are re-partitioned on load. The global batch stays 8;
 DP=1 makes it up with 2 micro batches of 4 (gradient accumulation), so the losses must
 continue as the uninterrupted DP=2 run's within 1e-4 relative.
 """

@@ -1,4 +1,4 @@
-"""Published DeepSpeed configs (as printed in reference/megatron_anchor.md §3), as fixtures.
+"""Published DeepSpeed configs (DeepSpeedExamples' Megatron-LM ds_*_config.json files), as fixtures.
 
 Each function returns a fresh dict so tests may mutate it.
 """

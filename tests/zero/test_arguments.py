@@ -1,4 +1,4 @@
-"""DeepSpeed's flags (spec §1.2) and the rules choosing the config (spec §1.1)."""
+"""DeepSpeed's flags (deepspeed.add_config_arguments) and the rules choosing the config (deepspeed.initialize)."""
 
 import argparse
 

@@ -22,7 +22,7 @@ def error_of(config, world=1):
 
 
 # ---------------------------------------------------------------------------------------------
-# Batch-size rule: every row of the derivation table (spec §1.3), hand-computed
+# Batch-size rule: every row of the derivation table (DeepSpeed's deepspeed/runtime/config.py), hand-computed
 
 @pytest.mark.parametrize("given, world, expected", [
     ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,

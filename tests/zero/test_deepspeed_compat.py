@@ -1,4 +1,4 @@
-"""Checkpoint compatibility with real DeepSpeed, run from its own venv (deepspeed_spec.md §5.4).
+"""Checkpoint compatibility with real DeepSpeed, run from its own venv (DeepSpeed's zero_to_fp32.py).
 
 Skipped when the DeepSpeed venv (/work/dsvenv or $DEEPSPEED_VENV, made by
 benchmarks/install_deepspeed_venv.sh) does not exist. The checks live in

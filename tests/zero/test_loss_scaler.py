@@ -1,4 +1,4 @@
-"""Loss scaler behaviour against sequences worked out by hand from deepspeed_spec.md §3."""
+"""Loss scaler behaviour against sequences worked out by hand from the rules of DeepSpeed's deepspeed/runtime/fp16/loss_scaler.py."""
 
 import io
 

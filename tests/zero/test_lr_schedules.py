@@ -1,4 +1,4 @@
-"""Learning-rate schedules at points computed by hand from deepspeed_spec.md §2.5."""
+"""Learning-rate schedules at points computed by hand from the formulas of DeepSpeed's deepspeed/runtime/lr_schedules.py."""
 
 import math
 

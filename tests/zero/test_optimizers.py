@@ -1,4 +1,4 @@
-"""Optimizers from the `optimizer` section (deepspeed_spec.md §2.4)."""
+"""Optimizers from the `optimizer` section of a DeepSpeed config."""
 
 import pytest
 import torch

@@ -218,7 +218,7 @@ def test_zero_to_fp32_reads_stage0_checkpoints(tmp_path, precision):
 
 
 def test_zero_to_fp32_reads_the_stage3_layout(tmp_path):
-    """A stage-3 checkpoint built by hand after deepspeed_spec.md §5.4 (2 ranks)."""
+    """A stage-3 checkpoint built by hand as DeepSpeed lays it out (2 ranks)."""
     weights = {"a": torch.arange(5.0), "b": torch.arange(6.0).view(2, 3) + 10}
     world, flats = 2, [[], []]
     for tensor in weights.values():

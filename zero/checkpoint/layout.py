@@ -1,4 +1,5 @@
-"""DeepSpeed's checkpoint layout (deepspeed_spec.md §5): atomic saves, re-partitioning loads.
+"""DeepSpeed's checkpoint layout (as deepspeed/runtime/engine.py saves it): atomic saves,
+re-partitioning loads.
 
     <save_dir>/latest                                     the tag, rewritten last
     <save_dir>/zero_to_fp32.py                            standalone consolidation script

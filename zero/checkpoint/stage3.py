@@ -1,4 +1,5 @@
-"""ZeRO stage 3 checkpoints in DeepSpeed's layout (deepspeed_spec.md §5), loadable at any DP size.
+"""ZeRO stage 3 checkpoints in DeepSpeed's layout (as deepspeed/runtime/zero/stage3.py saves
+them), loadable at any DP size.
 
 Every DP rank writes two files into the tag directory (zero/checkpoint/layout.py does the atomic
 partial-directory dance around them):

@@ -7,7 +7,8 @@
 content. The output is `torch.save` of {name: fp32 tensor}; given a directory, the file is
 `<dir>/pytorch_model.bin`. Needs torch only, so it runs where the checkpoint was copied to.
 
-Reads DeepSpeed's layout (deepspeed_spec.md §5.4) as written by zero's engine:
+Reads DeepSpeed's layout (the files DeepSpeed's own zero_to_fp32.py reads) as zero's engine
+writes it:
 - stage 1/2: each `*_optim_states.pt` holds, per param group, one rank's contiguous slice of
   the flat fp32 group (`single_partition_of_fp32_groups`); rank slices concatenated in rank
   order are the params of `param_shapes` packed in order.

@@ -1,11 +1,6 @@
-"""Collectives over point-to-point sends, for backends without fast ones (gloo on CPU).
-
-Measured with torch 2.13, gloo, 2 ranks, 1 thread each: gloo's `all_gather_into_tensor` of
-2 x 55M fp32 elements takes 1.29 s where exchanging the halves with isend/irecv takes 0.19 s;
-its `reduce_scatter_tensor` is ~3x slower than an all-reduce of the same buffer; its `reduce`
-of 25 MB takes 75 ms against 32 ms point to point. Messages are cut into pieces of at most
-PIECE_NUMEL elements: gloo moves several pieces at once (25 MB in 1M-element pieces: 22 ms,
-in one message: 36 ms).
+"""Collectives over point-to-point sends, for backends without fast ones (gloo on CPU, where
+they are several times faster than gloo's own: docs/design/gloo-collectives.md). Messages are
+cut into pieces of at most PIECE_NUMEL elements, which gloo moves several at a time.
 
 - `RingReduceScatter`: for N ranks the input [N * n] is N chunks; chunk c ends up summed on
   rank c. In step s (0 <= s < N-1) rank r sends its running sum of chunk (r - s - 1) mod N to
@@ -119,8 +114,7 @@ class PointToPointAllGather:
     Every rank sends its chunk to every other rank and receives theirs straight into the
     output, each rank sending (N-1)/N of the output as a ring would. All messages are posted at
     construction: a ring's N-1 dependent steps would each be posted only when the caller
-    waits, so with N > 2 a prefetched gather would mostly run at the wait (measured: ZeRO-3 at
-    DP=4 on 2 cores took 2.0x DDP's step with a ring all-gather).
+    waits, so with N > 2 a prefetched gather would mostly run at the wait.
     """
 
     def __init__(self, output, input, rank, world_size, to_global, group, tag_base):

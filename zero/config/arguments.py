@@ -1,4 +1,5 @@
-"""DeepSpeed's command-line flags (deepspeed_spec.md §1.2) and how the config is chosen (§1.1).
+"""DeepSpeed's command-line flags (as deepspeed.add_config_arguments adds them) and how the
+config is chosen (as deepspeed.initialize chooses it).
 
     parser = zero.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args()      # --deepspeed --deepspeed_config ds_config.json

@@ -5,7 +5,7 @@
 
 The config may be a dict, a path to a JSON file (duplicate keys are an error), or a URL-safe
 base64-encoded JSON string, as `deepspeed.initialize` accepts (HJSON files are not). Attribute
-names are DeepSpeed's key names; the sections are the dataclasses of `config_sections`.
+names are DeepSpeed's key names; the sections are the dataclasses of `sections.py`.
 
 Differences from DeepSpeed, on purpose: an unknown or misspelled key is an error at every
 level, top level included (DeepSpeed ignores unknown top-level keys, issue #1809), naming the
@@ -131,7 +131,8 @@ def _parse_json_object(text, source):
 # The batch-size rule: train_batch_size = micro_batch * gradient_accumulation_steps * dp_world
 
 def resolve_batch_sizes(train, micro, gas, world, source):
-    """DeepSpeed's three-way derivation (spec §1.3) with the arithmetic in every error."""
+    """DeepSpeed's three-way derivation (deepspeed/runtime/config.py,
+    _set_batch_related_parameters), with the arithmetic in every error."""
     for name, value in (("train_batch_size", train), ("train_micro_batch_size_per_gpu", micro),
                         ("gradient_accumulation_steps", gas)):
         if value is not None and value <= 0:

@@ -1,7 +1,8 @@
 """The sections of a DeepSpeed JSON config as typed dataclasses (DeepSpeed key names).
 
-Defaults are DeepSpeed's code defaults (deepspeed_spec.md §2), except where the spec lists a
-docs/code mismatch; those choices are noted next to the field. Every section parses
+Defaults are DeepSpeed's code defaults (v0.16.5: deepspeed/runtime/config.py and
+zero/config.py), except where its docs and code disagree; those choices are noted next to the
+field. Every section parses
 completely here; the engine and its parts (offload, activation checkpointing, aio) decide what a
 combination of values may not do.
 """

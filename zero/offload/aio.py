@@ -1,5 +1,6 @@
 """Asynchronous tensor file I/O with plain threads: what DeepSpeed's libaio handle does for
-NVMe swapping, driven by the config's top-level `aio` section (deepspeed_spec.md §2.9).
+NVMe swapping, driven by the config's top-level `aio` section
+(deepspeed/runtime/swap_tensor/aio_config.py).
 
     io = AsyncTensorIO(AioConfig())
     pending = io.write(tensor, "/nvme/rank0/g0_exp_avg.swp", byte_offset=0)

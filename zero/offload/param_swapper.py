@@ -1,4 +1,5 @@
-"""ZeRO-Infinity parameter offload: stage 3 parameter shards in NVMe swap files (spec §9.2).
+"""ZeRO-Infinity parameter offload: stage 3 parameter shards in NVMe swap files (what
+DeepSpeed's partitioned_param_swapper.py does).
 
     "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme",
                                                          "buffer_count": 5, "max_in_cpu": 0}}

@@ -1,4 +1,5 @@
-"""`CPUAdam`: DeepSpeedCPUAdam's API (deepspeed_spec.md §8) on torch's fused CPU Adam kernel.
+"""`CPUAdam`: DeepSpeedCPUAdam's API (deepspeed/ops/adam/cpu_adam.py) on torch's fused CPU
+Adam kernel.
 
     optimizer = CPUAdam(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01,
                         adamw_mode=True, bias_correction=True)
@@ -7,11 +8,9 @@ DeepSpeed compiles an AVX-512 + OpenMP loop for this. torch already ships one:
 `torch._fused_adamw_` / `torch._fused_adam_` on CPU is one vectorised pass over (param, grad,
 exp_avg, exp_avg_sq) per tensor, parallelised over the intra-op (OpenMP) threads, so one call
 per flat fp32 buffer reads and writes each element once -- the 28 bytes/param memory floor
-(benchmarks/cpu_adam.py measures it against torch.optim.AdamW and DeepSpeedCPUAdam). Cutting
-the buffer into tiles stepped from several Python threads was measured slower than the one
-call (the kernel is already multi-threaded), so tiles are only used when a copy of the updated
-weights (16-bit model weights, or a device copy) is written in the same pass: each tile is
-copied while it is still in cache.
+(benchmarks/cpu_adam.py measures it against torch.optim.AdamW and DeepSpeedCPUAdam). Tiles
+are used only when a copy of the updated weights (16-bit model weights, or a device copy) is
+written in the same pass: each tile is copied while it is still in cache.
 
 `bias_correction=False` runs the same kernel with lr, eps and the decoupled weight decay
 rescaled so that the bias-correction factors cancel exactly (see `_uncorrected`).

@@ -1,4 +1,5 @@
-"""Loss scaling for fp16 training, with DeepSpeed's semantics (deepspeed_spec.md §3).
+"""Loss scaling for fp16 training, with DeepSpeed's semantics
+(deepspeed/runtime/fp16/loss_scaler.py).
 
 `update_scale(overflow)` is called once per optimizer step, after the overflow flag of the
 whole global batch has been all-reduced. The dynamic rule (DeepSpeed >= 0.17.1, which also

@@ -1,4 +1,5 @@
-"""DeepSpeed's learning-rate schedules (deepspeed_spec.md §2.5) and the `scheduler` section.
+"""DeepSpeed's learning-rate schedules (deepspeed/runtime/lr_schedules.py) and the
+`scheduler` section.
 
 The engine calls `step()` once per applied optimizer step (not on fp16-overflow-skipped steps).
 `it` = `last_batch_iteration` starts at -1 and grows by one per step(); the constructor writes

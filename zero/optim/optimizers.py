@@ -1,4 +1,5 @@
-"""Optimizers from the `optimizer` section of a DeepSpeed config (deepspeed_spec.md §2.4).
+"""Optimizers from the `optimizer` section of a DeepSpeed config (what DeepSpeed's
+engine._configure_basic_optimizer builds).
 
     "optimizer": {"type": "Adam", "params": {"lr": 1.5e-4, "weight_decay": 0.01}}
 
@@ -35,8 +36,8 @@ NEEDS_DEEPSPEED_KERNELS = ("lamb", "onebitadam", "zerooneadam", "onebitlamb", "l
 SUPPORTED_NAMES = "Adam, AdamW, SGD, Adagrad, or a torch.optim class by its exact name " \
                   "(e.g. RMSprop)"
 
-# Optimizers ZeRO is tested with (DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS, torch subset); the
-# offload engineer appends CPU Adam here.
+# Optimizers ZeRO is tested with (DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS, torch subset, and
+# CPUAdam).
 ZERO_SUPPORTED_OPTIMIZERS = [torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, CPUAdam]
 
 

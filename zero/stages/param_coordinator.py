@@ -12,11 +12,12 @@ backward needs a parameter after its gradient is complete. Activation checkpoint
 unchanged: a recomputation inside backward gathers through the same hooks and keeps its
 parameters until their gradients are ready.
 
-Trace and prefetch (spec §4.2): the first step records the sequence of fetches (module
-forwards, then backward re-gathers). From then on, each fetch also launches the all-gathers
-of the modules that come next in the trace, up to `stage3_prefetch_bucket_size` elements and
-while fewer than `stage3_max_live_parameters` elements are gathered. A step that departs from
-the trace stops prefetching and the trace is recorded again.
+Trace and prefetch (as DeepSpeed's partitioned_param_coordinator.py does): the first step
+records the sequence of fetches (module forwards, then backward re-gathers). From then on, each
+fetch also launches the all-gathers of the modules that come next in the trace, up to
+`stage3_prefetch_bucket_size` elements and while fewer than `stage3_max_live_parameters`
+elements are gathered. A step that departs from the trace stops prefetching and the trace is
+recorded again.
 
 Persistent parameters (small ones, below `stage3_param_persistence_threshold`) are gathered
 all at once, in one all-gather, by the first fetch after a step; a bias or a LayerNorm weight

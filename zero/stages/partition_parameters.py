@@ -3,7 +3,7 @@
 A partitioned parameter keeps its `nn.Parameter` object (autograd, optimizers and module
 attributes keep working) but its `.data` is an empty placeholder of the model's dtype and
 device. Its values live in `param.ds_tensor`, this rank's 1/world piece of the flattened
-tensor, zero padded (deepspeed_spec.md §4.2):
+tensor, zero padded (as deepspeed/runtime/zero/partition_parameters.py cuts it):
 
     flat param [numel] padded to world * s,  s = ceil(numel / world)
     rank r holds elements [r*s, (r+1)*s) in ds_tensor [s]
@@ -441,7 +441,7 @@ def _unpatch_module_classes():
 # zero.GatheredParameters
 
 class GatheredParameters:
-    """Gather ZeRO parameters for the duration of the block (DeepSpeed's API, spec §4.3).
+    """Gather ZeRO parameters for the duration of the block (DeepSpeed's API).
 
         with zero.GatheredParameters(model.fc.weight, modifier_rank=0):
             if rank == 0:

@@ -1,4 +1,5 @@
-"""ZeRO stage 3: partitioned parameters, gradients and optimizer state (spec §4.2).
+"""ZeRO stage 3: partitioned parameters, gradients and optimizer state (what DeepSpeed's
+deepspeed/runtime/zero/stage3.py does).
 
 Parameters are partitioned one by one (zero/stages/partition_parameters.py) and gathered on demand
 (zero/stages/param_coordinator.py). This module owns what the optimizer needs:
