@@ -13,8 +13,7 @@ lengths, per micro-batch forward + backward:
                  interleaved step by step in the same processes (this machine's speed drifts
                  by 10-30% over minutes, so separate runs do not compare)
 
-for: no checkpointing; checkpointing every layer (zero.activation_checkpointing.recompute); +
-partitioned
+for: no checkpointing; checkpointing every layer (zero.checkpointing); + partitioned
 activations over 2 gloo ranks (TP = 2; rank 0 reported); + CPU checkpoints. Next to the
 analytic numbers of Korthikanti et al. (2022) in 16-bit: per layer s*b*h*(34 + 5*a*s/h) bytes
 without recompute, 2*s*b*h with a checkpoint per layer, /TP when partitioned; at TP = 2 the

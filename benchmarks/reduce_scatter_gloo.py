@@ -4,9 +4,8 @@
                                              [--repeats 10] [--no-docs]
 
 For each data-parallel size (gloo processes, one thread each) and bucket size (fp32 elements),
-times, per call, the three ways `zero.comm.communicator.Communicator.reduce_scatter` can run on
-gloo:
-  ring        isend/irecv ring (zero/comm/ring.py), the default on gloo: sends (N-1)/N of the bucket
+times, per call, the three ways `Communicator.reduce_scatter` (zero/comm) can run on gloo:
+  ring        isend/irecv ring (zero/comm/ring.py), gloo's default here: sends (N-1)/N
   all_reduce  in-place all-reduce then keep this rank's chunk: sends 2(N-1)/N
   native      torch.distributed.reduce_scatter_tensor (gloo's own)
 and checks the ring's result against the all-reduce's (bit-identical at 2 ranks, fp32

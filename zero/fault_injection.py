@@ -2,10 +2,9 @@
 
 Does nothing unless MEGATRON_FAULT_KILL_AT is set (one dictionary lookup per point when it is
 not).  `MEGATRON_FAULT_KILL_AT=<point>[@<n>]` kills the n-th time (default the first) execution
-reaches `kill_point("<point>")`.  It is the variable megatron/runtime/fault_injection.py reads too,
-so
-one test drives a kill through a --deepspeed save and the trainer around it; zero keeps its own
-copy of the hook because it never imports megatron.
+reaches `kill_point("<point>")`.  It is the variable megatron/runtime/fault_injection.py
+reads too, so one test drives a kill through a --deepspeed save and the trainer around it;
+zero keeps its own copy of the hook because it never imports megatron.
 """
 
 import os
@@ -13,9 +12,8 @@ import signal
 
 KILL_VARIABLE = "MEGATRON_FAULT_KILL_AT"
 
-# The places in zero/checkpoint/layout.py's save path, in the order a save passes them ("file"
-# points
-# once per file a rank writes).
+# The places in zero/checkpoint/layout.py's save path, in the order a save passes them
+# ("file" points once per file a rank writes).
 SAVE_KILL_POINTS = (
     "zero.save.start",
     "zero.save.partial_dir_created",

@@ -9,9 +9,8 @@ What a Megatron-layout checkpoint holds as "optimizer" on each tensor-parallel r
      "grad_scaler": loss-scaler state or None}
 
 Indices count parameters group by group.  The groups are [weight decay, no weight decay]
-with empty ones dropped, each in model order (`megatron.training.param_groups.get_param_groups`), so
-the
-key map's weight-decay column names the parameter behind every index.  Adam moments and fp32
+with empty ones dropped, each in model order (megatron/training/param_groups.py), so the key
+map's weight-decay column names the parameter behind every index.  Adam moments and fp32
 masters have their parameter's shape and are sharded like it; `step` is one scalar per
 parameter, the same on every rank.  The number and order of parameters do not depend on the
 tensor-parallel size, so the param_groups (hyper-parameters and indices) carry over unchanged.

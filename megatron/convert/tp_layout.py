@@ -2,8 +2,7 @@
 
 `GPT2_PARAMETER_LAYOUT` is the key map that checkpoint conversions go through: for each
 flat state-dict key pattern, how the tensor-parallel layers shard it and whether the trainer's
-optimizer puts it in the weight-decay group (`megatron.training.param_groups.get_param_groups`).  A
-test
+optimizer puts it in the weight-decay group (megatron/training/param_groups.py).  A test
 checks both columns against the tags and groups of a real model, so they cannot drift.
 
 Splits (Megatron stores linear weights as A^T, [out, in]):

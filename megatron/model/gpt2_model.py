@@ -43,8 +43,7 @@ class GPTConfig:
     # --split-transformers: attention and MLP halves are checkpointed separately (the chunks of
     # checkpoint_num_layers then count halves)
     split_transformers: bool = False
-    # checkpoint(function, *args) for the chunks: None = mpu.checkpoint;
-    # zero.activation_checkpointing.recompute's
+    # checkpoint(function, *args) for the chunks: None = mpu.checkpoint; zero.checkpointing's
     # under --deepspeed-activation-checkpointing (megatron/runtime/activation_checkpointing.py)
     checkpoint_function: Optional[Callable] = None
     params_dtype: torch.dtype = torch.float32

@@ -28,9 +28,8 @@ KILL_VARIABLE = "MEGATRON_FAULT_KILL_AT"
 NAN_VARIABLE = "MEGATRON_FAULT_NAN_AT"
 RANK_VARIABLE = "MEGATRON_FAULT_RANK"
 
-# The places in megatron/checkpointing/megatron_layout.py's save path where a kill must lose
-# nothing, in the
-# order a save passes them.  ("file" points are passed once per file written.)
+# The places in megatron/checkpointing's Megatron-layout save path where a kill must lose
+# nothing, in the order a save passes them.  ("file" points are passed once per file written.)
 SAVE_KILL_POINTS = (
     "save.start",
     "save.file.tmp_opened",

@@ -14,8 +14,7 @@ chunks, zero/stages/stage1_2.py); saving gathers each bucket once to cut out Dee
 Loading reads, from each saved slice (memory-mapped), only the elements this rank owns, so a
 checkpoint loads at any data-parallel size and from any ZeRO stage 0-2. Stage 3 writes its
 own files (one model states file per DP rank): zero/checkpoint/stage3.py. How the stage 0-2
-optimizer state maps between the
-two partitionings: zero/checkpoint/partitions.py.
+optimizer state maps between the two partitionings: zero/checkpoint/partitions.py.
 
 A save writes into `<save_dir>/.<tag>.partial/`; only when every rank has written its files
 does rank 0 rename the directory to `<tag>` and then rewrite `latest`, so a crash at any moment

@@ -5,8 +5,7 @@ a stage 3 sub-group), the fp32 master weights and Adam's exp_avg / exp_avg_sq, p
 count. Optimizers never index it directly; they walk it in sub-groups:
 
     step = store.step_tensor(key); step += 1
-    for sub in store.sub_groups(key):                  # SubGroup(lo, hi, master, exp_avg,
-    exp_avg_sq)
+    for sub in store.sub_groups(key):          # SubGroup(lo, hi, master, exp_avg, exp_avg_sq)
         CPUAdam.update(sub.master, grad[sub.lo:sub.hi], sub.state(step), hyperparameters)
 
 - `ResidentStateStore` (offload_optimizer.device "cpu"): the tensors stay in host memory (the

@@ -55,9 +55,9 @@ class ZeroOptimizer(PartitionedOptimizer):
     """Wraps a torch optimizer: ZeRO partitioning, mixed precision, loss scaling, clipping.
 
     `param_order` maps each model parameter to its registration index in the module (it fixes
-    the bucket launch order); `dp_comm`/`mp_comm` are `zero.comm.communicator.Communicator`s over
-    the data-
-    and model-parallel groups; `loss_scaler` is None unless fp16.
+    the bucket launch order); `dp_comm`/`mp_comm` are zero.comm Communicators over the data-
+    and model-parallel groups; `loss_scaler` is None unless fp16; `masters` the master store
+    (zero/stages/masters.py; default DeviceMasters).
     """
 
     def __init__(self, optimizer, param_order, settings, dp_comm, mp_comm=None, mp_rank=0,
