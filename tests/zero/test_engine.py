@@ -173,3 +173,32 @@ def test_train_eval_and_zero_grad_reach_the_module():
     assert engine.module.fc1.weight.grad.abs().sum() > 0  # stage 0 keeps readable grads
     engine.zero_grad()
     assert engine.module.fc1.weight.grad.abs().sum() == 0
+
+
+class _WideLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(2048, 1024)
+
+    def forward(self, x):
+        return self.linear(x).pow(2).mean()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_global_grad_norm_is_exact_for_large_flat_gradients(stage):
+    """2M gradient elements of very different sizes: one fp32 reduction over the flat buffer
+    (torch.linalg.vector_norm on CPU) reports a norm ~1e-4 low; the engine's must be the
+    float64 norm to 1e-6."""
+    torch.manual_seed(0)
+    model = _WideLinear()
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.0}},
+              "zero_optimization": {"stage": stage}}
+    engine, *_ = zero.initialize(model=model, config=config)
+    x = torch.randn(1, 2048) * torch.rand(1, 2048) ** 4 * 100
+    engine.backward(engine(x))
+    engine.step()
+    reference(x).backward()
+    exact = sum(float(p.grad.double().pow(2).sum()) for p in reference.parameters()) ** 0.5
+    assert engine.get_global_grad_norm() == pytest.approx(exact, rel=1e-6)

@@ -13,6 +13,19 @@ import math
 
 import torch
 
+# Elements per piece of a squared norm: one fp32 reduction over millions of elements
+# (torch.linalg.vector_norm on CPU) comes out up to 1e-3 low; pieces of 2**14 summed in
+# float64 stay within ~1e-6 (docs/design/grad-norm.md).
+_NORM_PIECE = 1 << 14
+
+
+def sum_of_squares(tensors, device):
+    """Float64 sum of the squares of the elements of `tensors` (flat tensors), on `device`."""
+    pieces = [piece for tensor in tensors for piece in tensor.split(_NORM_PIECE)]
+    if not pieces:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(pieces)).double().pow(2).sum().to(device)
+
 
 class PartitionedOptimizer:
     overflow = False  # the last step found inf/nan gradients and was skipped
@@ -31,6 +44,17 @@ class PartitionedOptimizer:
         return self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
 
     loss_scale = cur_scale
+
+    @staticmethod
+    def _partition_norm_sq(grad, replicated_runs, device):
+        """(what this rank's flat gradient partition `grad` adds to the global squared norm,
+        its own squared norm). Parameters replicated over tensor parallelism count on TP
+        rank 0 only: `replicated_runs` are their (start, length) in `grad` on other ranks."""
+        everything = sum_of_squares([grad], device)
+        if not replicated_runs:
+            return everything, everything
+        replicated = sum_of_squares([grad.narrow(0, s, n) for s, n in replicated_runs], device)
+        return (everything - replicated).clamp(min=0), everything
 
     def _global_norm_sq(self, counted, everything, over_dp=True):
         """(squared global norm, overflow) from this rank's float64 sums of squares: `counted`

@@ -354,8 +354,11 @@ class ZeroOptimizer(PartitionedOptimizer):
         fold = self._post_factor if self.settings.stage > 0 else 1.0
         counted = torch.zeros((), dtype=torch.float64, device=self._norm_device())
         everything = counted.clone()
+        mp_size = self.mp_comm.world_size if self.mp_comm is not None else 1
         for group in self.groups:
-            counted_part, all_part = self._partition_norm_sq(group)
+            replicated = group.replicated_runs() if mp_size > 1 and self.mp_rank != 0 else []
+            counted_part, all_part = self._partition_norm_sq(group.master.grad, replicated,
+                                                             counted.device)
             counted += counted_part
             everything += all_part
         # stage 0: every rank already holds the whole gradient
@@ -365,21 +368,6 @@ class ZeroOptimizer(PartitionedOptimizer):
     def _norm_device(self):
         like = self.groups[0].master if self.groups else torch.empty(0)
         return self.dp_comm.scalar_device(like)
-
-    def _partition_norm_sq(self, group):
-        device = self._norm_device()
-        grad = group.master.grad
-        everything = torch.linalg.vector_norm(grad).double().to(device) ** 2
-        mp_size = self.mp_comm.world_size if self.mp_comm is not None else 1
-        if mp_size == 1 or self.mp_rank == 0:
-            return everything, everything
-        # replicated params count once, on TP rank 0; TP-sharded ones on every TP rank
-        replicated = [grad.narrow(0, start, n) for start, n in group.replicated_runs()]
-        if not replicated:
-            return everything, everything
-        norms = torch._foreach_norm(replicated)
-        rep_sq = torch.stack(norms).double().pow(2).sum().to(device)
-        return (everything - rep_sq).clamp(min=0), everything
 
     @torch.no_grad()
     def publish_masters(self):

@@ -372,14 +372,10 @@ class Stage3Optimizer(PartitionedOptimizer):
         counted = torch.zeros((), dtype=torch.float64, device=device)
         everything = counted.clone()
         for sub_group in self.sub_groups:
-            grad = sub_group.master.grad
-            whole = torch.linalg.vector_norm(grad).double().to(device) ** 2
-            everything += whole
-            replicated = [grad.narrow(0, s, n) for s, n in sub_group.replicated_runs]
-            if replicated:
-                rep = torch.stack(torch._foreach_norm(replicated)).double().pow(2).sum()
-                whole = (whole - rep.to(device)).clamp(min=0)
-            counted += whole
+            counted_part, all_part = self._partition_norm_sq(sub_group.master.grad,
+                                                             sub_group.replicated_runs, device)
+            counted += counted_part
+            everything += all_part
         return self._global_norm_sq(counted, everything)
 
     @torch.no_grad()
