@@ -74,14 +74,15 @@ def evaluate(forward_step_func, model, dataset, ctx):
     model.eval()
     iterator = _data_iterator(dataset, 0, ctx)
     total, count = 0.0, 0
-    for _ in range(training.eval_iters):
-        for _ in range(training.num_micro_batches):
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            total += forward_step_func(batch, model, ctx).float().item()
-            count += 1
+    with torch.no_grad():  # nothing to keep for a backward
+        for _ in range(training.eval_iters):
+            for _ in range(training.num_micro_batches):
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    break
+                total += forward_step_func(batch, model, ctx).float().item()
+                count += 1
     model.train()
     return _average_over_data_parallel(total / max(count, 1), ctx.runtime.device)
 
