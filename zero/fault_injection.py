@@ -2,9 +2,9 @@
 
 Does nothing unless MEGATRON_FAULT_KILL_AT is set (one dictionary lookup per point when it is
 not).  `MEGATRON_FAULT_KILL_AT=<point>[@<n>]` kills the n-th time (default the first) execution
-reaches `kill_point("<point>")`.  It is the variable megatron/runtime/fault_injection.py
-reads too, so one test drives a kill through a --deepspeed save and the trainer around it;
-zero keeps its own copy of the hook because it never imports megatron.
+reaches `kill_point("<point>")`.  The trainer's save path (megatron/runtime/fault_injection.py)
+uses this same hook, so one test drives a kill through a --deepspeed save and the trainer
+around it.
 """
 
 import os
@@ -44,7 +44,7 @@ def kill_point(name):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _HalfWayKiller:
+class HalfWayKiller:
     """Passes `point` right after the first bytes of a file are written."""
 
     def __init__(self, file, point):
@@ -64,4 +64,4 @@ class _HalfWayKiller:
 
 def writer(file, point):
     """`file`, wrapped so that `point` is passed mid-write only when a kill is asked for."""
-    return _HalfWayKiller(file, point) if os.environ.get(KILL_VARIABLE) else file
+    return HalfWayKiller(file, point) if os.environ.get(KILL_VARIABLE) else file

@@ -11,13 +11,12 @@ The client state holds the iteration, the data position, the run's args and the 
 import os
 
 import torch
-from zero.checkpoint.files import model_states_name
+from zero.checkpoint.files import load_failure_reason, model_states_name
 from zero.checkpoint.layout import read_latest
 from zero.checkpoint.stage3 import model_states_name as stage3_model_states_name
 
 from megatron import mpu
-from megatron.checkpointing.files import (atomic_write_text, barrier, is_global_rank0,
-                                          load_failure_reason)
+from megatron.checkpointing.files import atomic_write_text, barrier, is_global_rank0
 from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, TRACKER_FILENAME,
                                                     check_checkpoint_args,
                                                     get_checkpoint_tracker_filename,
@@ -73,10 +72,7 @@ def load_checkpoint(engine, checkpoint, run_args, device):
     if checkpoint.finetune:
         return {"iteration": 0, "consumed_train_samples": 0, "skipped_iters": 0}
     if not checkpoint.no_load_rng:
-        if "torch_rng_state" not in client_state:
-            raise CheckpointError(f"{path} has no RNG state (saved with --no-save-rng); load it "
-                                  "with --no-load-rng")
-        set_rng_states(client_state, device)
+        set_rng_states(client_state, device, path)
     train_state = dict(client_state.get("train_state", {}))
     train_state["iteration"] = int(client_state.get("iteration", engine.global_steps))
     train_state["consumed_train_samples"] = int(client_state.get(

@@ -6,10 +6,11 @@ leaves either the old file or the new one, never a partial one.
 """
 
 import os
-import re
 
 import torch
 import torch.distributed as dist
+
+from zero.checkpoint.files import load_failure_reason
 
 from megatron.errors import CheckpointError
 from megatron.runtime.fault_injection import kill_point
@@ -65,16 +66,6 @@ def safe_load(path):
         raise CheckpointError(f"cannot read checkpoint {path}: {load_failure_reason(exc)}. The "
                               "file is corrupt or not a plain-tensor checkpoint (refused: "
                               "only tensors and plain containers are unpickled)") from None
-
-
-def load_failure_reason(exc):
-    """One line out of torch.load's multi-paragraph error: what it refused, or the first line."""
-    text = str(exc)
-    refused = re.search(r"Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+", text)
-    if refused:
-        return refused.group(0)
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return first[:300]
 
 
 def barrier():

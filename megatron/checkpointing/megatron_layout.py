@@ -179,10 +179,7 @@ def load_checkpoint(module, engine, checkpoint, run_args, device):
     if not checkpoint.no_load_optim:
         _load_optimizer(engine, state, run_args, path)
     if not checkpoint.no_load_rng:
-        if "torch_rng_state" not in state:
-            raise CheckpointError(f"{path} has no RNG state (saved with --no-save-rng); "
-                                  "load it with --no-load-rng")
-        set_rng_states(state, device)
+        set_rng_states(state, device, path)
     train_state = dict(state.get("train_state", {}))
     train_state["iteration"] = state.get("iteration", state.get("total_iters", iteration))
     train_state.setdefault("consumed_train_samples",

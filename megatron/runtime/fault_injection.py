@@ -15,8 +15,8 @@ one dictionary lookup when it is not.
                                              torchrun job (TORCHELASTIC_RESTART_COUNT 0/unset),
                                              so a restarted job runs clean
 
-The zero package has the same kill hook (zero/fault_injection.py, same variable) because it
-never imports megatron.
+The kill hook itself is zero's (zero/fault_injection.py): one variable and one count of
+passes for both save paths.
 """
 
 import math
@@ -24,7 +24,8 @@ import os
 import signal
 import time
 
-KILL_VARIABLE = "MEGATRON_FAULT_KILL_AT"
+from zero.fault_injection import KILL_VARIABLE, kill_point, writer  # noqa: F401 (re-exported)
+
 NAN_VARIABLE = "MEGATRON_FAULT_NAN_AT"
 RANK_VARIABLE = "MEGATRON_FAULT_RANK"
 
@@ -45,45 +46,6 @@ SAVE_KILL_POINTS = (
     "save.prune.removed",
     "save.done",
 )
-
-_hits = {}
-
-
-def kill_point(name):
-    """SIGKILL this process here if MEGATRON_FAULT_KILL_AT names this point (and count)."""
-    wanted = os.environ.get(KILL_VARIABLE)
-    if not wanted:
-        return
-    point, _, nth = wanted.partition("@")
-    if point != name:
-        return
-    _hits[name] = _hits.get(name, 0) + 1
-    if _hits[name] == int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-class HalfWayKiller:
-    """A file wrapper that passes `<prefix>.tmp_half_written` once the first bytes are out, so
-    a kill lands in the middle of a file (torch.save writes in several calls)."""
-
-    def __init__(self, file, point):
-        self.file, self.point = file, point
-
-    def write(self, data):
-        count = self.file.write(data)
-        if self.point is not None:
-            point, self.point = self.point, None
-            self.file.flush()
-            kill_point(point)
-        return count
-
-    def flush(self):
-        self.file.flush()
-
-
-def writer(file, point):
-    """`file`, wrapped so that `point` is passed mid-write only when a kill is asked for."""
-    return HalfWayKiller(file, point) if os.environ.get(KILL_VARIABLE) else file
 
 
 def nan_iterations():
