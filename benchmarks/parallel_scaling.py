@@ -23,6 +23,7 @@ ring all-reduce volume 2 (N - 1) / N x payload, with payloads from first princip
 
 import argparse
 import os
+import queue as queue_module
 import statistics
 import time
 
@@ -142,11 +143,21 @@ def run_layout(layout, config, port):
                for r in range(procs)]
     for worker in workers:
         worker.start()
-    results = dict(queue.get(timeout=1800) for _ in workers)
+    results = {}
+    while len(results) < procs:
+        try:
+            rank, result = queue.get(timeout=1.0)
+            results[rank] = result
+        except queue_module.Empty:
+            # a worker that died leaves its peers blocked in a collective: stop them all
+            dead = [w for w in workers if w.exitcode not in (None, 0)]
+            if dead:
+                for worker in workers:
+                    worker.kill()
+                raise RuntimeError(f"{label}: a worker exited with code {dead[0].exitcode} "
+                                   "(its traceback is above)")
     for worker in workers:
         worker.join()
-        if worker.exitcode != 0:
-            raise RuntimeError(f"{label}: a worker exited with code {worker.exitcode}")
     return [results[r] for r in range(procs)]
 
 
@@ -201,7 +212,9 @@ def table_rows(summaries):
             f"{s['cpu'] * 1000:.0f}",
             f"{s['compute'] * 1000:.0f}", f"{s['tp_seconds'] * 1000:.1f}",
             f"{s['dp_wait'] * 1000:.1f}" if s["dp_wait_known"] else "in backward",
-            f"{_mib(s['dp_counted'])} / {_mib(s['dp_payload'])}",
+            # torch DDP reduces in its own hooks: the engine counts nothing there
+            f"{_mib(s['dp_counted']) if s['dp_wait_known'] else 'in DDP'} / "
+            f"{_mib(s['dp_payload'])}",
             f"{_mib(s['tp_counted'])} / {_mib(s['tp_payload'])}",
             _mib(s["sent"]), _mib(s["ring"]), ratio])
     return rows

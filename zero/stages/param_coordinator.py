@@ -42,11 +42,12 @@ from zero.stages.partition_parameters import (ParamStatus, external_parameters, 
 
 @dataclass
 class Stage3Knobs:
-    prefetch_bucket_size: int = 50_000_000
-    max_live_parameters: int = 1_000_000_000
-    max_reuse_distance: int = 1_000_000_000
-    param_persistence_threshold: int = 100_000
-    model_persistence_threshold: int = 2 ** 63 - 1
+    """The stage3_* keys of zero_optimization (defaults: zero/config/sections.py)."""
+    prefetch_bucket_size: int
+    max_live_parameters: int
+    max_reuse_distance: int
+    param_persistence_threshold: int
+    model_persistence_threshold: int
 
 
 class _SavedParam:

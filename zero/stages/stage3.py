@@ -25,8 +25,9 @@ Parameters are partitioned one by one (zero/stages/partition_parameters.py) and 
 """
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
+from typing import ClassVar
 
 import torch
 
@@ -41,15 +42,17 @@ from zero.stages.param_coordinator import ParamCoordinator, Stage3Knobs
 NOT_PARTITIONABLE = (torch.optim.LBFGS, torch.optim.SparseAdam)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Stage3Settings:
-    reduce_bucket_size: int = 500_000_000
-    overlap_comm: bool = True
-    reduce_scatter: bool = True
-    gradient_clipping: float = 0.0
-    sub_group_size: int = 1_000_000_000
-    knobs: Stage3Knobs = field(default_factory=Stage3Knobs)
-    stage: int = 3
+    """What the config decides for stage 3 (zero/stages/build.py fills it from the config,
+    where each key's default lives)."""
+    reduce_bucket_size: int
+    overlap_comm: bool
+    reduce_scatter: bool
+    gradient_clipping: float
+    sub_group_size: int
+    knobs: Stage3Knobs
+    stage: ClassVar[int] = 3
 
 
 def check_partitionable(optimizer):
