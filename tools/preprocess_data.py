@@ -5,8 +5,9 @@
         --merge-file gpt2-merges.txt --append-eod --workers 4
 
 writes data/my-gpt2_text_document.bin/.idx; pass `--data-path data/my-gpt2_text_document`.
-Lines that are not JSON objects with a string under every --json-keys key are counted, quoted
-in the final report and skipped; they never stop the run.
+Lines that are not JSON objects with a string under every --json-keys key (bad UTF-8, bad or
+too deeply nested JSON, a missing key) are skipped and counted; the final report names the
+first few by line number. --strict stops at the first one instead.
 """
 
 import argparse
@@ -44,6 +45,8 @@ def get_args(argv=None):
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1,
                        help="processes, each tokenizing one contiguous part of the input")
+    group.add_argument("--strict", action="store_true",
+                       help="stop at the first malformed line instead of skipping it")
     group.add_argument("--log-interval", type=int, default=100,
                        help="print progress every this many documents")
     return parser.parse_args(argv)
@@ -59,7 +62,8 @@ def run(args):
     start = time.perf_counter()
     outputs, stats = tokenize_loose_json(args.input, args.output_prefix, factory,
                                          json_keys=args.json_keys, append_eod=args.append_eod,
-                                         workers=args.workers, log_interval=args.log_interval)
+                                         workers=args.workers, log_interval=args.log_interval,
+                                         strict=args.strict)
     print(format_summary(outputs, stats, time.perf_counter() - start), flush=True)
     return outputs, stats
 

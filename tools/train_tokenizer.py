@@ -18,10 +18,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import time  # noqa: E402
 
 from megatron.cli import run_cli  # noqa: E402
+from megatron.data.json_lines import MalformedLine, parse_record  # noqa: E402
 from megatron.errors import ConfigError, DataError  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES, SentencePieceTokenizer  # noqa: E402
 from megatron.tokenizer.bpe_trainer import count_pretokens, train_byte_level_bpe, write_gpt2_files  # noqa: E402
@@ -85,14 +85,9 @@ class LooseJsonReader:
 
     def _line_texts(self, path, line_number, raw_line):
         try:
-            record = json.loads(raw_line)
-        except ValueError:  # includes bad UTF-8 and bad JSON
-            return self._skip(path, line_number, "not valid UTF-8 JSON")
-        if not isinstance(record, dict):
-            return self._skip(path, line_number, f"a JSON {type(record).__name__}, not an object")
-        missing = [k for k in self.json_keys if not isinstance(record.get(k), str)]
-        if missing:
-            return self._skip(path, line_number, f"no string under key '{missing[0]}'")
+            record = parse_record(raw_line, self.json_keys)
+        except MalformedLine as e:
+            return self._skip(path, line_number, str(e))
         texts = [record[k] for k in self.json_keys]
         self.documents += len(texts)
         self.text_bytes += sum(len(t.encode("utf-8")) for t in texts)

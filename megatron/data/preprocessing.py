@@ -8,7 +8,6 @@ therefore byte-identical for every worker count, and no single writer process is
 (Megatron's one-writer design topped out near 15 MB/s).
 """
 
-import json
 import multiprocessing
 import os
 import queue as queue_module
@@ -19,6 +18,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from megatron.data.json_lines import MalformedLine, parse_record
 from megatron.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_dtype,
                                            data_file_path, index_file_path)
 from megatron.data.progress import Progress
@@ -34,7 +34,9 @@ class TokenizeStats:
     malformed: int = 0
     empty: int = 0
     bytes_read: int = 0
-    examples: list = field(default_factory=list)  # [(byte offset, reason)] of malformed lines
+    # [(byte offset, reason)] of the first malformed lines; tokenize_loose_json turns the
+    # offsets into line numbers
+    examples: list = field(default_factory=list)
 
     def add(self, other):
         self.documents += other.documents
@@ -51,30 +53,38 @@ def output_prefix_for(output_prefix, key):
     return f"{output_prefix}_{key}_document"
 
 
-class _Malformed(Exception):
-    pass
+class MalformedLineError(DataError):
+    """--strict: the first malformed line stops the run (`offset`: its first byte)."""
+
+    def __init__(self, offset, reason):
+        super().__init__(offset, reason)  # args as given, so it pickles back from a worker
+        self.offset, self.reason = offset, reason
+
+    def __str__(self):
+        return f"malformed line at byte {self.offset}: {self.reason}"
+
+
+def line_numbers(path, offsets):
+    """{byte offset: 1-based number of the line starting there}, in one pass over the file up
+    to the largest offset."""
+    numbers, line, position = {}, 1, 0
+    pending = sorted(set(offsets))
+    with open(path, "rb") as f:
+        while pending:
+            chunk = f.read(1 << 24)
+            if not chunk:
+                break
+            while pending and pending[0] < position + len(chunk):
+                numbers[pending[0]] = line + chunk.count(b"\n", 0, pending[0] - position)
+                pending.pop(0)
+            line += chunk.count(b"\n")
+            position += len(chunk)
+    return numbers
 
 
 def _texts_of_line(line, json_keys):
-    """The strings under `json_keys` in one raw line; raises _Malformed saying why not."""
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _Malformed(f"invalid UTF-8 at byte {e.start} of the line") from None
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise _Malformed(f"invalid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(record, dict):
-        raise _Malformed(f"a JSON {type(record).__name__}, not an object")
-    texts = []
-    for key in json_keys:
-        if key not in record:
-            raise _Malformed(f"no {key!r} key (has {sorted(record)[:5]})")
-        if not isinstance(record[key], str):
-            raise _Malformed(f"{key!r} holds a {type(record[key]).__name__}, not a string")
-        texts.append(record[key])
-    return texts
+    record = parse_record(line, json_keys)
+    return [record[key] for key in json_keys]
 
 
 def _tokenize_texts(texts, tokenizer, append_eod):
@@ -84,7 +94,7 @@ def _tokenize_texts(texts, tokenizer, append_eod):
         try:
             ids = tokenizer.tokenize(text)
         except UnicodeEncodeError:  # a JSON "\ud800" escape: a lone surrogate, not text
-            raise _Malformed("a lone UTF-16 surrogate escape in the text") from None
+            raise MalformedLine("a lone UTF-16 surrogate escape in the text") from None
         if len(ids) == 0:
             return None
         token_lists.append(list(ids) + [tokenizer.eod] if append_eod else ids)
@@ -121,6 +131,7 @@ class _RangeJob:
     json_keys: tuple
     append_eod: bool
     dtype: object
+    strict: bool
 
 
 def _tokenize_range(job, tokenizer, report):
@@ -154,7 +165,9 @@ def _tokenize_line(line, position, job, tokenizer, builders, stats):
     try:
         token_lists = _tokenize_texts(_texts_of_line(line, job.json_keys), tokenizer,
                                       job.append_eod)
-    except _Malformed as e:
+    except MalformedLine as e:
+        if job.strict:
+            raise MalformedLineError(position, str(e)) from None
         stats.malformed += 1
         if len(stats.examples) < _MAX_EXAMPLES:
             stats.examples.append((position, str(e)))
@@ -186,13 +199,16 @@ def split_line_ranges(path, parts):
 
 
 def tokenize_loose_json(input_path, output_prefix, make_tokenizer, json_keys=("text",),
-                        append_eod=False, workers=1, log_interval=100, stream=None):
+                        append_eod=False, workers=1, log_interval=100, stream=None,
+                        strict=False):
     """Tokenize `input_path` into `{output_prefix}_{key}_document.bin/.idx` for every key.
 
     make_tokenizer: a zero-argument callable returning a tokenizer (`tokenize`, `eod`,
     `vocab_size`).  With workers > 1 it may be sent to spawned processes, so it must pickle (a
     `TokenizerFactory`, or a picklable tokenizer wrapped in `ConstantFactory`).
-    Returns ({key: prefix}, TokenizeStats).
+    Malformed lines (not UTF-8, not a JSON object, a key missing or not a string) are
+    skipped and counted, the first few reported by line number; with `strict` the first one
+    stops the run (DataError naming its line). Returns ({key: prefix}, TokenizeStats).
     """
     if not os.path.isfile(input_path):
         raise DataError(f"--input {input_path}: no such file (expected loose JSON, one object "
@@ -210,7 +226,8 @@ def tokenize_loose_json(input_path, output_prefix, make_tokenizer, json_keys=("t
     ranges = split_line_ranges(input_path, workers)
     try:
         if workers == 1:
-            job = _RangeJob(input_path, 0, ranges[0][1], outputs, json_keys, append_eod, dtype)
+            job = _RangeJob(input_path, 0, ranges[0][1], outputs, json_keys, append_eod, dtype,
+                            strict)
             reporter = _BatchedReporter(progress.update, max(1, min(log_interval, 256)))
             stats = _tokenize_range(job, tokenizer, reporter)
             reporter.flush()
@@ -219,9 +236,16 @@ def tokenize_loose_json(input_path, output_prefix, make_tokenizer, json_keys=("t
                 # inherited by the forked workers, neither pickled nor rebuilt
                 make_tokenizer = ConstantFactory(tokenizer)
             stats = _tokenize_in_workers(context, input_path, ranges, outputs, make_tokenizer,
-                                         json_keys, append_eod, dtype, progress, log_interval)
+                                         json_keys, append_eod, dtype, progress, log_interval,
+                                         strict)
+    except MalformedLineError as e:
+        line = line_numbers(input_path, [e.offset])[e.offset]
+        raise DataError(f"{input_path} line {line}: {e.reason} (--strict stops at the first "
+                        "malformed line; without it such lines are skipped and counted)") from None
     finally:
         progress.close()
+    numbers = line_numbers(input_path, [offset for offset, _ in stats.examples])
+    stats.examples = [(numbers[offset], reason) for offset, reason in stats.examples]
     return outputs, stats
 
 
@@ -236,14 +260,14 @@ def _process_context():
 
 
 def _tokenize_in_workers(context, input_path, ranges, outputs, make_tokenizer, json_keys,
-                         append_eod, dtype, progress, log_interval):
+                         append_eod, dtype, progress, log_interval, strict):
     first_output = next(iter(outputs.values()))
     parts_dir = f"{first_output}.parts.{os.getpid()}"
     os.makedirs(parts_dir, exist_ok=True)
     try:
         jobs = [_RangeJob(input_path, start, end,
                           {key: os.path.join(parts_dir, f"part{i:05d}_{key}") for key in json_keys},
-                          json_keys, append_eod, dtype)
+                          json_keys, append_eod, dtype, strict)
                 for i, (start, end) in enumerate(ranges)]
         part_stats = _run_workers(context, jobs, make_tokenizer, progress, log_interval)
         stats = TokenizeStats()
@@ -340,8 +364,8 @@ def format_summary(outputs, stats, seconds):
     lines = [f"done: {stats.documents} documents, {stats.tokens} tokens, "
              f"{stats.malformed} malformed lines skipped, {stats.empty} empty documents skipped, "
              f"{mb:.2f} MB in {seconds:.2f} s ({mb / max(seconds, 1e-9):.2f} MB/s)"]
-    for offset, reason in stats.examples:
-        lines.append(f"  malformed line at byte {offset}: {reason}")
+    for line, reason in stats.examples:
+        lines.append(f"  line {line}: {reason}")
     if stats.malformed > len(stats.examples):
         lines.append(f"  ... and {stats.malformed - len(stats.examples)} more malformed lines")
     for prefix in outputs.values():

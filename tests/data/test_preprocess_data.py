@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.json_lines import MalformedLine, parse_record
 from megatron.data.progress import Progress
 from megatron.data.preprocessing import (ConstantFactory, split_line_ranges,
                                          tokenize_loose_json)
@@ -20,7 +21,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TOOL = os.path.join(REPO, "tools", "preprocess_data.py")
 
 MALFORMED = [b'{"text": "unterminated', b'\xff\xfe{"text": "bad utf8"}', b'{"title": "no text"}',
-             b'{"text": 17}', b'["a", "list"]', b'{"text": "lone \\ud800 surrogate"}']
+             b'{"text": 17}', b'["a", "list"]', b'{"text": "lone \\ud800 surrogate"}',
+             b'[' * 100_000 + b']' * 100_000,  # deeper than Python's JSON parser recurses
+             b'{"text": "huge number", "n": ' + b'9' * 5000 + b'}']  # > int str digits limit
 
 
 def _load_tool():
@@ -60,7 +63,7 @@ def test_workers_give_byte_identical_output_and_count_bad_lines(tmp_path, monkey
                                       "--workers", str(workers), "--log-interval", "10"],
                                monkeypatch)
         assert out == {"text": prefix + "_text_document"}
-        assert (stats.documents, stats.malformed, stats.empty) == (60, 6, 1)
+        assert (stats.documents, stats.malformed, stats.empty) == (60, 8, 1)
         assert stats.bytes_read == os.path.getsize(corpus)
         outputs[workers] = [open(out["text"] + ext, "rb").read() for ext in (".bin", ".idx")]
         assert sorted(os.listdir(tmp_path / f"w{workers}")) == [
@@ -72,9 +75,37 @@ def test_workers_give_byte_identical_output_and_count_bad_lines(tmp_path, monkey
         assert list(doc) == list(text.encode("utf-8")) + [256]
     captured = capsys.readouterr()
     assert "docs/s" in captured.err and "MB/s" in captured.err
-    assert "done: 60 documents" in captured.out and "6 malformed lines skipped" in captured.out
+    assert "done: 60 documents" in captured.out and "8 malformed lines skipped" in captured.out
     assert "1 empty documents skipped" in captured.out and "MB/s" in captured.out
-    assert "invalid JSON" in captured.out and "invalid UTF-8" in captured.out
+    # the first five, by line number (the malformed lines are lines 31-38 of the corpus)
+    assert "  line 31: invalid JSON (Unterminated string" in captured.out
+    assert "  line 32: invalid UTF-8 (byte 0 of the line)" in captured.out
+    assert "  line 35: not a JSON object (a list)" in captured.out
+    assert "line 36:" not in captured.out and "... and 3 more malformed lines" in captured.out
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_strict_stops_at_the_first_malformed_line_with_its_number(tmp_path, workers):
+    corpus, _ = _corpus(tmp_path)
+    with pytest.raises(DataError, match=r"corpus.json line 31: invalid JSON \(Unterminated.*"
+                                        r"--strict stops at the first malformed line"):
+        tokenize_loose_json(corpus, str(tmp_path / "o"), ConstantFactory(ByteTokenizer()),
+                            workers=workers, strict=True, stream=io.StringIO())
+    assert sorted(os.listdir(tmp_path)) == ["corpus.json"]  # nothing half-written left
+
+
+@pytest.mark.parametrize("line, reason", [
+    (b'[' * 100_000, "invalid JSON (nested too deeply to parse)"),
+    (b'{"text": 1' + b'0' * 5000 + b'}', "invalid JSON (Exceeds the limit"),
+    (b'{"text": "a"', "invalid JSON (Expecting ',' delimiter"),
+    (b'\xc3\x28', "invalid UTF-8 (byte 0 of the line)"),
+    (b'"just a string"', "not a JSON object (a str)"),
+    (b'{"text": null}', "no string under 'text' (a NoneType)"),
+])
+def test_every_unreadable_line_is_one_reason(line, reason):
+    with pytest.raises(MalformedLine) as caught:
+        parse_record(line, ("text",))
+    assert str(caught.value).startswith(reason)
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -89,7 +120,7 @@ def test_worker_start_methods_agree(tmp_path, monkeypatch, start_method):
     two, stats = tokenize_loose_json(corpus, str(tmp_path / "two"),
                                      ConstantFactory(ByteTokenizer()), append_eod=True, workers=2,
                                      stream=io.StringIO())
-    assert (stats.documents, stats.malformed, stats.empty) == (20, 6, 1)
+    assert (stats.documents, stats.malformed, stats.empty) == (20, 8, 1)
     for ext in (".bin", ".idx"):
         assert open(one["text"] + ext, "rb").read() == open(two["text"] + ext, "rb").read()
 

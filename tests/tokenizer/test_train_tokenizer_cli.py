@@ -35,8 +35,8 @@ def test_gpt2_bpe_from_tiny_corpus(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "read 4 documents" in result.stdout
     assert "skipped 3 malformed line(s)" in result.stdout
-    assert "corpus.json:3 (not valid UTF-8 JSON)" in result.stdout
-    assert "corpus.json:4 (no string under key 'text')" in result.stdout
+    assert "corpus.json:3 (invalid JSON (Unterminated string" in result.stdout
+    assert "corpus.json:4 (no string under 'text' (no such key" in result.stdout
     assert "vocab size 400" in result.stdout
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(out / "vocab.json"), merge_file=str(out / "merges.txt"))
     assert tok.vocab_size == 400 and tok.eod == 399

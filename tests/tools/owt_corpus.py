@@ -79,7 +79,7 @@ def write_pages(directory):
     (directory / "notes.txt").write_text("not a page file; merge_jsons ignores it\n")
     return {"merge_read": 16, "merge_kept": 11,
             "merge_dropped": {"duplicate url": 1, "empty text": 1, "malformed: invalid JSON": 1,
-                              "malformed: invalid UTF-8 (byte 10 of the line)": 1,
+                              "malformed: invalid UTF-8": 1,
                               "malformed: no string under 'url'": 1},
             "cleanup_dropped": {f"fewer than {MIN_TOKENS} tokens": 1, "language de": 1,
                                 "language fr": 1},

@@ -25,6 +25,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 from megatron.cli import run_cli
+from megatron.data.json_lines import MalformedLine, parse_record
 from megatron.data.preprocessing import split_line_ranges
 from megatron.errors import DataError
 
@@ -96,19 +97,9 @@ class StageReport:
 def parse_json_record(line, required=("text", "url")):
     """The JSON object on one raw line, with a string under every `required` key."""
     try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise Malformed(f"{MALFORMED}: invalid UTF-8 (byte {e.start} of the line)") from None
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError:
-        raise Malformed(f"{MALFORMED}: invalid JSON") from None
-    if not isinstance(record, dict):
-        raise Malformed(f"{MALFORMED}: not a JSON object")
-    for key in required:
-        if not isinstance(record.get(key), str):
-            raise Malformed(f"{MALFORMED}: no string under {key!r}")
-    return record
+        return parse_record(line, required)
+    except MalformedLine as e:
+        raise Malformed(f"{MALFORMED}: {e.kind}") from None
 
 
 def dump_json_line(record):
