@@ -12,6 +12,7 @@ def model_provider(ctx):
 
 def train_valid_test_datasets_provider(ctx, num_samples):
     from megatron.data.gpt2_dataset import build_train_valid_test_datasets
+    from megatron.data.token_range import check_token_ids
     data = ctx.config.data
     data_prefix = data.data_path
     if data.train_data is not None:
@@ -23,6 +24,8 @@ def train_valid_test_datasets_provider(ctx, num_samples):
     if train is None:
         raise ConfigError(f"--split {data.split!r} leaves no training documents in "
                           f"{data_prefix}; give the first split a positive weight")
+    check_token_ids(train.indexed_dataset, ctx.model_config.vocab_size,
+                    ctx.tokenizer.vocab_size)  # the splits share one .bin
     return train, valid, test
 
 

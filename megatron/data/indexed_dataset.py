@@ -103,23 +103,52 @@ class _Index:
         self.pointers = np.frombuffer(buffer, np.int64, count=num_items, offset=offset)
         offset += self.pointers.nbytes
         self.doc_idx = np.frombuffer(buffer, np.int64, count=num_docs, offset=offset)
+        self._check_items()
         self._check_document_index(num_items)
 
+    def _corrupt(self, what):
+        return DataError(f"{self.path}: {what}; the file is corrupt. Rebuild it ({BUILD_HINT})")
+
+    def _check_items(self, chunk=1 << 22):
+        """Sizes are non-negative and the items lie back to back from byte 0 of the .bin:
+        pointer[i] = the bytes of items 0..i-1. (So no two items overlap and the last one
+        ends where the .bin must end, which MMapIndexedDataset checks against its size.)
+        Vectorised, in chunks of items so memory stays bounded on large corpora."""
+        itemsize, expected = self.dtype.itemsize, 0
+        for lo in range(0, len(self.sizes), chunk):
+            sizes = self.sizes[lo:lo + chunk].astype(np.int64)
+            pointers = self.pointers[lo:lo + chunk]
+            negative = np.flatnonzero(sizes < 0)
+            if len(negative):
+                i = lo + int(negative[0])
+                raise self._corrupt(f"item {i} has a negative size ({int(self.sizes[i])})")
+            starts = expected + np.concatenate(([0], np.cumsum(sizes[:-1] * itemsize)))
+            wrong = np.flatnonzero(pointers != starts)
+            if len(wrong):
+                i = lo + int(wrong[0])
+                raise self._corrupt(f"item {i} starts at byte {int(self.pointers[i])} of the "
+                                    f".bin, but the items before it end at byte "
+                                    f"{int(starts[wrong[0]])} (items must lie back to back)")
+            expected = int(starts[-1]) + int(sizes[-1]) * itemsize
+
     def _check_document_index(self, num_items):
-        """Document boundaries are item numbers: ascending, within [0, num_items]."""
+        """Document boundaries are item numbers from 0 to num_items, never decreasing."""
         doc_idx = self.doc_idx
         if len(doc_idx) == 0:
-            return
+            raise self._corrupt("the document index is empty (it starts with 0 even for an "
+                                "empty dataset)")
         bad = np.flatnonzero((doc_idx < 0) | (doc_idx > num_items))
         if len(bad):
-            raise DataError(f"{self.path}: document boundary {int(bad[0])} points at item "
-                            f"{int(doc_idx[bad[0]])}, past the end of its {num_items} items; "
-                            f"the file is corrupt. Rebuild it ({BUILD_HINT})")
+            raise self._corrupt(f"document boundary {int(bad[0])} points at item "
+                                f"{int(doc_idx[bad[0]])}, outside its {num_items} items")
         falling = np.flatnonzero(np.diff(doc_idx) < 0)
         if len(falling):
-            raise DataError(f"{self.path}: document boundaries go backwards at entry "
-                            f"{int(falling[0]) + 1}; the file is corrupt. Rebuild it "
-                            f"({BUILD_HINT})")
+            raise self._corrupt(f"document boundaries go backwards at entry "
+                                f"{int(falling[0]) + 1}")
+        if doc_idx[0] != 0 or doc_idx[-1] != num_items:
+            raise self._corrupt(f"the document index runs from item {int(doc_idx[0])} to "
+                                f"{int(doc_idx[-1])}, but must cover items 0 to {num_items} "
+                                "(it disagrees with the sizes)")
 
     def _check_magic(self, head):
         if head.startswith(_LEGACY_MAGIC):
@@ -301,8 +330,11 @@ class MMapIndexedDatasetBuilder:
         return len(self._sizes)
 
     def finalize(self, idx_path):
-        """Write the index and move `.bin` then `.idx` into place (each an atomic rename)."""
+        """Write the index and move `.bin` then `.idx` into place (each an atomic rename).
+        Items added after the last end_document() form one last document."""
         self._close(self._bin_file)
+        if self._doc_idx[-1] != len(self._sizes):
+            self.end_document()
         sizes = np.frombuffer(self._sizes, dtype=np.int32)
         pointers = np.zeros(len(sizes), dtype=np.int64)
         np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])

@@ -208,14 +208,37 @@ def test_index_past_the_end(good):
     assert [list(x) for x in ds] == [[1, 2, 3], [4, 5]]
 
 
-def test_pointer_past_end_of_bin(good):
+# good: 2 items of sizes [3, 2] (uint16), pointers [0, 6], document index [0, 1, 2].
+# Layout: 34-byte header, then int32 sizes, int64 pointers, int64 document index.
+@pytest.mark.parametrize("offset, fmt, value, message", [
+    (34 + 4, "<i", -2, "item 1 has a negative size \\(-2\\)"),
+    (34 + 2 * 4, "<q", 6, "item 0 starts at byte 6 of the .bin, but the items before it end "
+                          "at byte 0"),
+    (34 + 2 * 4 + 8, "<q", 2, "item 1 starts at byte 2 .* end at byte 6 .*back to back"),
+    (34 + 2 * 4, "<q", -8, "item 0 starts at byte -8"),
+    (34 + 2 * 12 + 2 * 8, "<q", 1, "runs from item 0 to 1, but must cover items 0 to 2 "
+                                   "\\(it disagrees with the sizes\\)"),
+    (34 + 2 * 12, "<q", 1, "runs from item 1 to 2"),
+    (34 + 2 * 12 + 8, "<q", 3, "document boundary 1 points at item 3, outside its 2 items"),
+])
+def test_inconsistent_index_is_refused_when_opened(good, offset, fmt, value, message):
     raw = bytearray(open(good + ".idx", "rb").read())
-    # Point item 0 at byte 6 (inside the file) so only reading it runs past the end.
-    struct.pack_into("<q", raw, 34 + 2 * 4, 6)
+    struct.pack_into(fmt, raw, offset, value)
     open(good + ".idx", "wb").write(bytes(raw))
-    ds = MMapIndexedDataset(good)
-    with pytest.raises(DataError, match="past the end"):
-        ds[0]
+    with pytest.raises(DataError, match=message + ".*the file is corrupt. Rebuild it"):
+        MMapIndexedDataset(good)
+
+
+def test_index_checks_span_chunks(tmp_path):
+    """The back-to-back check carries the running offset across its chunks of items."""
+    from megatron.data.indexed_dataset import _Index
+    prefix = write_token_dataset(tmp_path / "many", [[1] * (i % 5 + 1) for i in range(100)])
+    _Index(prefix + ".idx")._check_items(chunk=7)  # consistent: passes
+    raw = bytearray(open(prefix + ".idx", "rb").read())
+    struct.pack_into("<q", raw, 34 + 100 * 4 + 50 * 8, 0)  # item 50 back at byte 0
+    open(prefix + ".idx", "wb").write(bytes(raw))
+    with pytest.raises(DataError, match="item 50 starts at byte 0"):
+        _Index(prefix + ".idx")._check_items(chunk=7)
 
 
 def test_paths(tmp_path):

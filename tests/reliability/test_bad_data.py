@@ -77,7 +77,7 @@ DAMAGE = {"truncated .bin": (_truncate_bin, "truncated"),
           "truncated .idx": (_truncate_idx, "truncated"),
           "not an index": (_garble_idx, "not an MMIDIDX index"),
           "document index past the end": (_document_index_past_the_end, "document"),
-          "item pointer past the end": (_item_pointer_past_the_end, "past"),
+          "item pointer past the end": (_item_pointer_past_the_end, "starts at byte 1000000000"),
           "empty corpus": (_empty_corpus, "empty")}
 
 

@@ -133,3 +133,12 @@ def test_bad_paths_are_clear_errors(corpus, tmp_path, capsys, argv, message):
     assert run(corpus, tmp_path, *argv, iters=3) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_token_ids_beyond_the_vocabulary_stop_before_training(corpus, tmp_path, capsys):
+    from tests.data.fakes import write_token_dataset
+    other = write_token_dataset(tmp_path / "other_tokenizer", [[5, 600, 7] * 40] * 20)
+    assert run(corpus, tmp_path, "--data-path", other, iters=3) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert "holds token id 600, but the model's vocabulary has 512 entries" in err
