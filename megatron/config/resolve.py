@@ -233,6 +233,9 @@ def _optimizer(raw, clip_grad):
         lr_decay_iters=decay_iters, warmup_iters=warmup_iters,
         override_lr_scheduler=raw["override_lr_scheduler"],
         use_checkpoint_lr_scheduler=raw["use_checkpoint_lr_scheduler"],
+        schedule_follows_train_iters=(("end_iter",) if raw["lr_decay_iters"] is None else ())
+        + (("warmup_iter",) if raw["lr_decay_iters"] is None and raw["warmup_iters"] is None
+           else ()),
         cpu_optimizer=raw["cpu_optimizer"], cpu_torch_adam=raw["cpu_torch_adam"])
 
 

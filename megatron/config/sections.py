@@ -88,6 +88,9 @@ class OptimizerConfig:
     warmup_iters: int
     override_lr_scheduler: bool
     use_checkpoint_lr_scheduler: bool
+    # lengths derived from --train-iters (no --lr-decay-iters / --warmup-iters given), as the
+    # AnnealingLR state keys "end_iter" / "warmup_iter"
+    schedule_follows_train_iters: tuple
     cpu_optimizer: bool
     cpu_torch_adam: bool
 

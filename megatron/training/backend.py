@@ -57,6 +57,10 @@ class Backend:
         updated = engine.skipped_steps == skipped_before
         return total.item(), updated, engine.get_global_grad_norm() if updated else None
 
+    def resume_notes(self):
+        """What loading the checkpoint changed that the user should read (once)."""
+        return tuple(getattr(self.engine.lr_scheduler, "resume_notes", ()))  # a JSON's has none
+
     def report(self):
         """What the log line shows of the optimizer."""
         return {"lr": self.engine.optimizer.param_groups[0]["lr"],
@@ -188,4 +192,5 @@ def _annealing_lr(optimizer, config):
                        warmup_steps=config.warmup_iters, decay_steps=config.lr_decay_iters,
                        decay_style=config.lr_decay_style,
                        use_checkpoint_lr_scheduler=config.use_checkpoint_lr_scheduler,
-                       override_lr_scheduler=config.override_lr_scheduler)
+                       override_lr_scheduler=config.override_lr_scheduler,
+                       follows_train_iters=config.schedule_follows_train_iters)

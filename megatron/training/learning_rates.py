@@ -21,6 +21,10 @@ Checkpoint values versus command-line values on resume (Megatron's rule):
     override_lr_scheduler=True          the constructor's values win, the step count is loaded
     use_checkpoint_lr_scheduler=True    the checkpoint's values win
     neither                             values must agree, else ConfigError naming the flag
+except for the lengths in `follows_train_iters` (the state keys "end_iter", "warmup_iter"
+whose values the trainer derived from --train-iters): a run resumed with another --train-iters
+takes the new lengths and says so in `resume_notes`, since continuing a finished run for
+longer is the common case.
 """
 
 import math
@@ -47,7 +51,8 @@ class AnnealingLR:
     """Sets `lr` on every param group of `optimizer` from the number of steps taken."""
 
     def __init__(self, optimizer, max_lr, min_lr, warmup_steps, decay_steps, decay_style,
-                 use_checkpoint_lr_scheduler=True, override_lr_scheduler=False):
+                 use_checkpoint_lr_scheduler=True, override_lr_scheduler=False,
+                 follows_train_iters=()):
         _validate(max_lr, min_lr, warmup_steps, decay_steps, decay_style)
         if override_lr_scheduler and use_checkpoint_lr_scheduler:
             raise ConfigError("--override-lr-scheduler and --use-checkpoint-lr-scheduler "
@@ -60,6 +65,8 @@ class AnnealingLR:
         self.decay_style = decay_style
         self.use_checkpoint_lr_scheduler = use_checkpoint_lr_scheduler
         self.override_lr_scheduler = override_lr_scheduler
+        self.follows_train_iters = frozenset(follows_train_iters)
+        self.resume_notes = []  # what a load changed, for the trainer to print once
         self.num_steps = 0
         self.step(0)
 
@@ -95,10 +102,22 @@ class AnnealingLR:
     def load_state_dict(self, state_dict):
         sd = {old: state_dict[new] for old, new in _NEWER_KEY_NAMES.items() if new in state_dict}
         sd.update(state_dict)
+        lengthened = []
         for key, attribute, flag in _CHECKED_FIELDS:
             if key not in sd:
                 raise _missing_key_error(key)
-            setattr(self, attribute, self._choose(getattr(self, attribute), sd[key], flag))
+            ours = getattr(self, attribute)
+            if key in self.follows_train_iters and not self.use_checkpoint_lr_scheduler \
+                    and ours != sd[key]:
+                lengthened.append(f"{attribute.replace('_', ' ')} {sd[key]} -> {ours}")
+                continue
+            setattr(self, attribute, self._choose(ours, sd[key], flag))
+        if lengthened:
+            self.resume_notes.append(
+                "learning-rate schedule: --train-iters differs from the checkpoint's run, so "
+                f"the schedule follows the new length ({', '.join(lengthened)}; resuming at "
+                f"step {int(sd['num_iters'])}); pass --use-checkpoint-lr-scheduler to keep the "
+                "old one")
         if "num_iters" not in sd:
             raise _missing_key_error("num_iters")
         _validate(self.max_lr, self.min_lr, self.warmup_steps, self.decay_steps,

@@ -62,6 +62,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                 train_state.update(loaded)
                 runtime.print0(f" loaded checkpoint from {config.checkpoint.load} at "
                                f"iteration {train_state['iteration']}")
+                for note in backend.resume_notes():
+                    runtime.print0(f" note: {note}")
         datasets = train_valid_test_datasets_provider(ctx, num_samples_per_split(config))
         logger = TrainingLogger(config.logging.log_dir, config.logging.tensorboard_dir,
                                 runtime.is_rank0)

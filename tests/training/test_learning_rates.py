@@ -120,3 +120,33 @@ def test_loads_megatron_2_key_names():
 def test_bad_settings_raise_config_error(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         _scheduler(kwargs.pop("decay_style", "linear"), **kwargs)
+
+
+def test_lengths_derived_from_train_iters_follow_a_longer_run():
+    """A finished 100-step run resumed for 300: the decay and warmup that --train-iters
+    implied take the new length, from the loaded step on, and a note says so."""
+    saved = _scheduler("cosine", warmup_steps=10, decay_steps=100)
+    saved.step(100)
+    resumed = _scheduler("cosine", warmup_steps=30, decay_steps=300,
+                         use_checkpoint_lr_scheduler=False,
+                         follows_train_iters=("end_iter", "warmup_iter"))
+    resumed.load_state_dict(saved.state_dict())
+    fresh = _scheduler("cosine", warmup_steps=30, decay_steps=300)
+    fresh.step(100)
+    assert (resumed.num_steps, resumed.decay_steps, resumed.warmup_steps) == (100, 300, 30)
+    assert resumed.get_lr() == fresh.get_lr()
+    note, = resumed.resume_notes
+    assert "warmup steps 10 -> 30, decay steps 100 -> 300; resuming at step 100" in note
+    kept = _scheduler("cosine", warmup_steps=30, decay_steps=300,
+                      use_checkpoint_lr_scheduler=True,
+                      follows_train_iters=("end_iter", "warmup_iter"))
+    kept.load_state_dict(saved.state_dict())
+    assert (kept.decay_steps, kept.warmup_steps, kept.resume_notes) == (100, 10, [])
+
+
+def test_a_length_the_user_set_still_must_agree():
+    saved = _scheduler("cosine", warmup_steps=10, decay_steps=100)
+    resumed = _scheduler("cosine", warmup_steps=10, decay_steps=300,
+                         use_checkpoint_lr_scheduler=False, follows_train_iters=("warmup_iter",))
+    with pytest.raises(ConfigError, match="--lr-decay-iters = 100 but the command line gives 300"):
+        resumed.load_state_dict(saved.state_dict())

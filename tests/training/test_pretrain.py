@@ -142,3 +142,21 @@ def test_token_ids_beyond_the_vocabulary_stop_before_training(corpus, tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
     assert "holds token id 600, but the model's vocabulary has 512 entries" in err
+
+
+def test_a_finished_run_continues_with_more_train_iters(corpus, tmp_path, capsys):
+    """The README's 'raise TRAIN_ITERS to continue': the decay --train-iters implied follows
+    the new length (said once; --warmup-iters 2 was given, so warmup stays), and training
+    goes on from the checkpoint."""
+    save = str(tmp_path / "ckpt")
+    assert run(corpus, tmp_path, "--save", save, "--load", save, iters=4) == 0
+    capsys.readouterr()
+    assert run(corpus, tmp_path, "--save", save, "--load", save, iters=8) == 0
+    out = capsys.readouterr().out
+    assert out.count("the schedule follows the new length (decay steps 4 -> 8; resuming at "
+                     "step 4)") == 1
+    assert sorted(losses(tmp_path)) == list(range(1, 9))
+    # an explicit length that disagrees is still refused
+    assert run(corpus, tmp_path, "--save", save, "--load", save, "--lr-decay-iters", "20",
+               iters=12) == 2
+    assert "--lr-decay-iters = 8 but the command line gives 20" in capsys.readouterr().err
