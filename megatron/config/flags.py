@@ -148,7 +148,8 @@ def _distributed(parser):
                    help="a collective (or the start-up rendezvous) that waits longer than "
                         "this for another rank fails instead of hanging; fractions allowed")
     g.add_argument("--threads", type=int, default=None,
-                   help="CPU threads per process (default: cores / local processes)")
+                   help="CPU threads per process (default: $OMP_NUM_THREADS, else cores / "
+                        "local processes)")
     g.add_argument("--DDP-impl", default="local", choices=["local", "torch"], dest="DDP_impl",
                    help="data-parallel gradient all-reduce without --deepspeed: local (the "
                         "zero engine's stage 0 buckets, overlapped with backward) or torch "

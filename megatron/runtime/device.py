@@ -68,7 +68,15 @@ def peak_rss_bytes():
 
 
 def default_num_threads():
-    """Threads per process on CPU: the cores divided among the local ranks."""
+    """Threads per process on CPU when --threads is not given: $OMP_NUM_THREADS when set
+    (torchrun sets it to 1 when it starts several processes and finds it unset), else the
+    cores divided among the local ranks."""
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if text:
+        if not text.isdigit() or int(text) < 1:
+            raise ConfigError(f"OMP_NUM_THREADS={text!r} is not a positive number of threads; "
+                              "unset it or pass --threads N")
+        return int(text)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
