@@ -1,6 +1,6 @@
 """How much activation memory checkpointing saves, and what the recompute costs.
 
-    .venv/bin/python benchmarks/activation_memory.py [--quick] [--no-docs]
+    .venv/bin/python benchmarks/activation_memory.py [--quick] [--write-docs]
 
 For a GPT-2 layer stack (bf16, dropout 0.1, causal SDPA attention) and several sequence
 lengths, per micro-batch forward + backward:
@@ -172,7 +172,8 @@ def analytic_bytes(size, tp, options):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, ~1 minute")
-    parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="rewrite its section of docs/benchmarks.md (default: print only)")
     args = parser.parse_args(argv)
     # Sized for a 2-core machine (a full run takes a few minutes when the machine is idle).
     base = dict(layers=2, hidden=256, heads=4, batch=2, repeats=3) if args.quick else \
@@ -212,7 +213,7 @@ def main(argv=None):
             f"gloo processes; every process uses 1 thread. "
             f"Times are ratios within one TP size.\n\n{table}\n\n{NOTES}")
     print("\n" + body)
-    if not args.no_docs and not args.quick:
+    if args.write_docs and not args.quick:
         update_docs_section("activation-memory", body)
 
 

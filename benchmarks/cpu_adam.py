@@ -62,7 +62,8 @@ def deepspeed_ms(numel, threads):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="10M parameters only")
-    parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="rewrite its section of docs/benchmarks.md (default: print only)")
     args = parser.parse_args()
     sizes = [10_000_000] if args.quick else [10_000_000, 100_000_000]
     threads = torch.get_num_threads()
@@ -100,7 +101,7 @@ def main():
     if notes:
         body += "\n" + "\n".join(f"- {n}" for n in sorted(set(notes))) + "\n"
     print(body)
-    if not args.no_docs:
+    if args.write_docs:
         update_docs_section("cpu_adam", body)
 
 

@@ -1,6 +1,6 @@
 """The webtext pipeline (tools/openwebtext) per stage: docs/s, MB/s, peak RSS; dedup quality.
 
-    python benchmarks/data_pipeline.py [--quick] [--no-docs]
+    python benchmarks/data_pipeline.py [--quick] [--write-docs]
 
 Input: real text, data/webtext/data.json (the default corpus; `bash scripts/prepare_default_data.sh`
 makes it and data/tokenizer/) replicated to sizes: copy k > 0 of a document has 30% of its
@@ -266,7 +266,8 @@ def main():
     parser.add_argument("--merge-file", default=os.path.join(DATA, "tokenizer", "merges.txt"))
     parser.add_argument("--size-mb", type=float, default=2.0, help="S; stages also run at 2S")
     parser.add_argument("--quick", action="store_true", help="S = 0.4 MB, fewer planted pairs")
-    parser.add_argument("--no-docs", action="store_true")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="rewrite its section of docs/benchmarks.md (default: print only)")
     args = parser.parse_args()
     for path in (args.input, args.vocab_file, args.merge_file):
         if not os.path.exists(path):
@@ -292,7 +293,7 @@ def main():
     encoding = tokenizer_comparison(texts, tokenizer)
     body = report(args, sizes, chains, quality, encoding, parallelism, rss)
     print(body)
-    if not args.no_docs and not args.quick:
+    if args.write_docs and not args.quick:
         update_docs_section("data_pipeline", body)
 
 

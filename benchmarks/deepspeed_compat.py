@@ -1,6 +1,6 @@
 """Checkpoint compatibility with real DeepSpeed, both ways (its deepspeed/utils/zero_to_fp32.py).
 
-    python benchmarks/deepspeed_compat.py [--no-docs]
+    python benchmarks/deepspeed_compat.py [--write-docs]
 
 ours -> DeepSpeed: zero's engine trains TinyNet at DP=2 (gloo) for ZeRO stages 1-3 in fp32 and
 bf16 and saves; DeepSpeed's own `get_fp32_state_dict_from_zero_checkpoint` (in its venv)
@@ -187,7 +187,8 @@ def markdown(result, version):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--no-docs", action="store_true", help="print only")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="rewrite its section of docs/benchmarks.md (default: print only)")
     args = parser.parse_args()
     version = deepspeed_venv.deepspeed_version()
     if version is None:
@@ -196,7 +197,7 @@ def main():
     with tempfile.TemporaryDirectory() as root:
         text = markdown(run_all(root), version)
     print(text)
-    if not args.no_docs:
+    if args.write_docs:
         from common import update_docs_section
         update_docs_section("deepspeed_compat", "## DeepSpeed checkpoint compatibility\n\n"
                             "`python benchmarks/deepspeed_compat.py`\n\n" + text)

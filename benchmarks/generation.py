@@ -68,7 +68,8 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="rewrite its section of docs/benchmarks.md (default: print only)")
     args = parser.parse_args(argv)
     new_tokens = args.new_tokens or (32 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -134,7 +135,7 @@ def main(argv=None):
         markdown_table(["implementation", "tokens/s", "vs transformers"], rows),
     ])
     print(body)
-    if not args.no_docs:
+    if args.write_docs:
         update_docs_section("generation", body)
     return 0
 

@@ -97,7 +97,8 @@ def main():
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--quick", action="store_true",
                         help="budget 768 MiB, sizes 12.5M..100M (several minutes)")
-    parser.add_argument("--no-docs", action="store_true")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="rewrite its section of docs/benchmarks.md (default: print only)")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -138,7 +139,7 @@ def main():
             + markdown_table(["config", "params", "fp32 model states MiB (16 B/param)",
                               "peak RSS MiB", "within budget", "step ms"], rows) + "\n")
     print(body)
-    if not args.no_docs:
+    if args.write_docs:
         update_docs_section("offload_capacity", body)
 
 

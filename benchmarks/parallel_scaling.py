@@ -18,7 +18,7 @@ ring all-reduce volume 2 (N - 1) / N x payload, with payloads from first princip
                      (vocab-parallel cross entropy) per micro batch, fp32 (and one scalar
                      for the gradient norm, left out).
 
-    python benchmarks/parallel_scaling.py [--quick] [--no-docs]
+    python benchmarks/parallel_scaling.py [--quick] [--write-docs]
 """
 
 import argparse
@@ -231,7 +231,8 @@ def main():
     from tests.dist_utils import free_port
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
-    parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="rewrite its section of docs/benchmarks.md (default: print only)")
     args = parser.parse_args()
     config = QUICK if args.quick else FULL
     load_before = os.getloadavg()[0]
@@ -271,7 +272,7 @@ def main():
             "kernel (/proc/self/io wchar; gloo writes to TCP sockets); analytic = "
             "2 (N - 1) / N x payload per all-reduce (ring).\n")
     print("\n" + body)
-    if not args.no_docs and not args.quick:
+    if args.write_docs and not args.quick:
         update_docs_section("parallel_scaling", body)
 
 

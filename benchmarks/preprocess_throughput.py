@@ -54,7 +54,8 @@ def main():
                         default=os.path.join(default_data, "tokenizer", "merges.txt"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--no-docs", action="store_true")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="rewrite its section of docs/benchmarks.md (default: print only)")
     args = parser.parse_args()
     for path in (args.input, args.vocab_file, args.merge_file):
         if not os.path.exists(path):
@@ -81,7 +82,7 @@ def main():
             f"of {repeats}. The HF row encodes the same documents in one process and writes "
             f"nothing.\n\n{table}\n")
     print(body)
-    if not args.no_docs and not args.quick:
+    if args.write_docs and not args.quick:
         update_docs_section("preprocess_throughput", body)
 
 

@@ -1,7 +1,7 @@
 """gloo reduce-scatter on CPU: zero/comm's ring against an all-reduce and the native collective.
 
     python benchmarks/reduce_scatter_gloo.py [--quick] [--dp 2 4] [--numel 1000000 4000000]
-                                             [--repeats 10] [--no-docs]
+                                             [--repeats 10] [--write-docs]
 
 For each data-parallel size (gloo processes, one thread each) and bucket size (fp32 elements),
 times, per call, the three ways `Communicator.reduce_scatter` (zero/comm) can run on gloo:
@@ -78,7 +78,8 @@ def main():
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--numel", type=int, nargs="+", default=[1_000_000, 4_000_000])
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--no-docs", action="store_true", help="print only")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="rewrite its section of docs/benchmarks.md (default: print only)")
     args = parser.parse_args()
     if args.quick:
         args.dp, args.numel, args.repeats = [2], [1_000_000], 5
@@ -97,7 +98,7 @@ def main():
             f"{args.repeats} calls; load average {load:.1f} when written (shared machine).\n\n"
             + table)
     print(body)
-    if not args.no_docs:
+    if args.write_docs:
         update_docs_section("reduce_scatter_gloo",
                             "## gloo reduce-scatter: ring vs all-reduce vs native "
                             "(`benchmarks/reduce_scatter_gloo.py`)\n\n" + body)

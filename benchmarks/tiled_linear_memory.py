@@ -184,7 +184,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tile-factor", type=int, default=1)
     parser.add_argument("--child", choices=["plain", "stage3"], default=None)
-    parser.add_argument("--no-docs", action="store_true", help="do not update the docs")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="rewrite its section of docs/benchmarks.md (default: print only)")
     args = parser.parse_args(argv)
     args.hidden = args.hidden or (256 if args.quick else 1024)
     args.tokens = args.tokens or (512 if args.quick else 2048)
@@ -239,7 +240,7 @@ def main(argv=None):
             f"start, {os.getloadavg()[0]:.1f} at the end (on 2 cores: above ~2 the times are "
             f"shared with other work; byte counts are not affected).\n\n{table}\n")
     print(body)
-    if not args.no_docs:
+    if args.write_docs:
         update_docs_section("tiled-linear-memory", body)
 
 

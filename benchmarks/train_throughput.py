@@ -4,9 +4,9 @@ The same model (6 layers, hidden 384, 6 heads, seq 256, micro batch 8, vocab 819
 dropout 0, grad clipping 1.0) is trained for a few steps by each, in fp32 and in bf16, in one
 run; the runners take turns (round robin) so drift of the machine hits all of them alike.
 Prints a markdown table (tokens/s, MFU against the matmul peak measured in the same run,
-ratios) and updates its section of docs/benchmarks.md.
+ratios); with --write-docs it also rewrites its section of docs/benchmarks.md.
 
-    python benchmarks/train_throughput.py [--quick] [--no-docs]
+    python benchmarks/train_throughput.py [--quick] [--write-docs]
 
 bf16 means: ours keeps bf16 parameters with fp32 master weights in the optimizer; the peers
 use `torch.autocast(dtype=torch.bfloat16)` over fp32 parameters, their usual recipe.
@@ -170,7 +170,8 @@ def measure(precision, warmup, steps, rounds):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
-    parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="rewrite its section of docs/benchmarks.md (default: print only)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
@@ -210,7 +211,7 @@ def main():
             f"steps, trainers taking turns. MFU = (6N + 12·L·h·s)·tokens / time / the "
             f"matmul peak measured in the same run.\n\n{table}\n")
     print("\n" + body)
-    if not args.no_docs and not args.quick:
+    if args.write_docs and not args.quick:
         update_docs_section("train_throughput", body)
 
 

@@ -2,7 +2,7 @@
 
     python benchmarks/zero_memory_comm.py [--quick] [--dp 2 4] [--model small|gpt-91m]
                                           [--paired-steps 8] [--no-deepspeed] [--no-compat]
-                                          [--no-docs]
+                                          [--write-docs]
 
 For one GPT (fp32, AdamW, `--model small`: 4 layers, hidden 256, seq 128, vocab 8192, 5.3M
 params, micro batch 2 per rank; `--model gpt-91m`: 12 layers, hidden 768, vocab 32768, the
@@ -290,7 +290,8 @@ def main():
     parser.add_argument("--paired-steps", type=int, default=8,
                         help="steps of each stage interleaved with DDP in the same processes "
                              "(0: skip)")
-    parser.add_argument("--no-docs", action="store_true", help="print only")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="rewrite its section of docs/benchmarks.md (default: print only)")
     args = parser.parse_args()
     if args.quick:
         args.dp, args.steps, args.paired_steps = [2], 2, 2
@@ -328,7 +329,7 @@ def main():
     if not args.no_compat:
         sections.append(compat_section())
         print(sections[-1])
-    if not args.no_docs:
+    if args.write_docs:
         update_docs_section(f"zero_memory_comm_{args.model}",
                             f"## ZeRO memory and communication (`{args.model}`)\n\n"
                             f"`python benchmarks/zero_memory_comm.py {' '.join(sys.argv[1:])}`\n\n"
