@@ -17,6 +17,7 @@ import shutil
 import torch
 
 from megatron.checkpointing.files import atomic_write_text
+from megatron.tokenizer.file_utils import permissions_as_new_file
 from megatron.checkpointing.megatron_layout import CHECKPOINT_VERSION, to_nested_state_dict
 from megatron.convert.checkpoint_files import write_sharded_checkpoint
 from megatron.convert.hf import hf_config_from_model_args, megatron_to_hf_state_dict
@@ -108,6 +109,7 @@ def save_hf(weights, save_dir, dtype=torch.float32):
         eod = _eod_id(os.path.join(save_dir, "vocab.json"))
     weights_path = os.path.join(save_dir, "model.safetensors")
     save_file(hf_state, weights_path + ".tmp", metadata={"format": "pt"})
+    permissions_as_new_file(weights_path + ".tmp")  # safetensors creates it 0600
     os.replace(weights_path + ".tmp", weights_path)
     config = hf_config_from_model_args(args, eod)
     config["torch_dtype"] = str(dtype).replace("torch.", "")

@@ -1,7 +1,19 @@
-"""Writing a file so that it is either complete or absent."""
+"""Writing a file so that it is either complete or absent, with the permissions the user's
+umask gives any new file (temporary files are created 0600)."""
 
 import os
 import tempfile
+
+
+def current_umask():
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def permissions_as_new_file(path):
+    """chmod `path` to what open() would have given a new file (0666 less the umask)."""
+    os.chmod(path, 0o666 & ~current_umask())
 
 
 def atomic_write_bytes(path, data):
@@ -18,6 +30,7 @@ def atomic_write_bytes(path, data):
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        permissions_as_new_file(tmp_path)
         os.replace(tmp_path, path)
     except BaseException:
         if os.path.exists(tmp_path):

@@ -109,7 +109,13 @@ class Timers:
 
 
 class TrainingLogger:
-    def __init__(self, log_dir, tensorboard_dir, rank0):
+    """The log line on rank 0, the same numbers in metrics.jsonl and TensorBoard.
+
+    A run that resumes at `start_iteration` first drops from metrics.jsonl what the run before
+    logged past its checkpoint (training lines after it, evaluations at or after it: the
+    resumed run logs those again), so a metrics file holds each iteration once."""
+
+    def __init__(self, log_dir, tensorboard_dir, rank0, start_iteration=0):
         self.rank0 = rank0
         self._jsonl = None
         self._writer = None
@@ -119,6 +125,7 @@ class TrainingLogger:
             path = os.path.join(log_dir, METRICS_FILENAME)
             try:
                 os.makedirs(log_dir, exist_ok=True)
+                _drop_records_from(path, start_iteration)
                 self._jsonl = open(path, "a", encoding="utf-8")
             except OSError as error:
                 raise ConfigError(f"cannot write {path} ({error.strerror}); give --log-dir a "
@@ -232,3 +239,29 @@ def _open_tensorboard(tensorboard_dir):
               "TensorBoard logging", flush=True)
         return None
     return SummaryWriter(log_dir=tensorboard_dir)
+
+
+def _drop_records_from(path, start_iteration):
+    """Rewrite metrics.jsonl without the records a run resuming at `start_iteration` writes
+    again (and without a line cut short by a crash)."""
+    if not os.path.exists(path):
+        return
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                iteration = int(record["iteration"])
+            except (ValueError, KeyError, TypeError):
+                dropped += 1
+                continue
+            evaluation = "split" in record
+            if iteration > start_iteration or (evaluation and iteration == start_iteration):
+                dropped += 1
+            else:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)

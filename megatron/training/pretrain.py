@@ -66,7 +66,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                     runtime.print0(f" note: {note}")
         datasets = train_valid_test_datasets_provider(ctx, num_samples_per_split(config))
         logger = TrainingLogger(config.logging.log_dir, config.logging.tensorboard_dir,
-                                runtime.is_rank0)
+                                runtime.is_rank0, start_iteration=train_state["iteration"])
         guards = TrainingGuards(config, runtime, train_state)  # signals, NaNs, dead peers
         with guards.explaining_failures():
             saved_at = train(forward_step_func, backend, datasets, ctx, train_state, logger,

@@ -3,6 +3,7 @@ convert to Hugging Face with the right weights, and generate_samples.py / evalua
 run straight from them, giving what they give from the converted folder."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -39,8 +40,16 @@ def two_process_checkpoints(corpus, tmp_path_factory):
     return {name: str(path) for name, path in saves.items()}
 
 
+def _umask():
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _hf_logits_match(save, hf_dir):
     assert convert_tool.main(["--load-dir", save, "--save-dir", hf_dir, "--saver", "hf"]) == 0
+    for name in os.listdir(hf_dir):  # readable as any file the user creates (umask 022 here)
+        assert os.stat(os.path.join(hf_dir, name)).st_mode & 0o777 == 0o666 & ~_umask(), name
     hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
     weights = load_model_weights(save)
     vocab = weights.vocab_size

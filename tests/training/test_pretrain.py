@@ -160,3 +160,18 @@ def test_a_finished_run_continues_with_more_train_iters(corpus, tmp_path, capsys
     assert run(corpus, tmp_path, "--save", save, "--load", save, "--lr-decay-iters", "20",
                iters=12) == 2
     assert "--lr-decay-iters = 8 but the command line gives 20" in capsys.readouterr().err
+
+
+def test_metrics_hold_each_iteration_once_across_reruns_and_resumes(corpus, tmp_path):
+    save = str(tmp_path / "ckpt")
+    assert run(corpus, tmp_path, "--save", save, "--load", save, iters=4) == 0
+    assert run(corpus, tmp_path, "--save", save, "--load", save, iters=4) == 0  # finished
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:  # a run killed past its save
+        f.write(json.dumps({"iteration": 5, "lm_loss": 1.0}) + "\n" + '{"iteration": 6, "lm_')
+    assert run(corpus, tmp_path, "--save", save, "--load", save, iters=6) == 0
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    train = [r["iteration"] for r in records if "lm_loss" in r]
+    evals = [(r["iteration"], r["split"]) for r in records if "split" in r]
+    assert train == [1, 2, 3, 4, 5, 6] and records[4]["lm_loss"] != 1.0
+    assert len(evals) == len(set(evals)) and (6, "valid") in evals
