@@ -103,7 +103,8 @@ def settle_engine(raw, given, data_parallel_size, num_micro_batches):
 
 # ----------------------------------------------------------------------------- --deepspeed
 
-def _from_deepspeed_json(raw, given, dp, num_micro_batches):
+def _load_json(raw):
+    """(the DeepSpeed JSON as a dict, how errors name it)."""
     from zero.config.arguments import resolve_config_from_args
     from zero.config.deepspeed_config import load_config_dict
     if raw["deepspeed_config"] is None and raw["deepscale_config"] is None:
@@ -111,7 +112,21 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
                           "scripts/ds_zero_stage_2.config)")
     path = resolve_config_from_args(SimpleNamespace(deepspeed_config=raw["deepspeed_config"],
                                                     deepscale_config=raw["deepscale_config"]))
-    final, source = load_config_dict(path)
+    return load_config_dict(path)
+
+
+def micro_batch_from_json(raw, data_parallel_size):
+    """--deepspeed without --batch-size: the micro batch per GPU the DeepSpeed JSON sets."""
+    final, source = _load_json(raw)
+    if all(final.get(key) is None for key in BATCH_KEYS):
+        raise ConfigError(f"--batch-size is required: DeepSpeed config {source} sets no batch "
+                          "size either (train_micro_batch_size_per_gpu / train_batch_size)")
+    return _parse(copy.deepcopy(final), data_parallel_size,
+                  source).train_micro_batch_size_per_gpu
+
+
+def _from_deepspeed_json(raw, given, dp, num_micro_batches):
+    final, source = _load_json(raw)
     for dest, (flag, reason) in _NO_EFFECT_UNDER_DEEPSPEED.items():
         if dest in given:
             raise ConfigError(f"{flag} has no effect under --deepspeed: "

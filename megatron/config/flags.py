@@ -220,6 +220,16 @@ def _deepspeed(parser):
     """DeepSpeed's own flags (as `deepspeed.add_config_arguments` adds them)."""
     from zero.config.arguments import add_config_arguments
     add_config_arguments(parser)
+    # DeepSpeed's help says the flag is for user code; here it is what chooses the path
+    meanings = {
+        "deepspeed": "train with the DeepSpeed JSON of --deepspeed_config (ZeRO stage, "
+                     "precision, batch sizes, optimizer...) and save DeepSpeed's checkpoint "
+                     "layout; without it the same engine runs ZeRO stage 0 from the Megatron "
+                     "flags and saves Megatron's layout",
+        "deepscale": "deprecated spelling of --deepspeed"}
+    for action in parser._actions:
+        if action.dest in meanings:
+            action.help = meanings[action.dest]
 
 
 def _zero(parser):

@@ -85,6 +85,8 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     _fill_model_defaults(raw)
     _check_scalars(raw)
     parallel = _parallel(raw, world_size)
+    if raw["batch_size"] is None:  # --deepspeed without --batch-size
+        raw["batch_size"] = engine.micro_batch_from_json(raw, parallel.data_parallel_size)
     training = _training(raw, parallel)
     settled = engine.settle_engine(raw, given, parallel.data_parallel_size,
                                    training.num_micro_batches)
@@ -125,6 +127,8 @@ def _fill_model_defaults(raw):
             if raw[key] is None:
                 raw[key] = value
     for flag in REQUIRED:
+        if flag == "batch_size" and raw["deepspeed"]:
+            continue  # the DeepSpeed JSON may set it (freeze takes it from there)
         require(raw[flag] is not None, f"--{flag.replace('_', '-')} is required")
     if raw["max_position_embeddings"] is None:
         raw["max_position_embeddings"] = raw["seq_length"]

@@ -246,6 +246,30 @@ def test_global_batch_comes_from_the_config_when_not_given(tmp_path):
     assert parsed.engine.ds_config.gradient_clipping == 0.5
 
 
+def test_the_micro_batch_comes_from_the_config_without_batch_size(tmp_path):
+    without = [a for i, a in enumerate(BASE) if "--batch-size" not in BASE[max(i - 1, 0):i + 1]]
+    micro = write_config(tmp_path, "micro.json", train_micro_batch_size_per_gpu=6)
+    parsed = resolve_config(without + ["--deepspeed", "--deepspeed_config", micro])
+    assert (parsed.training.batch_size, parsed.training.global_batch_size) == (6, 6)
+    total = write_config(tmp_path, "total.json", train_batch_size=24,
+                         gradient_accumulation_steps=3)
+    parsed = resolve_config(without + ["--deepspeed", "--deepspeed_config", total],
+                            world_size=2)
+    assert (parsed.training.batch_size, parsed.training.num_micro_batches) == (4, 3)
+    neither = write_config(tmp_path, "neither.json", zero_optimization={"stage": 1})
+    with pytest.raises(ConfigError, match="--batch-size is required: DeepSpeed config .*"
+                                          "neither.json sets no batch size either"):
+        resolve_config(without + ["--deepspeed", "--deepspeed_config", neither])
+    with pytest.raises(ConfigError, match="^--batch-size is required$"):
+        resolve_config(without)
+
+
+def test_help_says_what_deepspeed_chooses(capsys):
+    from megatron.config.flags import build_parser
+    text = build_parser().format_help()
+    assert "no impact" not in text and "save DeepSpeed's checkpoint layout" in text
+
+
 def test_deepspeed_mpi_takes_rank_and_world_size_from_mpi(tmp_path, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.setenv(name, "0")  # recorded, so the variables the flag sets are removed
