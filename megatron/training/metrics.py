@@ -111,11 +111,12 @@ class Timers:
 class TrainingLogger:
     """The log line on rank 0, the same numbers in metrics.jsonl and TensorBoard.
 
-    A run that resumes at `start_iteration` first drops from metrics.jsonl what the run before
-    logged past its checkpoint (training lines after it, evaluations at or after it: the
-    resumed run logs those again), so a metrics file holds each iteration once."""
+    A run that starts at `start_iteration` (0, or where it resumes) first drops from
+    metrics.jsonl what an earlier run logged from there on (training lines after it,
+    evaluations at or after it: this run logs those again), so the file holds each iteration
+    once. Without `start_iteration` it only appends."""
 
-    def __init__(self, log_dir, tensorboard_dir, rank0, start_iteration=0):
+    def __init__(self, log_dir, tensorboard_dir, rank0, start_iteration=None):
         self.rank0 = rank0
         self._jsonl = None
         self._writer = None
@@ -125,7 +126,8 @@ class TrainingLogger:
             path = os.path.join(log_dir, METRICS_FILENAME)
             try:
                 os.makedirs(log_dir, exist_ok=True)
-                _drop_records_from(path, start_iteration)
+                if start_iteration is not None:
+                    _drop_records_from(path, start_iteration)
                 self._jsonl = open(path, "a", encoding="utf-8")
             except OSError as error:
                 raise ConfigError(f"cannot write {path} ({error.strerror}); give --log-dir a "

@@ -41,7 +41,7 @@ def test_train_line_accepts_tensors_and_omits_missing_values():
 
 def test_jsonl_keys_values_and_append_mode(tmp_path, capsys):
     for iteration in (20, 40):
-        logger = TrainingLogger(str(tmp_path), None, rank0=True)  # a resumed run reopens
+        logger = TrainingLogger(str(tmp_path), None, rank0=True)  # reopened: appends
         logger.log_train(dict(RECORD, iteration=iteration, nan_iters=1))
         logger.close()
     records = _lines(tmp_path / "metrics.jsonl")
