@@ -1,10 +1,12 @@
-"""Entry-point helper: user mistakes print one `error:` line, programming errors a traceback."""
+"""Entry-point helper: user mistakes print one `error:` line, programming errors a traceback,
+Ctrl-C a line and exit code 130."""
 
 import sys
 
-from megatron.errors import MegatronError
+from megatron.errors import Interrupted, MegatronError
 
 USER_ERROR_EXIT_CODE = 2
+INTERRUPTED_EXIT_CODE = 130  # what a shell reports for a process ended by SIGINT
 
 
 def user_error_types():
@@ -22,4 +24,9 @@ def run_cli(main, *args, **kwargs):
     except user_error_types() as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
+    except KeyboardInterrupt as interrupt:
+        message = str(interrupt) if isinstance(interrupt, Interrupted) else "interrupted"
+        if message:
+            print(message, file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT_CODE
     return 0

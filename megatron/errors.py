@@ -30,3 +30,7 @@ class CheckpointError(MegatronError):
 class TrainingError(MegatronError):
     """Training cannot go on (the loss stays NaN, another rank died or hangs); the message says
     which checkpoint to resume from."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, after the trainer stopped cleanly; the message says how to resume."""

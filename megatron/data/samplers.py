@@ -1,5 +1,7 @@
 """Data order for pretraining: one global sample order, sliced into per-rank micro batches."""
 
+import signal
+
 import numpy as np
 import torch
 
@@ -72,5 +74,12 @@ def build_pretraining_data_loader(dataset, consumed_samples, micro_batch_size,
     # come from (and shift) the global torch RNG that dropout uses -- exact resume needs it.
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                        collate_fn=collate_text,
+                                       worker_init_fn=_ignore_ctrl_c,
                                        pin_memory=torch.cuda.is_available(),
                                        generator=torch.Generator().manual_seed(0))
+
+
+def _ignore_ctrl_c(worker_id):
+    """Loader workers leave Ctrl-C to the trainer, which stops at an iteration boundary (a
+    worker ended by it would fail the next batch instead)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

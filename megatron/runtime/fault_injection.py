@@ -10,7 +10,8 @@ one dictionary lookup when it is not.
     MEGATRON_FAULT_NAN_AT=<it>[,<it>...]     make the loss of these iterations NaN (every rank)
     MEGATRON_FAULT_RANK=<rank>:<it>:<what>   at the start of iteration <it>, global rank <rank>
                                              does <what>: "kill" (SIGKILL itself), "term"
-                                             (SIGTERM itself) or "hang" (sleep forever);
+                                             (SIGTERM itself), "int" (SIGINT itself, as
+                                             Ctrl-C) or "hang" (sleep forever);
                                              only in the first attempt of a
                                              torchrun job (TORCHELASTIC_RESTART_COUNT 0/unset),
                                              so a restarted job runs clean
@@ -77,8 +78,11 @@ def rank_fault(rank, iteration):
         os.kill(os.getpid(), signal.SIGKILL)
     elif what == "term":  # what a scheduler sends before preemption
         os.kill(os.getpid(), signal.SIGTERM)
+    elif what == "int":  # Ctrl-C
+        os.kill(os.getpid(), signal.SIGINT)
     elif what == "hang":
         while True:
             time.sleep(3600)
     else:
-        raise ValueError(f"{RANK_VARIABLE}={spec!r}: the action must be kill, term or hang")
+        raise ValueError(f"{RANK_VARIABLE}={spec!r}: the action must be kill, term, int or "
+                         "hang")

@@ -3,6 +3,9 @@
 - `--exit-signal-handler`: SIGTERM (what schedulers send before preemption) only sets a flag;
   at the next iteration boundary the ranks all-reduce their flags, so they all stop at the same
   iteration even when the signal reached only some of them, save, and exit 0.
+- Ctrl-C (SIGINT) always acts like that signal: the ranks agree to stop at the iteration
+  boundary, save when --save is set, print the command that resumes, and the process exits
+  with 130 and no traceback. A second Ctrl-C exits at once.
 - `--exit-duration-in-mins`: the same agreement on "this job has run long enough" (each rank's
   clock is read, the maximum wins), so no rank waits in a collective for one that already left.
 - `--max-nan-iterations N`: an iteration whose loss is NaN/inf is skipped (the optimizer skips
@@ -14,8 +17,10 @@
 
 import contextlib
 import math
+import os
 import re
 import signal
+import sys
 import time
 
 import torch
@@ -25,45 +30,61 @@ from megatron.checkpointing.megatron_layout import read_tracker
 from megatron.errors import TrainingError
 
 
+DUPLICATE_SIGINT_SECONDS = 2.0
+
+
 class ExitConditions:
     """Decides, identically on every rank, whether to save and stop after this iteration."""
 
-    def __init__(self, training, device, start_time=None):
-        self.training, self.device = training, device
+    def __init__(self, training, device, start_time=None, rank0=True):
+        self.training, self.device, self.rank0 = training, device, rank0
         self.start_time = time.monotonic() if start_time is None else start_time
         self.signal_received = False
-        self._previous_handler = None
+        self.interrupted = False  # Ctrl-C
+        self._interrupted_at = None
+        self._previous_handlers = {signal.SIGINT: signal.signal(signal.SIGINT, self._on_sigint)}
         if training.exit_signal_handler:
-            self._previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
+            self._previous_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM,
+                                                                    self._on_signal)
 
     def _on_signal(self, signum, frame):
         self.signal_received = True  # acted on at the next iteration boundary
 
-    @property
-    def active(self):
-        return bool(self.training.exit_signal_handler or self.training.exit_duration_in_mins)
+    def _on_sigint(self, signum, frame):
+        if self.interrupted:
+            # torchrun forwards the terminal's Ctrl-C to workers that got it already: a
+            # second SIGINT within a moment is the same keypress
+            if time.monotonic() - self._interrupted_at < DUPLICATE_SIGINT_SECONDS:
+                return
+            print("\n second Ctrl-C: exiting now, without saving", file=sys.stderr, flush=True)
+            os._exit(130)
+        self.interrupted, self._interrupted_at = True, time.monotonic()
+        if self.rank0:
+            print("\n Ctrl-C: stopping at the end of this iteration (and saving, with --save);"
+                  " press Ctrl-C again to quit at once", file=sys.stderr, flush=True)
 
     def reason(self):
-        """None, or why every rank stops now. A collective when either flag is set."""
-        if not self.active:
-            return None
+        """None, or why every rank stops now (agreed by all ranks: one small all-reduce)."""
         minutes = (time.monotonic() - self.start_time) / 60.0
-        # [signal received anywhere, longest run time]: MAX over all ranks for both.
-        flags = torch.tensor([float(self.signal_received), minutes], dtype=torch.float64,
-                             device=self.device)
+        # [Ctrl-C, SIGTERM received anywhere, longest run time]: MAX over all ranks.
+        flags = torch.tensor([float(self.interrupted), float(self.signal_received), minutes],
+                             dtype=torch.float64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0].item() > 0:
+            self.interrupted = True  # every rank, also one the Ctrl-C did not reach
+            return "Ctrl-C"
+        if flags[1].item() > 0:
             return "SIGTERM received (--exit-signal-handler)"
         limit = self.training.exit_duration_in_mins
-        if limit and flags[1].item() >= limit:
-            return f"ran {flags[1].item():.2f} minutes (--exit-duration-in-mins {limit:g})"
+        if limit and flags[2].item() >= limit:
+            return f"ran {flags[2].item():.2f} minutes (--exit-duration-in-mins {limit:g})"
         return None
 
     def close(self):
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers = {}
 
 
 class NanGuard:
@@ -137,7 +158,8 @@ class TrainingGuards:
         from megatron.runtime import fault_injection
         self.config, self.runtime, self.state = config, runtime, state
         self.last_checkpoint = last_checkpoint_description(config.checkpoint.save)
-        self.exit_conditions = ExitConditions(config.training, runtime.device)
+        self.exit_conditions = ExitConditions(config.training, runtime.device,
+                                              rank0=runtime.is_rank0)
         self.nan_guard = NanGuard(config.training.max_nan_iterations, self.last_checkpoint)
         self._injection = fault_injection
 
@@ -156,6 +178,11 @@ class TrainingGuards:
 
     def stop_reason(self):
         return self.exit_conditions.reason()
+
+    @property
+    def interrupted(self):
+        """The run stopped for Ctrl-C (the process should then exit as Ctrl-C does)."""
+        return self.exit_conditions.interrupted
 
     def explaining_failures(self):
         return explain_collective_failures(self.config.parallel.distributed_timeout_minutes,

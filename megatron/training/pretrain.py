@@ -11,6 +11,7 @@ backend.py), a resumed checkpoint, datasets, then the loop (megatron/training/lo
 import os
 from dataclasses import dataclass
 
+from megatron.errors import Interrupted
 from megatron.model import GPTConfig
 from megatron.runtime.activation_checkpointing import checkpoint_function
 from megatron.runtime.fault_tolerance import TrainingGuards
@@ -71,6 +72,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
         with guards.explaining_failures():
             saved_at = train(forward_step_func, backend, datasets, ctx, train_state, logger,
                              guards)
+        if guards.interrupted:
+            raise Interrupted(_how_to_resume(config) if runtime.is_rank0 else "")
         _final_evaluation(forward_step_func, backend, datasets, ctx, train_state, logger)
         if config.checkpoint.save and saved_at != train_state["iteration"]:
             backend.save(train_state["iteration"], train_state)
@@ -113,6 +116,15 @@ def num_samples_per_split(config):
     return [training.train_iters * training.global_batch_size,
             training.eval_iters * training.global_batch_size * (1 if evaluations else 0),
             training.eval_iters * training.global_batch_size]
+
+
+def _how_to_resume(config):
+    save, load = config.checkpoint.save, config.checkpoint.load
+    if not save:
+        return " stopped by Ctrl-C; nothing was saved (no --save)"
+    again = "the same command" if load and os.path.abspath(load) == os.path.abspath(save) \
+        else f"the same command with --load {save}"
+    return f" stopped by Ctrl-C after saving to {save}; to resume, run {again}"
 
 
 def _final_evaluation(forward_step_func, backend, datasets, ctx, train_state, logger):

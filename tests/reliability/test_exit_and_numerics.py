@@ -32,6 +32,9 @@ def _scenarios(root):
         "ref": (6, [], {}),
         "term": (6, ["--exit-signal-handler", "--save", root / "term"], {RANK_FAULT: "0:3:term"}),
         "term_resume": (6, ["--load", root / "term", "--save", root / "term2"], {}),
+        "ctrl_c": (6, ["--save", root / "int", "--load", root / "int", "--num-workers", 2],
+                   {RANK_FAULT: "0:3:int"}),
+        "ctrl_c_resume": (6, ["--save", root / "int", "--load", root / "int"], {}),
         "duration": (6, ["--exit-duration-in-mins", 1e-6, "--save", root / "dur"], {}),
         "duration_resume": (6, ["--load", root / "dur"], {}),
         # torchrun --max-restarts: the first attempt dies at iteration 4 with nothing but
@@ -90,6 +93,21 @@ def test_sigterm_saves_at_the_next_iteration_and_exits_0(runs):
     resumed = read_losses(runs["term_resume"][2])
     assert sorted(resumed) == [4, 5, 6]
     assert read_losses(runs["term"][2]) | resumed == reference  # bit for bit
+
+
+def test_ctrl_c_saves_says_how_to_resume_and_exits_130(runs):
+    code, output, log = runs["ctrl_c"]
+    assert code == 130, output[-3000:]
+    assert "Ctrl-C: stopping at the end of this iteration" in output
+    assert "exiting at iteration 3: Ctrl-C, checkpoint saved" in output
+    assert f"stopped by Ctrl-C after saving to {Path(log).parent / 'int'}; to resume, run the " \
+           "same command" in output
+    assert "Traceback" not in output and "validation loss" not in output
+    _ok(runs, "ctrl_c_resume")
+    reference = read_losses(_ok(runs, "ref")[1])
+    resumed = read_losses(runs["ctrl_c_resume"][2])
+    assert sorted(resumed) == [4, 5, 6]
+    assert read_losses(log) | resumed == reference  # bit for bit
 
 
 def test_exit_duration_saves_and_exits_0(runs):
