@@ -19,6 +19,7 @@ from megatron.runtime import device as device_mod
 from megatron.runtime.activation_checkpointing import (setup_activation_checkpointing,
                                                        teardown_activation_checkpointing)
 from megatron.runtime.launch import discover_launch_environment
+from megatron.runtime.launcher_watch import watch_launcher
 
 
 @dataclass
@@ -47,6 +48,7 @@ def initialize_megatron(parallel, recompute=None, notes=()):
     """
     launch = discover_launch_environment()
     local_rank = launch.local_rank if parallel.local_rank is None else parallel.local_rank
+    watch_launcher(local_rank)
     if launch.world_size != parallel.world_size:
         raise ConfigError(
             f"the flags were checked for a world size of {parallel.world_size} but the "
