@@ -1,12 +1,15 @@
 """Entry-point helper: user mistakes print one `error:` line, programming errors a traceback,
 Ctrl-C a line and exit code 130."""
 
+import os
 import sys
 
-from megatron.errors import Interrupted, MegatronError
+from megatron.errors import ConfigError, DataError, Interrupted, MegatronError, TokenizerError
 
 USER_ERROR_EXIT_CODE = 2
 INTERRUPTED_EXIT_CODE = 130  # what a shell reports for a process ended by SIGINT
+# Errors every rank meets alike (the same flags, files and tokenizer): printed by rank 0 only
+SAME_ON_EVERY_RANK = (ConfigError, DataError, TokenizerError)
 
 
 def user_error_types():
@@ -22,11 +25,21 @@ def run_cli(main, *args, **kwargs):
     try:
         main(*args, **kwargs)
     except user_error_types() as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        if launched_rank() == 0 or not isinstance(error, SAME_ON_EVERY_RANK):
+            print(f"error: {error}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt as interrupt:
         message = str(interrupt) if isinstance(interrupt, Interrupted) else "interrupted"
         if message:
             print(message, file=sys.stderr, flush=True)
         return INTERRUPTED_EXIT_CODE
+    return 0
+
+
+def launched_rank():
+    """This process's global rank as its launcher (torchrun, OpenMPI, SLURM) set it; 0 alone."""
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
     return 0
