@@ -11,6 +11,7 @@ backend.py), a resumed checkpoint, datasets, then the loop (megatron/training/lo
 import os
 from dataclasses import dataclass
 
+from megatron.checkpointing.save_dir import claim_save_dir
 from megatron.errors import Interrupted
 from megatron.model import GPTConfig
 from megatron.runtime.activation_checkpointing import checkpoint_function
@@ -48,8 +49,11 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     recompute = config.activation_checkpointing.deepspeed_activation_checkpointing
     runtime = initialize_megatron(config.parallel, recompute,
                                   config.notes + config.activation_checkpointing.notes)
-    logger = guards = None
+    logger = guards = save_lock = None
     try:
+        if config.checkpoint.save:  # before anything is built: a folder in use stops here
+            save_lock = claim_save_dir(config.checkpoint.save, runtime.is_rank0,
+                                       runtime.device)
         data = config.data
         tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file,
                                     data.tokenizer_model)
@@ -84,6 +88,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
             logger.close()
         if guards is not None:
             guards.close()
+        if save_lock is not None:
+            save_lock.release()
         destroy()
 
 
