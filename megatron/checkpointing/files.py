@@ -5,6 +5,7 @@ Every file is written to a temporary name, fsynced and renamed, so a crash at an
 leaves either the old file or the new one, never a partial one.
 """
 
+import contextlib
 import os
 
 import torch
@@ -19,14 +20,15 @@ from megatron.runtime.fault_injection import writer as fault_writer
 
 def atomic_torch_save(obj, path):
     """torch.save to `path` so that `path` is either absent/old or complete, never partial."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        kill_point("save.file.tmp_opened")
-        torch.save(obj, fault_writer(f, "save.file.tmp_half_written"))
-        kill_point("save.file.tmp_written")
-        f.flush()
-        os.fsync(f.fileno())
+    with _write_failures_explained(path, tmp):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as f:
+            kill_point("save.file.tmp_opened")
+            torch.save(obj, fault_writer(f, "save.file.tmp_half_written"))
+            kill_point("save.file.tmp_written")
+            f.flush()
+            os.fsync(f.fileno())
     kill_point("save.file.tmp_synced")
     os.replace(tmp, path)
     kill_point("save.file.renamed")
@@ -36,7 +38,7 @@ def atomic_torch_save(obj, path):
 def atomic_write_text(path, text, point=None):
     """Replace `path` by `text` atomically; `point` names the kill points on the way."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
+    with _write_failures_explained(path, tmp), open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -46,6 +48,21 @@ def atomic_write_text(path, text, point=None):
     if point:
         kill_point(f"{point}.renamed")
     _fsync_dir(os.path.dirname(path))
+
+
+@contextlib.contextmanager
+def _write_failures_explained(path, tmp):
+    """A write that fails (a full disk, a lost mount) removes its temporary file and becomes a
+    CheckpointError; `path` and the tracker keep naming the last complete checkpoint."""
+    try:
+        yield
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise CheckpointError(f"could not write {path}: {error.strerror or error}. The last "
+                              "complete checkpoint (the one the tracker names) is intact; free "
+                              "space or give --save another folder, then resume from it") \
+            from None
 
 
 def _fsync_dir(directory):

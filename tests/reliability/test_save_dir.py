@@ -90,3 +90,28 @@ def test_waiting_holder_lines_are_readable(tmp_path):
     lock.release()
     assert text.startswith(f"pid {os.getpid()} on ") and " since " in text
     assert time.strftime("%Y-") in text
+
+
+def test_a_full_disk_is_one_error_and_keeps_the_last_checkpoint(corpus, tmp_path, capsys,
+                                                               monkeypatch):
+    import errno
+
+    import megatron.checkpointing.files as files
+    save = tmp_path / "ckpt"
+    assert run(corpus, tmp_path, "--save", save, "--save-interval", 2, iters=2) == 0
+    real_save = files.torch.save
+
+    def full_disk(obj, f):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(files.torch, "save", full_disk)
+    assert run(corpus, tmp_path, "--save", save, "--load", save, "--save-interval", 2,
+               iters=4) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: could not write {save}/iter_0000004/mp_rank_00/"
+                          "model_optim_rng.pt: No space left on device. The last complete "
+                          "checkpoint") and "Traceback" not in err
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert not list(save.rglob("*.tmp.*"))
+    monkeypatch.setattr(files.torch, "save", real_save)
+    assert run(corpus, tmp_path, "--save", save, "--load", save, iters=4) == 0  # resumes
