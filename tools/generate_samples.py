@@ -43,6 +43,9 @@ def get_args(argv=None):
     g.add_argument("--top_p", type=float, default=0.0, help="nucleus sampling mass (0: off)")
     g.add_argument("--top_k", type=int, default=0, help="sample from the k best (0: off)")
     g.add_argument("--out-seq-length", type=int, default=256, help="new tokens at most")
+    g.add_argument("--seq-length", type=int, default=None,
+                   help="accepted as Megatron's scripts pass it: at most the checkpoint's "
+                        "--max-position-embeddings (prompt + new tokens are bounded by that)")
     g.add_argument("--recompute", action="store_true",
                    help="no KV cache: recompute the whole prefix every step")
     g.add_argument("--sample-input-file", default=None, help="one prompt per line")

@@ -49,7 +49,39 @@ def add_inference_arguments(parser):
     g.add_argument("--threads", type=int, default=None, help="CPU threads per process")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g = parser.add_argument_group(
+        "model shape", "the checkpoint records the shape; these flags (which Megatron's "
+        "generation and evaluation scripts pass) are checked against it")
+    for flag, kind in SHAPE_FLAGS.items():
+        g.add_argument(flag, type=kind, default=None)
     return parser
+
+
+# flag -> type; each is a key of the args a checkpoint records
+SHAPE_FLAGS = {"--num-layers": int, "--hidden-size": int, "--num-attention-heads": int,
+               "--ffn-hidden-size": int, "--max-position-embeddings": int,
+               "--make-vocab-size-divisible-by": int, "--layernorm-epsilon": float}
+
+
+def check_shape_flags(args, model_args, load_dir):
+    """ConfigError listing every model-shape flag that disagrees with the checkpoint."""
+    differences = []
+    for flag in SHAPE_FLAGS:
+        key = flag[2:].replace("-", "_")
+        given, saved = getattr(args, key, None), model_args.get(key)
+        if key == "ffn_hidden_size" and saved is None and model_args.get("hidden_size"):
+            saved = 4 * model_args["hidden_size"]
+        if given is not None and saved is not None and given != saved:
+            differences.append(f"{flag} {given} (the checkpoint: {saved})")
+    if differences:
+        raise ConfigError(f"--load {load_dir} holds another model than the flags describe: "
+                          f"{'; '.join(differences)}. Drop those flags (the checkpoint knows "
+                          "its shape) or load the checkpoint they describe")
+    limit = model_args.get("max_position_embeddings")
+    seq_length = getattr(args, "seq_length", None)  # the tools' own flag, where they have it
+    if seq_length is not None and limit is not None and seq_length > limit:
+        raise ConfigError(f"--seq-length {seq_length} is longer than the checkpoint's "
+                          f"--max-position-embeddings {limit}")
 
 
 def initialize_inference(args):
@@ -78,6 +110,7 @@ def load_inference_model(args, device=torch.device("cpu")):
     overrides = {k: getattr(args, k) for k in ("vocab_file", "merge_file", "tokenizer_model")
                  if getattr(args, k)}
     weights = load_model_weights(args.load, loader, tokenizer_files=overrides or None)
+    check_shape_flags(args, weights.args, args.load)
     model_args = dict(weights.args)
     model_args.update({k: os.path.abspath(v) for k, v in overrides.items()})
     if args.tokenizer_type:

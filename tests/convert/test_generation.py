@@ -134,3 +134,25 @@ def test_generate_samples_bad_flags(corpus, tmp_path, capsys):
     assert tool.main(["--load", load, "--top_k", "3", "--top_p", "0.5"]) == 2
     assert tool.main(["--load", str(tmp_path), "--greedy"]) == 2
     assert "understood formats" in capsys.readouterr().err
+
+
+def test_generate_samples_takes_megatrons_shape_flags_and_checks_them(corpus, tmp_path,
+                                                                      capsys):
+    """Megatron's generation script passes the model's shape: the same flags are accepted
+    when they match the checkpoint and are one clear error when they do not."""
+    load = _checkpoint(corpus, tmp_path)
+    genfile = tmp_path / "samples.jsonl"
+    shape = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--max-position-embeddings", "48", "--seq-length", "48"]
+    assert tool.main(["--load", load, *shape, "--num-samples", "1", "--genfile", str(genfile),
+                      "--out-seq-length", "4"]) == 0
+    capsys.readouterr()
+    assert tool.main(["--load", load, "--num-layers", "3", "--hidden-size", "64", "--greedy"]) \
+        == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --load {load} holds another model than the flags describe: "
+                          "--num-layers 3 (the checkpoint: 2); --hidden-size 64 (the "
+                          "checkpoint: 32)")
+    assert tool.main(["--load", load, "--seq-length", "64", "--greedy"]) == 2
+    assert "--seq-length 64 is longer than the checkpoint's --max-position-embeddings 48" in \
+        capsys.readouterr().err
