@@ -303,9 +303,9 @@ def _run_workers(context, jobs, make_tokenizer, progress, log_interval):
              for i, job in enumerate(jobs)]
     for p in procs:
         p.start()
-    results = {}
+    results, malformed = {}, []
     try:
-        while len(results) < len(jobs):
+        while len(results) + len(malformed) < len(jobs):
             try:
                 kind, index, payload = messages.get(timeout=1.0)
             except queue_module.Empty:
@@ -317,6 +317,11 @@ def _run_workers(context, jobs, make_tokenizer, progress, log_interval):
                 results[index] = payload
             else:
                 error, trace = payload
+                if isinstance(error, MalformedLineError):
+                    # --strict: each worker stops at its first bad line; the file's first is
+                    # the one with the smallest offset, known once every worker has stopped
+                    malformed.append(error)
+                    continue
                 if error is not None:
                     raise error
                 raise RuntimeError(f"preprocessing worker {index} failed:\n{trace}")
@@ -325,6 +330,8 @@ def _run_workers(context, jobs, make_tokenizer, progress, log_interval):
             if p.is_alive():
                 p.terminate()
             p.join()
+    if malformed:
+        raise min(malformed, key=lambda error: error.offset)
     return [results[i] for i in range(len(jobs))]
 
 
