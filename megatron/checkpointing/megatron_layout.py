@@ -58,8 +58,8 @@ def read_tracker(checkpoints_path):
     path = get_checkpoint_tracker_filename(checkpoints_path)
     if not os.path.isfile(path):
         return None, False
-    with open(path) as f:
-        text = f.read().strip()
+    with open(path, errors="replace") as f:  # bytes that are not text: the error below
+        text = f.read(200).strip()
     if text == "release":
         return 0, True
     try:

@@ -53,11 +53,10 @@ def _megatron_path(load_dir):
 
 
 def _deepspeed_states_path(load_dir):
-    latest = os.path.join(load_dir, "latest")
-    if not os.path.isfile(latest):
+    from zero.checkpoint.layout import read_latest
+    tag = read_latest(load_dir)
+    if tag is None:
         return None
-    with open(latest) as f:
-        tag = f.read().strip()
     for name in _DEEPSPEED_STATES:
         path = os.path.join(load_dir, tag, name)
         if os.path.isfile(path):

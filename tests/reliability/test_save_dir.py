@@ -115,3 +115,22 @@ def test_a_full_disk_is_one_error_and_keeps_the_last_checkpoint(corpus, tmp_path
     assert not list(save.rglob("*.tmp.*"))
     monkeypatch.setattr(files.torch, "save", real_save)
     assert run(corpus, tmp_path, "--save", save, "--load", save, iters=4) == 0  # resumes
+
+
+@pytest.mark.parametrize("layout, tracker", [([], "latest_checkpointed_iteration.txt"),
+                                             (["--deepspeed"], "latest")])
+def test_a_tracker_that_is_not_text_is_one_error(corpus, tmp_path, capsys, layout, tracker):
+    load = tmp_path / "ckpt"
+    load.mkdir()
+    (load / tracker).write_bytes(b"\xff\xfe\x00\x81garbage")
+    extra = ["--deepspeed", "--deepspeed_config", str(_stage1(tmp_path))] if layout else []
+    assert run(corpus, tmp_path, "--load", load, *extra, iters=2) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and str(load) in err
+
+
+def _stage1(tmp_path):
+    import json
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    return path

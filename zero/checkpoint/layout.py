@@ -238,8 +238,8 @@ def read_latest(load_dir):
     latest = os.path.join(load_dir, "latest")
     if not os.path.isfile(latest):
         return None
-    with open(latest) as f:
-        return f.read().strip()
+    with open(latest, errors="replace") as f:  # not text: a tag no folder has, said later
+        return f.read(1000).strip()
 
 
 def available_tags(load_dir):
