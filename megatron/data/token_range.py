@@ -13,6 +13,7 @@ import numpy as np
 
 from megatron.data.indexed_dataset import BUILD_HINT, data_file_path
 from megatron.errors import DataError
+from megatron.tokenizer.file_utils import atomic_write_bytes
 
 _SCAN_BYTES = 1 << 26
 
@@ -63,13 +64,7 @@ def _read_cache(path):
 
 
 def _write_cache(path, value):
-    tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
-            json.dump(value, f)
-        os.replace(tmp, path)
+        atomic_write_bytes(path, json.dumps(value).encode("utf-8"))
     except OSError:  # a read-only data folder: scan again next time
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
+        pass
