@@ -71,14 +71,16 @@ class ExitConditions:
                              dtype=torch.float64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[0].item() > 0:
-            self.interrupted = True  # every rank, also one the Ctrl-C did not reach
+        interrupted, terminated, longest = flags.tolist()  # one device sync
+        if interrupted:
+            if not self.interrupted:  # a rank the Ctrl-C did not reach
+                self.interrupted, self._interrupted_at = True, time.monotonic()
             return "Ctrl-C"
-        if flags[1].item() > 0:
+        if terminated:
             return "SIGTERM received (--exit-signal-handler)"
         limit = self.training.exit_duration_in_mins
-        if limit and flags[2].item() >= limit:
-            return f"ran {flags[2].item():.2f} minutes (--exit-duration-in-mins {limit:g})"
+        if limit and longest >= limit:
+            return f"ran {longest:.2f} minutes (--exit-duration-in-mins {limit:g})"
         return None
 
     def close(self):
