@@ -1,7 +1,6 @@
 """Entry-point helper: user mistakes print one `error:` line, programming errors a traceback,
 Ctrl-C a line and exit code 130."""
 
-import os
 import sys
 
 from megatron.errors import ConfigError, DataError, Interrupted, MegatronError, TokenizerError
@@ -37,9 +36,10 @@ def run_cli(main, *args, **kwargs):
 
 
 def launched_rank():
-    """This process's global rank as its launcher (torchrun, OpenMPI, SLURM) set it; 0 alone."""
-    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+    """This process's global rank as its launcher (torchrun, OpenMPI, SLURM) set it; 0 alone
+    (or when the launcher's variables are themselves the error being reported)."""
+    from megatron.runtime.launch import discover_launch_environment
+    try:
+        return discover_launch_environment().rank
+    except ConfigError:
+        return 0

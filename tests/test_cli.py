@@ -15,6 +15,7 @@ def _raise(error):
 @pytest.mark.parametrize("rank", ["0", "3"])
 def test_errors_every_rank_meets_alike_are_printed_by_rank_0_only(monkeypatch, capsys, rank):
     monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun sets them
     for error in (ConfigError("bad flag"), DataError("bad file")):
         assert run_cli(_raise(error)) == 2
         printed = capsys.readouterr().err
@@ -23,6 +24,7 @@ def test_errors_every_rank_meets_alike_are_printed_by_rank_0_only(monkeypatch, c
 
 def test_rank_specific_errors_are_printed_by_every_rank(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
     assert run_cli(_raise(TrainingError("rank 3: a collective failed"))) == 2
     assert capsys.readouterr().err == "error: rank 3: a collective failed\n"
 

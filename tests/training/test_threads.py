@@ -33,7 +33,8 @@ def test_the_trainer_uses_it(monkeypatch, tmp_path):
 
     from megatron.config import resolve_config
     from megatron.runtime.initialize import destroy, initialize_megatron
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    wanted = (os.cpu_count() or 1) + 1  # never what the default would pick
+    monkeypatch.setenv("OMP_NUM_THREADS", str(wanted))
     before = torch.get_num_threads()
     config = resolve_config(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads",
                              "1", "--seq-length", "4", "--batch-size", "1", "--train-iters", "1",
@@ -42,7 +43,7 @@ def test_the_trainer_uses_it(monkeypatch, tmp_path):
                             world_size=1)
     try:
         initialize_megatron(config.parallel)
-        assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == wanted
     finally:
         destroy()
         torch.set_num_threads(before)
