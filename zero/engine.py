@@ -274,6 +274,19 @@ class DeepSpeedEngine(torch.nn.Module):
     def zero_grad(self):
         self.optimizer.zero_grad()
 
+    def retry_skipped_step(self):
+        """After a step skipped for fp16 overflow while the loss scaler is still looking for
+        its first scale: take back the step's counters so the caller can run the same batches
+        again at the lowered scale. False (nothing changed) when a retry is not worthwhile."""
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if scaler is None or not scaler.forget_overflow_step():
+            return False
+        self.skipped_steps -= 1
+        self.global_steps -= 1
+        self.global_samples -= self.train_batch_size()
+        self.micro_steps -= self.gradient_accumulation_steps()
+        return True
+
     def restore_progress(self, global_steps, global_samples, skipped_steps):
         """Set the step counters, e.g. from a checkpoint of another layout than DeepSpeed's
         (whose loads restore them themselves). Resuming happens at a step boundary."""

@@ -9,7 +9,9 @@ clean up by hand. (On network filesystems `flock` is only as good as the filesys
 support.)
 
 With the folder claimed, whatever temporary files an interrupted save left behind are this
-folder's garbage and are removed, with one line saying how much.
+folder's garbage and are removed, with one line saying how much. The log and TensorBoard
+folders are checked at the same moment, so an unusable one stops the run before the model
+is built rather than at its first write.
 """
 
 import fcntl
@@ -19,6 +21,7 @@ import shlex
 import shutil
 import socket
 import sys
+import tempfile
 import time
 
 import torch
@@ -40,12 +43,9 @@ class SaveDirLock:
 
     def acquire(self):
         """Claim the folder; ConfigError (naming the holder) when another run has it."""
-        if os.path.exists(self.save_dir) and not os.path.isdir(self.save_dir):
-            raise ConfigError(f"--save {self.save_dir} is a file, not a folder")
+        check_writable_folder(self.save_dir, "--save")
         try:
-            os.makedirs(self.save_dir, exist_ok=True)
-            path = os.path.join(self.save_dir, LOCK_NAME)
-            self._file = open(path, "a+")
+            self._file = open(os.path.join(self.save_dir, LOCK_NAME), "a+")
         except OSError as error:
             raise ConfigError(f"--save {self.save_dir} cannot be written ({error.strerror}); "
                               "give a writable folder") from None
@@ -92,27 +92,50 @@ def remove_leftovers(save_dir):
     return removed, freed
 
 
-def claim_save_dir(save_dir, is_rank0, device):
-    """Rank 0 locks `save_dir` and clears leftovers; every rank learns whether that worked
-    (the others raise the same error, which rank 0 prints). Returns the lock to release."""
-    lock = SaveDirLock(save_dir)
+def check_writable_folder(path, flag):
+    """Make `path` if needed and prove a file can be created in it; ConfigError naming `flag`
+    otherwise (a file where the folder should be, no permission, a read-only filesystem)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a file, not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{flag} {path} cannot be written ({error.strerror}); give a "
+                          "writable folder") from None
+
+
+def claim_output_folders(save_dir, other_folders, is_rank0, device):
+    """At start-up, before anything is built: rank 0 locks `save_dir` (when given) and clears
+    its leftovers, and checks that every folder of `other_folders` ({flag: path}) can be
+    written. Every rank learns whether that worked (the others raise an error that points at
+    rank 0's). Returns the save-folder lock to release (None without `save_dir`)."""
+    lock = SaveDirLock(save_dir) if save_dir else None
     failure = None
     if is_rank0:
         try:
-            lock.acquire()
-            removed, freed = remove_leftovers(save_dir)
-            if removed:
-                print(f" removed {removed} leftover(s) of interrupted saves from {save_dir} "
-                      f"({freed / 2 ** 20:.1f} MiB)", flush=True)
+            if lock is not None:
+                lock.acquire()
+                removed, freed = remove_leftovers(save_dir)
+                if removed:
+                    print(f" removed {removed} leftover(s) of interrupted saves from "
+                          f"{save_dir} ({freed / 2 ** 20:.1f} MiB)", flush=True)
+            checked = {save_dir}
+            for flag, path in other_folders.items():
+                if path and path not in checked:
+                    check_writable_folder(path, flag)
+                    checked.add(path)
         except ConfigError as error:
             failure = error
     if dist.is_initialized() and dist.get_world_size() > 1:
         flag = torch.tensor([0.0 if failure is None else 1.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if failure is None and flag.item() > 0:
-            failure = ConfigError(f"--save {save_dir} could not be claimed (rank 0 says why)")
+            failure = ConfigError("an output folder could not be used (rank 0 says why)")
     if failure is not None:
-        lock.release()
+        if lock is not None:
+            lock.release()
         raise failure
     return lock
 

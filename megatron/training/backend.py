@@ -16,6 +16,8 @@ for forward passes; nothing else of the engine.
 import contextlib
 import functools
 
+import math
+
 import torch
 
 from megatron import mpu
@@ -45,16 +47,35 @@ class Backend:
         parallelism at the last one), then the optimizer step (unscale, skip on inf/nan,
         clip, step, loss-scale update) and the learning-rate schedule, in the engine.
         Returns (summed micro-batch losses on this rank, update done, grad norm or None when
-        the step was skipped)."""
+        the step was skipped).
+
+        fp16 with a dynamic scale, before the run's first clean step: an overflow retries the
+        same batches at the lowered scale instead of skipping them, so the run trains from
+        its first batch whatever the initial scale (said once, with the scale found)."""
         engine = self.engine
-        skipped_before = engine.skipped_steps
-        total = torch.zeros((), dtype=torch.float32, device=self.ctx.runtime.device)
-        for _ in range(self.ctx.config.training.num_micro_batches):
-            loss = forward_step(next(data_iterator), engine, self.ctx)
-            engine.backward(loss)
-            engine.step()  # acts at the last micro batch only
-            total += loss.detach().float()
-        updated = engine.skipped_steps == skipped_before
+        count = self.ctx.config.training.num_micro_batches
+        searching = _searching_initial_scale(engine)
+        batches = [next(data_iterator) for _ in range(count)] if searching else None
+        first_scale, retries = engine.optimizer.cur_scale, 0
+        while True:
+            skipped_before = engine.skipped_steps
+            source = iter(batches) if searching else data_iterator
+            total = torch.zeros((), dtype=torch.float32, device=self.ctx.runtime.device)
+            for _ in range(count):
+                loss = forward_step(next(source), engine, self.ctx)
+                engine.backward(loss)
+                engine.step()  # acts at the last micro batch only
+                total += loss.detach().float()
+            updated = engine.skipped_steps == skipped_before
+            if updated or not searching or not engine.retry_skipped_step():
+                break
+            retries += 1
+        if retries:
+            outcome = (f"found {_power_of_two(engine.optimizer.cur_scale)} by retrying that batch "
+                       f"{retries} times (no step skipped)" if updated else
+                       f"still overflowing after {retries} retries: the step was skipped")
+            self.ctx.runtime.print0(f" fp16: the initial loss scale {_power_of_two(first_scale)} "
+                                    f"overflowed on the first batch; {outcome}")
         return total.item(), updated, engine.get_global_grad_norm() if updated else None
 
     def resume_notes(self):
@@ -194,3 +215,13 @@ def _annealing_lr(optimizer, config):
                        use_checkpoint_lr_scheduler=config.use_checkpoint_lr_scheduler,
                        override_lr_scheduler=config.override_lr_scheduler,
                        follows_train_iters=config.schedule_follows_train_iters)
+
+
+def _searching_initial_scale(engine):
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    return scaler is not None and scaler.searching_initial_scale
+
+
+def _power_of_two(scale):
+    exponent = math.log2(scale)
+    return f"2^{exponent:.0f}" if exponent == int(exponent) else f"{scale:g}"

@@ -11,7 +11,7 @@ backend.py), a resumed checkpoint, datasets, then the loop (megatron/training/lo
 import os
 from dataclasses import dataclass
 
-from megatron.checkpointing.save_dir import claim_save_dir
+from megatron.checkpointing.save_dir import claim_output_folders
 from megatron.errors import Interrupted
 from megatron.model import GPTConfig
 from megatron.runtime.activation_checkpointing import checkpoint_function
@@ -51,9 +51,11 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                                   config.notes + config.activation_checkpointing.notes)
     logger = guards = save_lock = None
     try:
-        if config.checkpoint.save:  # before anything is built: a folder in use stops here
-            save_lock = claim_save_dir(config.checkpoint.save, runtime.is_rank0,
-                                       runtime.device)
+        # before anything is built: a save folder in use or an unwritable folder stops here
+        save_lock = claim_output_folders(
+            config.checkpoint.save, {"--tensorboard-dir": config.logging.tensorboard_dir,
+                                     "--log-dir": config.logging.log_dir},
+            runtime.is_rank0, runtime.device)
         data = config.data
         tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file,
                                     data.tokenizer_model)

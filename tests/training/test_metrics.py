@@ -163,3 +163,43 @@ def test_timers_with_device_use_megatron_device(monkeypatch):
     assert seen and all(d == torch.device("cpu") for d in seen)
     with pytest.raises(AssertionError):
         timers("step").stop()
+
+
+def test_mfu_never_exceeds_100_percent_when_the_measured_peak_is_too_low(capsys):
+    """A matmul peak below what training reaches (small models, full-attention FLOP count)
+    raises the denominator to the rate reached, with one note."""
+    import time
+    from types import SimpleNamespace
+
+    from megatron.training import loop
+
+    records, printed = [], []
+    config = SimpleNamespace(training=SimpleNamespace(global_batch_size=4, train_iters=10),
+                             data=SimpleNamespace(seq_length=8))
+    ctx = SimpleNamespace(config=config, runtime=SimpleNamespace(
+        device=torch.device("cpu"), print0=printed.append))
+    backend = SimpleNamespace(report=lambda: {"lr": 1e-3, "loss_scale": 1.0})
+    logger = SimpleNamespace(log_train=records.append)
+    window = {"loss": 2.0, "iters": 1, "start": time.perf_counter() - 1.0, "grad_norm": None,
+              "peak": 1.0}  # 1 FLOP/s: anything beats it
+    for iteration in (1, 2):
+        loop._log_window(window, {"iteration": iteration, "consumed_train_samples": 4,
+                                  "skipped_iters": 0}, backend, 1e6, ctx, logger)
+        window.update(iters=1, loss=2.0, start=time.perf_counter() - 2.0)  # half the rate
+    assert records[0]["mfu"] == pytest.approx(1.0) and records[1]["mfu"] == pytest.approx(0.5,
+                                                                                          rel=0.05)
+    assert len(printed) == 1 and "above the measured matmul peak" in printed[0]
+
+
+def test_faster_precision_note_names_the_fastest_measured_precision(monkeypatch):
+    from megatron.runtime import device as device_mod
+    cpu = torch.device("cpu")
+    speeds = {torch.bfloat16: 170e9, torch.float16: 320e9, torch.float32: 330e9}
+    monkeypatch.setattr(device_mod, "measure_matmul_flops", lambda device, dtype: speeds[dtype])
+    note = device_mod.faster_precision_note(cpu, torch.bfloat16)
+    assert "fp32 (no --fp16/--bf16) is the fast path here, 1.9x bf16" in note
+    assert "bf16 170, fp16 320, fp32 330" in note
+    assert device_mod.faster_precision_note(cpu, torch.float16) is None  # within 1.5x
+    assert device_mod.faster_precision_note(cpu, torch.float32) is None  # only 16-bit runs ask
+    speeds.update({torch.float16: 2e9, torch.bfloat16: 900e9})  # AMX bf16, emulated fp16
+    assert "--bf16 is the fast path here" in device_mod.faster_precision_note(cpu, torch.float16)

@@ -65,6 +65,29 @@ def test_hysteresis_is_only_used_up_by_overflows_without_refill():
     assert run(refilled, [True]) == [(32, 1)]  # two in a row do halve
 
 
+def test_only_the_first_step_overflow_can_be_retried():
+    # hysteresis 2: the first retry only spends hysteresis, then each halves the scale
+    scaler = DynamicLossScaler(init_scale=16, min_scale=2, delayed_shift=2)
+    assert scaler.searching_initial_scale
+    scales = []
+    while True:
+        scaler.update_scale(True)
+        if not scaler.forget_overflow_step():
+            break
+        assert scaler.searching_initial_scale and scaler.cur_iter == 0
+        scales.append(scaler.cur_scale)
+    assert scales == [16, 8, 4, 2]  # stops at min_scale with hysteresis used up
+    assert scaler.cur_iter == 1 and not scaler.searching_initial_scale
+    fresh = DynamicLossScaler(init_scale=16, min_scale=2)
+    fresh.update_scale(True)
+    assert fresh.forget_overflow_step()
+    fresh.update_scale(False)  # the retry was clean: no more searching, later overflows skip
+    assert fresh.cur_scale == 8 and fresh.cur_iter == 1 and not fresh.searching_initial_scale
+    fresh.update_scale(True)
+    assert not fresh.forget_overflow_step() and fresh.cur_iter == 2
+    assert not StaticLossScaler(8).searching_initial_scale
+
+
 def test_custom_scale_factor():
     scaler = DynamicLossScaler(init_scale=81, scale_factor=3.0, scale_window=1)
     assert [s for s, _ in run(scaler, [True, False, False])] == [27, 27, 81]

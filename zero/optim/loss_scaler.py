@@ -17,6 +17,11 @@ matches its non-ZeRO FP16_Optimizer):
 
 The optimizer skips every overflow step whatever the scaler did. zero uses this one rule for
 every ZeRO stage (DeepSpeed's non-ZeRO fp16 optimizer has no hysteresis).
+
+Finding the first scale: until the first clean step of a run (`searching_initial_scale`) a
+trainer may retry the skipped batch at the lowered scale (`forget_overflow_step` rewinds the
+step count), so a run that starts far too high (Megatron's 2^32) still trains from its first
+batch instead of skipping a dozen steps.
 """
 
 import logging
@@ -46,6 +51,14 @@ class LossScalerBase:
 
     def update_scale(self, overflow):
         pass
+
+    @property
+    def searching_initial_scale(self):
+        """True while a skipped step is worth retrying at the lowered scale (dynamic only)."""
+        return False
+
+    def forget_overflow_step(self):
+        return False
 
     def state_dict(self):
         return {"dynamic": self.dynamic, "cur_scale": self.cur_scale}
@@ -81,6 +94,7 @@ class DynamicLossScaler(LossScalerBase):
         self.cur_iter = 0
         self.last_overflow_iter = -1
         self.cur_hysteresis = self.delayed_shift
+        self._backed_off = False  # whether the last overflow lowered the scale or hysteresis
 
     def update_scale(self, overflow):
         if overflow:
@@ -95,7 +109,27 @@ class DynamicLossScaler(LossScalerBase):
                 self.cur_scale *= self.scale_factor
         self.cur_iter += 1
 
+    @property
+    def searching_initial_scale(self):
+        """No step of this run (or of the checkpoint it resumed) has been recorded yet."""
+        return self.cur_iter == 0
+
+    def forget_overflow_step(self):
+        """After an overflow on the very first step: take back its step count (the scale change
+        stays) so the same batch can be retried at the new scale. False, changing nothing,
+        when that step was not the first or no lower scale is left to try."""
+        first = self.cur_iter == 1 and self.last_overflow_iter == 0
+        if not first or not self._backed_off:
+            return False
+        self.cur_iter = 0
+        return True
+
     def _on_overflow(self):
+        before = (self.cur_scale, self.cur_hysteresis)
+        self._change_on_overflow()
+        self._backed_off = (self.cur_scale, self.cur_hysteresis) != before
+
+    def _change_on_overflow(self):
         if self.delayed_shift == 1 or self.cur_hysteresis == 1:
             if self.cur_scale <= self.min_scale and self.raise_error_at_min_scale:
                 raise ZeroError(
