@@ -21,7 +21,7 @@ from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, TRACKER_
                                                     check_checkpoint_args,
                                                     get_checkpoint_tracker_filename,
                                                     resuming_own_save)
-from megatron.checkpointing.retention import DEEPSPEED_LAYOUT, prune_checkpoints
+from megatron.checkpointing.retention import DEEPSPEED_LAYOUT, publish_checkpoint
 from megatron.checkpointing.rng import get_rng_states, set_rng_states
 from megatron.errors import CheckpointError
 
@@ -46,9 +46,10 @@ def save_checkpoint(iteration, engine, checkpoint, run_args, train_state, device
     if is_global_rank0():
         atomic_write_text(get_checkpoint_tracker_filename(checkpoint.save), str(iteration),
                           point="save.tracker")
-        # After `latest` and the tracker name the new checkpoint: older ones may go.
-        prune_checkpoints(checkpoint.save, checkpoint.keep_last_n_checkpoints,
-                          DEEPSPEED_LAYOUT)
+        # the engine wrote `latest`; Megatron's tracker names the new checkpoint too
+        publish_checkpoint(checkpoint.save, checkpoint_tag(iteration), None,
+                           train_state["run_id"], checkpoint.keep_last_n_checkpoints,
+                           DEEPSPEED_LAYOUT)
     barrier()
 
 
@@ -78,6 +79,7 @@ def load_checkpoint(engine, checkpoint, run_args, device):
     train_state["consumed_train_samples"] = int(client_state.get(
         "consumed_train_samples", engine.global_samples))
     train_state["skipped_iters"] = engine.skipped_steps
+    train_state.setdefault("run_id", "")  # written before checkpoints carried their run
     return train_state
 
 

@@ -24,11 +24,11 @@ import os
 import re
 
 from megatron import mpu
-from megatron.checkpointing.files import (atomic_torch_save, atomic_write_text, barrier,
+from megatron.checkpointing.files import (atomic_torch_save, barrier,
                                           is_global_rank0, safe_load)
 from megatron.checkpointing.optimizer_state import (load_megatron_optimizer_state,
                                                     megatron_optimizer_state)
-from megatron.checkpointing.retention import MEGATRON_LAYOUT, prune_checkpoints
+from megatron.checkpointing.retention import MEGATRON_LAYOUT, publish_checkpoint
 from megatron.checkpointing.rng import get_rng_states, set_rng_states
 from megatron.errors import CheckpointError
 from megatron.runtime.fault_injection import kill_point
@@ -122,10 +122,9 @@ def save_checkpoint(iteration, module, engine, checkpoint, run_args, train_state
     kill_point("save.files_done")
     barrier()
     if is_global_rank0():
-        atomic_write_text(get_checkpoint_tracker_filename(checkpoint.save), str(iteration),
-                          point="save.tracker")
-        # Only now, with the new checkpoint complete and named, may older ones go.
-        prune_checkpoints(checkpoint.save, checkpoint.keep_last_n_checkpoints, MEGATRON_LAYOUT)
+        publish_checkpoint(checkpoint.save, f"iter_{iteration:07d}", str(iteration),
+                           train_state["run_id"], checkpoint.keep_last_n_checkpoints,
+                           MEGATRON_LAYOUT)
     barrier()
     kill_point("save.done")
 
@@ -185,6 +184,7 @@ def load_checkpoint(module, engine, checkpoint, run_args, device):
     train_state.setdefault("consumed_train_samples",
                            train_state["iteration"] * run_args["global_batch_size"])
     train_state.setdefault("skipped_iters", 0)
+    train_state.setdefault("run_id", "")  # written before checkpoints carried their run
     return train_state
 
 

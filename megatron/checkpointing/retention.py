@@ -1,17 +1,26 @@
-"""--keep-last-n-checkpoints: remove old checkpoint directories, never the ones still needed.
+"""Publishing a checkpoint (its owner mark, then the tracker) and --keep-last-n-checkpoints.
 
-Called by global rank 0 only after a new checkpoint is complete and its tracker file names it,
-so at every moment the tracker names a complete checkpoint.  A directory is first renamed to a
-hidden `.<name>.deleting` (one atomic step: it stops looking like a checkpoint at once) and then
-removed; a crash half way through a removal leaves only hidden debris, which the next prune
-clears.  The directory the tracker names is never removed, whatever its number.
+Each checkpoint directory holds `run_id.txt`: the id of the training run that wrote it. A run
+starting fresh takes a new id; a run resuming keeps the id of the checkpoint it loaded (a
+checkpoint without one, from before the mark existed, passes on the empty id: "unmarked").
+Retention only ever removes checkpoints of its own run, so a run given a folder that holds
+another run's checkpoints never deletes them, while a job resumed many times still keeps only
+its last N.
+
+Pruning runs on global rank 0 only after a new checkpoint is complete and its tracker file
+names it, so at every moment the tracker names a complete checkpoint. A directory is first
+renamed to a hidden `.<name>.deleting` (one atomic step: it stops looking like a checkpoint at
+once) and then removed; a crash half way through a removal leaves only hidden debris, which
+the next prune clears. The directory the tracker names is never removed, whatever its number.
 """
 
 import os
 import re
 import shutil
+import uuid
 from dataclasses import dataclass
 
+from megatron.checkpointing.files import atomic_write_text
 from megatron.runtime.fault_injection import kill_point
 
 
@@ -24,6 +33,33 @@ class Layout:
 MEGATRON_LAYOUT = Layout(r"iter_(\d{7})", "latest_checkpointed_iteration.txt")
 DEEPSPEED_LAYOUT = Layout(r"global_step(\d+)", "latest")
 DELETING_SUFFIX = ".deleting"
+RUN_ID_FILE = "run_id.txt"
+
+
+def new_run_id():
+    return uuid.uuid4().hex
+
+
+def run_id_of(checkpoint_dir):
+    """The id of the run that wrote `checkpoint_dir` ("" when it carries none)."""
+    try:
+        with open(os.path.join(checkpoint_dir, RUN_ID_FILE)) as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def publish_checkpoint(save_dir, name, tracker_text, run_id, keep, layout):
+    """Global rank 0, once every rank's files of checkpoint `name` are written: mark it as
+    `run_id`'s, point the tracker at it (`tracker_text` None: the writer already did), then
+    prune this run's older checkpoints."""
+    if run_id:
+        atomic_write_text(os.path.join(save_dir, name, RUN_ID_FILE), run_id)
+    if tracker_text is not None:
+        atomic_write_text(os.path.join(save_dir, layout.tracker), tracker_text,
+                          point="save.tracker")
+    # Only now, with the new checkpoint complete and named, may older ones go.
+    prune_checkpoints(save_dir, keep, layout, run_id)
 
 
 def checkpoint_dirs(save_dir, layout):
@@ -48,8 +84,9 @@ def _current(save_dir, layout):
     return text
 
 
-def prune_checkpoints(save_dir, keep, layout):
-    """Keep the newest `keep` checkpoints (and the current one); None or 0 keeps everything."""
+def prune_checkpoints(save_dir, keep, layout, run_id):
+    """Keep the newest `keep` checkpoints of run `run_id` (and the current one, and every
+    other run's); None or 0 keeps everything."""
     if not keep:
         return []
     kill_point("save.prune.start")
@@ -57,7 +94,9 @@ def prune_checkpoints(save_dir, keep, layout):
         if name.endswith(DELETING_SUFFIX):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
     current = _current(save_dir, layout)
-    old = [name for _, name in checkpoint_dirs(save_dir, layout)[:-keep] if name != current]
+    mine = [name for _, name in checkpoint_dirs(save_dir, layout)
+            if run_id_of(os.path.join(save_dir, name)) == run_id]
+    old = [name for name in mine[:-keep] if name != current]
     for name in old:
         doomed = os.path.join(save_dir, f".{name}{DELETING_SUFFIX}")
         os.replace(os.path.join(save_dir, name), doomed)

@@ -11,6 +11,9 @@ backend.py), a resumed checkpoint, datasets, then the loop (megatron/training/lo
 import os
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
+from megatron.checkpointing.retention import new_run_id
 from megatron.checkpointing.save_dir import claim_output_folders
 from megatron.errors import Interrupted
 from megatron.model import GPTConfig
@@ -62,7 +65,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
         ctx = TrainContext(config, tokenizer, runtime,
                            model_config(config, tokenizer.vocab_size))
         backend = build_backend(ctx, model_provider)
-        train_state = {"iteration": 0, "consumed_train_samples": 0, "skipped_iters": 0}
+        train_state = {"iteration": 0, "consumed_train_samples": 0, "skipped_iters": 0,
+                       "run_id": _agreed_run_id()}  # a resumed run keeps the one it loads
         if config.checkpoint.load:
             loaded = backend.load()
             if loaded:
@@ -160,3 +164,11 @@ def _print_summary(ctx, backend, state):
     if tensorboard_dir:
         lines.append(f" tensorboard:  tensorboard --logdir {os.path.abspath(tensorboard_dir)}")
     print("\n".join(lines), flush=True)
+
+
+def _agreed_run_id():
+    """A new run id (checkpoint ownership, see retention.py), rank 0's on every rank."""
+    chosen = [new_run_id()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]

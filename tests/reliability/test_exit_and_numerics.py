@@ -28,6 +28,7 @@ def _ds(root, name, **sections):
 
 def _scenarios(root):
     ds_fp32, ds_bf16 = _ds(root, "fp32"), _ds(root, "bf16", bf16={"enabled": True})
+    shared = ["--save", root / "shared", "--save-interval", 1]
     return {
         "ref": (6, [], {}),
         "term": (6, ["--exit-signal-handler", "--save", root / "term"], {RANK_FAULT: "0:3:term"}),
@@ -50,6 +51,12 @@ def _scenarios(root):
                      "--keep-last-n-checkpoints", 2], {}),
         "keep_ds": (6, [*ds_fp32, "--save", root / "keep_ds", "--save-interval", 1,
                         "--keep-last-n-checkpoints", 2], {}),
+        # two runs, one folder: retention removes only its own run's checkpoints (a resumed
+        # run is the run it resumed)
+        "keep_a": (2, [*shared, "--keep-last-n-checkpoints", 2], {}),
+        "keep_b": (4, [*shared, "--save-interval", 4, "--keep-last-n-checkpoints", 1], {}),
+        "keep_b_resumed": (6, [*shared, "--load", root / "shared",
+                               "--keep-last-n-checkpoints", 1], {}),
         "nan_fp32": (5, [], {NAN: "3"}),
         "nan_stop": (8, ["--max-nan-iterations", 3, "--save", root / "nan_stop",
                          "--save-interval", 1], {NAN: "3,4,5"}),
@@ -127,6 +134,18 @@ def test_keep_last_n_checkpoints(runs, name, pattern):
                     else ["global_step5", "global_step6"])
     # no debris (the run's lock file stays: it holds nothing once the run is over)
     assert [p.name for p in save.iterdir() if p.name.startswith(".")] == [".lock"]
+
+
+def test_retention_never_removes_another_runs_checkpoints(runs):
+    for name in ("keep_a", "keep_b", "keep_b_resumed"):
+        _ok(runs, name)
+    save = Path(runs["keep_a"][2]).parent / "shared"
+    owners = {p.name: (p / "run_id.txt").read_text() for p in save.glob("iter_*")}
+    # a: 1, 2.  b (fresh, keeps 1): 4; a's older ones stay.  b resumed from 4: 5, 6, and
+    # removes its own 4 and 5; a's stay.
+    assert sorted(owners) == ["iter_0000001", "iter_0000002", "iter_0000006"]
+    assert owners["iter_0000001"] == owners["iter_0000002"] != owners["iter_0000006"]
+    assert len(owners["iter_0000006"]) == 32
 
 
 def _skipped(log):
