@@ -16,6 +16,8 @@
 #   NNODES=1 NODE_RANK=0 MASTER_ADDR=localhost MASTER_PORT=6000   (torchrun's static rendezvous)
 #   RDZV_ENDPOINT=host:port RDZV_ID=gpt2_small   (when RDZV_ENDPOINT is set: torchrun's c10d
 #                  rendezvous instead, hosted at that address; NODE_RANK, MASTER_* unused)
+#   DISTRIBUTED_TIMEOUT_MINUTES=10  how long the rendezvous and every collective wait for a
+#                  missing peer (or pass --distributed-timeout-minutes N)
 #   MP_SIZE=1      tensor-parallel size (pretrain_gpt2_model_parallel.sh defaults it to 2);
 #                  data-parallel size = NNODES * GPUS_PER_NODE / MP_SIZE
 #   OMP_NUM_THREADS  CPU threads per process (default: cores / GPUS_PER_NODE)
@@ -90,13 +92,37 @@ case "$PRECISION" in
     *) echo "PRECISION must be bf16, fp16 or fp32 (got $PRECISION)" >&2; exit 2 ;;
 esac
 
+# The launcher's rendezvous waits as long as the processes' own collectives do
+# (--distributed-timeout-minutes, from the arguments or DISTRIBUTED_TIMEOUT_MINUTES, default 10
+# as in Megatron): a node that never arrives is an error after that, not a silent hang.
+TIMEOUT_MINUTES="${DISTRIBUTED_TIMEOUT_MINUTES:-10}"
+ARGS=("$@")
+for i in "${!ARGS[@]}"; do
+    case "${ARGS[$i]}" in
+        --distributed-timeout-minutes) TIMEOUT_MINUTES="${ARGS[$((i + 1))]:-}" ;;
+        --distributed-timeout-minutes=*) TIMEOUT_MINUTES="${ARGS[$i]#*=}" ;;
+    esac
+done
+if ! [[ "$TIMEOUT_MINUTES" =~ ^[0-9]*\.?[0-9]+$ ]] || \
+        [ "$(awk -v m="$TIMEOUT_MINUTES" 'BEGIN { print (m * 60 >= 1) }')" != 1 ]; then
+    echo "--distributed-timeout-minutes must be a number of minutes, at least 1 second's" \
+         "worth (got '$TIMEOUT_MINUTES')" >&2
+    exit 2
+fi
+RDZV_TIMEOUT_S="$(awk -v m="$TIMEOUT_MINUTES" 'BEGIN { print int(m * 60) }')"
+
 # `python -m torch.distributed.run` is torchrun, taken from the venv's torch.
 DISTRIBUTED_ARGS=(--nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES")
 if [ -n "$RDZV_ENDPOINT" ]; then
-    DISTRIBUTED_ARGS+=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID")
+    DISTRIBUTED_ARGS+=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID"
+                       --rdzv-conf "join_timeout=$RDZV_TIMEOUT_S")
 else
     DISTRIBUTED_ARGS+=(--node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR"
-                       --master_port "$MASTER_PORT")
+                       --master_port "$MASTER_PORT" --rdzv-conf "timeout=$RDZV_TIMEOUT_S")
+fi
+if (( NNODES > 1 )); then
+    echo "[launch] waiting up to $TIMEOUT_MINUTES min for the $NNODES nodes to meet" \
+         "(--distributed-timeout-minutes)"
 fi
 
 MODEL_ARGS=(--model-parallel-size "$MP_SIZE"
@@ -109,7 +135,8 @@ TRAIN_ARGS=(--batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
 DATA_ARGS=(--data-path "${DATA_PREFIX}_text_document" --split 949,50,1
            --tokenizer-type GPT2BPETokenizer --vocab-file "$TOKENIZER_DIR/vocab.json"
            --merge-file "$TOKENIZER_DIR/merges.txt" --num-workers 1)
-OUTPUT_ARGS=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL"
+OUTPUT_ARGS=(--distributed-timeout-minutes "$TIMEOUT_MINUTES"
+             --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL"
              --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL"
              --eval-iters "$EVAL_ITERS" --tensorboard-dir "$RUN_DIR")
 

@@ -283,10 +283,10 @@ def _script_env(corpus, out_dir, **overrides):
     return clean_environment(**{**variables, **overrides})
 
 
-def _start_script(name, env, out_path):
+def _start_script(name, env, out_path, *args):
     with open(out_path, "w") as out:
-        return subprocess.Popen(["bash", f"scripts/{name}"], cwd=REPO, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(["bash", f"scripts/{name}", *args], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _run_scripts(*runs, timeout=150):
@@ -385,3 +385,32 @@ def test_script_rejects_a_tensor_parallel_size_that_does_not_divide(corpus, tmp_
     assert code == 2
     assert output.strip().splitlines()[-1] == \
         "MP_SIZE=3 does not divide the 2 processes (NNODES=1 x GPUS_PER_NODE=2)"
+
+
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_a_node_that_never_arrives_ends_the_launch_after_the_timeout(corpus, tmp_path,
+                                                                     rendezvous):
+    """The launcher's rendezvous waits --distributed-timeout-minutes, not torchrun's 10 min."""
+    extra = {"RDZV_ENDPOINT": f"127.0.0.1:{free_port()}", "RDZV_ID": "lonely"} \
+        if rendezvous == "c10d" else {}
+    env = _script_env(corpus, tmp_path, GPUS_PER_NODE=1, NNODES=2, **extra)
+    start = time.monotonic()
+    proc = _start_script("pretrain_gpt2_distributed.sh", env, tmp_path / "o.txt",
+                         "--distributed-timeout-minutes", "0.1")
+    try:
+        proc.wait(timeout=120)
+    finally:
+        kill_session(proc)
+    seconds = time.monotonic() - start
+    output = (tmp_path / "o.txt").read_text()
+    assert proc.returncode != 0, output[-3000:]
+    assert "waiting up to 0.1 min for the 2 nodes to meet" in output
+    assert seconds < 60, seconds
+
+
+def test_script_rejects_a_timeout_that_is_not_a_number(corpus, tmp_path):
+    env = _script_env(corpus, tmp_path, DISTRIBUTED_TIMEOUT_MINUTES="soon")
+    (code, output), = _run_scripts(("pretrain_gpt2_distributed.sh", env, tmp_path / "o.txt"))
+    assert code == 2
+    assert output.strip().splitlines()[-1].startswith(
+        "--distributed-timeout-minutes must be a number of minutes")
