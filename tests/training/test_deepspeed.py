@@ -383,3 +383,42 @@ def test_gradient_checkpointing_key_turns_on_recomputation(corpus, tmp_path):
     argv = trainer_argv(corpus, tmp_path / "c", 2, "--deepspeed", "--deepspeed_config",
                         recompute, "--tokenizer-type", "GPT2BPETokenizer")
     assert resolve_config(argv, world_size=1).activation_checkpointing.checkpoint_activations
+
+
+# -------------------------------------------------- evaluation with loader workers, offloaded
+
+def _offload(kind, nvme):
+    cpu, disk = {"device": "cpu"}, {"device": "nvme", "nvme_path": str(nvme)}
+    return {"cpu_stage2": (2, {"offload_optimizer": cpu}),
+            "cpu_stage3": (3, {"offload_optimizer": cpu, "offload_param": cpu}),
+            "nvme_stage2": (2, {"offload_optimizer": disk}),
+            "nvme_stage3": (3, {"offload_optimizer": disk,
+                                "offload_param": {**disk, "max_in_cpu": 0}})}[kind]
+
+
+@pytest.mark.parametrize("kind", ["cpu_stage2", "cpu_stage3", "nvme_stage2", "nvme_stage3"])
+def test_evaluation_with_loader_workers_under_every_offload_mode(corpus, tmp_path, kind):
+    """Loader workers fork at every evaluation: the offloaded engine must not have reserved
+    memory it never uses (a fork of a process with tens of GB mapped fails with ENOMEM on
+    smaller machines). The run's peak virtual size is checked too."""
+    import subprocess
+    import sys
+    (tmp_path / "nvme").mkdir()
+    stage, sections = _offload(kind, tmp_path / "nvme")
+    config = write_config(tmp_path, zero_optimization={"stage": stage, **sections},
+                          gradient_clipping=1.0, bf16={"enabled": True})
+    argv = trainer_argv(corpus, tmp_path / "log", 2, "--deepspeed", "--deepspeed_config",
+                        config, "--eval-interval", 1, "--num-workers", 2)
+    code = ("import sys, pretrain_gpt2\n"
+            "code = pretrain_gpt2.main(sys.argv[1:])\n"
+            "peak = [l for l in open('/proc/self/status') if l.startswith('VmPeak')][0]\n"
+            "print('peak kB', peak.split()[1])\n"
+            "sys.exit(code)\n")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          timeout=240, cwd=os.path.dirname(os.path.dirname(
+                              os.path.dirname(os.path.abspath(__file__)))))
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert output.count("validation loss at iteration 1") == 1 and "Traceback" not in output
+    peak_kb = int(output.split("peak kB ")[1].split()[0])
+    assert peak_kb < 6 * 2 ** 20, f"{peak_kb / 2 ** 20:.1f} GB of virtual memory at the peak"

@@ -93,7 +93,7 @@ class NvmeStateStore:
         self.numels, self.steps = {}, {}
         self._pin = pin_memory and torch.cuda.is_available()
         self._slot_count = max(1, buffer_count)
-        self._slots = []  # [3, sub_group_size] fp32 buffers, allocated on first use
+        self._slots = []  # [3, largest sub-group] fp32 buffers, allocated on first use
 
     def path(self, key, name):
         return os.path.join(self.swap_dir, f"{key}_{name}.tensor.swp")
@@ -117,11 +117,18 @@ class NvmeStateStore:
 
     # ----- the pipelined walk -----
 
-    def _slot(self, i):
+    def _slot(self, i, length):
+        """Buffer `i`, at least `length` long: as long as the largest sub-group this store
+        holds, not `sub_group_size` (DeepSpeed's default is 1e9 elements: 12 GB per buffer,
+        reserved for a model that may be a thousand times smaller)."""
         while len(self._slots) <= i:
-            self._slots.append(torch.empty(3, self.sub_group_size, dtype=torch.float32,
-                                           pin_memory=self._pin))
-        return self._slots[i]
+            self._slots.append(None)
+        slot = self._slots[i]
+        if slot is None or slot.shape[1] < length:
+            largest = min(self.sub_group_size, max(self.numels.values()))
+            slot = self._slots[i] = torch.empty(3, max(largest, length), dtype=torch.float32,
+                                                pin_memory=self._pin)
+        return slot
 
     def sub_groups(self, key):
         """Yield each sub-group swapped in; it is written back when the caller asks for the
@@ -140,7 +147,8 @@ class NvmeStateStore:
         def start_read(i):
             lo, hi = ranges[i]
             slot = take_slot()
-            views = [self._slot(slot)[n, :hi - lo] for n in range(3)]
+            buffer = self._slot(slot, hi - lo)
+            views = [buffer[n, :hi - lo] for n in range(3)]
             pending = [self.io.read(v, self.path(key, name), 4 * lo)
                        for v, name in zip(views, STATE_NAMES)]
             return slot, views, pending
