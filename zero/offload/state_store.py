@@ -187,7 +187,7 @@ class NvmeStateStore:
         self.io.write(tensor, self.path(key, name), 4 * lo).wait()
 
     def resident_bytes(self):
-        return sum(s.numel() * 4 for s in self._slots)
+        return sum(s.numel() * 4 for s in self._slots if s is not None)
 
     def close(self):
         self.io.close()
