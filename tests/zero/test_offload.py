@@ -118,10 +118,11 @@ def test_nvme_keeps_the_optimizer_state_out_of_memory(tmp_path):
     partition = sum(g.layout.partition_numel for g in optimizer.groups)
     assert all(g.master.untyped_storage().nbytes() == 0 for g in optimizer.groups)
     assert not optimizer.optimizer.state  # no moments in memory
-    # buffer_count buffers of master + 2 moments, each as long as the largest sub-group
-    # (sub_group_size 500 caps it; a smaller partition shortens it)
+    # at most buffer_count (2) buffers of master + 2 moments, made as the walk needs them,
+    # each as long as the largest sub-group (sub_group_size 500 caps it)
     largest = min(500, max(g.layout.partition_numel for g in optimizer.groups))
-    assert optimizer.masters.store.resident_bytes() == 2 * 3 * 4 * largest < 3 * 4 * partition
+    resident = optimizer.masters.store.resident_bytes()
+    assert 3 * 4 * largest <= resident <= 2 * 3 * 4 * largest < 3 * 4 * partition
     files = os.listdir(optimizer.masters.store.swap_dir)
     assert sorted(files) == sorted(f"{g}_{name}.tensor.swp" for g in range(2)
                                    for name in ("master", "exp_avg", "exp_avg_sq"))
