@@ -20,6 +20,7 @@ from megatron.checkpointing.files import atomic_write_text, barrier, is_global_r
 from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, TRACKER_FILENAME,
                                                     check_checkpoint_args,
                                                     get_checkpoint_tracker_filename,
+                                                    optimizer_state_tiling_mismatch,
                                                     resuming_own_save)
 from megatron.checkpointing.retention import DEEPSPEED_LAYOUT, publish_checkpoint
 from megatron.checkpointing.rng import get_rng_states, set_rng_states
@@ -65,8 +66,8 @@ def load_checkpoint(engine, checkpoint, run_args, device):
         states_name = stage3_model_states_name(0, mpu.get_model_parallel_rank())
     else:
         states_name = model_states_name(mpu.get_model_parallel_rank())
-    _check_saved_args(os.path.join(load_dir, tag, states_name), run_args)
     fresh_optimizer = checkpoint.no_load_optim or checkpoint.finetune
+    _check_saved_args(os.path.join(load_dir, tag, states_name), run_args, fresh_optimizer)
     path, client_state = engine.load_checkpoint(
         load_dir, tag=tag, load_optimizer_states=not fresh_optimizer,
         load_lr_scheduler_states=not fresh_optimizer, load_module_only=checkpoint.finetune)
@@ -96,8 +97,9 @@ def _explain_missing_latest(checkpoint):
                               "directory written by --save with --deepspeed")
 
 
-def _check_saved_args(model_states_path, run_args):
-    """Shape-defining flags must match the checkpoint's: say which differ before loading."""
+def _check_saved_args(model_states_path, run_args, fresh_optimizer):
+    """Shape-defining flags must match the checkpoint's, and the tiling flags too unless the
+    optimizer starts fresh: say which differ before loading."""
     if not os.path.isfile(model_states_path):
         return  # the engine names what is missing
     try:
@@ -108,3 +110,7 @@ def _check_saved_args(model_states_path, run_args):
                               "plain-tensor checkpoint") from None
     if isinstance(states.get("args"), dict):
         check_checkpoint_args(states["args"], run_args, model_states_path)
+        mismatch = None if fresh_optimizer else \
+            optimizer_state_tiling_mismatch(states["args"], run_args)
+        if mismatch:
+            raise CheckpointError(f"{os.path.dirname(model_states_path)}: {mismatch}")

@@ -145,6 +145,11 @@ def check_checkpoint_args(saved_args, run_args, path):
         if any(d.startswith("--model-parallel-size") for d in differences):
             hint = (" To change the tensor-parallel size of a checkpoint, convert it with "
                     "tools/merge_mp_partitions.py.")
+        elif run_args.get("load") and run_args.get("save") and \
+                os.path.realpath(run_args["load"]) == os.path.realpath(run_args["save"]):
+            hint = (f"\nThis run saves where it loads ({run_args['save']}), and that folder "
+                    "holds an earlier run of another model: to train the new model, give it "
+                    "its own folder (the scripts: CHECKPOINT_DIR=checkpoints/<new name>).")
         raise CheckpointError(f"checkpoint {path} was saved for a different model:\n  "
                               + "\n  ".join(differences) +
                               "\nUse the flags it was trained with, or --finetune from a "

@@ -1,6 +1,8 @@
 """Publishing a checkpoint (its owner mark, then the tracker) and --keep-last-n-checkpoints.
 
-Each checkpoint directory holds `run_id.txt`: the id of the training run that wrote it. A run
+Beside each checkpoint directory `<name>` is a hidden `.<name>.run_id`: the id of the training
+run that wrote it (outside the directory, so tools that list a checkpoint's files see only the
+checkpoint's own). A run
 starting fresh takes a new id; a run resuming keeps the id of the checkpoint it loaded (a
 checkpoint without one, from before the mark existed, passes on the empty id: "unmarked").
 Retention only ever removes checkpoints of its own run, so a run given a folder that holds
@@ -33,17 +35,21 @@ class Layout:
 MEGATRON_LAYOUT = Layout(r"iter_(\d{7})", "latest_checkpointed_iteration.txt")
 DEEPSPEED_LAYOUT = Layout(r"global_step(\d+)", "latest")
 DELETING_SUFFIX = ".deleting"
-RUN_ID_FILE = "run_id.txt"
+RUN_ID_SUFFIX = ".run_id"
 
 
 def new_run_id():
     return uuid.uuid4().hex
 
 
-def run_id_of(checkpoint_dir):
-    """The id of the run that wrote `checkpoint_dir` ("" when it carries none)."""
+def run_id_path(save_dir, name):
+    return os.path.join(save_dir, f".{name}{RUN_ID_SUFFIX}")
+
+
+def run_id_of(save_dir, name):
+    """The id of the run that wrote checkpoint `name` ("" when it carries none)."""
     try:
-        with open(os.path.join(checkpoint_dir, RUN_ID_FILE)) as f:
+        with open(run_id_path(save_dir, name)) as f:
             return f.read().strip()
     except (OSError, UnicodeDecodeError):
         return ""
@@ -54,7 +60,7 @@ def publish_checkpoint(save_dir, name, tracker_text, run_id, keep, layout):
     `run_id`'s, point the tracker at it (`tracker_text` None: the writer already did), then
     prune this run's older checkpoints."""
     if run_id:
-        atomic_write_text(os.path.join(save_dir, name, RUN_ID_FILE), run_id)
+        atomic_write_text(run_id_path(save_dir, name), run_id)
     if tracker_text is not None:
         atomic_write_text(os.path.join(save_dir, layout.tracker), tracker_text,
                           point="save.tracker")
@@ -95,7 +101,7 @@ def prune_checkpoints(save_dir, keep, layout, run_id):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
     current = _current(save_dir, layout)
     mine = [name for _, name in checkpoint_dirs(save_dir, layout)
-            if run_id_of(os.path.join(save_dir, name)) == run_id]
+            if run_id_of(save_dir, name) == run_id]
     old = [name for name in mine[:-keep] if name != current]
     for name in old:
         doomed = os.path.join(save_dir, f".{name}{DELETING_SUFFIX}")
@@ -103,4 +109,8 @@ def prune_checkpoints(save_dir, keep, layout, run_id):
         kill_point("save.prune.renamed")
         shutil.rmtree(doomed)
         kill_point("save.prune.removed")
+    for entry in os.listdir(save_dir):  # marks whose checkpoint is gone (now or in a crash)
+        if entry.startswith(".") and entry.endswith(RUN_ID_SUFFIX) and \
+                not os.path.isdir(os.path.join(save_dir, entry[1:-len(RUN_ID_SUFFIX)])):
+            os.remove(os.path.join(save_dir, entry))
     return old

@@ -75,6 +75,11 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                                f"iteration {train_state['iteration']}")
                 for note in backend.resume_notes():
                     runtime.print0(f" note: {note}")
+                if train_state["iteration"] >= config.training.train_iters:
+                    runtime.print0(f" nothing to train: the checkpoint is at iteration "
+                                   f"{train_state['iteration']} and --train-iters is "
+                                   f"{config.training.train_iters}; raise --train-iters (the "
+                                   "scripts: TRAIN_ITERS) to train on")
         datasets = train_valid_test_datasets_provider(ctx, num_samples_per_split(config))
         logger = TrainingLogger(config.logging.log_dir, config.logging.tensorboard_dir,
                                 runtime.is_rank0, start_iteration=train_state["iteration"])

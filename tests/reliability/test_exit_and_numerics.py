@@ -132,15 +132,17 @@ def test_keep_last_n_checkpoints(runs, name, pattern):
     kept = sorted(p.name for p in save.glob(pattern))
     assert kept == (["iter_0000005", "iter_0000006"] if name == "keep"
                     else ["global_step5", "global_step6"])
-    # no debris (the run's lock file stays: it holds nothing once the run is over)
-    assert [p.name for p in save.iterdir() if p.name.startswith(".")] == [".lock"]
+    # no debris: the run's lock file (it holds nothing once the run is over) and the marks of
+    # the kept checkpoints' run
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith(".")) == \
+        sorted([".lock"] + [f".{name}.run_id" for name in kept])
 
 
 def test_retention_never_removes_another_runs_checkpoints(runs):
     for name in ("keep_a", "keep_b", "keep_b_resumed"):
         _ok(runs, name)
     save = Path(runs["keep_a"][2]).parent / "shared"
-    owners = {p.name: (p / "run_id.txt").read_text() for p in save.glob("iter_*")}
+    owners = {p.name: (save / f".{p.name}.run_id").read_text() for p in save.glob("iter_*")}
     # a: 1, 2.  b (fresh, keeps 1): 4; a's older ones stay.  b resumed from 4: 5, 6, and
     # removes its own 4 and 5; a's stay.
     assert sorted(owners) == ["iter_0000001", "iter_0000002", "iter_0000006"]

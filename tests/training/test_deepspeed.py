@@ -422,3 +422,65 @@ def test_evaluation_with_loader_workers_under_every_offload_mode(corpus, tmp_pat
     assert output.count("validation loss at iteration 1") == 1 and "Traceback" not in output
     peak_kb = int(output.split("peak kB ")[1].split()[0])
     assert peak_kb < 6 * 2 ** 20, f"{peak_kb / 2 ** 20:.1f} GB of virtual memory at the peak"
+
+
+# ------------------------------------------------- resuming with other flags than the save's
+
+def test_resume_at_another_zero_stage_continues_or_says_why_not(corpus, tmp_path, capsys):
+    """Stages 1 and 2 keep the same optimizer-state files: a stage-2 save resumes at stage 1
+    and trains on (the loss curve continues); stage 3 keeps its states per parameter, so a
+    stage-2 save is one clear error there, never a run that trains nothing."""
+    def ds(stage):
+        return ["--deepspeed", "--deepspeed_config", stage_config(tmp_path, stage), *NO_DROPOUT]
+    assert run(corpus, tmp_path / "full", 6, *ds(2)) == 0
+    save = tmp_path / "ckpt"
+    assert run(corpus, tmp_path / "split", 6, *ds(2), "--save", save, "--exit-interval", 3) == 0
+    capsys.readouterr()
+    assert run(corpus, tmp_path / "stage3", 6, *ds(3), "--save", save, "--load", save) == 2
+    err = capsys.readouterr().err
+    assert "holds no ZeRO stage 3 model states" in err and "Traceback" not in err
+    assert run(corpus, tmp_path / "split", 6, *ds(1), "--save", save, "--load", save) == 0
+    full, split = read_losses(tmp_path / "full"), read_losses(tmp_path / "split")
+    assert sorted(split) == list(range(1, 7))
+    for iteration in range(4, 7):
+        assert math.isclose(split[iteration][0], full[iteration][0], rel_tol=1e-5), iteration
+
+
+def test_a_finished_run_says_there_is_nothing_to_train(corpus, tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    assert run(corpus, tmp_path / "log", 2, "--save", save) == 0
+    capsys.readouterr()
+    assert run(corpus, tmp_path / "log", 2, "--save", save, "--load", save) == 0
+    out = capsys.readouterr().out
+    assert " nothing to train: the checkpoint is at iteration 2 and --train-iters is 2; raise " \
+           "--train-iters (the scripts: TRAIN_ITERS) to train on" in out
+    assert sorted(read_losses(tmp_path / "log")) == [1, 2]  # nothing logged twice
+
+
+def test_another_model_over_a_used_folder_is_told_to_pick_a_new_one(corpus, tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    assert run(corpus, tmp_path / "log", 2, "--save", save) == 0
+    capsys.readouterr()
+    assert run(corpus, tmp_path / "log", 2, "--num-layers", 3, "--save", save, "--load",
+               save) == 2
+    err = capsys.readouterr().err
+    assert "--num-layers: checkpoint 2, flags 3" in err
+    assert f"This run saves where it loads ({save})" in err
+    assert "CHECKPOINT_DIR=checkpoints/<new name>" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("deepspeed", [False, True], ids=["megatron", "deepspeed"])
+def test_tiled_over_an_untiled_checkpoint_is_one_error_naming_both(corpus, tmp_path, capsys,
+                                                                   deepspeed):
+    ds = ["--deepspeed", "--deepspeed_config", stage_config(tmp_path, 1)] if deepspeed else []
+    save = tmp_path / "ckpt"
+    assert run(corpus, tmp_path / "log", 2, *ds, "--save", save) == 0
+    capsys.readouterr()
+    tiled = ["--memory-centric-tiled-linear", "--tile-factor", 2]
+    assert run(corpus, tmp_path / "log", 4, *ds, *tiled, "--save", save, "--load", save) == 2
+    err = capsys.readouterr().err
+    assert "no --memory-centric-tiled-linear but this run has --memory-centric-tiled-linear " \
+           "--tile-factor 2" in err and "--no-load-optim" in err and "Traceback" not in err
+    # the way out the message names works: weights load, the optimizer starts fresh
+    assert run(corpus, tmp_path / "log", 4, *ds, *tiled, "--no-load-optim", "--save", save,
+               "--load", save) == 0
