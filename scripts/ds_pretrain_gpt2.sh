@@ -18,7 +18,10 @@
 #   ZERO_STAGE  0, 1, 2 or 3: --zero-stage, overriding the config's zero_optimization.stage
 #   REMOTE_DEVICE  none, cpu or nvme (stage 3): --remote-device, where the parameter partitions
 #              live (nvme: a config with offload_param nvme, e.g. ds_zero_infinity.config)
-#   CHECKPOINT_DIR=checkpoints/gpt2_small_ds  RUN_DIR=runs/gpt2_small_ds
+#   CHECKPOINT_DIR=checkpoints/gpt2_small_<config>[_stage<ZERO_STAGE>][_remote_<REMOTE_DEVICE>]
+#   RUN_DIR=runs/(the same name): one folder per configuration (e.g. gpt2_small_ds_zero_stage_2,
+#              gpt2_small_ds_zero_stage_2_stage1), since the script resumes from its folder and
+#              a checkpoint of another ZeRO stage or tiling does not load as it is
 # Checkpoints are DeepSpeed's layout (global_step<N>/mp_rank_00_model_states.pt,
 # zero_pp_rank_0_mp_rank_00_optim_states.pt, latest, zero_to_fp32.py) plus Megatron's
 # latest_checkpointed_iteration.txt; running the script again resumes from them.
@@ -38,8 +41,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DS_CONFIG="${DS_CONFIG:-$ROOT/scripts/ds_zero_stage_2.config}"
 export MICRO_BATCH="${MICRO_BATCH:-8}"  # = train_micro_batch_size_per_gpu in $DS_CONFIG
 export PRECISION="${PRECISION:-bf16}"   # = the config's bf16.enabled
-export CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small_ds}"
-export RUN_DIR="${RUN_DIR:-$ROOT/runs/gpt2_small_ds}"
+CONFIG_NAME="$(basename "$DS_CONFIG")"; CONFIG_NAME="${CONFIG_NAME%.*}"
+RUN_NAME="gpt2_small_${CONFIG_NAME}${ZERO_STAGE:+_stage$ZERO_STAGE}${REMOTE_DEVICE:+_remote_$REMOTE_DEVICE}"
+export CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/$RUN_NAME}"
+export RUN_DIR="${RUN_DIR:-$ROOT/runs/$RUN_NAME}"
 
 DS_ARGS=(--deepspeed --deepspeed_config "$DS_CONFIG")
 if [ -n "${ZERO_STAGE:-}" ]; then

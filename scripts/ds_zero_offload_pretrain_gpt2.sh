@@ -19,7 +19,8 @@
 #             NVME_PATH (default data/nvme, git-ignored, created here), sub_group_size
 #             SUB_GROUP (default 1e6 elements) and pipelined reads/writes; a generated config
 #             is written to $RUN_DIR/ds_config_nvme.json.
-#   CHECKPOINT_DIR=checkpoints/gpt2_small_offload  RUN_DIR=runs/gpt2_small_offload
+#   CHECKPOINT_DIR=checkpoints/gpt2_small_offload_<config>[_nvme]  RUN_DIR=runs/(the same
+#             name): one folder per configuration, since the script resumes from its folder
 # On this CPU-only machine "cpu" offload is the same memory as compute: it still runs CPUAdam on
 # separate host masters; "nvme" keeps the 12 bytes/param of optimizer state on disk instead of
 # in RAM (benchmarks/offload_capacity.py measures the resident memory).
@@ -28,8 +29,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"  # relative nvme_path values in the configs are relative to the repository
 
 DS_CONFIG="${DS_CONFIG:-$ROOT/scripts/ds_zero_offload.config}"
-export CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small_offload}"
-export RUN_DIR="${RUN_DIR:-$ROOT/runs/gpt2_small_offload}"
+CONFIG_NAME="$(basename "$DS_CONFIG")"; CONFIG_NAME="${CONFIG_NAME%.*}"
+RUN_NAME="gpt2_small_offload_${CONFIG_NAME}${OFFLOAD:+_$OFFLOAD}"
+export CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/$RUN_NAME}"
+export RUN_DIR="${RUN_DIR:-$ROOT/runs/$RUN_NAME}"
 NVME_PATH="${NVME_PATH:-data/nvme}"
 mkdir -p "$NVME_PATH"
 

@@ -44,12 +44,13 @@ with open(corpus, encoding="utf-8") as f:
 files = [open(os.path.join(tmp, f"pages_{k}.json"), "w", encoding="utf-8") for k in range(4)]
 for i, doc in enumerate(docs):
     out = files[i % 4]
-    out.write(json.dumps({"text": doc["text"], "url": doc["url"]}, ensure_ascii=False) + "\n")
+    url = doc.get("url") or f"https://demo.invalid/page{i}"  # a corpus without URLs
+    out.write(json.dumps({"text": doc["text"], "url": url}, ensure_ascii=False) + "\n")
     if i % 50 == 0:  # a near-duplicate (one word changed) and a page downloaded twice
         words = doc["text"].split(" ")
         words[len(words) // 2] = "zounds"
-        out.write(json.dumps({"text": " ".join(words), "url": doc["url"] + "#mirror"}) + "\n")
-        out.write(json.dumps({"text": doc["text"], "url": doc["url"]}) + "\n")
+        out.write(json.dumps({"text": " ".join(words), "url": url + "#mirror"}) + "\n")
+        out.write(json.dumps({"text": doc["text"], "url": url}) + "\n")
 for out in files:
     out.close()
 os.replace(tmp, pages)

@@ -74,6 +74,7 @@ _MUST_AGREE = {
     "fp32_allreduce": ("--fp32-allreduce", "communication_data_type",
                        lambda c: c.communication_data_type == "fp32"),
 }
+MAX_DDP_BUCKET_MB = 2 ** 20
 DEFAULT_DDP_BUCKET_MB = 25.0
 DEFAULT_CLIP_GRAD = 1.0
 
@@ -231,9 +232,9 @@ def _from_megatron_flags(raw, dp, num_micro_batches):
     clip = DEFAULT_CLIP_GRAD if raw["clip_grad"] is None else raw["clip_grad"]
     bucket_mb = DEFAULT_DDP_BUCKET_MB if raw["ddp_bucket_size"] is None \
         else raw["ddp_bucket_size"]
-    if not (math.isfinite(bucket_mb) and bucket_mb > 0):
-        raise ConfigError(f"--ddp-bucket-size must be a positive number of megabytes, got "
-                          f"{raw['ddp_bucket_size']}")
+    if not (math.isfinite(bucket_mb) and 0 < bucket_mb <= MAX_DDP_BUCKET_MB):
+        raise ConfigError(f"--ddp-bucket-size must be a positive number of megabytes up to "
+                          f"{MAX_DDP_BUCKET_MB} (1 TiB), got {raw['ddp_bucket_size']}")
     if not (math.isfinite(clip) and clip >= 0):
         raise ConfigError(f"--clip-grad must be >= 0 (0 disables clipping), got {clip}")
     comm_bytes = 4 if raw["fp32_allreduce"] or not (raw["fp16"] or raw["bf16"]) else 2

@@ -8,6 +8,7 @@ rather than parsed and ignored.
 
 import argparse
 import copy
+import math
 
 
 def build_parser():
@@ -36,7 +37,7 @@ def _byte_count(text):
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value != int(value):
+    if not math.isfinite(value) or value != int(value):
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
     return int(value)
 

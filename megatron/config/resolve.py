@@ -27,6 +27,7 @@ POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length
                  "ffn_hidden_size", "make_vocab_size_divisible_by", "exit_interval",
                  "save_interval", "log_interval", "eval_interval", "lr_decay_iters",
                  "model_parallel_size", "threads")
+MAX_INT = 2 ** 31 - 1
 NON_NEGATIVE_INTS = ("eval_iters", "num_workers", "warmup_iters", "max_nan_iterations")
 # float flags that must be finite (NaN and inf are never meaningful) -> (low, high, what)
 FLOAT_RANGES = {
@@ -41,6 +42,9 @@ FLOAT_RANGES = {
 _STRICT_LOW = {"adam_eps", "init_method_std", "layernorm_epsilon",
                "distributed_timeout_minutes", "exit_duration_in_mins"}
 _INCLUSIVE_HIGH = {"warmup"}
+
+
+INT_FLAGS = tuple(action.dest for action in build_parser()._actions if action.type is int)
 
 
 def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provider=None):
@@ -83,7 +87,7 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     """TrainConfig from the parsed flags `raw` (`given`: the flags on the command line)."""
     raw = dict(raw)
     _fill_model_defaults(raw)
-    _check_scalars(raw)
+    _check_scalars(raw, INT_FLAGS)
     parallel = _parallel(raw, world_size)
     if raw["batch_size"] is None:  # --deepspeed without --batch-size
         raw["batch_size"] = engine.micro_batch_from_json(raw, parallel.data_parallel_size)
@@ -136,7 +140,12 @@ def _fill_model_defaults(raw):
         raw["ffn_hidden_size"] = 4 * raw["hidden_size"]
 
 
-def _check_scalars(raw):
+def _check_scalars(raw, int_flags):
+    for flag in int_flags:  # sizes and counts: a 32-bit signed int holds every sensible one
+        value = raw.get(flag)
+        require(value is None or abs(value) <= MAX_INT,
+                f"--{flag.replace('_', '-')} {value} is out of range (at most {MAX_INT})")
+    require(raw["seed"] >= 0, f"--seed must be >= 0, got {raw['seed']}")
     for flag in POSITIVE_INTS:
         value = raw.get(flag)
         require(value is None or value > 0, f"--{flag.replace('_', '-')} must be positive, got "
