@@ -119,13 +119,23 @@ def test_every_readme_command_is_run_or_says_why_not():
             f"README line {line}: a bare `{command.split()[0]}` is not the venv's"
 
 
+def _repository_files():
+    """The checkout's files (tracked and new, not ignored); without git, every file outside
+    what a run or setup makes."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True)
+    if listed.returncode == 0:
+        return [name for name in listed.stdout.split("\n") if name]
+    made = {".git", ".venv", "data", "checkpoints", "runs", "hf", "__pycache__"}
+    return [str(path.relative_to(REPO)) for path in Path(REPO).rglob("*")
+            if path.is_file() and not made & set(path.relative_to(REPO).parts)]
+
+
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory):
     """A copy of the repository's files (the venv linked), with a tiny corpus in data/."""
     root = tmp_path_factory.mktemp("readme") / "repo"
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split("\n")
-    for name in filter(None, files):
+    for name in _repository_files():
         source = Path(REPO) / name
         if source.is_file() and not name.startswith("data/"):
             (root / name).parent.mkdir(parents=True, exist_ok=True)

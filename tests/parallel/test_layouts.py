@@ -84,9 +84,8 @@ def test_tp2_dp2_checkpoint_has_one_file_per_tensor_parallel_rank(tp2_dp2_with_c
     save = out / "ckpt"
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
     for iteration in (ITERS // 2, ITERS):
-        files = sorted(str(p.relative_to(save)) for p in save.rglob("*") if p.is_file()
-                       and p.name != "latest_checkpointed_iteration.txt"
-                       and f"iter_{iteration:07d}" in str(p))
+        files = sorted(str(p.relative_to(save)) for p in save.glob(f"iter_{iteration:07d}/**/*")
+                       if p.is_file())
         assert files == [f"iter_{iteration:07d}/mp_rank_00/model_optim_rng.pt",
                          f"iter_{iteration:07d}/mp_rank_01/model_optim_rng.pt"]
     shards = [torch.load(save / f"iter_{ITERS:07d}" / f"mp_rank_0{r}" / "model_optim_rng.pt",
