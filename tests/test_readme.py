@@ -126,9 +126,10 @@ def _repository_files():
                             capture_output=True, text=True)
     if listed.returncode == 0:
         return [name for name in listed.stdout.split("\n") if name]
-    made = {".git", ".venv", "data", "checkpoints", "runs", "hf", "__pycache__"}
-    return [str(path.relative_to(REPO)) for path in Path(REPO).rglob("*")
-            if path.is_file() and not made & set(path.relative_to(REPO).parts)]
+    made = {".git", ".venv", "data", "checkpoints", "runs", "hf"}  # at the top level
+    names = [path.relative_to(REPO) for path in Path(REPO).rglob("*") if path.is_file()]
+    return [str(name) for name in names
+            if name.parts[0] not in made and "__pycache__" not in name.parts]
 
 
 @pytest.fixture(scope="module")
