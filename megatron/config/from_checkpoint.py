@@ -93,3 +93,18 @@ def describe(load_dir, taken):
     """The one line that says what was taken from the checkpoint."""
     return " taking from checkpoint " + load_dir + ": " + ", ".join(
         f"--{key.replace('_', '-')} {value}" for key, value in taken.items())
+
+
+def optimizer_change_note(raw):
+    """One line when --optimizer differs from the one the checkpoint was trained with (its
+    fp32 Adam moments load into either: Adam8bit quantises them at its first step)."""
+    if raw.get("deepspeed") or raw.get("no_load_optim") or raw.get("finetune"):
+        return None
+    saved = saved_args_of(raw.get("load"))
+    if saved is None:
+        return None
+    before = saved.get("optimizer", "adam")
+    if before == raw["optimizer"]:
+        return None
+    return (f" note: the checkpoint was trained with --optimizer {before}; its Adam states "
+            f"are converted for --optimizer {raw['optimizer']} as they load")

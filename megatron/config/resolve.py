@@ -14,7 +14,8 @@ from types import MappingProxyType
 
 from megatron.config import activation, engine
 from megatron.config.flags import build_parser, given_on_command_line
-from megatron.config.from_checkpoint import describe, values_from_checkpoint
+from megatron.config.from_checkpoint import (describe, optimizer_change_note,
+                                             values_from_checkpoint)
 from megatron.config.sections import (CheckpointConfig, DataConfig, EngineConfig, LoggingConfig,
                                       ModelConfig, OptimizerConfig, ParallelConfig,
                                       PrecisionConfig, TrainConfig, TrainingConfig)
@@ -75,6 +76,8 @@ def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provide
         world_size = discover_launch_environment().world_size
     extra = {key: value for key, value in raw.items() if key not in known}
     notes = (describe(raw["load"], taken),) if taken else ()
+    change = optimizer_change_note(raw)
+    notes += (change,) if change else ()
     return freeze(raw, given, world_size, notes, extra)
 
 
@@ -102,6 +105,7 @@ def freeze(raw, given, world_size, notes=(), extra=None):
             f"--seq-length {raw['seq_length']} is longer than --max-position-embeddings "
             f"{model.max_position_embeddings}")
     checkpoint = _checkpoint(raw)
+    _check_optimizer_choice(raw, settled.ds_config)
     return TrainConfig(
         model=model,
         activation_checkpointing=activation.activation_checkpointing(
@@ -249,7 +253,24 @@ def _optimizer(raw, clip_grad):
         schedule_follows_train_iters=(("end_iter",) if raw["lr_decay_iters"] is None else ())
         + (("warmup_iter",) if raw["lr_decay_iters"] is None and raw["warmup_iters"] is None
            else ()),
-        cpu_optimizer=raw["cpu_optimizer"], cpu_torch_adam=raw["cpu_torch_adam"])
+        cpu_optimizer=raw["cpu_optimizer"], cpu_torch_adam=raw["cpu_torch_adam"],
+        optimizer=raw["optimizer"])
+
+
+def _check_optimizer_choice(raw, ds_config):
+    if raw["optimizer"] != "adam8bit":
+        return
+    require(ds_config.optimizer is None,
+            f"--optimizer adam8bit and the DeepSpeed config's optimizer section "
+            f"(\"{getattr(ds_config.optimizer, 'type', '')}\") both choose the optimizer; drop "
+            "one (the config spells it \"type\": \"Adam8bit\")")
+    require(not raw["cpu_optimizer"],
+            "--optimizer adam8bit steps on the device; --cpu-optimizer is the fp32 CPU Adam")
+    zero = ds_config.zero_optimization
+    require(zero.stage != 3 and zero.offload_optimizer is None,
+            "--optimizer adam8bit runs at ZeRO stages 0-2 without offload_optimizer (this "
+            f"config: stage {zero.stage}"
+            + (", offload_optimizer" if zero.offload_optimizer is not None else "") + ")")
 
 
 def _checkpoint(raw):

@@ -93,6 +93,7 @@ class OptimizerConfig:
     schedule_follows_train_iters: tuple
     cpu_optimizer: bool
     cpu_torch_adam: bool
+    optimizer: str  # "adam" or "adam8bit" (when the DeepSpeed JSON has no optimizer section)
 
 
 @dataclass(frozen=True)

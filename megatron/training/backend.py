@@ -189,8 +189,12 @@ def _initialize_engine(model, config):
     if ds_config.optimizer is None:
         # --cpu-optimizer: Megatron-DeepSpeed's DeepSpeedCPUAdam (torch AdamW with
         # --cpu_torch_adam); under offload_optimizer the engine picks CPUAdam either way
-        adam = zero.ops.CPUAdam if opt.cpu_optimizer and not opt.cpu_torch_adam \
-            else torch.optim.AdamW
+        if opt.optimizer == "adam8bit":
+            from zero.optim.adam8bit import Adam8bit as adam
+        elif opt.cpu_optimizer and not opt.cpu_torch_adam:
+            adam = zero.ops.CPUAdam
+        else:
+            adam = torch.optim.AdamW
         optimizer = adam(get_param_groups(module, opt.weight_decay), lr=opt.lr,
                          betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
         parameters = None

@@ -82,7 +82,7 @@ def test_param_groups_pass_through():
      "'max_grad_norm' is not supported as an optimizer parameter"),
     ({"type": "Lamb", "params": {}}, "needs DeepSpeed's fused kernels"),
     ({"type": "OneBitAdam"}, "needs DeepSpeed's fused kernels"),
-    ({"type": "Foo"}, "Supported: Adam, AdamW, SGD, Adagrad"),
+    ({"type": "Foo"}, "Supported: Adam, AdamW, Adam8bit (AdamW8bit), SGD, Adagrad"),
     ({"type": "rmsprop"}, "did you mean \"RMSprop\""),
     ({"type": "Optimizer"}, "unknown optimizer type"),
     ({"type": "Adam", "params": {"weight_decy": 0.1}}, "did you mean 'weight_decay'"),

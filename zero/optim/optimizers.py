@@ -8,6 +8,8 @@ engine._configure_basic_optimizer builds).
   decay (torch.optim.AdamW) over L2 (torch.optim.Adam); "AdamW" is always decoupled. With
   `torch_adam: true` DeepSpeed builds the torch class with torch's defaults (AdamW's
   weight_decay is then 0.01), and so do we.
+- "Adam8bit" and "AdamW8bit" (any case) are zero.optim.Adam8bit: AdamW with 8-bit block-wise
+  moments (params lr, betas, eps, weight_decay, min_8bit_numel), ZeRO stages 0-2.
 - "SGD" and "Adagrad" (any case) are the torch classes.
 - Any other name is looked up in torch.optim, case-sensitively, as DeepSpeed does ("RMSprop").
 - DeepSpeed's kernel-only optimizers (Lamb, OneBitAdam, ...) are a ConfigError.
@@ -25,20 +27,23 @@ import torch
 from zero.config.parsing import AUTO, fail, show
 from zero.errors import ConfigError
 from zero.ops.cpu_adam import CPUAdam
+from zero.optim.adam8bit import Adam8bit
 
 logger = logging.getLogger("zero.optim.optimizers")
 
 FUSED_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
                        "amsgrad": False}
+FUSED_ADAM_DEFAULTS_8BIT = {k: v for k, v in FUSED_ADAM_DEFAULTS.items() if k != "amsgrad"}
 NAMED_TORCH_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}
 NEEDS_DEEPSPEED_KERNELS = ("lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muadam",
                            "muadamw", "musgd", "muon")
-SUPPORTED_NAMES = "Adam, AdamW, SGD, Adagrad, or a torch.optim class by its exact name " \
-                  "(e.g. RMSprop)"
+SUPPORTED_NAMES = "Adam, AdamW, Adam8bit (AdamW8bit), SGD, Adagrad, or a torch.optim class " \
+                  "by its exact name (e.g. RMSprop)"
 
 # Optimizers ZeRO is tested with (DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS, torch subset, and
 # CPUAdam).
-ZERO_SUPPORTED_OPTIMIZERS = [torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, CPUAdam]
+ZERO_SUPPORTED_OPTIMIZERS = [torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, CPUAdam,
+                             Adam8bit]
 
 
 def build_optimizer(config, model_parameters):
@@ -82,6 +87,11 @@ def plan_optimizer(section, source):
     lower = name.lower()
     if lower in ("adam", "adamw"):
         return _plan_adam(lower, params, source)
+    if lower in ("adam8bit", "adamw8bit"):
+        if "betas" in params and isinstance(params["betas"], list):
+            params["betas"] = tuple(params["betas"])
+        _check_param_names(Adam8bit, params, (), source)
+        return Adam8bit, {**FUSED_ADAM_DEFAULTS_8BIT, **params}
     if lower in NEEDS_DEEPSPEED_KERNELS:
         fail(source, f"optimizer type \"{name}\" needs DeepSpeed's fused kernels, which zero "
                      f"does not ship; use one of: {SUPPORTED_NAMES}")

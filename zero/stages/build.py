@@ -33,6 +33,7 @@ from zero.stages.param_coordinator import Stage3Knobs
 def build_zero_optimizer(engine, base_optimizer, module_reduces_gradients=False):
     """The partitioning optimizer for engine.config around `base_optimizer` (a torch one)."""
     config = engine.config
+    _check_quantized_states(base_optimizer, config)
     loss_scaler = build_loss_scaler(config)
     if config.zero_optimization.stage == 3:
         return build_stage3_optimizer(engine, base_optimizer, loss_scaler)
@@ -40,6 +41,21 @@ def build_zero_optimizer(engine, base_optimizer, module_reduces_gradients=False)
     settings = zero_settings(config, module_reduces_gradients)
     return ZeroOptimizer(base_optimizer, param_order, settings, engine.dp_comm, engine.mp_comm,
                          engine.mp_rank, loss_scaler, masters=master_store(engine))
+
+
+def _check_quantized_states(base_optimizer, config):
+    """Adam8bit steps flat partitions of stages 0-2 on the device for now."""
+    from zero.optim.adam8bit import Adam8bit
+    if not isinstance(base_optimizer, Adam8bit):
+        return
+    zero = config.zero_optimization
+    if zero.stage == 3:
+        raise ConfigError(f"DeepSpeed config {config.source}: the 8-bit Adam optimizer runs at "
+                          "ZeRO stages 0-2; stage 3 keeps 32-bit Adam states (use \"Adam\")")
+    if zero.offload_optimizer is not None:
+        raise ConfigError(f"DeepSpeed config {config.source}: the 8-bit Adam optimizer keeps "
+                          "its states on the device; offload_optimizer steps 32-bit Adam on the "
+                          "host (use \"Adam\", or drop offload_optimizer)")
 
 
 def master_store(engine):

@@ -56,6 +56,16 @@ class FlatLayout:
                 pieces.append((i, a - start, a - lo, b - a))
         return pieces
 
+    def partition_param_pieces(self, rank):
+        """(partition offset, param_index, param_offset, length) of every param piece in
+        rank's partition, in partition order."""
+        pieces = []
+        for k in range(self.num_buckets):
+            lo = k * self.bucket + rank * self.chunk
+            for i, param_offset, offset, length in self.range_pieces(lo, lo + self.chunk):
+                pieces.append((k * self.chunk + offset, i, param_offset, length))
+        return pieces
+
     def partition_runs(self, rank, lo, hi):
         """(flat_start, partition_start, length) of rank's elements inside flat range [lo, hi)."""
         runs = []

@@ -72,6 +72,7 @@ class ZeroOptimizer(PartitionedOptimizer):
         self._pre_factor, self._post_factor = self._averaging_factors()
         self.groups = self._flatten_param_groups(optimizer, param_order)
         self.optimizer = self.masters.finish(optimizer)
+        self._describe_partitions()
         self.refresh_masters_from_model()
         self._launch_order = self._bucket_launch_order(param_order)
         self._hooks = [param.register_post_accumulate_grad_hook(partial(self._grad_ready, g, i))
@@ -120,6 +121,25 @@ class ZeroOptimizer(PartitionedOptimizer):
             group["params"] = [flat.master]
             groups.append(flat)
         return groups
+
+    def _describe_partitions(self):
+        """An optimizer whose state is laid out on the original parameters (Adam8bit's
+        quantisation blocks) learns which parameter elements each master element is, on
+        every rank, so its result does not depend on where the partitions cut."""
+        describe = getattr(self.optimizer, "describe_partition", None)
+        if describe is None:
+            return
+        from zero.optim.adam8bit import Piece
+
+        def pieces(g, group, rank):
+            return [Piece(start, length, (g, i), offset, group.layout.numels[i])
+                    for start, i, offset, length in group.layout.partition_param_pieces(rank)]
+        mine = {group.master: pieces(g, group, self.partition_rank)
+                for g, group in enumerate(self.groups)}
+        everyone = [[piece for g, group in enumerate(self.groups)
+                     for piece in pieces(g, group, rank)]
+                    for rank in range(self.partition_count)]
+        describe(mine, everyone, self.dp_comm.group if self.partition_count > 1 else None)
 
     def _alias_master_in_flat(self, dtype):
         """Stage 1/2 with fp32 params: the master partition is this rank's chunk of the flat

@@ -1,0 +1,183 @@
+"""zero.optim.Adam8bit: the code's error bounds, AdamW semantics, independence from how ZeRO
+cuts the flat buffers (DP=2 stages 0-2 vs one process), state bytes, checkpoints."""
+
+import copy
+
+import pytest
+import torch
+
+import zero
+from tests.dist_utils import run_distributed
+from tests.zero import engine_cases as cases
+from zero.optim.adam8bit import (BLOCK, Adam8bit, Piece, dequantize_signed, dequantize_unsigned,
+                                 quantize_signed, quantize_unsigned)
+
+MIN_NUMEL = 64  # the tiny model's tensors are 512-1024 elements: quantise them
+STEPS = 12
+
+
+def _blocks(seed=0):
+    """64 blocks whose magnitudes span six decades, with exact zeros and a zero block."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, BLOCK, generator=generator) * torch.logspace(-6, 0, 64)[:, None]
+    x[3, :10] = 0
+    x[5] = 0
+    return x
+
+
+def test_round_trip_error_is_bounded_per_block_and_requantising_is_exact():
+    x = _blocks()
+    scale = x.abs().amax(1)
+    codes = quantize_signed(x, scale)
+    back = dequantize_signed(codes, scale)
+    # the widest step of the signed code is the top one: 1 - (126/127)^3 of the absmax
+    assert ((back - x).abs() <= 0.5 * (1 - (126 / 127) ** 3) * scale[:, None] + 1e-12).all()
+    assert torch.equal(back.abs().amax(1), scale)  # each block's absmax is exact
+    assert torch.equal(quantize_signed(back, back.abs().amax(1)), codes)
+    assert (back[5] == 0).all() and (back[3, :10] == 0).all()
+    v = x.square()
+    v_scale = v.amax(1)
+    v_codes = quantize_unsigned(v, v_scale)
+    v_back = dequantize_unsigned(v_codes, v_scale)
+    assert ((v_back - v).abs() <= 0.5 * (1 - (254 / 255) ** 4) * v_scale[:, None] + 1e-30).all()
+    assert torch.equal(quantize_unsigned(v_back, v_back.amax(1)), v_codes)
+
+
+def test_small_values_keep_relative_precision():
+    """The non-linear code: a value at 1e-3 of its block's absmax keeps ~10% precision, where
+    a linear int8 code would round it to zero."""
+    x = torch.full((1, BLOCK), 1e-3)
+    x[0, 0] = 1.0
+    back = dequantize_signed(quantize_signed(x, x.abs().amax(1)), x.abs().amax(1))
+    assert (back[0, 1:] - 1e-3).abs().max() < 0.15e-3
+
+
+def _tiny_model_pair():
+    model = cases.make_model()
+    return model, copy.deepcopy(model)
+
+
+def test_tracks_adamw_on_the_tiny_model():
+    model, model8 = _tiny_model_pair()
+    reference, _, _ = cases.train_reference(STEPS, model=model)
+    eight_bit, _, _ = cases.train_reference(
+        STEPS, model=model8, optimizer=Adam8bit(cases.param_groups(model8), lr=cases.LR,
+                                                 min_8bit_numel=MIN_NUMEL))
+    assert eight_bit[-1] < eight_bit[0] - 0.05  # it learns
+    assert max(abs(a - b) / a for a, b in zip(eight_bit, reference)) < 0.02
+
+
+@pytest.mark.parametrize("cuts", [[1000, 4333], [1, 255, 256, 257, 4999], [4096]])
+def test_the_result_does_not_depend_on_where_the_tensor_is_cut(cuts):
+    """One flat tensor holding two parameters, described whole and cut into pieces at odd
+    places: bit-identical weights and states (blocks split by a cut take the MAX of their
+    pieces' absmax; every operation rounds the same on any cut)."""
+    n1, n2 = 5000, 9000
+    whole = [Piece(0, n1, "a", 0, n1), Piece(n1, n2, "b", 0, n2)]
+    pieces = []
+    for piece in whole:
+        bounds = [0] + [c for c in cuts if c < piece.length] + [piece.length]
+        pieces += [Piece(piece.start + lo, hi - lo, piece.param, lo, piece.length)
+                   for lo, hi in zip(bounds[:-1], bounds[1:])]
+    torch.manual_seed(0)
+    weights = [torch.randn(n1 + n2, requires_grad=True)]
+    weights.append(weights[0].detach().clone().requires_grad_(True))
+    optimizers = []
+    for weight, description in zip(weights, (whole, pieces)):
+        optimizer = Adam8bit([weight], lr=1e-2, weight_decay=0.1, min_8bit_numel=MIN_NUMEL)
+        optimizer.describe_partition({weight: description}, [description])
+        optimizers.append(optimizer)
+    for _ in range(5):
+        grad = torch.randn(n1 + n2) * torch.logspace(-4, 0, n1 + n2)
+        for weight, optimizer in zip(weights, optimizers):
+            weight.grad = grad.clone()
+            optimizer.step()
+    assert torch.equal(weights[0], weights[1])
+    states = [optimizer.state_dict()["state"][0] for optimizer in optimizers]
+    assert torch.equal(states[0]["exp_avg"], states[1]["exp_avg"])
+    assert torch.equal(states[0]["exp_avg_sq"], states[1]["exp_avg_sq"])
+
+
+def test_state_is_about_two_bytes_per_parameter():
+    weight = torch.zeros(BLOCK * 4000, requires_grad=True)
+    optimizer = Adam8bit([weight])
+    weight.grad = torch.randn_like(weight)
+    optimizer.step()
+    assert optimizer.state_bytes() / weight.numel() < 2.04  # 1 + 1 + 2 x 4 / 256
+    small = torch.zeros(100, requires_grad=True)  # below min_8bit_numel: fp32 moments
+    optimizer = Adam8bit([small])
+    small.grad = torch.randn_like(small)
+    optimizer.step()
+    assert optimizer.state_bytes() >= 8 * small.numel()
+
+
+def test_state_dict_is_adamw_format_and_moves_between_the_two():
+    model, model8 = _tiny_model_pair()
+    adamw = torch.optim.AdamW(cases.param_groups(model), lr=cases.LR)
+    cases.train_reference(3, model=model, optimizer=adamw)
+    eight = Adam8bit(cases.param_groups(model8), lr=cases.LR, min_8bit_numel=MIN_NUMEL)
+    model8.load_state_dict(model.state_dict())
+    eight.load_state_dict(adamw.state_dict())  # AdamW -> Adam8bit
+    assert set(eight.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    after_adamw, _, _ = cases.train_reference(3, start=3, model=model, optimizer=adamw)
+    after_eight, _, _ = cases.train_reference(3, start=3, model=model8, optimizer=eight)
+    assert after_eight[0] == after_adamw[0]  # same weights before the first step
+    # the first step starts from AdamW's exact moments: the next loss is close
+    assert abs(after_eight[1] - after_adamw[1]) / after_adamw[1] < 1e-3
+    assert max(abs(a - b) / a for a, b in zip(after_eight, after_adamw)) < 0.02
+    back = torch.optim.AdamW(cases.param_groups(model8), lr=cases.LR)
+    back.load_state_dict(eight.state_dict())  # Adam8bit -> AdamW
+    assert torch.equal(back.state[next(model8.parameters())]["exp_avg"].reshape(-1),
+                       eight.state_dict()["state"][0]["exp_avg"].reshape(-1))
+
+
+def test_resume_from_a_state_dict_is_exact():
+    model, model8 = _tiny_model_pair()
+    first = Adam8bit(cases.param_groups(model), lr=cases.LR, min_8bit_numel=MIN_NUMEL)
+    cases.train_reference(3, model=model, optimizer=first)
+    model8.load_state_dict(model.state_dict())
+    second = Adam8bit(cases.param_groups(model8), lr=cases.LR, min_8bit_numel=MIN_NUMEL)
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    unbroken, _, _ = cases.train_reference(3, start=3, model=model, optimizer=first)
+    resumed, _, _ = cases.train_reference(3, start=3, model=model8, optimizer=second)
+    assert unbroken == resumed
+
+
+# ----- through the engine: ZeRO stages 0-2, one and two processes -----
+
+def _engine_8bit(stage, **options):
+    model = cases.make_model()
+    optimizer = Adam8bit(cases.param_groups(model), lr=cases.LR, min_8bit_numel=MIN_NUMEL)
+    engine, _, _, _ = zero.initialize(model=model, optimizer=optimizer,
+                                      config=cases.ds_config(stage, **options))
+    return engine
+
+
+def _train_stages(rank, world_size):
+    return {stage: cases.train_steps(_engine_8bit(stage), STEPS) for stage in (0, 1, 2)}
+
+
+def test_zero_stages_at_dp2_give_the_single_process_losses():
+    single = cases.train_steps(_engine_8bit(0), STEPS)
+    results = run_distributed(_train_stages, 2)
+    for stage in (0, 1, 2):
+        assert results[0][stage] == results[1][stage]
+        error = max(abs(a - b) / b for a, b in zip(results[0][stage], single))
+        assert error < 1e-4, (stage, error)
+    assert single[-1] < single[0] - 0.05
+
+
+def test_engine_checkpoint_resumes_exactly(tmp_path):
+    first = _engine_8bit(2)
+    cases.train_steps(first, 3)
+    first.save_checkpoint(str(tmp_path))
+    unbroken = cases.train_steps(first, 3, start=3)
+    second = _engine_8bit(2)
+    second.load_checkpoint(str(tmp_path))
+    assert cases.train_steps(second, 3, start=3) == unbroken
+
+
+def test_stage3_and_offload_are_one_config_error():
+    for stage, extra in ((3, {}), (2, {"offload_optimizer": {"device": "cpu"}})):
+        with pytest.raises(zero.ConfigError, match="8-bit Adam"):
+            _engine_8bit(stage, **extra)

@@ -1,0 +1,398 @@
+"""AdamW with 8-bit block-wise optimizer states, laid out on the original parameters.
+
+Each moment is stored as one byte per element and one fp32 scale per block of 256 elements
+of the *original* parameter (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
+Quantization", for the block-wise idea). The code is a power-law companding of the block's
+absmax-normalised values, so small values keep precision the way a non-linear ("dynamic")
+code does:
+
+    first moment m (signed):     q = round(127 * sign(x) * |x/s|^(1/3)),  x = s * (q/127)^3
+    second moment v (unsigned):  q = round(255 * (x/s)^(1/4)),            x = s * (q/255)^4
+
+with s the block's absmax. Rounding is deterministic and requantising a dequantised value
+gives the same code, so a checkpoint that holds the dequantised moments resumes exactly.
+Parameters with fewer than `min_8bit_numel` elements keep fp32 moments.
+
+Partition-aware: under ZeRO the optimizer steps a flat partition that cuts parameters
+anywhere. `describe_partition` tells it which elements of which original parameter each
+partition element is; blocks are counted from each parameter's first element, and a block that
+a partition cut splits (between ranks, or between two pieces on one rank) gets its scale from
+a MAX over the pieces (one small all-reduce over data parallelism per step). So the states,
+and the training, do not depend on the data-parallel size or the bucket size.
+
+state_dict() gives AdamW's format (fp32 `exp_avg`, `exp_avg_sq`, `step` per tensor), so
+checkpoints, their conversions and re-partitioning work unchanged, and a run can switch
+between AdamW and Adam8bit when it loads one.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BLOCK = 256
+MIN_8BIT_NUMEL = 4096
+_CHUNK = BLOCK * 4096  # elements per vectorised pass (bounds the fp32 temporaries)
+
+
+# ------------------------------------------------------------------------------ the code
+
+def quantize_signed(x, scale):
+    """int8 codes of `x` [..., B] with per-row absmax `scale` [...]."""
+    ratio = x / _safe(scale).unsqueeze(-1)
+    return (_companded(ratio.abs(), 1 / 3, _SIGNED_BOUNDS) * ratio.sign()).to(torch.int8)
+
+
+def dequantize_signed(codes, scale):
+    y = codes.float() / 127
+    return (y * y).mul_(y).mul_(scale.unsqueeze(-1))  # products, not pow: see _companded
+
+
+def quantize_unsigned(x, scale):
+    """uint8 codes of non-negative `x` [..., B] with per-row max `scale` [...]."""
+    ratio = (x / _safe(scale).unsqueeze(-1)).clamp_(min=0)
+    return _companded(ratio, 1 / 4, _UNSIGNED_BOUNDS).to(torch.uint8)
+
+
+def dequantize_unsigned(codes, scale):
+    y = codes.float() / 255
+    y = y * y
+    return (y * y).mul_(scale.unsqueeze(-1))
+
+
+def _boundaries(top, power):
+    """The ratios halfway (in the companded domain) between codes k and k + 1."""
+    return (((torch.arange(top, dtype=torch.float64) + 0.5) / top) ** power).float()
+
+
+_SIGNED_BOUNDS = _boundaries(127, 3)
+_UNSIGNED_BOUNDS = _boundaries(255, 4)
+
+
+def _companded(ratio, root, bounds):
+    """The code of each ratio in [0, 1]: how many boundaries lie below it. round(top *
+    ratio^root) says the same except within float error of a boundary; those few are
+    decided by comparison, so the code never depends on which SIMD path computed the root
+    (torch's vectorised and scalar pow differ in the last bit)."""
+    y = ratio.pow(root).mul_(len(bounds))
+    codes = y.round()
+    near = (y - codes).abs_() > 0.499
+    if near.any():
+        codes[near] = torch.bucketize(ratio[near], bounds.to(ratio.device)).to(codes.dtype)
+    return codes
+
+
+def _safe(scale):
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+# ------------------------------------------------------------------------------ the layout
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of a tensor's elements that belongs to one original parameter."""
+    start: int          # first element in the stepped tensor
+    length: int
+    param: object       # a hashable id of the original parameter (same on every rank)
+    param_offset: int   # where the run starts in the original parameter
+    param_numel: int
+
+
+@dataclass
+class _Plan:
+    """How one stepped tensor's elements map onto blocks and state."""
+    quantized: list     # [(piece, regions, first scale slot)]; regions as in _regions
+    small: list         # [(piece, first element of the fp32 state)]
+    num_scales: int
+    small_numel: int
+    shared: dict        # scale slot -> index in the optimizer's shared-block vector
+
+
+def _regions(piece):
+    """(head, body, tail) lengths: the part of the first block the piece shares with what
+    comes before it, whole blocks, and the rest."""
+    head = min((-piece.param_offset) % BLOCK, piece.length)
+    body = (piece.length - head) // BLOCK * BLOCK
+    return head, body, piece.length - head - body
+
+
+def _partial_blocks(piece):
+    """{which: (param, block)} for the head / tail block of the piece when other pieces hold
+    the rest of it."""
+    head, body, tail = _regions(piece)
+    found = {}
+    if head:
+        found["head"] = (piece.param, piece.param_offset // BLOCK)
+    if tail:
+        end = piece.param_offset + piece.length
+        block = (end - 1) // BLOCK
+        if end < min((block + 1) * BLOCK, piece.param_numel):  # the block goes on elsewhere
+            found["tail"] = (piece.param, block)
+    return found
+
+
+def _make_plan(pieces, shared_index, min_8bit_numel):
+    quantized, small, slots, small_numel, shared = [], [], 0, 0, {}
+    for piece in pieces:
+        if piece.param_numel < min_8bit_numel:
+            small.append((piece, small_numel))
+            small_numel += piece.length
+            continue
+        head, body, tail = _regions(piece)
+        quantized.append((piece, (head, body, tail), slots))
+        count = (1 if head else 0) + body // BLOCK + (1 if tail else 0)
+        for which, block_id in _partial_blocks(piece).items():
+            if block_id in shared_index:
+                shared[slots if which == "head" else slots + count - 1] = shared_index[block_id]
+        slots += count
+    return _Plan(quantized, small, slots, small_numel, shared)
+
+
+# ------------------------------------------------------------------------------ the optimizer
+
+class Adam8bit(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias correction) with 8-bit block-wise moments.
+
+    Without `describe_partition`, every parameter is its own original parameter."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 min_8bit_numel=MIN_8BIT_NUMEL):
+        if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and 0 <= betas[0] < 1
+                and 0 <= betas[1] < 1 and min_8bit_numel >= 0):
+            raise ValueError(f"Adam8bit: invalid hyperparameters lr={lr}, betas={betas}, "
+                             f"eps={eps}, weight_decay={weight_decay}, "
+                             f"min_8bit_numel={min_8bit_numel}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay))
+        self.min_8bit_numel = int(min_8bit_numel)
+        self._pieces = {}        # tensor -> [Piece]
+        self._shared = {}        # (param, block) -> index in the shared vector
+        self._comm_group = None  # the data-parallel group blocks may be split over
+        self._plans = {}
+
+    def describe_partition(self, pieces_by_tensor, all_ranks_pieces, group=None):
+        """`pieces_by_tensor`: {stepped tensor: [Piece]} on this rank; `all_ranks_pieces`:
+        every rank's pieces (lists of Piece), to agree on the blocks cuts split; `group`: the
+        process group those ranks form (None: one process)."""
+        self._pieces = dict(pieces_by_tensor)
+        holders = {}
+        for rank_pieces in all_ranks_pieces:
+            for piece in rank_pieces:
+                if piece.param_numel >= self.min_8bit_numel:
+                    for block_id in _partial_blocks(piece).values():
+                        holders[block_id] = holders.get(block_id, 0) + 1
+        shared = sorted((b for b, n in holders.items() if n > 1), key=repr)
+        self._shared = {block_id: i for i, block_id in enumerate(shared)}
+        self._comm_group = group
+        self._plans = {}
+
+    def _plan(self, p):
+        plan = self._plans.get(p)
+        if plan is None:
+            pieces = self._pieces.get(p) or [Piece(0, p.numel(), id(p), 0, p.numel())]
+            plan = self._plans[p] = _make_plan(pieces, self._shared, self.min_8bit_numel)
+        return plan
+
+    # ----- state -----
+
+    def _init_state(self, p):
+        plan, state = self._plan(p), self.state[p]
+        n, device = p.numel(), p.device
+        state.setdefault("step", torch.zeros((), dtype=torch.float32))
+        state["m_codes"] = torch.zeros(n, dtype=torch.int8, device=device)
+        state["v_codes"] = torch.zeros(n, dtype=torch.uint8, device=device)
+        state["m_scales"] = torch.zeros(plan.num_scales, dtype=torch.float32, device=device)
+        state["v_scales"] = torch.zeros(plan.num_scales, dtype=torch.float32, device=device)
+        state["m_small"] = torch.zeros(plan.small_numel, dtype=torch.float32, device=device)
+        state["v_small"] = torch.zeros(plan.small_numel, dtype=torch.float32, device=device)
+
+    def _dequantized(self, p):
+        """Full fp32 (exp_avg, exp_avg_sq) of tensor `p`."""
+        plan, state = self._plan(p), self.state[p]
+        m = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        v = torch.zeros_like(m)
+        for piece, regions, slot in plan.quantized:
+            for lo, hi, scale_slots in _spans(regions, slot):
+                a, b = piece.start + lo, piece.start + hi
+                m[a:b] = _deq(dequantize_signed, state["m_codes"][a:b], state["m_scales"],
+                              scale_slots)
+                v[a:b] = _deq(dequantize_unsigned, state["v_codes"][a:b], state["v_scales"],
+                              scale_slots)
+        for piece, at in plan.small:
+            m[piece.start:piece.start + piece.length] = state["m_small"][at:at + piece.length]
+            v[piece.start:piece.start + piece.length] = state["v_small"][at:at + piece.length]
+        return m, v
+
+    def state_dict(self):
+        """AdamW's format: fp32 exp_avg / exp_avg_sq per tensor (dequantised)."""
+        packed = super().state_dict()
+        index = {id(p): i for i, p in enumerate(
+            p for group in self.param_groups for p in group["params"])}
+        for p, state in self.state.items():
+            if "pending" in state:  # loaded, not stepped since
+                m, v = state["pending"]
+            elif "m_codes" in state:
+                m, v = self._dequantized(p)
+            else:
+                continue
+            packed["state"][index[id(p)]] = {"step": state["step"].clone(), "exp_avg": m,
+                                             "exp_avg_sq": v}
+        return packed
+
+    def load_state_dict(self, state_dict):
+        """Takes AdamW's format (from this optimizer or from AdamW); the moments are
+        quantised at the next step (every rank steps together, as shared blocks need)."""
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():
+            if "step" in state:  # stepped in place: never the caller's tensor
+                state["step"] = state["step"].clone()
+            if "exp_avg" in state:  # a copy: a live optimizer's state_dict shares its tensors
+                state["pending"] = (state.pop("exp_avg").clone(),
+                                    state.pop("exp_avg_sq").clone())
+
+    def state_bytes(self):
+        """Bytes this optimizer keeps per stepped element, summed over its tensors."""
+        return sum(t.numel() * t.element_size() for s in self.state.values()
+                   for t in s.values() if torch.is_tensor(t))
+
+    # ----- the step -----
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pending = _SharedBlocks(len(self._shared))
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                loaded = state.pop("pending", None)  # fp32 moments from a checkpoint
+                if "m_codes" not in state:
+                    self._init_state(p)
+                state["step"] += 1
+                step = float(state["step"])
+                hyper = _Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                               1 - beta1 ** step, 1 - beta2 ** step)
+                self._step_tensor(p, p.grad.reshape(-1), hyper, pending, loaded)
+        pending.finish(self._comm_group)
+        return loss
+
+    def _step_tensor(self, p, grad, hyper, pending, loaded=None):
+        """Update `p` and its moments; `loaded`: fp32 (exp_avg, exp_avg_sq) to start from
+        instead of the codes (the first step after loading a checkpoint)."""
+        plan, state = self._plan(p), self.state[p]
+        flat = p.view(-1)
+        if loaded is not None:
+            loaded = [t.reshape(-1).to(p.device, torch.float32) for t in loaded]
+        for piece, regions, slot in plan.quantized:
+            for lo, hi, scale_slots in _spans(regions, slot):
+                a, b = piece.start + lo, piece.start + hi
+                if loaded is not None:
+                    m, v = loaded[0][a:b].clone(), loaded[1][a:b].clone()
+                else:
+                    m = _deq(dequantize_signed, state["m_codes"][a:b], state["m_scales"],
+                             scale_slots)
+                    v = _deq(dequantize_unsigned, state["v_codes"][a:b], state["v_scales"],
+                             scale_slots)
+                _adamw(flat[a:b], grad[a:b], m, v, hyper)
+                _quantize_span(state, plan, a, b, scale_slots, m, v, pending)
+        for piece, at in plan.small:
+            a, b = piece.start, piece.start + piece.length
+            m_small = state["m_small"][at:at + piece.length]
+            v_small = state["v_small"][at:at + piece.length]
+            if loaded is not None:
+                m_small.copy_(loaded[0][a:b])
+                v_small.copy_(loaded[1][a:b])
+            _adamw(flat[a:b], grad[a:b], m_small, v_small, hyper)
+
+
+def _quantize_span(state, plan, a, b, scale_slots, m, v, pending):
+    """Codes and scales of the updated elements [a, b) of the tensor, a whole number of scale
+    slots. A block that other pieces share waits in `pending` for the MAX over all of them."""
+    first, last = scale_slots
+    m_rows, v_rows = m.view(last - first, -1), v.view(last - first, -1)
+    m_scale, v_scale = m_rows.abs().amax(1), v_rows.amax(1)
+    if first in plan.shared:  # a head or tail block: one slot
+        pending.add(plan.shared[first], state, first, a, b, m, v, m_scale, v_scale)
+        return
+    state["m_scales"][first:last] = m_scale
+    state["v_scales"][first:last] = v_scale
+    state["m_codes"][a:b] = quantize_signed(m_rows, m_scale).view(-1)
+    state["v_codes"][a:b] = quantize_unsigned(v_rows, v_scale).view(-1)
+
+
+class _SharedBlocks:
+    """Blocks split between pieces: their updated values wait here until the MAX of every
+    piece's absmax is known (an all-reduce over the ranks that hold pieces of them)."""
+
+    def __init__(self, count):
+        self.maxima = torch.zeros(2, count, dtype=torch.float32)
+        self.waiting = []
+
+    def add(self, index, state, slot, a, b, m, v, m_scale, v_scale):
+        self.maxima[0, index] = max(float(self.maxima[0, index]), float(m_scale[0]))
+        self.maxima[1, index] = max(float(self.maxima[1, index]), float(v_scale[0]))
+        self.waiting.append((index, state, slot, a, b, m, v))
+
+    def finish(self, group):
+        if self.maxima.numel() and group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(self.maxima, op=dist.ReduceOp.MAX, group=group)
+        for index, state, slot, a, b, m, v in self.waiting:
+            m_scale = self.maxima[0, index:index + 1].to(m.device)
+            v_scale = self.maxima[1, index:index + 1].to(v.device)
+            state["m_scales"][slot] = m_scale[0]
+            state["v_scales"][slot] = v_scale[0]
+            state["m_codes"][a:b] = quantize_signed(m.view(1, -1), m_scale).view(-1)
+            state["v_codes"][a:b] = quantize_unsigned(v.view(1, -1), v_scale).view(-1)
+        self.waiting = []
+
+
+@dataclass(frozen=True)
+class _Hyper:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    bias_correction1: float
+    bias_correction2: float
+
+
+def _adamw(param, grad, m, v, h):
+    """One AdamW update of fp32 views (param may be a view of the master). Every operation
+    rounds once (no fused multiply-add, whose vectorised and scalar paths round differently),
+    so an element's update does not depend on where a partition cut the tensor."""
+    grad = grad.float()
+    m.mul_(h.beta1).add_(grad * (1 - h.beta1))
+    v.mul_(h.beta2).add_((grad * grad).mul_(1 - h.beta2))
+    if h.weight_decay:
+        param.mul_(1 - h.lr * h.weight_decay)
+    update = m / (v / h.bias_correction2).sqrt_().add_(h.eps)
+    param.sub_(update.mul_(h.lr / h.bias_correction1))
+
+
+def _spans(regions, slot):
+    """[(lo, hi, (first scale slot, end scale slot))] of a piece's spans, each a whole number
+    of its scale slots: the head, the body in chunks, the tail."""
+    head, body, tail = regions
+    spans, at, s = [], 0, slot
+    if head:
+        spans.append((0, head, (s, s + 1)))
+        at, s = head, s + 1
+    for lo in range(at, at + body, _CHUNK):
+        hi = min(lo + _CHUNK, at + body)
+        blocks = (hi - lo) // BLOCK
+        spans.append((lo, hi, (s, s + blocks)))
+        s += blocks
+    if tail:
+        spans.append((at + body, at + body + tail, (s, s + 1)))
+    return spans
+
+
+def _deq(dequantize, codes, scales, scale_slots):
+    first, last = scale_slots
+    return dequantize(codes.view(last - first, -1), scales[first:last]).view(-1)
