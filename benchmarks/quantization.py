@@ -1,0 +1,84 @@
+"""Optimizer step time and state bytes per parameter: zero.optim.Adam8bit (8-bit block-wise
+moments) vs zero.ops.CPUAdam and torch's fused AdamW (fp32 moments), on one flat fp32
+parameter of 10M and 100M elements, beside the memory-bandwidth floor of each state width.
+
+    .venv/bin/python benchmarks/quantization.py            # 10M and 100M (~3 GB of RAM)
+    .venv/bin/python benchmarks/quantization.py --quick    # 10M only
+
+Floors: a step reads param and grad (8 B), writes param (4 B), and reads and writes each
+moment: 2 x 8 B in fp32 (28 B/param in all), 2 x 2 B in 8 bits (16 B/param, plus the block
+scales); floor = bytes x N / (copy bandwidth measured in the same run). Medians after warm-up.
+The bitsandbytes and torchao 8-bit optimizers belong beside these rows, from a separate venv
+(not installed here yet).
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import (machine_description, markdown_table, median_seconds,  # noqa: E402
+                               update_docs_section)
+from benchmarks.cpu_adam import copy_bandwidth  # noqa: E402
+from zero.ops import CPUAdam  # noqa: E402
+from zero.optim.adam8bit import Adam8bit  # noqa: E402
+
+OPTIMIZERS = {  # name: (factory, floor bytes per parameter)
+    "zero.optim.Adam8bit": (lambda p: Adam8bit(p, lr=1e-3, weight_decay=0.01), 16),
+    "zero.ops.CPUAdam (fp32)": (lambda p: CPUAdam(p, lr=1e-3, weight_decay=0.01), 28),
+    "torch AdamW fused (fp32)": (lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01,
+                                                             fused=True), 28),
+}
+
+
+def measure(factory, numel, repeats):
+    """(median seconds per step, optimizer state bytes per parameter)."""
+    param = torch.nn.Parameter(torch.randn(numel))
+    param.grad = torch.randn(numel) * 1e-2
+    optimizer = factory([param])
+    seconds = median_seconds(optimizer.step, warmup=2, repeats=repeats)
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values()
+                for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    return seconds, state / numel
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="10M parameters only")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="rewrite its section of docs/benchmarks.md (default: print only)")
+    args = parser.parse_args()
+    sizes = [10_000_000] if args.quick else [10_000_000, 100_000_000]
+    threads = torch.get_num_threads()
+    rows = []
+    for numel in sizes:
+        repeats = 5 if numel <= 10_000_000 else 3
+        bandwidth = copy_bandwidth(numel)
+        fp32_ms = None
+        for name, (factory, floor_bytes) in OPTIMIZERS.items():
+            seconds, state_bytes = measure(factory, numel, repeats)
+            floor_ms = floor_bytes * numel / bandwidth * 1000
+            ms = seconds * 1000
+            fp32_ms = ms if name.startswith("torch AdamW fused") else fp32_ms
+            rows.append([f"{numel / 1e6:.0f}M", name, f"{ms:.1f}", f"{state_bytes:.2f}",
+                         f"{floor_ms:.1f} ({floor_ms / ms:.0%})"])
+            print(rows[-1], flush=True)
+        for row in rows[-len(OPTIMIZERS):]:
+            row.append(f"{float(row[2]) / fp32_ms:.2f}x")
+    table = markdown_table(["params", "optimizer", "step ms", "state B/param",
+                            "floor ms (share reached)", "÷ torch fused AdamW"], rows)
+    body = (f"## Quantised optimizer states (benchmarks/quantization.py)\n\n"
+            f"{machine_description()}; one flat fp32 tensor, lr 1e-3, weight decay 0.01, "
+            f"{threads} threads; median ms per step. Floors: 16 B/param moved by an 8-bit step, "
+            f"28 B/param by an fp32 one, at the copy bandwidth measured in the same run.\n\n"
+            + table + "\n")
+    print(body)
+    if args.write_docs:
+        update_docs_section("quantization", body)
+
+
+if __name__ == "__main__":
+    main()
