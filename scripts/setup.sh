@@ -21,7 +21,7 @@ EXTRAS="${EXTRAS:-}"
 
 RUNTIME_PACKAGES=(numpy sentencepiece regex tensorboard tqdm)
 WEBTEXT_PACKAGES=(ftfy langdetect datasketch)
-TEST_PACKAGES=(pytest ruff tokenizers "${WEBTEXT_PACKAGES[@]}")
+TEST_PACKAGES=(pytest ruff hypothesis tokenizers "${WEBTEXT_PACKAGES[@]}")
 CONVERT_PACKAGES=(transformers safetensors)
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -11,7 +11,8 @@ code does:
 
 with s the block's absmax. Rounding is deterministic and requantising a dequantised value
 gives the same code, so a checkpoint that holds the dequantised moments resumes exactly.
-Parameters with fewer than `min_8bit_numel` elements keep fp32 moments.
+Parameters with fewer than `min_8bit_numel` elements (counted over the whole parameter, not a
+tensor-parallel shard of it) keep fp32 moments.
 
 Partition-aware: under ZeRO the optimizer steps a flat partition that cuts parameters
 anywhere. `describe_partition` tells it which elements of which original parameter each
@@ -96,6 +97,13 @@ class Piece:
     param: object       # a hashable id of the original parameter (same on every rank)
     param_offset: int   # where the run starts in the original parameter
     param_numel: int
+    # the size that decides 8-bit vs fp32 moments: the whole parameter's, also when this
+    # process holds a tensor-parallel shard of it (None: param_numel)
+    full_numel: int = None
+
+    @property
+    def quantized_at(self):
+        return self.param_numel if self.full_numel is None else self.full_numel
 
 
 @dataclass
@@ -134,7 +142,7 @@ def _partial_blocks(piece):
 def _make_plan(pieces, shared_index, min_8bit_numel):
     quantized, small, slots, small_numel, shared = [], [], 0, 0, {}
     for piece in pieces:
-        if piece.param_numel < min_8bit_numel:
+        if piece.quantized_at < min_8bit_numel:
             small.append((piece, small_numel))
             small_numel += piece.length
             continue
@@ -178,7 +186,7 @@ class Adam8bit(torch.optim.Optimizer):
         holders = {}
         for rank_pieces in all_ranks_pieces:
             for piece in rank_pieces:
-                if piece.param_numel >= self.min_8bit_numel:
+                if piece.quantized_at >= self.min_8bit_numel:
                     for block_id in _partial_blocks(piece).values():
                         holders[block_id] = holders.get(block_id, 0) + 1
         shared = sorted((b for b, n in holders.items() if n > 1), key=repr)

@@ -131,8 +131,12 @@ class ZeroOptimizer(PartitionedOptimizer):
             return
         from zero.optim.adam8bit import Piece
 
+        mp_size = self.mp_comm.world_size if self.mp_comm is not None else 1
+
         def pieces(g, group, rank):
-            return [Piece(start, length, (g, i), offset, group.layout.numels[i])
+            return [Piece(start, length, (g, i), offset, group.layout.numels[i],
+                          group.layout.numels[i] * (mp_size if getattr(
+                              group.params[i], "model_parallel", False) else 1))
                     for start, i, offset, length in group.layout.partition_param_pieces(rank)]
         mine = {group.master: pieces(g, group, self.partition_rank)
                 for g, group in enumerate(self.groups)}
