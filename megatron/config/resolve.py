@@ -266,11 +266,9 @@ def _check_optimizer_choice(raw, ds_config):
             "one (the config spells it \"type\": \"Adam8bit\")")
     require(not raw["cpu_optimizer"],
             "--optimizer adam8bit steps on the device; --cpu-optimizer is the fp32 CPU Adam")
-    zero = ds_config.zero_optimization
-    require(zero.stage != 3 and zero.offload_optimizer is None,
-            "--optimizer adam8bit runs at ZeRO stages 0-2 without offload_optimizer (this "
-            f"config: stage {zero.stage}"
-            + (", offload_optimizer" if zero.offload_optimizer is not None else "") + ")")
+    require(ds_config.zero_optimization.offload_optimizer is None,
+            "--optimizer adam8bit keeps its states on the device; the config's "
+            "offload_optimizer steps fp32 Adam on the host (drop one of them)")
 
 
 def _checkpoint(raw):

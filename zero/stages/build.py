@@ -44,14 +44,11 @@ def build_zero_optimizer(engine, base_optimizer, module_reduces_gradients=False)
 
 
 def _check_quantized_states(base_optimizer, config):
-    """Adam8bit steps flat partitions of stages 0-2 on the device for now."""
+    """Adam8bit steps its partitions on the device (not offloaded) for now."""
     from zero.optim.adam8bit import Adam8bit
     if not isinstance(base_optimizer, Adam8bit):
         return
     zero = config.zero_optimization
-    if zero.stage == 3:
-        raise ConfigError(f"DeepSpeed config {config.source}: the 8-bit Adam optimizer runs at "
-                          "ZeRO stages 0-2; stage 3 keeps 32-bit Adam states (use \"Adam\")")
     if zero.offload_optimizer is not None:
         raise ConfigError(f"DeepSpeed config {config.source}: the 8-bit Adam optimizer keeps "
                           "its states on the device; offload_optimizer steps 32-bit Adam on the "

@@ -154,6 +154,7 @@ class Stage3Optimizer(PartitionedOptimizer):
                 self.location[param] = (sub_group, offset)
                 param.ds_on_partition_update = self._partition_updated
         self.optimizer = self.masters.finish(optimizer)
+        self._describe_partitions()
         self.refresh_masters_from_model()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for p in self.location]
@@ -185,6 +186,34 @@ class Stage3Optimizer(PartitionedOptimizer):
                 group["params"].append(sub_group.master)
                 sub_groups.append(sub_group)
         return sub_groups
+
+    def _describe_partitions(self):
+        """An optimizer whose state is laid out on the original parameters (Adam8bit) learns
+        which elements of which parameter each sub-group element is: rank r holds elements
+        [r·s, (r+1)·s) of every parameter (s its partition size; the padding past the end
+        of a parameter belongs to none)."""
+        describe = getattr(self.optimizer, "describe_partition", None)
+        if describe is None:
+            return
+        from zero.optim.adam8bit import Piece
+        mp_size = self.mp_comm.world_size if self.mp_comm is not None else 1
+
+        def pieces(k, sub_group, rank):
+            found = []
+            for i, (param, offset, size) in enumerate(zip(sub_group.params, sub_group.offsets,
+                                                          sub_group.sizes)):
+                held = min(size, param.ds_numel - rank * size)
+                if held > 0:
+                    parallel = getattr(param, "model_parallel", False)
+                    found.append(Piece(offset, held, (k, i), rank * size, param.ds_numel,
+                                       param.ds_numel * (mp_size if parallel else 1)))
+            return found
+        mine = {sub_group.master: pieces(k, sub_group, self.dp_comm.rank)
+                for k, sub_group in enumerate(self.sub_groups)}
+        everyone = [[piece for k, sub_group in enumerate(self.sub_groups)
+                     for piece in pieces(k, sub_group, rank)]
+                    for rank in range(self.partition_count)]
+        describe(mine, everyone, self.dp_comm.group if self.partition_count > 1 else None)
 
     def _cut(self, params):
         runs, run, numel = [], [], 0
