@@ -174,7 +174,19 @@ def build_backend(ctx, model_provider):
     if ctx.runtime.is_rank0:
         n_local = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
         print(f" > parameters on tensor-parallel rank 0: {n_local:,}", flush=True)
+        if config.optimizer.optimizer == "adam8bit":
+            _print_8bit_state_bytes(module, config.parallel.model_parallel_size)
     return cls(_initialize_engine(cls.prepare_module(module, ctx), config), ctx)
+
+
+def _print_8bit_state_bytes(module, tp):
+    from zero.optim.adam8bit import state_bytes_per_param
+    numels = [getattr(p, "ds_numel", p.numel()) * (tp if getattr(p, "model_parallel", False)
+                                                    else 1)
+              for p in module.parameters() if p.requires_grad]
+    per_param, formula = state_bytes_per_param(numels)
+    print(f" > optimizer state: {per_param:.2f} bytes/param ({formula}; fp32 Adam: 8)",
+          flush=True)
 
 
 def _initialize_engine(model, config):

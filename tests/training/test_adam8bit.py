@@ -19,9 +19,10 @@ def _resume_matches_unbroken(corpus, tmp_path, *flags):
     return full
 
 
-def test_resume_is_exact_in_the_megatron_layout(corpus, tmp_path):
+def test_resume_is_exact_in_the_megatron_layout(corpus, tmp_path, capsys):
     losses = _resume_matches_unbroken(corpus, tmp_path, *EIGHT_BIT)
     assert losses[6][0] < losses[1][0]
+    assert " > optimizer state: " in capsys.readouterr().out  # bytes/param and the formula
 
 
 def test_resume_is_exact_with_a_deepspeed_config_that_names_adam8bit(corpus, tmp_path):

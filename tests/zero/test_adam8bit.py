@@ -10,7 +10,7 @@ import zero
 from tests.dist_utils import run_distributed
 from tests.zero import engine_cases as cases
 from zero.optim.adam8bit import (BLOCK, Adam8bit, Piece, dequantize_signed, dequantize_unsigned,
-                                 quantize_signed, quantize_unsigned)
+                                 quantize_signed, quantize_unsigned, state_bytes_per_param)
 
 MIN_NUMEL = 64  # the tiny model's tensors are 512-1024 elements: quantise them
 STEPS = 12
@@ -109,6 +109,18 @@ def test_state_is_about_two_bytes_per_parameter():
     small.grad = torch.randn_like(small)
     optimizer.step()
     assert optimizer.state_bytes() >= 8 * small.numel()
+
+
+def test_the_reported_bytes_per_param_are_what_the_state_holds():
+    sizes = [BLOCK * 40 + 3, 5000, 100, 7]  # a partial last block; two fp32-state tensors
+    weights = [torch.zeros(n, requires_grad=True) for n in sizes]
+    optimizer = Adam8bit(weights)
+    for weight in weights:
+        weight.grad = torch.randn_like(weight)
+    optimizer.step()
+    step_counters = 4 * len(sizes)  # one fp32 scalar per tensor, left out of the formula
+    measured = (optimizer.state_bytes() - step_counters) / sum(sizes)
+    assert state_bytes_per_param(sizes)[0] == pytest.approx(measured)
 
 
 def test_state_dict_is_adamw_format_and_moves_between_the_two():

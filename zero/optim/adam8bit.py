@@ -26,7 +26,9 @@ checkpoints, their conversions and re-partitioning work unchanged, and a run can
 between AdamW and Adam8bit when it loads one.
 """
 
+import math
 from dataclasses import dataclass
+
 
 import torch
 import torch.distributed as dist
@@ -154,6 +156,20 @@ def _make_plan(pieces, shared_index, min_8bit_numel):
                 shared[slots if which == "head" else slots + count - 1] = shared_index[block_id]
         slots += count
     return _Plan(quantized, small, slots, small_numel, shared)
+
+
+def state_bytes_per_param(numels, min_8bit_numel=MIN_8BIT_NUMEL):
+    """(bytes of optimizer state per parameter, the formula in words) for parameters of these
+    sizes (whole-parameter sizes: they decide 8-bit or fp32)."""
+    total = sum(numels)
+    quantized = sum(n for n in numels if n >= min_8bit_numel)
+    blocks = sum(math.ceil(n / BLOCK) for n in numels if n >= min_8bit_numel)
+    # every element has its two code bytes (a flat partition mixes both kinds); elements of
+    # small tensors also have their fp32 moments
+    state = 2 * total + 8 * blocks + 8 * (total - quantized)
+    formula = (f"2 B + 2 x 4 B per {BLOCK}-element block, plus 8 B on the {total - quantized:,} "
+               f"of {total:,} params in tensors under {min_8bit_numel} elements")
+    return state / max(total, 1), formula
 
 
 # ------------------------------------------------------------------------------ the optimizer
