@@ -194,3 +194,20 @@ def test_offload_is_one_config_error():
     for stage in (2, 3):
         with pytest.raises(zero.ConfigError, match="8-bit Adam"):
             _engine_8bit(stage, offload_optimizer={"device": "cpu"})
+
+
+def _dp2_save_then_continue(rank, world_size, save_dir):
+    engine = _engine_8bit(2)
+    cases.train_steps(engine, 3)
+    engine.save_checkpoint(save_dir)
+    return cases.train_steps(engine, 3, start=3)
+
+
+def test_a_dp2_checkpoint_resumes_at_dp1(tmp_path):
+    """The checkpoint holds AdamW's per-element format: re-partitioned for one process, the
+    8-bit states are requantised on their blocks and training goes on as at DP=2."""
+    continued = run_distributed(_dp2_save_then_continue, 2, args=(str(tmp_path),))[0]
+    single = _engine_8bit(2)
+    single.load_checkpoint(str(tmp_path))
+    resumed = cases.train_steps(single, 3, start=3)
+    assert max(abs(a - b) / b for a, b in zip(resumed, continued)) < 1e-4
