@@ -74,7 +74,7 @@ def _regularization(parser):
     g.add_argument("--optimizer", choices=("adam", "adam8bit"), default="adam",
                    help="adam: AdamW with fp32 states; adam8bit: the same update with 8-bit "
                         "block-wise states (zero.optim.Adam8bit, ~2 bytes/param instead of 8; "
-                        "ZeRO stages 0-3 without offload). Under --deepspeed the config's "
+                        "ZeRO stages 0-3, offload_optimizer cpu). Under --deepspeed the config's "
                         "optimizer section, when it has one, decides instead")
 
 

@@ -165,35 +165,45 @@ def _engine_8bit(stage, **options):
     return engine
 
 
+CPU_OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
+VARIANTS = {0: (0, {}), 1: (1, {}), 2: (2, {}), 3: (3, {}), "2+cpu": (2, CPU_OFFLOAD),
+            "3+cpu": (3, CPU_OFFLOAD)}
+
+
 def _train_stages(rank, world_size):
-    return {stage: cases.train_steps(_engine_8bit(stage), STEPS) for stage in (0, 1, 2, 3)}
+    return {name: cases.train_steps(_engine_8bit(stage, **options), STEPS)
+            for name, (stage, options) in VARIANTS.items()}
 
 
 def test_zero_stages_at_dp2_give_the_single_process_losses():
+    """Stages 0-3, and 2 and 3 with the optimizer offloaded to host memory."""
     single = cases.train_steps(_engine_8bit(0), STEPS)
     results = run_distributed(_train_stages, 2)
-    for stage in (0, 1, 2, 3):
+    for stage in VARIANTS:
         assert results[0][stage] == results[1][stage]
         error = max(abs(a - b) / b for a, b in zip(results[0][stage], single))
         assert error < 1e-4, (stage, error)
     assert single[-1] < single[0] - 0.05
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_engine_checkpoint_resumes_exactly(tmp_path, stage):
-    first = _engine_8bit(stage)
+@pytest.mark.parametrize("stage, options", [(2, {}), (3, {}), (2, CPU_OFFLOAD)],
+                         ids=["stage2", "stage3", "stage2-offload"])
+def test_engine_checkpoint_resumes_exactly(tmp_path, stage, options):
+    first = _engine_8bit(stage, **options)
     cases.train_steps(first, 3)
     first.save_checkpoint(str(tmp_path))
     unbroken = cases.train_steps(first, 3, start=3)
-    second = _engine_8bit(stage)
+    second = _engine_8bit(stage, **options)
     second.load_checkpoint(str(tmp_path))
     assert cases.train_steps(second, 3, start=3) == unbroken
 
 
-def test_offload_is_one_config_error():
+def test_nvme_offload_is_one_config_error(tmp_path):
     for stage in (2, 3):
-        with pytest.raises(zero.ConfigError, match="8-bit Adam"):
-            _engine_8bit(stage, offload_optimizer={"device": "cpu"})
+        with pytest.raises(zero.ConfigError, match="8-bit Adam optimizer keeps its states in "
+                                                   "memory"):
+            _engine_8bit(stage, offload_optimizer={"device": "nvme",
+                                                   "nvme_path": str(tmp_path)})
 
 
 def _dp2_save_then_continue(rank, world_size, save_dir):

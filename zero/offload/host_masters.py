@@ -98,7 +98,16 @@ class HostMasters:
 
     def finish(self, optimizer):
         """Replace the optimizer by CPUAdam (keeping its param-group dicts, so learning-rate
-        schedules still act) and build the state store."""
+        schedules still act) and build the state store. Adam8bit keeps its own compact state
+        and steps the host masters itself (offload "cpu" only)."""
+        from zero.optim.adam8bit import Adam8bit
+        if isinstance(optimizer, Adam8bit):
+            if self.offload.device == "nvme":
+                raise ConfigError("the 8-bit Adam optimizer keeps its states in host memory "
+                                  "under offload_optimizer \"cpu\"; \"nvme\" swaps fp32 Adam "
+                                  "states (use \"Adam\" with nvme, or device \"cpu\")")
+            self.optimizer = optimizer
+            return optimizer
         self.optimizer = as_cpu_adam(optimizer)
         group_of = {id(p): group for group in self.optimizer.param_groups
                     for p in group["params"]}
@@ -134,10 +143,23 @@ class HostMasters:
                     sum(numels), swap_dir)
         return store
 
+    @torch.no_grad()
     def write(self, key, lo, values):
+        if self._own_state:
+            self.masters[key].narrow(0, lo, values.numel()).copy_(values.reshape(-1))
+            return
         self.store.write_range(key, "master", lo, values)
 
+    @property
+    def _own_state(self):
+        """The optimizer keeps its state itself (Adam8bit): no state store."""
+        return self.store is None
+
     def step(self, write_back):
+        if self._own_state:
+            self.optimizer.step()
+            self.publish(write_back)
+            return
         for key, master in enumerate(self.masters):
             step = self.store.step_tensor(key)
             step += 1
@@ -150,6 +172,10 @@ class HostMasters:
 
     @torch.no_grad()
     def publish(self, write_back):
+        if self._own_state:
+            for key, master in enumerate(self.masters):
+                write_back(key, 0, master.detach())
+            return
         for key in range(len(self.masters)):
             for sub in self.store.sub_groups(key):
                 write_back(key, sub.lo, sub.master)
@@ -157,6 +183,8 @@ class HostMasters:
     # ----- checkpoints (the swapped state as plain tensors) -----
 
     def read_master(self, key):
+        if self._own_state:
+            return self.masters[key].detach()
         return self.store.read(key, "master")
 
     def state_dict(self):
@@ -197,6 +225,8 @@ class HostMasters:
         return sum(m.untyped_storage().nbytes() for m in self.masters)
 
     def state_bytes(self):
+        if self._own_state:
+            return self.optimizer.state_bytes()
         if self.offload.device == "nvme":
             return self.store.resident_bytes()
         return sum(2 * m.numel() * 4 for m in self.masters)

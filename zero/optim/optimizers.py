@@ -9,7 +9,8 @@ engine._configure_basic_optimizer builds).
   `torch_adam: true` DeepSpeed builds the torch class with torch's defaults (AdamW's
   weight_decay is then 0.01), and so do we.
 - "Adam8bit" and "AdamW8bit" (any case) are zero.optim.Adam8bit: AdamW with 8-bit block-wise
-  moments (params lr, betas, eps, weight_decay, min_8bit_numel), ZeRO stages 0-3.
+  moments (params lr, betas, eps, weight_decay, min_8bit_numel), ZeRO stages 0-3, offload
+  to "cpu" (not "nvme").
 - "SGD" and "Adagrad" (any case) are the torch classes.
 - Any other name is looked up in torch.optim, case-sensitively, as DeepSpeed does ("RMSprop").
 - DeepSpeed's kernel-only optimizers (Lamb, OneBitAdam, ...) are a ConfigError.

@@ -44,15 +44,14 @@ def build_zero_optimizer(engine, base_optimizer, module_reduces_gradients=False)
 
 
 def _check_quantized_states(base_optimizer, config):
-    """Adam8bit steps its partitions on the device (not offloaded) for now."""
+    """Adam8bit keeps its states on the device or, offloaded, in host memory (not NVMe)."""
     from zero.optim.adam8bit import Adam8bit
-    if not isinstance(base_optimizer, Adam8bit):
-        return
-    zero = config.zero_optimization
-    if zero.offload_optimizer is not None:
+    offload = config.zero_optimization.offload_optimizer
+    if isinstance(base_optimizer, Adam8bit) and offload is not None \
+            and offload.device == "nvme":
         raise ConfigError(f"DeepSpeed config {config.source}: the 8-bit Adam optimizer keeps "
-                          "its states on the device; offload_optimizer steps 32-bit Adam on the "
-                          "host (use \"Adam\", or drop offload_optimizer)")
+                          "its states in memory; offload_optimizer \"nvme\" swaps fp32 Adam "
+                          "states (use \"Adam\" with nvme, or device \"cpu\")")
 
 
 def master_store(engine):
