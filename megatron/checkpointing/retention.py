@@ -55,6 +55,14 @@ def run_id_of(save_dir, name):
         return ""
 
 
+def other_runs_checkpoints(save_dir, layout, run_id):
+    """Names of the checkpoints in `save_dir` that another run wrote (not `run_id`)."""
+    if not save_dir or not os.path.isdir(save_dir):
+        return []
+    return [name for _, name in checkpoint_dirs(save_dir, layout)
+            if run_id_of(save_dir, name) != run_id]
+
+
 def publish_checkpoint(save_dir, name, tracker_text, run_id, keep, layout):
     """Global rank 0, once every rank's files of checkpoint `name` are written: mark it as
     `run_id`'s, point the tracker at it (`tracker_text` None: the writer already did), then

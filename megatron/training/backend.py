@@ -22,6 +22,7 @@ import torch
 
 from megatron import mpu
 from megatron.checkpointing import deepspeed_layout, megatron_layout
+from megatron.checkpointing.retention import DEEPSPEED_LAYOUT, MEGATRON_LAYOUT
 from megatron.training.learning_rates import AnnealingLR
 from megatron.training.param_groups import get_param_groups
 
@@ -101,6 +102,8 @@ class Backend:
 class MegatronBackend(Backend):
     """ZeRO stage 0 from the Megatron flags; Megatron's checkpoint layout."""
 
+    layout = MEGATRON_LAYOUT
+
     @classmethod
     def prepare_module(cls, module, ctx):
         if ctx.config.parallel.DDP_impl != "torch" or mpu.get_data_parallel_world_size() == 1:
@@ -131,6 +134,8 @@ class MegatronBackend(Backend):
 
 class ZeroBackend(Backend):
     """The user's DeepSpeed JSON; DeepSpeed's checkpoint layout."""
+
+    layout = DEEPSPEED_LAYOUT
 
     @classmethod
     def construction_context(cls, ctx):

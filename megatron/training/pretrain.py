@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megatron.checkpointing.retention import new_run_id
+from megatron.checkpointing.retention import new_run_id, other_runs_checkpoints
 from megatron.checkpointing.save_dir import claim_output_folders
 from megatron.errors import Interrupted
 from megatron.model import GPTConfig
@@ -80,6 +80,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                                    f"{train_state['iteration']} and --train-iters is "
                                    f"{config.training.train_iters}; raise --train-iters (the "
                                    "scripts: TRAIN_ITERS) to train on")
+        if runtime.is_rank0:
+            _say_if_the_save_folder_holds_other_runs(config, backend, train_state)
         datasets = train_valid_test_datasets_provider(ctx, num_samples_per_split(config))
         logger = TrainingLogger(config.logging.log_dir, config.logging.tensorboard_dir,
                                 runtime.is_rank0, start_iteration=train_state["iteration"])
@@ -177,3 +179,13 @@ def _agreed_run_id():
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(chosen, src=0)
     return chosen[0]
+
+
+def _say_if_the_save_folder_holds_other_runs(config, backend, train_state):
+    others = other_runs_checkpoints(config.checkpoint.save, backend.layout,
+                                    train_state["run_id"])
+    if others:
+        print(f" note: --save {config.checkpoint.save} holds {len(others)} checkpoint(s) of "
+              f"another run ({others[0]} ... {others[-1]}); this run's checkpoints replace "
+              "those of the same iteration, and --keep-last-n-checkpoints never removes the "
+              "others", flush=True)

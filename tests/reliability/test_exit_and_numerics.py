@@ -148,6 +148,11 @@ def test_retention_never_removes_another_runs_checkpoints(runs):
     assert sorted(owners) == ["iter_0000001", "iter_0000002", "iter_0000006"]
     assert owners["iter_0000001"] == owners["iter_0000002"] != owners["iter_0000006"]
     assert len(owners["iter_0000006"]) == 32
+    # b is told, once, that the folder holds another run's checkpoints; a is not
+    note = f" note: --save {save} holds 2 checkpoint(s) of another run (iter_0000001 ... " \
+           "iter_0000002)"
+    assert note not in runs["keep_a"][1]
+    assert runs["keep_b"][1].count(note) == 1 and note in runs["keep_b_resumed"][1]
 
 
 def _skipped(log):
