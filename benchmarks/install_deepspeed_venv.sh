@@ -15,23 +15,14 @@
 # JIT-compiles one small op, ~25 s, cached under ~/.cache/torch_extensions).
 set -euo pipefail
 VENV="${DEEPSPEED_VENV:-/work/dsvenv}"
-PYTHON="${PYTHON:-python3}"
-TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 DS_SPEC="deepspeed${DEEPSPEED_VERSION:+==$DEEPSPEED_VERSION}"
 
 if [ -x "$VENV/bin/python" ] && DS_ACCELERATOR=cpu "$VENV/bin/python" -c "import deepspeed" 2>/dev/null; then
     echo "[deepspeed-venv] $VENV already has deepspeed $("$VENV/bin/python" -c 'import deepspeed; print(deepspeed.__version__)' 2>/dev/null | tail -1)"
     exit 0
 fi
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PY="$VENV/bin/python"
-pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
-
-if ! "$PY" -c "import torch" 2>/dev/null; then
-    echo "[deepspeed-venv] installing the CPU build of torch==$TORCH_VERSION"
-    pip_install "torch==$TORCH_VERSION+cpu" 2>/dev/null \
-        || pip_install "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/peer_venv.sh"
+peer_venv "$VENV" deepspeed-venv  # sets PY and pip_install, installs CPU torch
 echo "[deepspeed-venv] installing $DS_SPEC (DS_BUILD_OPS=0) and its pure-Python dependencies"
 pip_install numpy packaging py-cpuinfo hjson ninja pydantic psutil msgpack tqdm einops
 DS_BUILD_OPS=0 pip_install "$DS_SPEC"

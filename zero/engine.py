@@ -274,6 +274,12 @@ class DeepSpeedEngine(torch.nn.Module):
     def zero_grad(self):
         self.optimizer.zero_grad()
 
+    @property
+    def searching_initial_loss_scale(self):
+        """fp16 with a dynamic scale and no step recorded yet: an overflow may be retried."""
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        return scaler is not None and scaler.searching_initial_scale
+
     def retry_skipped_step(self):
         """After a step skipped for fp16 overflow while the loss scaler is still looking for
         its first scale: take back the step's counters so the caller can run the same batches

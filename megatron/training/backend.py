@@ -55,7 +55,7 @@ class Backend:
         its first batch whatever the initial scale (said once, with the scale found)."""
         engine = self.engine
         count = self.ctx.config.training.num_micro_batches
-        searching = _searching_initial_scale(engine)
+        searching = engine.searching_initial_loss_scale
         batches = [next(data_iterator) for _ in range(count)] if searching else None
         first_scale, retries = engine.optimizer.cur_scale, 0
         while True:
@@ -236,11 +236,6 @@ def _annealing_lr(optimizer, config):
                        use_checkpoint_lr_scheduler=config.use_checkpoint_lr_scheduler,
                        override_lr_scheduler=config.override_lr_scheduler,
                        follows_train_iters=config.schedule_follows_train_iters)
-
-
-def _searching_initial_scale(engine):
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
-    return scaler is not None and scaler.searching_initial_scale
 
 
 def _power_of_two(scale):

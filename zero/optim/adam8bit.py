@@ -238,10 +238,7 @@ class Adam8bit(torch.optim.Optimizer):
         for piece, regions, slot in plan.quantized:
             for lo, hi, scale_slots in _spans(regions, slot):
                 a, b = piece.start + lo, piece.start + hi
-                m[a:b] = _deq(dequantize_signed, state["m_codes"][a:b], state["m_scales"],
-                              scale_slots)
-                v[a:b] = _deq(dequantize_unsigned, state["v_codes"][a:b], state["v_scales"],
-                              scale_slots)
+                m[a:b], v[a:b] = _moments(state, a, b, scale_slots)
         for piece, at in plan.small:
             m[piece.start:piece.start + piece.length] = state["m_small"][at:at + piece.length]
             v[piece.start:piece.start + piece.length] = state["v_small"][at:at + piece.length]
@@ -275,7 +272,7 @@ class Adam8bit(torch.optim.Optimizer):
                                     state.pop("exp_avg_sq").clone())
 
     def state_bytes(self):
-        """Bytes this optimizer keeps per stepped element, summed over its tensors."""
+        """Bytes of state this optimizer holds, over all its tensors."""
         return sum(t.numel() * t.element_size() for s in self.state.values()
                    for t in s.values() if torch.is_tensor(t))
 
@@ -318,10 +315,7 @@ class Adam8bit(torch.optim.Optimizer):
                 if loaded is not None:
                     m, v = loaded[0][a:b].clone(), loaded[1][a:b].clone()
                 else:
-                    m = _deq(dequantize_signed, state["m_codes"][a:b], state["m_scales"],
-                             scale_slots)
-                    v = _deq(dequantize_unsigned, state["v_codes"][a:b], state["v_scales"],
-                             scale_slots)
+                    m, v = _moments(state, a, b, scale_slots)
                 _adamw(flat[a:b], grad[a:b], m, v, hyper)
                 _quantize_span(state, plan, a, b, scale_slots, m, v, pending)
         for piece, at in plan.small:
@@ -417,6 +411,10 @@ def _spans(regions, slot):
     return spans
 
 
-def _deq(dequantize, codes, scales, scale_slots):
+def _moments(state, a, b, scale_slots):
+    """fp32 (m, v) of the tensor's elements [a, b), a whole number of scale slots."""
     first, last = scale_slots
-    return dequantize(codes.view(last - first, -1), scales[first:last]).view(-1)
+    rows = last - first
+    m = dequantize_signed(state["m_codes"][a:b].view(rows, -1), state["m_scales"][first:last])
+    v = dequantize_unsigned(state["v_codes"][a:b].view(rows, -1), state["v_scales"][first:last])
+    return m.view(-1), v.view(-1)

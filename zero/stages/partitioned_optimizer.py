@@ -5,8 +5,8 @@ checkpoint hooks into their master store.
 
 A subclass sets `optimizer`, `masters` (its master store, zero/stages/masters.py),
 `loss_scaler` (None unless fp16), `settings.gradient_clipping`, `dp_comm` and `mp_comm`
-(zero.comm.communicator.Communicator; None without tensor parallelism), and provides
-`zero_grad()` and `_step_partitions()`.
+(zero.comm.communicator.Communicator; None without tensor parallelism), `partition_count`,
+and provides `zero_grad()`, `_step_partitions()` and `_partition_pieces(rank)`.
 """
 
 import math
@@ -38,6 +38,24 @@ class PartitionedOptimizer:
     @property
     def state(self):
         return self.optimizer.state
+
+    def _describe_partitions(self):
+        """An optimizer whose state is laid out on the original parameters (Adam8bit's
+        quantisation blocks) learns which parameter elements each master element is, on
+        every rank, so its result does not depend on where the partitions cut."""
+        describe = getattr(self.optimizer, "describe_partition", None)
+        if describe is None:
+            return
+        mine = self._partition_pieces(self.dp_comm.rank if self.partition_count > 1 else 0)
+        everyone = [[piece for pieces in self._partition_pieces(rank).values()
+                     for piece in pieces] for rank in range(self.partition_count)]
+        describe(mine, everyone, self.dp_comm.group if self.partition_count > 1 else None)
+
+    def _whole_numel(self, param, numel):
+        """Elements of the whole parameter `param` (`numel` here): a tensor-parallel shard
+        counts for the full tensor."""
+        parallel = getattr(param, "model_parallel", False) and self.mp_comm is not None
+        return numel * (self.mp_comm.world_size if parallel else 1)
 
     @property
     def cur_scale(self):

@@ -122,28 +122,14 @@ class ZeroOptimizer(PartitionedOptimizer):
             groups.append(flat)
         return groups
 
-    def _describe_partitions(self):
-        """An optimizer whose state is laid out on the original parameters (Adam8bit's
-        quantisation blocks) learns which parameter elements each master element is, on
-        every rank, so its result does not depend on where the partitions cut."""
-        describe = getattr(self.optimizer, "describe_partition", None)
-        if describe is None:
-            return
+    def _partition_pieces(self, rank):
+        """{master: [Piece]}: which parameter elements rank's partition of each group holds."""
         from zero.optim.adam8bit import Piece
-
-        mp_size = self.mp_comm.world_size if self.mp_comm is not None else 1
-
-        def pieces(g, group, rank):
-            return [Piece(start, length, (g, i), offset, group.layout.numels[i],
-                          group.layout.numels[i] * (mp_size if getattr(
-                              group.params[i], "model_parallel", False) else 1))
-                    for start, i, offset, length in group.layout.partition_param_pieces(rank)]
-        mine = {group.master: pieces(g, group, self.partition_rank)
-                for g, group in enumerate(self.groups)}
-        everyone = [[piece for g, group in enumerate(self.groups)
-                     for piece in pieces(g, group, rank)]
-                    for rank in range(self.partition_count)]
-        describe(mine, everyone, self.dp_comm.group if self.partition_count > 1 else None)
+        return {group.master: [
+            Piece(start, length, (g, i), offset, group.layout.numels[i],
+                  self._whole_numel(group.params[i], group.layout.numels[i]))
+            for start, i, offset, length in group.layout.partition_param_pieces(rank)]
+            for g, group in enumerate(self.groups)}
 
     def _alias_master_in_flat(self, dtype):
         """Stage 1/2 with fp32 params: the master partition is this rank's chunk of the flat

@@ -187,33 +187,19 @@ class Stage3Optimizer(PartitionedOptimizer):
                 sub_groups.append(sub_group)
         return sub_groups
 
-    def _describe_partitions(self):
-        """An optimizer whose state is laid out on the original parameters (Adam8bit) learns
-        which elements of which parameter each sub-group element is: rank r holds elements
-        [r·s, (r+1)·s) of every parameter (s its partition size; the padding past the end
-        of a parameter belongs to none)."""
-        describe = getattr(self.optimizer, "describe_partition", None)
-        if describe is None:
-            return
+    def _partition_pieces(self, rank):
+        """{master: [Piece]}: rank holds elements [r·s, (r+1)·s) of every parameter (s its
+        partition size; the padding past the end of a parameter belongs to none)."""
         from zero.optim.adam8bit import Piece
-        mp_size = self.mp_comm.world_size if self.mp_comm is not None else 1
-
-        def pieces(k, sub_group, rank):
-            found = []
-            for i, (param, offset, size) in enumerate(zip(sub_group.params, sub_group.offsets,
-                                                          sub_group.sizes)):
-                held = min(size, param.ds_numel - rank * size)
-                if held > 0:
-                    parallel = getattr(param, "model_parallel", False)
-                    found.append(Piece(offset, held, (k, i), rank * size, param.ds_numel,
-                                       param.ds_numel * (mp_size if parallel else 1)))
-            return found
-        mine = {sub_group.master: pieces(k, sub_group, self.dp_comm.rank)
-                for k, sub_group in enumerate(self.sub_groups)}
-        everyone = [[piece for k, sub_group in enumerate(self.sub_groups)
-                     for piece in pieces(k, sub_group, rank)]
-                    for rank in range(self.partition_count)]
-        describe(mine, everyone, self.dp_comm.group if self.partition_count > 1 else None)
+        found = {}
+        for k, sub_group in enumerate(self.sub_groups):
+            found[sub_group.master] = [
+                Piece(offset, min(size, param.ds_numel - rank * size), (k, i), rank * size,
+                      param.ds_numel, self._whole_numel(param, param.ds_numel))
+                for i, (param, offset, size) in enumerate(zip(
+                    sub_group.params, sub_group.offsets, sub_group.sizes))
+                if param.ds_numel > rank * size]
+        return found
 
     def _cut(self, params):
         runs, run, numel = [], [], 0
