@@ -42,6 +42,15 @@ def median_seconds(step, warmup, repeats, synchronize=lambda: None):
     return statistics.median(times)
 
 
+def copy_bandwidth(numel=25_000_000):
+    """Bytes read + written per second by an fp32 copy of `numel` elements (the memory
+    bandwidth a streaming kernel can reach here)."""
+    import torch
+    src, dst = torch.randn(numel), torch.empty(numel)
+    seconds = median_seconds(lambda: dst.copy_(src), warmup=2, repeats=7)
+    return 8 * numel / seconds
+
+
 def markdown_table(headers, rows):
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]

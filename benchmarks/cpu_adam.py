@@ -21,18 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import (machine_description, markdown_table, median_seconds,  # noqa: E402
-                               update_docs_section)
+from benchmarks.common import (  # noqa: E402
+    copy_bandwidth, machine_description, markdown_table, median_seconds, update_docs_section)
 from benchmarks.deepspeed_venv import deepspeed_env, deepspeed_python  # noqa: E402
 from zero.ops import CPUAdam  # noqa: E402
 
 BYTES_PER_PARAM = 28
-
-
-def copy_bandwidth(numel):
-    src, dst = torch.randn(numel), torch.empty(numel)
-    seconds = median_seconds(lambda: dst.copy_(src), warmup=2, repeats=7)
-    return 8 * numel / seconds  # bytes read + written per second
 
 
 def time_optimizer(factory, numel, repeats):

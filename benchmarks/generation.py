@@ -1,19 +1,20 @@
-"""Generation speed: our KV-cached decode and --recompute vs transformers' generate().
+"""Generation speed: our KV-cached decode in fp32, bf16 and with quantised weights (--quantize
+int8 / int8-dynamic / int4) vs transformers' generate() in fp32 and under torch's dynamic int8
+quantisation, each beside its weight-bandwidth floor.
 
     python benchmarks/generation.py            # 12 layers, hidden 768 (GPT-2 124M), 128 new tokens
     python benchmarks/generation.py --quick    # 32 new tokens, 1 repeat
 
 One randomly initialised GPT-2 124M (vocab 50257, 1024 positions) is converted to a Hugging
 Face folder with tools' own converter, so both sides hold the very same weights.  Greedy,
-batch 1, a 16-token prompt, the same number of new tokens (eos disabled on the HF side, and
-our greedy tokens checked equal to transformers').  Tokens/s = new tokens / wall time of the
-whole call (prefill included), median of --repeats runs after one warm-up, fp32.
+batch 1, a 16-token prompt, the same number of new tokens (eos disabled on the HF side).
+Tokens/s = new tokens / wall time of the whole call (prefill included), median of --repeats
+runs after one warm-up.  "same tokens" is the share of greedy tokens equal to our fp32 run's.
 
-The last row is a floor, not a peer: the per-token weight matmuls alone (no prefill, attention
-or Python).  Batch-1 decoding is bound by reading the weights (~500 MB per token in fp32, a
-third of it the LM head); a profile of 20 cached decode steps (torch.profiler, 1 thread) puts
-88% of the time in those matmuls, ~3% in attention and the rest in LayerNorm, GeLU, the cache
-writes and per-op dispatch.
+Batch-1 decoding reads every matmul weight once per token, so its floor is (weight bytes per
+token) / (copy bandwidth measured in the same run); a random-init model has no outliers, so
+the token agreement here is an upper bound on what a trained model keeps.  The accuracy a
+quantisation costs on a trained model is measured by tools/evaluate_gpt2.py --quantize.
 """
 
 import argparse
@@ -25,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import machine_description, markdown_table, update_docs_section  # noqa: E402
+from common import copy_bandwidth, machine_description, markdown_table, update_docs_section  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -40,26 +41,20 @@ def _median_time(fn, repeats):
     return statistics.median(times)
 
 
-def _matmul_floor(model, new_tokens):
-    """The decode's weight matmuls alone, one token at a time: 4 per layer + the LM head.
-    Batch-1 decoding reads every weight once per token, so this is the speed limit on this
-    machine; the gap to it is attention, LayerNorm, GeLU and Python work per token."""
-    import torch.nn.functional as F
-    layers = model.language_model.transformer.layers
-    head = model.language_model.embedding.word_embeddings.weight
-    x = torch.zeros(1, 1, model.config.hidden_size)
-    x4 = torch.zeros(1, 1, model.config.ffn_hidden_size)
-
-    def run():
-        with torch.inference_mode():
-            for _ in range(new_tokens):
-                for layer in layers:
-                    F.linear(x, layer.attention.query_key_value.weight)
-                    F.linear(x, layer.attention.dense.weight)
-                    F.linear(x, layer.mlp.dense_h_to_4h.weight)
-                    F.linear(x4, layer.mlp.dense_4h_to_h.weight)
-                F.linear(x[:, 0], head)
-    return run
+def _weight_bytes_per_token(model):
+    """Bytes of matmul weights one decode step reads: every linear weight and the LM head
+    (the embedding lookup reads one row; int8-dynamic's lookup codes are not read)."""
+    from megatron.inference.quantization import Int8DynamicWeight
+    total = 0
+    for module in model.modules():
+        weight = module.__dict__.get("weight", module._parameters.get("weight"))
+        if weight is None or module.__class__.__name__.endswith("LayerNorm") or \
+                module is model.language_model.embedding.position_embeddings:
+            continue
+        total += weight.nbytes
+        if isinstance(weight, Int8DynamicWeight) and weight.rows is not None:
+            total -= weight.rows.nbytes
+    return total
 
 
 def main(argv=None):
@@ -80,6 +75,7 @@ def main(argv=None):
     from megatron.convert.loaders import ModelWeights
     from megatron.convert.tp_layout import WORD_EMBEDDINGS
     from megatron.inference.loading import build_model_from_weights
+    from megatron.inference.quantization import QuantizationConfig, quantize_model
     from megatron.model import GPT2Model, GPTConfig
     from megatron.inference.text_generation import SamplingParams, TextGenerator
 
@@ -94,45 +90,78 @@ def main(argv=None):
                                        num_attention_heads=heads, ffn_hidden_size=4 * hidden,
                                        max_position_embeddings=positions,
                                        orig_vocab_size=vocab), "benchmark")
-    ours = build_model_from_weights(weights)
     with tempfile.TemporaryDirectory() as folder:
         save_model_weights(weights, os.path.join(folder, "hf"), "hf")
         hf = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(folder, "hf")).eval()
-    del state, weights
+    # torch's recipe for transformers (a copy): GPT-2's Conv1D layers are not nn.Linear, so
+    # only the LM head is quantised
+    hf_int8 = torch.ao.quantization.quantize_dynamic(hf, {torch.nn.Linear}, dtype=torch.qint8)
 
     prompt = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(1))
     params = SamplingParams(greedy=True, out_seq_length=new_tokens)
     no_eod = -1  # never produced: every run makes exactly new_tokens tokens
-    cached = TextGenerator(ours, no_eod, vocab, use_cache=True)
-    recompute = TextGenerator(ours, no_eod, vocab, use_cache=False)
 
-    def run_hf():
-        with torch.inference_mode():
-            return hf.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)[:, 16:]
+    def ours(dtype=torch.float32, scheme=None, use_cache=True):
+        model = build_model_from_weights(weights, dtype)
+        if scheme:
+            quantize_model(model, QuantizationConfig(scheme, group_size=128))
+        generator = TextGenerator(model, no_eod, vocab, use_cache=use_cache)
+        return (lambda: generator.generate(prompt, params)[0]), _weight_bytes_per_token(model)
 
-    same = torch.equal(cached.generate(prompt, params)[0], run_hf())
-    seconds = {
-        "ours, KV cache": _median_time(lambda: cached.generate(prompt, params), repeats),
-        "transformers generate()": _median_time(run_hf, repeats),
-        "ours, --recompute": _median_time(lambda: recompute.generate(prompt, params),
-                                          max(1, repeats // 3)),
-        "floor: the matmuls alone": _median_time(_matmul_floor(ours, new_tokens), repeats),
+    def hf_generate(model):
+        def run():
+            with torch.inference_mode():
+                return model.generate(prompt, max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[:, 16:]
+        return run
+
+    fp32_bytes = 4 * sum(p.numel() for n, p in hf.named_parameters()
+                         if p.dim() == 2 and "wpe" not in n)
+    runs = {  # name -> (generate(), weight bytes per token)
+        "ours fp32, KV cache": ours(),
+        "ours bf16": ours(torch.bfloat16),
+        "ours --quantize int8": ours(scheme="int8"),
+        "ours --quantize int8-dynamic": ours(scheme="int8-dynamic"),
+        "ours --quantize int4 (group 128)": ours(scheme="int4"),
+        "transformers generate() fp32": (hf_generate(hf), fp32_bytes),
+        "transformers + torch quantize_dynamic int8": (hf_generate(hf_int8), None),
+        "ours fp32 --recompute": ours(use_cache=False),
     }
-    hf_rate = new_tokens / seconds["transformers generate()"]
-    rows = [[name, f"{new_tokens / s:.1f}", f"{hf_rate and (new_tokens / s) / hf_rate:.2f}x"]
-            for name, s in seconds.items()]
+    del state
+    bandwidth = copy_bandwidth()
+    reference = runs["ours fp32, KV cache"][0]()[0]
+    rows, hf_rate = [], None
+    for name, (generate, weight_bytes) in runs.items():
+        same = (generate()[0] == reference).float().mean().item()
+        seconds = _median_time(generate, max(1, repeats // 3) if "recompute" in name
+                               else repeats)
+        rate = new_tokens / seconds
+        if name == "transformers generate() fp32":
+            hf_rate = rate
+        floor = bandwidth / weight_bytes if weight_bytes else None
+        rows.append([name, f"{rate:.1f}", None,
+                     f"{weight_bytes / 2**20:.0f}" if weight_bytes else "-",
+                     f"{floor:.1f}" if floor else "-",
+                     f"{100 * rate / floor:.0f}%" if floor else "-", f"{100 * same:.0f}%"])
+        print(name, rows[-1], flush=True)
+    for row in rows:
+        row[2] = f"{float(row[1]) / hf_rate:.2f}x"
     body = "\n".join([
         "## Text generation (tokens/s, greedy, batch 1)",
         "",
-        f"Machine: {machine_description()}; transformers {transformers.__version__}.",
-        f"Model: GPT-2 124M (12 layers, hidden 768, vocab 50257), random init, fp32; 16-token "
-        f"prompt, {new_tokens} new tokens, median of {repeats} after a warm-up.  The floor row is "
-        "the per-token weight matmuls alone (the bandwidth limit), not a peer.  "
-        f"Same greedy tokens as transformers: {same}.  `python benchmarks/generation.py"
-        f"{' --quick' if args.quick else ''}`",
+        f"Machine: {machine_description()}; transformers {transformers.__version__}; copy "
+        f"bandwidth {bandwidth / 1e9:.1f} GB/s (measured in the same run).",
+        f"Model: GPT-2 124M (12 layers, hidden 768, vocab 50257), random init; 16-token "
+        f"prompt, {new_tokens} new tokens, median of {repeats} after a warm-up.  Floor = copy "
+        "bandwidth / weight bytes read per token (the batch-1 speed limit); \"same tokens\" = "
+        "greedy tokens equal to our fp32 run's.  int8 and int4 run their matmuls in bf16 "
+        "(torch's CPU kernels); int8-dynamic in int8 (fbgemm).  The transformers int8 row "
+        "quantises only its nn.Linear (the LM head): GPT-2's Conv1D layers stay fp32.  "
+        f"`python benchmarks/generation.py{' --quick' if args.quick else ''}`",
         "",
-        markdown_table(["implementation", "tokens/s", "vs transformers"], rows),
+        markdown_table(["implementation", "tokens/s", "vs transformers fp32",
+                        "weight MB/token", "floor tokens/s", "of floor", "same tokens"], rows),
     ])
     print(body)
     if args.write_docs:

@@ -24,9 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import (machine_description, markdown_table, median_seconds,  # noqa: E402
-                               update_docs_section)
-from benchmarks.cpu_adam import copy_bandwidth  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    copy_bandwidth, machine_description, markdown_table, median_seconds, update_docs_section)
 from zero.ops import CPUAdam  # noqa: E402
 from zero.optim.adam8bit import Adam8bit  # noqa: E402
 

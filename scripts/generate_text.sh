@@ -6,6 +6,7 @@
 #   bash scripts/generate_text.sh --sample-input-file prompts.txt --sample-output-file out.jsonl
 #   bash scripts/generate_text.sh --num-samples 4 --genfile samples.jsonl
 #   MP_SIZE=2 bash scripts/generate_text.sh ...           # tensor-parallel, via torchrun
+#   bash scripts/generate_text.sh --quantize int8         # int8 weights (also int8-dynamic, int4)
 #
 # Variables: CHECKPOINT_DIR (default checkpoints/gpt2_small; Megatron, --deepspeed or Hugging
 # Face layout), MP_SIZE (1), TOP_K (40), TEMPERATURE (1.0), OUT_SEQ_LENGTH (64, small for a

@@ -9,6 +9,10 @@ Flags follow Megatron's tasks/main.py (--task, --valid-data, --overlapping-eval,
 --strict-lambada); the model's shape and tokenizer come from the checkpoint (Megatron layout
 at any TP size, --deepspeed layout, or a Hugging Face GPT-2 folder).  Metrics are computed
 as in megatron/inference/zeroshot.py; --results-file also writes them as JSON.
+
+With --quantize int8|int8-dynamic|int4 the model is evaluated twice, unquantised and then
+quantised, and each line also gives the unquantised figure and the change, so the accuracy a
+quantisation costs is seen before it is deployed.
 """
 
 import json
@@ -23,7 +27,7 @@ from megatron.inference import zeroshot  # noqa: E402
 from megatron.cli import run_cli  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 from megatron.inference.loading import (inference_parser, initialize_inference,  # noqa: E402
-                                load_inference_model)
+                                load_inference_model, quantize_for_inference)
 from megatron.runtime.initialize import destroy  # noqa: E402
 
 TASKS = ("WIKITEXT103", "LAMBADA")
@@ -77,17 +81,38 @@ def evaluate(args, model, tokenizer):
     return results
 
 
+def with_quantization_change(results, baseline, scheme):
+    """Each quantised result gains the unquantised figure and the change against it."""
+    changed = []
+    for r, b in zip(results, baseline):
+        r = dict(r, quantize=scheme)
+        if "ppl" in r:
+            r.update(unquantized_ppl=b["ppl"], ppl_change=r["ppl"] / b["ppl"] - 1)
+        else:
+            r.update(unquantized_accuracy=b["accuracy"],
+                     accuracy_change=r["accuracy"] - b["accuracy"])
+        changed.append(r)
+    return changed
+
+
 def _report(args, results):
     for r in results:
         if args.task == "WIKITEXT103":
-            print(f" {args.task} {r['file']} | avg loss: {r['avg_loss']:.4E} | ppl: "
-                  f"{r['ppl']:.4E} | adjusted ppl: {r['adjusted_ppl']:.4E} | token ratio: "
-                  f"{(r['num_tokenized_tokens'] - 1) / (r['num_original_tokens'] - 1):.4f}",
-                  flush=True)
+            line = (f" {args.task} {r['file']} | avg loss: {r['avg_loss']:.4E} | ppl: "
+                    f"{r['ppl']:.4E} | adjusted ppl: {r['adjusted_ppl']:.4E} | token ratio: "
+                    f"{(r['num_tokenized_tokens'] - 1) / (r['num_original_tokens'] - 1):.4f}")
+            if "quantize" in r:
+                line += (f" | {r['quantize']} vs unquantised ppl {r['unquantized_ppl']:.4E}: "
+                         f"{100 * r['ppl_change']:+.2f}%")
         else:
-            print(f" {args.task} {r['file']} | number correct: {r['correct']} | total: "
-                  f"{r['total']} | accuracy: {100 * r['accuracy']:.2f}%"
-                  f"{' (strict)' if r['strict'] else ''}", flush=True)
+            line = (f" {args.task} {r['file']} | number correct: {r['correct']} | total: "
+                    f"{r['total']} | accuracy: {100 * r['accuracy']:.2f}%"
+                    f"{' (strict)' if r['strict'] else ''}")
+            if "quantize" in r:
+                line += (f" | {r['quantize']} vs unquantised "
+                         f"{100 * r['unquantized_accuracy']:.2f}%: "
+                         f"{100 * r['accuracy_change']:+.2f} points")
+        print(line, flush=True)
     if args.results_file:
         with open(args.results_file, "w") as f:
             json.dump({"task": args.task, "load": args.load, "results": results}, f, indent=2)
@@ -97,7 +122,12 @@ def run(args):
     runtime = initialize_inference(args)
     try:
         model, tokenizer, _ = load_inference_model(args, runtime.device)
-        results = evaluate(args, model, tokenizer)
+        baseline = evaluate(args, model, tokenizer) if args.quantize else None
+        if quantize_for_inference(args, model) is not None:
+            results = with_quantization_change(evaluate(args, model, tokenizer), baseline,
+                                               args.quantize)
+        else:
+            results = evaluate(args, model, tokenizer)
         if not dist.is_initialized() or dist.get_rank() == 0:
             _report(args, results)
         return results

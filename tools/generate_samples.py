@@ -7,6 +7,9 @@
         --sample-output-file out.jsonl --greedy
     # unconditional samples (from <|endoftext|>) as JSON lines {text, length, finished}
     python tools/generate_samples.py --load CKPT --num-samples 8 --genfile samples.jsonl
+    # int8 weights (4x smaller; int8-dynamic: int8 activations too; int4: 8x, per group)
+    python tools/generate_samples.py --load CKPT --quantize int8 --greedy --num-samples 2 \
+        --genfile samples.jsonl
     # tensor-parallel: any TP size, whatever the checkpoint was saved at
     torchrun --standalone --nproc_per_node 2 tools/generate_samples.py --load CKPT \
         --model-parallel-size 2 --sample-input-file prompts.txt --sample-output-file out.jsonl
@@ -28,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron.cli import run_cli  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 from megatron.inference.loading import (inference_parser, initialize_inference,  # noqa: E402
-                                load_inference_model)
+                                load_inference_model, quantize_for_inference)
 from megatron.runtime.initialize import destroy  # noqa: E402
 from megatron.inference.text_generation import SamplingParams, TextGenerator, generate_text  # noqa: E402
 
@@ -150,6 +153,7 @@ def run(args):
     runtime = initialize_inference(args)
     try:
         model, tokenizer, _ = load_inference_model(args, runtime.device)
+        quantize_for_inference(args, model)
         generator = TextGenerator(model, tokenizer.eod, tokenizer.vocab_size,
                                   use_cache=not args.recompute)
         params = SamplingParams(args.greedy, args.temperature, args.top_k, args.top_p,

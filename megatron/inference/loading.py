@@ -20,6 +20,8 @@ from megatron.convert.loaders import FORMATS, load_model_weights
 from megatron.convert.tp_layout import (WORD_EMBEDDINGS, parameter_layout, resize_vocab_rows,
                                         split_full)
 from megatron.errors import ConfigError
+from megatron.inference.quantization import (add_quantization_arguments, quantization_config,
+                                             quantize_model)
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -54,7 +56,7 @@ def add_inference_arguments(parser):
         "generation and evaluation scripts pass) are checked against it")
     for flag, kind in SHAPE_FLAGS.items():
         g.add_argument(flag, type=kind, default=None)
-    return parser
+    return add_quantization_arguments(parser)
 
 
 # flag -> type; each is a key of the args a checkpoint records
@@ -144,6 +146,17 @@ def build_model_from_weights(weights, dtype=torch.float32, device=torch.device("
         state[name] = split_full(tensor, parameter_layout(name).split, tp)[rank].to(dtype)
     model.load_state_dict(state)
     return model.to(device).eval()
+
+
+def quantize_for_inference(args, model):
+    """Apply --quantize (if given) to `model` in place; rank 0 prints what it saved."""
+    config = quantization_config(args)
+    if config is None:
+        return None
+    report = quantize_model(model, config)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(report.line(), flush=True)
+    return report
 
 
 def _build_tokenizer(model_args):

@@ -15,7 +15,6 @@ from typing import List
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatron import mpu
 from megatron.model import parallel_lm_logits
@@ -72,9 +71,6 @@ class TextGenerator:
         # tokens, positions [b, s] -> fp32 logits [b, vocab] of the last position only
         hidden = self.model.language_model(tokens, positions)[:, -1]  # [b, h]
         weight = self.model.language_model.embedding.word_embeddings.weight
-        if mpu.get_model_parallel_world_size() == 1:
-            # No gather: multiply by the real vocab rows only, no padding logits to cut.
-            return F.linear(hidden, weight[:self.vocab_size]).float()
         logits = parallel_lm_logits(hidden, weight, parallel_output=False)
         return logits[:, :self.vocab_size].float()
 
