@@ -91,6 +91,7 @@ def initialize_inference(args):
     from megatron.config.sections import ParallelConfig
     from megatron.runtime.initialize import initialize_megatron
     from megatron.runtime.launch import discover_launch_environment
+    quantization_config(args)  # its flag errors before any work
     world_size = discover_launch_environment().world_size
     tp = args.model_parallel_size
     if tp < 1 or world_size % tp != 0:
@@ -145,7 +146,7 @@ def build_model_from_weights(weights, dtype=torch.float32, device=torch.device("
             tensor = resize_vocab_rows(tensor, padded)
         state[name] = split_full(tensor, parameter_layout(name).split, tp)[rank].to(dtype)
     model.load_state_dict(state)
-    return model.to(device).eval()
+    return model.to(device=device, dtype=dtype).eval()  # load_state_dict keeps fp32
 
 
 def quantize_for_inference(args, model):

@@ -42,14 +42,18 @@ def add_quantization_arguments(parser):
     g.add_argument("--quantize", choices=SCHEMES, default=None,
                    help="int8: int8 weights per output channel; int8-dynamic: int8 weights "
                         "and activations (CPU); int4: int4 weights per group (default: off)")
-    g.add_argument("--quantize-group-size", type=int, default=128,
+    g.add_argument("--quantize-group-size", type=int, default=None,
                    choices=INT4_GROUP_SIZES, help="input features per int4 scale (default 128)")
     return parser
 
 
 def quantization_config(args):
-    return QuantizationConfig(args.quantize, args.quantize_group_size) if args.quantize \
-        else None
+    """The frozen QuantizationConfig of the flags (None without --quantize)."""
+    if args.quantize_group_size is not None and args.quantize != "int4":
+        raise ConfigError("--quantize-group-size applies to --quantize int4")
+    if not args.quantize:
+        return None
+    return QuantizationConfig(args.quantize, args.quantize_group_size or 128)
 
 
 # ---- quantise / dequantise (plain tensors; the round trip is what the tests bound) ----

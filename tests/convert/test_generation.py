@@ -56,6 +56,14 @@ def test_greedy_generation_with_cache_equals_recompute():
     assert torch.equal(cached, recomputed) and torch.equal(cached_done, recomputed_done)
 
 
+def test_precision_is_the_dtype_of_the_weights():
+    """--precision bf16 holds bf16 weights (load_state_dict alone would keep fp32 ones)."""
+    model = build_model_from_weights(random_weights(), torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    new, _ = _generate(model, True)
+    assert new.shape == (2, 25)
+
+
 def test_generation_stops_at_the_model_length():
     model = build_model_from_weights(random_weights(positions=12))
     new, _ = TextGenerator(model, eod=300, vocab_size=301).generate(_context(), GREEDY)

@@ -116,6 +116,16 @@ def test_a_quantised_model_stays_close_to_its_float_model(scheme, tolerance):
     assert torch.equal(cached[0], recomputed[0])
 
 
+def test_a_bf16_model_quantises_and_keeps_its_dtype():
+    weights = random_weights(hidden_size=64, num_heads=4)
+    expected = _logits(build_model_from_weights(weights), TOKENS)
+    model = build_model_from_weights(weights, torch.bfloat16)
+    q.quantize_model(model, q.QuantizationConfig("int8"))
+    logits = _logits(model, TOKENS)
+    assert logits.dtype == torch.bfloat16
+    assert (logits.float() - expected).norm() / expected.norm() < 0.03
+
+
 def _quantized_logits(scheme, use_kernels, weights):
     model = build_model_from_weights(weights)
     q.quantize_model(model, q.QuantizationConfig(scheme, group_size=32), use_kernels)
@@ -195,6 +205,9 @@ def test_generate_tool_runs_quantised_and_refuses_what_int4_cannot_take(checkpoi
                       "--genfile", str(out), "--greedy"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--quantize-group-size 32 or 64 fits" in err
+    assert tool.main(["--load", checkpoint, "--quantize", "int8", "--quantize-group-size",
+                      "64"]) == 2
+    assert capsys.readouterr().err == "error: --quantize-group-size applies to --quantize int4\n"
     with pytest.raises(SystemExit) as exit_:  # argparse: a group size the kernel lacks
         tool.main(["--load", checkpoint, "--quantize", "int4", "--quantize-group-size", "100"])
     assert exit_.value.code == 2

@@ -30,8 +30,8 @@ def test_round_trip_error_is_bounded_per_block_and_requantising_is_exact():
     scale = x.abs().amax(1)
     codes = quantize_signed(x, scale)
     back = dequantize_signed(codes, scale)
-    # the widest step of the signed code is the top one: 1 - (126/127)^3 of the absmax
-    assert ((back - x).abs() <= 0.5 * (1 - (126 / 127) ** 3) * scale[:, None] + 1e-12).all()
+    # the widest step of the signed code is the top one: 1 - (126/127)^2 of the absmax
+    assert ((back - x).abs() <= 0.5 * (1 - (126 / 127) ** 2) * scale[:, None] + 1e-12).all()
     assert torch.equal(back.abs().amax(1), scale)  # each block's absmax is exact
     assert torch.equal(quantize_signed(back, back.abs().amax(1)), codes)
     assert (back[5] == 0).all() and (back[3, :10] == 0).all()
@@ -50,6 +50,37 @@ def test_small_values_keep_relative_precision():
     x[0, 0] = 1.0
     back = dequantize_signed(quantize_signed(x, x.abs().amax(1)), x.abs().amax(1))
     assert (back[0, 1:] - 1e-3).abs().max() < 0.15e-3
+
+
+def _steps(compiled, steps=4):
+    torch.manual_seed(0)
+    weight = torch.randn(3 * BLOCK + 77, requires_grad=True)
+    optimizer = Adam8bit([weight], lr=1e-2, weight_decay=0.1, min_8bit_numel=MIN_NUMEL,
+                         compiled=compiled)
+    for _ in range(steps):
+        weight.grad = torch.randn(weight.numel()) * torch.logspace(-4, 0, weight.numel())
+        optimizer.step()
+    return weight.detach(), optimizer.state_dict()["state"][0]
+
+
+def test_the_compiled_step_is_the_eager_step():
+    """The same formulas: equal up to the compiler's own choice of fused multiply-adds."""
+    (compiled, compiled_state), (eager, eager_state) = _steps(True), _steps(False)
+    assert torch.allclose(compiled, eager, rtol=0, atol=1e-6)
+    assert torch.allclose(compiled_state["exp_avg"], eager_state["exp_avg"], rtol=1e-2,
+                          atol=1e-7)
+
+
+def test_without_a_compiler_the_step_runs_eagerly_with_one_note(monkeypatch, capsys):
+    from zero.optim import adam8bit
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found\n(the rest of a long message)")
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    assert adam8bit._compile_kernels() is adam8bit._EAGER
+    out = capsys.readouterr().out
+    assert out == (" note: Adam8bit runs its step eagerly (torch.compile failed: no C++ "
+                   "compiler found)\n")
 
 
 def _tiny_model_pair():
@@ -176,13 +207,16 @@ def _train_stages(rank, world_size):
 
 
 def test_zero_stages_at_dp2_give_the_single_process_losses():
-    """Stages 0-3, and 2 and 3 with the optimizer offloaded to host memory."""
+    """Stages 0-3, and 2 and 3 with the optimizer offloaded to host memory. The gradients
+    differ in the last bit between layouts (their reduction order does), and a last-bit
+    difference can move a moment across a code boundary (a code step is up to 1.6% of its
+    block's absmax), so the losses agree to a few 1e-4, not to fp32's 1e-6."""
     single = cases.train_steps(_engine_8bit(0), STEPS)
     results = run_distributed(_train_stages, 2)
     for stage in VARIANTS:
         assert results[0][stage] == results[1][stage]
         error = max(abs(a - b) / b for a, b in zip(results[0][stage], single))
-        assert error < 1e-4, (stage, error)
+        assert error < 3e-4, (stage, error)
     assert single[-1] < single[0] - 0.05
 
 

@@ -6,11 +6,14 @@ Quantization", for the block-wise idea). The code is a power-law companding of t
 absmax-normalised values, so small values keep precision the way a non-linear ("dynamic")
 code does:
 
-    first moment m (signed):     q = round(127 * sign(x) * |x/s|^(1/3)),  x = s * (q/127)^3
-    second moment v (unsigned):  q = round(255 * (x/s)^(1/4)),            x = s * (q/255)^4
+    first moment m (signed):     q = round(127 * sign(x) * sqrt(|x/s|)),  x = s * (q/127) |q/127|
+    second moment v (unsigned):  q = round(255 * sqrt(sqrt(x/s))),        x = s * ((q/255)^2)^2
 
-with s the block's absmax. Rounding is deterministic and requantising a dequantised value
-gives the same code, so a checkpoint that holds the dequantised moments resumes exactly.
+with s the block's absmax. Division, square root, product and rounding are correctly rounded
+on every SIMD path, so a code never depends on which kernel computed it, and requantising a
+dequantised value gives the same code: a checkpoint that holds the dequantised moments
+resumes exactly. The step runs as two or three compiled kernels over rows of 256 elements
+(torch.compile; eager PyTorch where no compiler is available).
 Parameters with fewer than `min_8bit_numel` elements (counted over the whole parameter, not a
 tensor-parallel shard of it) keep fp32 moments.
 
@@ -43,46 +46,24 @@ _CHUNK = BLOCK * 4096  # elements per vectorised pass (bounds the fp32 temporari
 def quantize_signed(x, scale):
     """int8 codes of `x` [..., B] with per-row absmax `scale` [...]."""
     ratio = x / _safe(scale).unsqueeze(-1)
-    return (_companded(ratio.abs(), 1 / 3, _SIGNED_BOUNDS) * ratio.sign()).to(torch.int8)
+    return (ratio.abs().sqrt() * 127).round().mul(ratio.sign()).to(torch.int8)
 
 
 def dequantize_signed(codes, scale):
     y = codes.float() / 127
-    return (y * y).mul_(y).mul_(scale.unsqueeze(-1))  # products, not pow: see _companded
+    return (y * y.abs()) * scale.unsqueeze(-1)
 
 
 def quantize_unsigned(x, scale):
     """uint8 codes of non-negative `x` [..., B] with per-row max `scale` [...]."""
-    ratio = (x / _safe(scale).unsqueeze(-1)).clamp_(min=0)
-    return _companded(ratio, 1 / 4, _UNSIGNED_BOUNDS).to(torch.uint8)
+    ratio = (x / _safe(scale).unsqueeze(-1)).clamp(min=0)
+    return (ratio.sqrt().sqrt() * 255).round().to(torch.uint8)
 
 
 def dequantize_unsigned(codes, scale):
     y = codes.float() / 255
     y = y * y
-    return (y * y).mul_(scale.unsqueeze(-1))
-
-
-def _boundaries(top, power):
-    """The ratios halfway (in the companded domain) between codes k and k + 1."""
-    return (((torch.arange(top, dtype=torch.float64) + 0.5) / top) ** power).float()
-
-
-_SIGNED_BOUNDS = _boundaries(127, 3)
-_UNSIGNED_BOUNDS = _boundaries(255, 4)
-
-
-def _companded(ratio, root, bounds):
-    """The code of each ratio in [0, 1]: how many boundaries lie below it. round(top *
-    ratio^root) says the same except within float error of a boundary; those few are
-    decided by comparison, so the code never depends on which SIMD path computed the root
-    (torch's vectorised and scalar pow differ in the last bit)."""
-    y = ratio.pow(root).mul_(len(bounds))
-    codes = y.round()
-    near = (y - codes).abs_() > 0.499
-    if near.any():
-        codes[near] = torch.bucketize(ratio[near], bounds.to(ratio.device)).to(codes.dtype)
-    return codes
+    return (y * y) * scale.unsqueeze(-1)
 
 
 def _safe(scale):
@@ -177,10 +158,11 @@ def state_bytes_per_param(numels, min_8bit_numel=MIN_8BIT_NUMEL):
 class Adam8bit(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) with 8-bit block-wise moments.
 
-    Without `describe_partition`, every parameter is its own original parameter."""
+    Without `describe_partition`, every parameter is its own original parameter.
+    `compiled=False` runs the row kernels eagerly (the same formulas, several passes)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 min_8bit_numel=MIN_8BIT_NUMEL):
+                 min_8bit_numel=MIN_8BIT_NUMEL, compiled=True):
         if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and 0 <= betas[0] < 1
                 and 0 <= betas[1] < 1 and min_8bit_numel >= 0):
             raise ValueError(f"Adam8bit: invalid hyperparameters lr={lr}, betas={betas}, "
@@ -189,6 +171,7 @@ class Adam8bit(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
         self.min_8bit_numel = int(min_8bit_numel)
+        self.compiled = compiled  # the row kernels through torch.compile (else eager)
         self._pieces = {}        # tensor -> [Piece]
         self._shared = {}        # (param, block) -> index in the shared vector
         self._comm_group = None  # the data-parallel group blocks may be split over
@@ -296,28 +279,40 @@ class Adam8bit(torch.optim.Optimizer):
                     self._init_state(p)
                 state["step"] += 1
                 step = float(state["step"])
-                hyper = _Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                               1 - beta1 ** step, 1 - beta2 ** step)
+                hyper = torch.tensor([group["lr"], beta1, beta2, group["eps"],
+                                      group["weight_decay"], 1 - beta1 ** step,
+                                      1 - beta2 ** step], dtype=torch.float32, device=p.device)
                 self._step_tensor(p, p.grad.reshape(-1), hyper, pending, loaded)
-        pending.finish(self._comm_group)
+        pending.finish(self._comm_group, _kernels(self.compiled))
         return loss
 
     def _step_tensor(self, p, grad, hyper, pending, loaded=None):
         """Update `p` and its moments; `loaded`: fp32 (exp_avg, exp_avg_sq) to start from
         instead of the codes (the first step after loading a checkpoint)."""
-        plan, state = self._plan(p), self.state[p]
+        plan, state, kernels = self._plan(p), self.state[p], _kernels(self.compiled)
         flat = p.view(-1)
         if loaded is not None:
             loaded = [t.reshape(-1).to(p.device, torch.float32) for t in loaded]
         for piece, regions, slot in plan.quantized:
-            for lo, hi, scale_slots in _spans(regions, slot):
+            for lo, hi, (first, last) in _spans(regions, slot):
                 a, b = piece.start + lo, piece.start + hi
+                rows = _Rows(a, b, first, last)
+                shared = plan.shared.get(first)
+                if loaded is None and shared is None and rows.whole:  # all in place
+                    kernels.step_and_quantize(rows.take(flat), rows.take(grad),
+                                              *rows.state(state), hyper)
+                    continue
+                param, grad_rows = rows.take(flat), rows.take(grad)
                 if loaded is not None:
-                    m, v = loaded[0][a:b].clone(), loaded[1][a:b].clone()
+                    m, v = kernels.step_from(param, grad_rows, rows.take(loaded[0]),
+                                             rows.take(loaded[1]), hyper)
                 else:
-                    m, v = _moments(state, a, b, scale_slots)
-                _adamw(flat[a:b], grad[a:b], m, v, hyper)
-                _quantize_span(state, plan, a, b, scale_slots, m, v, pending)
+                    m, v = kernels.step(param, grad_rows, *rows.state(state), hyper)
+                rows.put(flat, param)
+                if shared is not None:  # a head or tail block: one row
+                    pending.add(shared, state, rows, m, v)
+                else:
+                    rows.quantize(state, m, v, m.abs().amax(1), v.amax(1), kernels)
         for piece, at in plan.small:
             a, b = piece.start, piece.start + piece.length
             m_small = state["m_small"][at:at + piece.length]
@@ -325,22 +320,52 @@ class Adam8bit(torch.optim.Optimizer):
             if loaded is not None:
                 m_small.copy_(loaded[0][a:b])
                 v_small.copy_(loaded[1][a:b])
-            _adamw(flat[a:b], grad[a:b], m_small, v_small, hyper)
+            new_param, m, v = _adamw(flat[a:b], grad[a:b], m_small, v_small, hyper)
+            flat[a:b], m_small[:], v_small[:] = new_param, m, v
 
 
-def _quantize_span(state, plan, a, b, scale_slots, m, v, pending):
-    """Codes and scales of the updated elements [a, b) of the tensor, a whole number of scale
-    slots. A block that other pieces share waits in `pending` for the MAX over all of them."""
-    first, last = scale_slots
-    m_rows, v_rows = m.view(last - first, -1), v.view(last - first, -1)
-    m_scale, v_scale = m_rows.abs().amax(1), v_rows.amax(1)
-    if first in plan.shared:  # a head or tail block: one slot
-        pending.add(plan.shared[first], state, first, a, b, m, v, m_scale, v_scale)
-        return
-    state["m_scales"][first:last] = m_scale
-    state["v_scales"][first:last] = v_scale
-    state["m_codes"][a:b] = quantize_signed(m_rows, m_scale).view(-1)
-    state["v_codes"][a:b] = quantize_unsigned(v_rows, v_scale).view(-1)
+class _Rows:
+    """Elements [a, b) of a stepped tensor with scale slots [first, last), as rows of BLOCK
+    for the kernels. A part of a block, or a single block, is copied into two zero-padded
+    rows: the kernels then see the same shapes (never a specialised one-row case) and
+    padding zeros neither change a block's absmax nor produce NaN."""
+
+    def __init__(self, a, b, first, last):
+        self.a, self.b, self.first, self.last = a, b, first, last
+        self.count = last - first
+        self.whole = (b - a) == self.count * BLOCK and self.count > 1
+
+    def take(self, tensor):
+        if self.whole:
+            return tensor[self.a:self.b].view(self.count, BLOCK)
+        rows = torch.zeros(max(2, self.count), BLOCK, dtype=tensor.dtype, device=tensor.device)
+        rows.view(-1)[:self.b - self.a] = tensor[self.a:self.b]
+        return rows
+
+    def scales(self, scales):
+        if self.whole:
+            return scales[self.first:self.last]
+        padded = torch.zeros(max(2, self.count), dtype=scales.dtype, device=scales.device)
+        padded[:self.count] = scales[self.first:self.last]
+        return padded
+
+    def state(self, state):
+        """(m codes, m scales, v codes, v scales) of these rows."""
+        return (self.take(state["m_codes"]), self.scales(state["m_scales"]),
+                self.take(state["v_codes"]), self.scales(state["v_scales"]))
+
+    def put(self, tensor, rows):
+        """Write rows back to elements [a, b) of `tensor` (a view from take() already is)."""
+        if not (self.whole and rows.data_ptr() == tensor[self.a:self.b].data_ptr()):
+            tensor[self.a:self.b] = rows.reshape(-1)[:self.b - self.a]
+
+    def quantize(self, state, m, v, m_scale, v_scale, kernels):
+        """Codes of the updated moments `m`, `v` (rows as take() gave) at these scales."""
+        m_codes, v_codes = kernels.quantize(m, v, m_scale, v_scale)
+        self.put(state["m_codes"], m_codes)
+        self.put(state["v_codes"], v_codes)
+        state["m_scales"][self.first:self.last] = m_scale[:self.count]
+        state["v_scales"][self.first:self.last] = v_scale[:self.count]
 
 
 class _SharedBlocks:
@@ -351,46 +376,100 @@ class _SharedBlocks:
         self.maxima = torch.zeros(2, count, dtype=torch.float32)
         self.waiting = []
 
-    def add(self, index, state, slot, a, b, m, v, m_scale, v_scale):
-        self.maxima[0, index] = max(float(self.maxima[0, index]), float(m_scale[0]))
-        self.maxima[1, index] = max(float(self.maxima[1, index]), float(v_scale[0]))
-        self.waiting.append((index, state, slot, a, b, m, v))
+    def add(self, index, state, rows, m, v):
+        self.maxima[0, index] = max(float(self.maxima[0, index]), float(m.abs().max()))
+        self.maxima[1, index] = max(float(self.maxima[1, index]), float(v.max()))
+        self.waiting.append((index, state, rows, m, v))
 
-    def finish(self, group):
+    def finish(self, group, kernels):
         if self.maxima.numel() and group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(self.maxima, op=dist.ReduceOp.MAX, group=group)
-        for index, state, slot, a, b, m, v in self.waiting:
-            m_scale = self.maxima[0, index:index + 1].to(m.device)
-            v_scale = self.maxima[1, index:index + 1].to(v.device)
-            state["m_scales"][slot] = m_scale[0]
-            state["v_scales"][slot] = v_scale[0]
-            state["m_codes"][a:b] = quantize_signed(m.view(1, -1), m_scale).view(-1)
-            state["v_codes"][a:b] = quantize_unsigned(v.view(1, -1), v_scale).view(-1)
+        for index, state, rows, m, v in self.waiting:
+            scales = self.maxima[:, index:index + 1].to(m.device).expand(2, m.shape[0])
+            rows.quantize(state, m, v, scales[0].contiguous(), scales[1].contiguous(),
+                          kernels)
         self.waiting = []
 
 
-@dataclass(frozen=True)
-class _Hyper:
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    bias_correction1: float
-    bias_correction2: float
+# ------------------------------------------------------------------------------ the kernels
 
-
-def _adamw(param, grad, m, v, h):
-    """One AdamW update of fp32 views (param may be a view of the master). Every operation
-    rounds once (no fused multiply-add, whose vectorised and scalar paths round differently),
-    so an element's update does not depend on where a partition cut the tensor."""
+def _adamw(param, grad, m, v, hyper):
+    """One AdamW update: (new param, new m, new v) in fp32. hyper = [lr, beta1, beta2, eps,
+    weight decay, bias correction 1, bias correction 2], a tensor, so a compiled kernel
+    takes every step's values without recompiling."""
+    lr, beta1, beta2, eps, weight_decay, correction1, correction2 = hyper.unbind()
     grad = grad.float()
-    m.mul_(h.beta1).add_(grad * (1 - h.beta1))
-    v.mul_(h.beta2).add_((grad * grad).mul_(1 - h.beta2))
-    if h.weight_decay:
-        param.mul_(1 - h.lr * h.weight_decay)
-    update = m / (v / h.bias_correction2).sqrt_().add_(h.eps)
-    param.sub_(update.mul_(h.lr / h.bias_correction1))
+    m = m * beta1 + grad * (1 - beta1)
+    v = v * beta2 + (grad * grad) * (1 - beta2)
+    update = m / ((v / correction2).sqrt() + eps)
+    return param.float() * (1 - lr * weight_decay) - update * (lr / correction1), m, v
+
+
+def _step_rows(param, grad, m_codes, m_scale, v_codes, v_scale, hyper):
+    """Dequantise, update `param` rows in place; the updated fp32 (m, v)."""
+    new_param, m, v = _adamw(param, grad, dequantize_signed(m_codes, m_scale),
+                             dequantize_unsigned(v_codes, v_scale), hyper)
+    param.copy_(new_param)
+    return m, v
+
+
+def _step_rows_from(param, grad, m, v, hyper):
+    """_step_rows from fp32 moments (a loaded checkpoint's)."""
+    new_param, m, v = _adamw(param, grad, m, v, hyper)
+    param.copy_(new_param)
+    return m, v
+
+
+def _quantize_rows(m, v, m_scale, v_scale):
+    return quantize_signed(m, m_scale), quantize_unsigned(v, v_scale)
+
+
+def _step_and_quantize_rows(param, grad, m_codes, m_scale, v_codes, v_scale, hyper):
+    """The whole step of whole blocks that no other piece shares, all in place: one pass
+    over memory when compiled."""
+    m, v = _step_rows(param, grad, m_codes, m_scale, v_codes, v_scale, hyper)
+    new_m_scale, new_v_scale = m.abs().amax(1), v.amax(1)
+    m_codes.copy_(quantize_signed(m, new_m_scale))
+    v_codes.copy_(quantize_unsigned(v, new_v_scale))
+    m_scale.copy_(new_m_scale)
+    v_scale.copy_(new_v_scale)
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    step_and_quantize: object
+    step: object
+    step_from: object
+    quantize: object
+
+
+_EAGER = _Kernels(_step_and_quantize_rows, _step_rows, _step_rows_from, _quantize_rows)
+_COMPILED = []  # filled on first use: compiling costs seconds, and not every run needs it
+
+
+def _kernels(compiled):
+    if not compiled:
+        return _EAGER
+    if not _COMPILED:
+        _COMPILED.append(_compile_kernels())
+    return _COMPILED[0]
+
+
+def _compile_kernels():
+    """The row kernels through torch.compile (dynamic in the number of rows), or eager with
+    one line saying why when this machine cannot compile (no C++ compiler, say)."""
+    try:
+        kernels = _Kernels(*(torch.compile(fn, dynamic=True) for fn in (
+            _step_and_quantize_rows, _step_rows, _step_rows_from, _quantize_rows)))
+        rows = torch.zeros(2, BLOCK)  # compile now, so a failure shows here, not mid-step
+        hyper = torch.tensor([1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1, 0.001])
+        kernels.step_and_quantize(rows.clone(), rows, rows.to(torch.int8), torch.zeros(2),
+                                  rows.to(torch.uint8), torch.zeros(2), hyper)
+        return kernels
+    except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
+        print(f" note: Adam8bit runs its step eagerly (torch.compile failed: "
+              f"{str(error).splitlines()[0][:120]})", flush=True)
+        return _EAGER
 
 
 def _spans(regions, slot):
