@@ -266,10 +266,6 @@ def _check_optimizer_choice(raw, ds_config):
             "one (the config spells it \"type\": \"Adam8bit\")")
     require(not raw["cpu_optimizer"],
             "--optimizer adam8bit steps on the device; --cpu-optimizer is the fp32 CPU Adam")
-    offload = ds_config.zero_optimization.offload_optimizer
-    require(offload is None or offload.device != "nvme",
-            "--optimizer adam8bit keeps its states in memory; the config's offload_optimizer "
-            "\"nvme\" swaps fp32 Adam states (use device \"cpu\", or --optimizer adam)")
 
 
 def _checkpoint(raw):

@@ -10,7 +10,8 @@ count. Optimizers never index it directly; they walk it in sub-groups:
 
 - `ResidentStateStore` (offload_optimizer.device "cpu"): the tensors stay in host memory (the
   CPUAdam's own state); sub-groups are views.
-- `NvmeStateStore` ("nvme"): the tensors live in three files per key under the swap folder.
+- `NvmeStateStore` ("nvme"): the tensors live in three files per key under the swap folder
+  (or only the master's, for an optimizer that keeps its own, smaller state in memory).
   Only `buffer_count` sub-groups are in memory at a time; with `pipeline_read` the next
   sub-group is read while this one is stepped, with `pipeline_write` the previous one is
   written back while this one is stepped (DeepSpeed's PipelinedOptimizerSwapper).
@@ -85,8 +86,9 @@ class NvmeStateStore:
     """Master and moments in files `<swap_dir>/<key>_<name>.tensor.swp`, swapped per sub-group."""
 
     def __init__(self, swap_dir, aio, sub_group_size, buffer_count=4, pipeline_read=False,
-                 pipeline_write=False, pin_memory=False):
+                 pipeline_write=False, pin_memory=False, names=STATE_NAMES):
         self.swap_dir, self.sub_group_size = swap_dir, sub_group_size
+        self.names = names  # ("master",): an optimizer that keeps its own state in memory
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         self.io = AsyncTensorIO(aio)
         return_freed_buffers_to_os()  # freed swap-ins must not stay resident (host_memory.py)
@@ -103,12 +105,12 @@ class NvmeStateStore:
         as zeros), and a master that the caller fills with write_range."""
         self.numels[key] = numel
         self.steps[key] = torch.zeros((), dtype=torch.float32)
-        for name in STATE_NAMES:
+        for name in self.names:
             with open(self.path(key, name), "wb") as f:
                 f.truncate(4 * numel)
         if not fast_init:  # allocate the blocks now, so a full drive fails here, not mid-step
             zeros = torch.zeros(min(numel, self.sub_group_size), dtype=torch.float32)
-            for name in ("exp_avg", "exp_avg_sq"):
+            for name in set(self.names) & {"exp_avg", "exp_avg_sq"}:
                 for lo, hi in sub_group_ranges(numel, self.sub_group_size):
                     self.io.write(zeros[:hi - lo], self.path(key, name), 4 * lo).wait()
 
@@ -132,7 +134,7 @@ class NvmeStateStore:
 
     def sub_groups(self, key):
         """Yield each sub-group swapped in; it is written back when the caller asks for the
-        next one (so the caller must be done with it by then)."""
+        next one (so the caller must be done with it by then). Needs all of STATE_NAMES."""
         ranges = sub_group_ranges(self.numels[key], self.sub_group_size)
         free = list(range(self._slot_count))
         writing = deque()  # (pending writes, slot)

@@ -38,30 +38,34 @@ import torch.distributed as dist
 
 BLOCK = 256
 MIN_8BIT_NUMEL = 4096
-_CHUNK = BLOCK * 4096  # elements per vectorised pass (bounds the fp32 temporaries)
+# elements per pass: eager passes make fp32 temporaries of this size, so they stay small; a
+# compiled pass makes none (only the first step after a load does: 8 B per element)
+_CHUNK = BLOCK * 4096
+_COMPILED_CHUNK = BLOCK * 65536
 
 
 # ------------------------------------------------------------------------------ the code
 
 def quantize_signed(x, scale):
     """int8 codes of `x` [..., B] with per-row absmax `scale` [...]."""
-    ratio = x / _safe(scale).unsqueeze(-1)
+    ratio = x * (1 / _safe(scale)).unsqueeze(-1)  # one division per row, not per element
     return (ratio.abs().sqrt() * 127).round().mul(ratio.sign()).to(torch.int8)
 
 
 def dequantize_signed(codes, scale):
-    y = codes.float() / 127
+    y = codes.float() * (1 / 127)
     return (y * y.abs()) * scale.unsqueeze(-1)
 
 
 def quantize_unsigned(x, scale):
-    """uint8 codes of non-negative `x` [..., B] with per-row max `scale` [...]."""
-    ratio = (x / _safe(scale).unsqueeze(-1)).clamp(min=0)
-    return (ratio.sqrt().sqrt() * 255).round().to(torch.uint8)
+    """uint8 codes of non-negative `x` [..., B] with per-row max `scale` [...]. Written on
+    sqrt(x), which the AdamW update computes anyway (a compiled step computes it once)."""
+    ratio = x.sqrt() * (1 / _safe(scale).sqrt()).unsqueeze(-1)
+    return (ratio.sqrt() * 255).round().to(torch.uint8)
 
 
 def dequantize_unsigned(codes, scale):
-    y = codes.float() / 255
+    y = codes.float() * (1 / 255)
     y = y * y
     return (y * y) * scale.unsqueeze(-1)
 
@@ -267,24 +271,41 @@ class Adam8bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        pending = _SharedBlocks(len(self._shared))
+        pending = self.begin_step()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                loaded = state.pop("pending", None)  # fp32 moments from a checkpoint
-                if "m_codes" not in state:
-                    self._init_state(p)
-                state["step"] += 1
-                step = float(state["step"])
-                hyper = torch.tensor([group["lr"], beta1, beta2, group["eps"],
-                                      group["weight_decay"], 1 - beta1 ** step,
-                                      1 - beta2 ** step], dtype=torch.float32, device=p.device)
-                self._step_tensor(p, p.grad.reshape(-1), hyper, pending, loaded)
-        pending.finish(self._comm_group, _kernels(self.compiled))
+                self.step_param(p, pending, group)
+        self.finish_step(pending)
         return loss
+
+    # A step in three calls, for a caller that brings each tensor into memory in turn (the
+    # fp32 masters in NVMe swap files): begin_step(), step_param() per tensor in the order of
+    # the param groups, finish_step() (which settles the blocks shared between tensors and
+    # ranks: every rank calls it).
+
+    def begin_step(self):
+        return _SharedBlocks(len(self._shared))
+
+    @torch.no_grad()
+    def step_param(self, p, pending, group=None):
+        if p.grad is None:
+            return
+        if group is None:
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        beta1, beta2 = group["betas"]
+        state = self.state[p]
+        loaded = state.pop("pending", None)  # fp32 moments from a checkpoint
+        if "m_codes" not in state:
+            self._init_state(p)
+        state["step"] += 1
+        step = float(state["step"])
+        hyper = torch.tensor([group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                              1 - beta1 ** step, 1 - beta2 ** step],
+                             dtype=torch.float32, device=p.device)
+        self._step_tensor(p, p.grad.reshape(-1), hyper, pending, loaded)
+
+    def finish_step(self, pending):
+        pending.finish(self._comm_group, _kernels(self.compiled))
 
     def _step_tensor(self, p, grad, hyper, pending, loaded=None):
         """Update `p` and its moments; `loaded`: fp32 (exp_avg, exp_avg_sq) to start from
@@ -294,7 +315,7 @@ class Adam8bit(torch.optim.Optimizer):
         if loaded is not None:
             loaded = [t.reshape(-1).to(p.device, torch.float32) for t in loaded]
         for piece, regions, slot in plan.quantized:
-            for lo, hi, (first, last) in _spans(regions, slot):
+            for lo, hi, (first, last) in _spans(regions, slot, kernels.chunk):
                 a, b = piece.start + lo, piece.start + hi
                 rows = _Rows(a, b, first, last)
                 shared = plan.shared.get(first)
@@ -401,7 +422,7 @@ def _adamw(param, grad, m, v, hyper):
     grad = grad.float()
     m = m * beta1 + grad * (1 - beta1)
     v = v * beta2 + (grad * grad) * (1 - beta2)
-    update = m / ((v / correction2).sqrt() + eps)
+    update = m / (v.sqrt() * (1 / correction2.sqrt()) + eps)
     return param.float() * (1 - lr * weight_decay) - update * (lr / correction1), m, v
 
 
@@ -441,6 +462,7 @@ class _Kernels:
     step: object
     step_from: object
     quantize: object
+    chunk: int = _CHUNK
 
 
 _EAGER = _Kernels(_step_and_quantize_rows, _step_rows, _step_rows_from, _quantize_rows)
@@ -460,7 +482,8 @@ def _compile_kernels():
     one line saying why when this machine cannot compile (no C++ compiler, say)."""
     try:
         kernels = _Kernels(*(torch.compile(fn, dynamic=True) for fn in (
-            _step_and_quantize_rows, _step_rows, _step_rows_from, _quantize_rows)))
+            _step_and_quantize_rows, _step_rows, _step_rows_from, _quantize_rows)),
+            chunk=_COMPILED_CHUNK)
         rows = torch.zeros(2, BLOCK)  # compile now, so a failure shows here, not mid-step
         hyper = torch.tensor([1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1, 0.001])
         kernels.step_and_quantize(rows.clone(), rows, rows.to(torch.int8), torch.zeros(2),
@@ -472,7 +495,7 @@ def _compile_kernels():
         return _EAGER
 
 
-def _spans(regions, slot):
+def _spans(regions, slot, chunk=_CHUNK):
     """[(lo, hi, (first scale slot, end scale slot))] of a piece's spans, each a whole number
     of its scale slots: the head, the body in chunks, the tail."""
     head, body, tail = regions
@@ -480,8 +503,8 @@ def _spans(regions, slot):
     if head:
         spans.append((0, head, (s, s + 1)))
         at, s = head, s + 1
-    for lo in range(at, at + body, _CHUNK):
-        hi = min(lo + _CHUNK, at + body)
+    for lo in range(at, at + body, chunk):
+        hi = min(lo + chunk, at + body)
         blocks = (hi - lo) // BLOCK
         spans.append((lo, hi, (s, s + blocks)))
         s += blocks

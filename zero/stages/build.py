@@ -33,7 +33,6 @@ from zero.stages.param_coordinator import Stage3Knobs
 def build_zero_optimizer(engine, base_optimizer, module_reduces_gradients=False):
     """The partitioning optimizer for engine.config around `base_optimizer` (a torch one)."""
     config = engine.config
-    _check_quantized_states(base_optimizer, config)
     loss_scaler = build_loss_scaler(config)
     if config.zero_optimization.stage == 3:
         return build_stage3_optimizer(engine, base_optimizer, loss_scaler)
@@ -41,17 +40,6 @@ def build_zero_optimizer(engine, base_optimizer, module_reduces_gradients=False)
     settings = zero_settings(config, module_reduces_gradients)
     return ZeroOptimizer(base_optimizer, param_order, settings, engine.dp_comm, engine.mp_comm,
                          engine.mp_rank, loss_scaler, masters=master_store(engine))
-
-
-def _check_quantized_states(base_optimizer, config):
-    """Adam8bit keeps its states on the device or, offloaded, in host memory (not NVMe)."""
-    from zero.optim.adam8bit import Adam8bit
-    offload = config.zero_optimization.offload_optimizer
-    if isinstance(base_optimizer, Adam8bit) and offload is not None \
-            and offload.device == "nvme":
-        raise ConfigError(f"DeepSpeed config {config.source}: the 8-bit Adam optimizer keeps "
-                          "its states in memory; offload_optimizer \"nvme\" swaps fp32 Adam "
-                          "states (use \"Adam\" with nvme, or device \"cpu\")")
 
 
 def master_store(engine):
