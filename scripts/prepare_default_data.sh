@@ -17,7 +17,8 @@
 #
 # Reads:  DATA_DIR (default <repo>/data), VOCAB_SIZE (8192), WORKERS (2), VENV (<repo>/.venv).
 # Sets:   PY (the venv's python), CORPUS, TOKENIZER_DIR, DATA_PREFIX (add _text_document for
-#         --data-path), and the function `print_compute_estimate LAYERS HIDDEN VOCAB SEQ ITERS
+#         --data-path), the function `set_precision_flags ARGS...` (PRECISION_FLAGS from
+#         PRECISION, measured when unset), and `print_compute_estimate LAYERS HIDDEN VOCAB SEQ ITERS
 #         GLOBAL_BATCH`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -48,6 +49,23 @@ if [ ! -f "${DATA_PREFIX}_text_document.idx" ]; then
         --tokenizer-type GPT2BPETokenizer --vocab-file "$TOKENIZER_DIR/vocab.json" \
         --merge-file "$TOKENIZER_DIR/merges.txt" --append-eod --workers "$WORKERS"
 fi
+
+# PRECISION_FLAGS for pretrain_gpt2.py from PRECISION (bf16, fp16 or fp32). Unset, and with no
+# --bf16/--fp16 among the script's arguments: the faster of bf16 and fp32 on this machine,
+# measured (megatron/runtime/precision_probe.py). Usage: set_precision_flags "$@"
+set_precision_flags() {
+    PRECISION_FLAGS=()
+    case " $* " in *" --bf16 "*|*" --fp16 "*) return ;; esac  # the user's flag decides
+    if [ -z "${PRECISION:-}" ]; then
+        PRECISION="$("$PY" -m megatron.runtime.precision_probe)"
+    fi
+    case "$PRECISION" in
+        bf16) PRECISION_FLAGS=(--bf16) ;;
+        fp16) PRECISION_FLAGS=(--fp16) ;;
+        fp32) ;;
+        *) echo "PRECISION must be bf16, fp16 or fp32 (got $PRECISION)" >&2; exit 2 ;;
+    esac
+}
 
 # Parameters ~ 12*L*h^2 + (V + S)*h; FLOPs ~ 6*N per token plus attention 12*L*h*S per token.
 print_compute_estimate() {

@@ -28,7 +28,9 @@
 #
 # Sizes are pretrain_gpt2.sh's, with the micro batch per process and the global batch derived:
 #   NLAYERS=6 NHIDDEN=384 NHEADS=6 SEQ_LEN=256 MICRO_BATCH=4 GLOBAL_BATCH=(micro x data-parallel)
-#   TRAIN_ITERS=300 LR=1e-3 MIN_LR=1e-4 WARMUP_ITERS=30 VOCAB_SIZE=8192 PRECISION=bf16|fp16|fp32
+#   TRAIN_ITERS=300 LR=1e-3 MIN_LR=1e-4 WARMUP_ITERS=30 VOCAB_SIZE=8192
+#   PRECISION=bf16|fp16|fp32 (default: one node measures the faster of bf16 and fp32; several
+#   nodes take bf16)
 #   DATA_DIR=data  CHECKPOINT_DIR=checkpoints/gpt2_small_distributed
 #   RUN_DIR=runs/gpt2_small_distributed
 #   LOG_INTERVAL=10 EVAL_INTERVAL=100 EVAL_ITERS=5 SAVE_INTERVAL=(train iters) WORKERS=2
@@ -53,7 +55,6 @@ NLAYERS="${NLAYERS:-6}"; NHIDDEN="${NHIDDEN:-384}"; NHEADS="${NHEADS:-6}"
 SEQ_LEN="${SEQ_LEN:-256}"; MICRO_BATCH="${MICRO_BATCH:-4}"
 TRAIN_ITERS="${TRAIN_ITERS:-300}"; LR="${LR:-1e-3}"; MIN_LR="${MIN_LR:-1e-4}"
 WARMUP_ITERS="${WARMUP_ITERS:-$(( TRAIN_ITERS / 10 ))}"; VOCAB_SIZE="${VOCAB_SIZE:-8192}"
-PRECISION="${PRECISION:-bf16}"
 DATA_DIR="${DATA_DIR:-$ROOT/data}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small_distributed}"
 RUN_DIR="${RUN_DIR:-$ROOT/runs/gpt2_small_distributed}"
@@ -84,13 +85,10 @@ print_compute_estimate "$NLAYERS" "$NHIDDEN" "$VOCAB_SIZE" "$SEQ_LEN" "$TRAIN_IT
 echo "[launch] $NNODES node(s) x $GPUS_PER_NODE processes: tensor-parallel $MP_SIZE," \
      "data-parallel $(( WORLD_SIZE / MP_SIZE )), global batch $GLOBAL_BATCH"
 
-PRECISION_FLAGS=()
-case "$PRECISION" in
-    bf16) PRECISION_FLAGS=(--bf16) ;;
-    fp16) PRECISION_FLAGS=(--fp16) ;;
-    fp32) ;;
-    *) echo "PRECISION must be bf16, fp16 or fp32 (got $PRECISION)" >&2; exit 2 ;;
-esac
+# Unset PRECISION is measured per node (the faster of bf16 and fp32); nodes must agree, so
+# a multi-node launch that names none takes bf16.
+[ "$NNODES" -gt 1 ] && PRECISION="${PRECISION:-bf16}"
+set_precision_flags "$@"
 
 # The launcher's rendezvous waits as long as the processes' own collectives do
 # (--distributed-timeout-minutes, from the arguments or DISTRIBUTED_TIMEOUT_MINUTES, default 10

@@ -203,3 +203,20 @@ def test_faster_precision_note_names_the_fastest_measured_precision(monkeypatch)
     assert device_mod.faster_precision_note(cpu, torch.float32) is None  # only 16-bit runs ask
     speeds.update({torch.float16: 2e9, torch.bfloat16: 900e9})  # AMX bf16, emulated fp16
     assert "--bf16 is the fast path here" in device_mod.faster_precision_note(cpu, torch.float16)
+
+
+@pytest.mark.parametrize("bf16, fp32, picked", [(170e9, 330e9, "fp32"), (900e9, 330e9, "bf16")])
+def test_the_scripts_precision_probe_picks_the_faster_measured(monkeypatch, capsys, bf16, fp32,
+                                                               picked):
+    """What scripts/pretrain_gpt2.sh trains in when PRECISION is unset: no AMX (bf16 at half
+    fp32's speed) -> fp32; AMX -> bf16. One line on stderr says why."""
+    from megatron.runtime import precision_probe
+    speeds = {torch.bfloat16: bf16, torch.float32: fp32}
+    monkeypatch.setattr(precision_probe, "measure_matmul_flops",
+                        lambda device, dtype: speeds[dtype])
+    precision_probe.main()
+    out, err = capsys.readouterr()
+    assert out == f"{picked}\n"
+    assert err == (f"[precision] {picked}, the faster here (matmul GFLOP/s on this cpu: bf16 "
+                   f"{bf16 / 1e9:.0f}, fp32 {fp32 / 1e9:.0f}); PRECISION=bf16|fp16|fp32 or "
+                   "--bf16/--fp16 choose\n")
