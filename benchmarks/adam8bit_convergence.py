@@ -44,6 +44,9 @@ def train(script, extra, optimizer, iters, precision, folder):
         raise RuntimeError(f"{script} --optimizer {optimizer} failed:\n{out.stderr[-3000:]}")
     losses = VALIDATION.findall(out.stdout)
     times = [float(ms) for ms in ITERATION_MS.findall(out.stdout)]
+    if not losses or not times:
+        raise RuntimeError(f"{script} printed no validation loss or iteration time: give "
+                           "--iters of at least 100 (the scripts evaluate every 100)")
     times = times[1:] or times
     return float(losses[-1][1]), sum(times) / len(times)
 

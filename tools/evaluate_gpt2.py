@@ -28,6 +28,7 @@ from megatron.cli import run_cli  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 from megatron.inference.loading import (inference_parser, initialize_inference,  # noqa: E402
                                 load_inference_model, quantize_for_inference)
+from megatron.inference.quantization import check_quantizable, quantization_config  # noqa: E402
 from megatron.runtime.initialize import destroy  # noqa: E402
 
 TASKS = ("WIKITEXT103", "LAMBADA")
@@ -122,6 +123,8 @@ def run(args):
     runtime = initialize_inference(args)
     try:
         model, tokenizer, _ = load_inference_model(args, runtime.device)
+        if args.quantize:  # the quantisation's errors before the baseline's time is spent
+            check_quantizable(model, quantization_config(args))
         baseline = evaluate(args, model, tokenizer) if args.quantize else None
         if quantize_for_inference(args, model) is not None:
             results = with_quantization_change(evaluate(args, model, tokenizer), baseline,

@@ -1,18 +1,21 @@
 """Quantised weights for inference: `--quantize int8 | int8-dynamic | int4`.
 
-    int8          int8 weights, one scale per output channel (absmax / 127); activations stay
-                  in floating point (torch._weight_int8pack_mm)
+    int8          int8 weights, one scale per output channel (absmax / 127); the matmul takes
+                  bf16 (or fp16) activations and scales (torch._weight_int8pack_mm; on the CPU
+                  its fp32 path is 5-10x slower, so fp32 activations are rounded to bf16)
     int8-dynamic  the same int8 weights, and each call quantises its activations to int8 too
-                  (torch's fbgemm/x86 dynamic quantised linear; CPU only)
+                  with one scale per call (torch's fbgemm/x86 dynamic quantised linear; CPU
+                  only), so a row's result depends on the other rows of the call
     int4          int4 weights with a scale and a zero point per group of --quantize-group-size
-                  input features (torch._weight_int4pack_mm_for_cpu); the tied word embedding,
-                  which is also the LM head, stays int8
+                  input features (torch._weight_int4pack_mm_for_cpu, bf16 activations as
+                  int8's); the tied word embedding, which is also the LM head, stays int8
 
 Every ColumnParallelLinear / RowParallelLinear weight and the word embedding are replaced by
 a QuantizedWeight: an object that implements `__torch_function__` for `F.linear` and
 `F.embedding`, so the model code runs unchanged.  Scales follow the original parameter, not
 the tensor-parallel shard (a row's absmax is reduced over the TP group; int4 groups never
-straddle shards), so a TP=2 run quantises exactly as TP=1.  torch's kernels are CPU kernels
+straddle shards), so a TP=2 run holds the weights of TP=1 (int8-dynamic's activation
+scales are per rank, as its input slices are).  torch's kernels are CPU kernels
 here; on another device the weights are dequantised at each call (memory saved, not time).
 """
 
@@ -115,7 +118,8 @@ class QuantizedWeight:
         raise TypeError(f"{type(self).__name__} is a linear weight; it is never looked up")
 
     def _finish(self, out, x, bias):
-        out = out.to(x.dtype)
+        """The kernel's [n, out] result as x's shape and dtype, plus the bias."""
+        out = out.reshape(*x.shape[:-1], self.shape[0]).to(x.dtype)
         return out if bias is None else out + bias
 
 
@@ -130,6 +134,12 @@ class Int8Weight(QuantizedWeight):
         super().__init__(codes.shape, codes.device, dtype)
         self.codes, self.scale = codes, scale
         self.use_kernel = use_kernel and codes.device.type == "cpu"
+        self._scales = {}  # the kernel takes scales in the activations' dtype: one copy each
+
+    def _scale_as(self, dtype):
+        if dtype not in self._scales:
+            self._scales[dtype] = self.scale.to(dtype)
+        return self._scales[dtype]
 
     @property
     def nbytes(self):
@@ -141,8 +151,8 @@ class Int8Weight(QuantizedWeight):
         # The CPU kernel's fp32 path is scalar (5-10x slower than its bf16 path): run fp32
         # activations through it in bf16, accumulating in fp32 inside the kernel.
         dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
-        out = torch._weight_int8pack_mm(_flat(x).to(dtype), self.codes, self.scale.to(dtype))
-        return self._finish(out.reshape(*x.shape[:-1], -1), x, bias)
+        out = torch._weight_int8pack_mm(_flat(x).to(dtype), self.codes, self._scale_as(dtype))
+        return self._finish(out, x, bias)
 
     def embedding(self, ids):
         return self.codes[ids].to(self.dtype) * self.scale[ids, None].to(self.dtype)
@@ -170,7 +180,7 @@ class Int8DynamicWeight(QuantizedWeight):
 
     def linear(self, x, bias):
         out = torch.ops.quantized.linear_dynamic(_flat(x).float(), self.packed, True)
-        return self._finish(out.reshape(*x.shape[:-1], -1), x, bias)
+        return self._finish(out, x, bias)
 
     def embedding(self, ids):
         if self.rows is None:
@@ -191,9 +201,15 @@ class Int4Weight(QuantizedWeight):
             # The kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale.
             self.scales_and_zeros = torch.stack([scale, minimum + 8 * scale], dim=-1) \
                 .transpose(0, 1).contiguous()
+            self._cast = {}  # in the activations' dtype, as the kernel takes them
         else:
             self.packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
             self.scale, self.minimum = scale, minimum
+
+    def _scales_and_zeros_as(self, dtype):
+        if dtype not in self._cast:
+            self._cast[dtype] = self.scales_and_zeros.to(dtype)
+        return self._cast[dtype]
 
     @property
     def nbytes(self):
@@ -207,10 +223,10 @@ class Int4Weight(QuantizedWeight):
             weight = dequantize_int4_groups(codes, self.scale, self.minimum, x.dtype)
             return F.linear(x, weight, bias)
         dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
-        out = torch._weight_int4pack_mm_for_cpu(_flat(x).to(dtype), self.packed,
+        out = torch._weight_int4pack_mm_for_cpu(_flat(x).to(dtype).contiguous(), self.packed,
                                                self.group_size,
-                                               self.scales_and_zeros.to(dtype))
-        return self._finish(out.reshape(*x.shape[:-1], -1), x, bias)
+                                               self._scales_and_zeros_as(dtype))
+        return self._finish(out, x, bias)
 
 
 # ---- the model ----
@@ -229,16 +245,26 @@ class QuantizationReport:
                 f"{self.bytes_after / mb:.1f} MB per rank")
 
 
-def quantize_model(model, config, use_kernels=True):
-    """Replace, in place, every parallel linear weight and the word embedding of a GPT2Model
-    by its quantised form; returns a QuantizationReport."""
+def _parallel_linears(model):
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, (mpu.ColumnParallelLinear, mpu.RowParallelLinear))]
+
+
+def check_quantizable(model, config):
+    """ConfigError if `config` cannot be applied to this model on this device (before a tool
+    spends time on the unquantised model)."""
     if config.scheme == "int8-dynamic" and not _has_dynamic_int8(model):
         raise ConfigError("--quantize int8-dynamic runs torch's CPU int8 kernels: give "
                           "--device cpu, or use --quantize int8 on this device")
-    linears = [(name, m) for name, m in model.named_modules()
-               if isinstance(m, (mpu.ColumnParallelLinear, mpu.RowParallelLinear))]
     if config.scheme == "int4":
-        _check_int4_shapes(linears, config.group_size)
+        _check_int4_shapes(_parallel_linears(model), config.group_size)
+
+
+def quantize_model(model, config, use_kernels=True):
+    """Replace, in place, every parallel linear weight and the word embedding of a GPT2Model
+    by its quantised form; returns a QuantizationReport."""
+    check_quantizable(model, config)
+    linears = _parallel_linears(model)
     before = after = 0
     for _, module in linears:
         weight = module.weight.detach()

@@ -79,6 +79,16 @@ def test_int8_dynamic_is_close_to_the_float_matmul():
     assert (out - expected).norm() / expected.norm() < 0.05
 
 
+def test_empty_inputs_give_empty_outputs():
+    w = _weight()
+    codes, scale = q.quantize_int8_rows(w)
+    int4 = q.quantize_int4_groups(w, 64)
+    for weight in (q.Int8Weight(codes, scale, torch.float32),
+                   q.Int8DynamicWeight(codes, scale, torch.float32),
+                   q.Int4Weight(*int4, 64, torch.float32)):
+        assert F.linear(torch.empty(2, 0, 256), weight).shape == (2, 0, 96)
+
+
 def test_a_quantised_weight_refuses_other_ops():
     codes, scale = q.quantize_int8_rows(_weight())
     with pytest.raises(TypeError, match="only F.linear and F.embedding"):
@@ -186,6 +196,9 @@ def test_evaluate_tool_reports_the_change_against_the_unquantised_model(checkpoi
                              "--results-file", str(tmp_path / "int4.json")]) == 0
     out = capsys.readouterr().out
     assert "--quantize int4: 8 linear layers and the word embedding" in out
+    # a group size the model cannot take: refused before the unquantised evaluation runs
+    assert tool.main(base + ["--quantize", "int4", "--quantize-group-size", "128"]) == 2
+    assert "WIKITEXT103" not in capsys.readouterr().out
     assert "| int4 vs unquantised ppl" in out
     fp32 = json.loads((tmp_path / "fp32.json").read_text())["results"][0]
     int4 = json.loads((tmp_path / "int4.json").read_text())["results"][0]

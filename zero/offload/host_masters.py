@@ -17,7 +17,9 @@ resuming does not need the swap folder.
 
 Adam8bit (zero/optim/adam8bit.py) steps the masters itself and keeps its 8-bit state (about
 2 bytes per element) in host memory; with "nvme" only the fp32 masters swap, one key at a
-time: 8 bytes per element move per step instead of CPUAdam's 24.
+time: 8 bytes per element move per step instead of CPUAdam's 24. A key is a stage-3
+sub-group, but a whole stage-1/2 partition: there the step holds that partition's master in
+memory, as "cpu" does (sub_group_size does not split it).
 """
 
 import logging
@@ -160,10 +162,12 @@ class HostMasters:
             for key, master in enumerate(self.masters):
                 empty = master.data  # new_master's: the full shape on a storage of size 0
                 master.data = self.store.read(key, "master")
-                self.optimizer.step_param(master, pending)
-                write_back(key, 0, master.detach())
-                self.store.write_range(key, "master", 0, master.data)
-                master.data = empty
+                try:
+                    self.optimizer.step_param(master, pending)
+                    write_back(key, 0, master.detach())
+                    self.store.write_range(key, "master", 0, master.data)
+                finally:
+                    master.data = empty
             self.optimizer.finish_step(pending)
             return
         for key, master in enumerate(self.masters):
@@ -231,8 +235,8 @@ class HostMasters:
         return sum(m.untyped_storage().nbytes() for m in self.masters)
 
     def state_bytes(self):
-        if self._own_state:
-            swapped = self.store.resident_bytes() if self.store is not None else 0
+        if self._own_state:  # with nvme, plus one key's fp32 master during the step
+            swapped = 4 * max(m.numel() for m in self.masters) if self.store is not None else 0
             return self.optimizer.state_bytes() + swapped
         if self.offload.device == "nvme":
             return self.store.resident_bytes()

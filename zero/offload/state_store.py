@@ -135,6 +135,7 @@ class NvmeStateStore:
     def sub_groups(self, key):
         """Yield each sub-group swapped in; it is written back when the caller asks for the
         next one (so the caller must be done with it by then). Needs all of STATE_NAMES."""
+        assert self.names == STATE_NAMES, "a masters-only store has no sub-groups to walk"
         ranges = sub_group_ranges(self.numels[key], self.sub_group_size)
         free = list(range(self._slot_count))
         writing = deque()  # (pending writes, slot)

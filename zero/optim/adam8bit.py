@@ -71,7 +71,10 @@ def dequantize_unsigned(codes, scale):
 
 
 def _safe(scale):
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
+    """The scale with zero and subnormal values raised to the smallest normal float, so its
+    reciprocal stays finite (a zero block quantises to zeros; m of a rarely seen embedding row
+    decays into subnormals)."""
+    return scale.clamp(min=torch.finfo(torch.float32).tiny)
 
 
 # ------------------------------------------------------------------------------ the layout
@@ -348,8 +351,8 @@ class Adam8bit(torch.optim.Optimizer):
 class _Rows:
     """Elements [a, b) of a stepped tensor with scale slots [first, last), as rows of BLOCK
     for the kernels. A part of a block, or a single block, is copied into two zero-padded
-    rows: the kernels then see the same shapes (never a specialised one-row case) and
-    padding zeros neither change a block's absmax nor produce NaN."""
+    rows: the kernels then see the same shapes (never a specialised one-row case), and
+    padding zeros do not change a block's absmax (the padding itself is discarded)."""
 
     def __init__(self, a, b, first, last):
         self.a, self.b, self.first, self.last = a, b, first, last
@@ -398,8 +401,9 @@ class _SharedBlocks:
         self.waiting = []
 
     def add(self, index, state, rows, m, v):
-        self.maxima[0, index] = max(float(self.maxima[0, index]), float(m.abs().max()))
-        self.maxima[1, index] = max(float(self.maxima[1, index]), float(v.max()))
+        # torch.maximum, not max(): a NaN must reach the scale, as in an unshared block
+        self.maxima[0, index] = torch.maximum(self.maxima[0, index], m.abs().max().cpu())
+        self.maxima[1, index] = torch.maximum(self.maxima[1, index], v.max().cpu())
         self.waiting.append((index, state, rows, m, v))
 
     def finish(self, group, kernels):
