@@ -117,6 +117,14 @@ class QuantizedWeight:
     def embedding(self, ids):
         raise TypeError(f"{type(self).__name__} is a linear weight; it is never looked up")
 
+    def _in_dtype(self, name, dtype):
+        """Attribute `name` in `dtype`, cast once: torch's kernels take their scales in the
+        activations' dtype."""
+        casts = self.__dict__.setdefault("_casts", {})
+        if (name, dtype) not in casts:
+            casts[name, dtype] = getattr(self, name).to(dtype)
+        return casts[name, dtype]
+
     def _finish(self, out, x, bias):
         """The kernel's [n, out] result as x's shape and dtype, plus the bias."""
         out = out.reshape(*x.shape[:-1], self.shape[0]).to(x.dtype)
@@ -134,12 +142,6 @@ class Int8Weight(QuantizedWeight):
         super().__init__(codes.shape, codes.device, dtype)
         self.codes, self.scale = codes, scale
         self.use_kernel = use_kernel and codes.device.type == "cpu"
-        self._scales = {}  # the kernel takes scales in the activations' dtype: one copy each
-
-    def _scale_as(self, dtype):
-        if dtype not in self._scales:
-            self._scales[dtype] = self.scale.to(dtype)
-        return self._scales[dtype]
 
     @property
     def nbytes(self):
@@ -151,7 +153,8 @@ class Int8Weight(QuantizedWeight):
         # The CPU kernel's fp32 path is scalar (5-10x slower than its bf16 path): run fp32
         # activations through it in bf16, accumulating in fp32 inside the kernel.
         dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
-        out = torch._weight_int8pack_mm(_flat(x).to(dtype), self.codes, self._scale_as(dtype))
+        out = torch._weight_int8pack_mm(_flat(x).to(dtype), self.codes,
+                                        self._in_dtype("scale", dtype))
         return self._finish(out, x, bias)
 
     def embedding(self, ids):
@@ -201,15 +204,9 @@ class Int4Weight(QuantizedWeight):
             # The kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale.
             self.scales_and_zeros = torch.stack([scale, minimum + 8 * scale], dim=-1) \
                 .transpose(0, 1).contiguous()
-            self._cast = {}  # in the activations' dtype, as the kernel takes them
         else:
             self.packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
             self.scale, self.minimum = scale, minimum
-
-    def _scales_and_zeros_as(self, dtype):
-        if dtype not in self._cast:
-            self._cast[dtype] = self.scales_and_zeros.to(dtype)
-        return self._cast[dtype]
 
     @property
     def nbytes(self):
@@ -225,7 +222,7 @@ class Int4Weight(QuantizedWeight):
         dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
         out = torch._weight_int4pack_mm_for_cpu(_flat(x).to(dtype).contiguous(), self.packed,
                                                self.group_size,
-                                               self._scales_and_zeros_as(dtype))
+                                               self._in_dtype("scales_and_zeros", dtype))
         return self._finish(out, x, bias)
 
 

@@ -38,6 +38,18 @@ def random_weights(num_layers=2, hidden_size=48, num_heads=6, vocab_size=301, po
     return ModelWeights(state, args, "test")
 
 
+def tokenized_weights(corpus_files, **shape):
+    """(random_weights of a 2-layer model on the shared tiny BPE corpus's tokenizer, that
+    tokenizer): what the tools need to run from --load alone."""
+    from megatron.tokenizer import build_tokenizer
+    tokenizer = build_tokenizer("GPT2BPETokenizer", corpus_files["vocab"],
+                                corpus_files["merges"])
+    weights = random_weights(num_layers=2, vocab_size=tokenizer.vocab_size,
+                             tokenizer_type="GPT2BPETokenizer", vocab_file=corpus_files["vocab"],
+                             merge_file=corpus_files["merges"], **shape)
+    return weights, tokenizer
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -13,7 +13,7 @@ from megatron.convert.savers import save_model_weights
 from megatron.inference.loading import build_model_from_weights
 from megatron.model.kv_cache import KVCache, attach_kv_cache
 from megatron.inference.text_generation import SamplingParams, TextGenerator, top_k_top_p_filter
-from tests.convert.conftest import random_weights
+from tests.convert.conftest import random_weights, tokenized_weights
 from tests.dist_utils import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -98,12 +98,7 @@ def test_top_k_and_top_p_filters():
 # -------------------------------------------------------------------------------- the tool
 
 def _checkpoint(corpus, tmp_path):
-    from megatron.tokenizer import build_tokenizer
-    tokenizer = build_tokenizer("GPT2BPETokenizer", corpus["vocab"], corpus["merges"])
-    weights = random_weights(num_layers=2, hidden_size=32, num_heads=4,
-                             vocab_size=tokenizer.vocab_size, positions=48,
-                             tokenizer_type="GPT2BPETokenizer", vocab_file=corpus["vocab"],
-                             merge_file=corpus["merges"])
+    weights, _ = tokenized_weights(corpus, hidden_size=32, num_heads=4, positions=48)
     save_model_weights(weights, str(tmp_path / "ckpt"), "megatron", target_tp=2)
     return str(tmp_path / "ckpt")
 

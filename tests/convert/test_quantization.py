@@ -14,7 +14,7 @@ from megatron.errors import ConfigError
 from megatron.inference import quantization as q
 from megatron.inference.loading import build_model_from_weights
 from megatron.inference.text_generation import SamplingParams, TextGenerator
-from tests.convert.conftest import load_tool, random_weights
+from tests.convert.conftest import load_tool, random_weights, tokenized_weights
 from tests.dist_utils import run_distributed
 
 
@@ -172,13 +172,8 @@ def test_int4_shapes_the_kernel_cannot_take_are_one_error():
 
 @pytest.fixture(scope="module")
 def checkpoint(corpus, tmp_path_factory):
-    from megatron.tokenizer import build_tokenizer
     root = tmp_path_factory.mktemp("quantized")
-    tokenizer = build_tokenizer("GPT2BPETokenizer", corpus["vocab"], corpus["merges"])
-    weights = random_weights(num_layers=2, hidden_size=64, num_heads=4,
-                             vocab_size=tokenizer.vocab_size, positions=32,
-                             tokenizer_type="GPT2BPETokenizer", vocab_file=corpus["vocab"],
-                             merge_file=corpus["merges"])
+    weights, _ = tokenized_weights(corpus, hidden_size=64, num_heads=4, positions=32)
     save_model_weights(weights, str(root / "ckpt"), "megatron")
     return str(root / "ckpt")
 

@@ -13,7 +13,7 @@ from megatron.inference import zeroshot
 from megatron.convert.savers import save_model_weights
 from megatron.errors import DataError
 from megatron.inference.loading import build_model_from_weights
-from tests.convert.conftest import random_weights
+from tests.convert.conftest import tokenized_weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location(
@@ -27,13 +27,8 @@ WIKI = (" = Valkyria = \n \n The game @-@ play , began in 2011 . It was ( very )
 
 @pytest.fixture(scope="module")
 def setup(corpus, tmp_path_factory):
-    from megatron.tokenizer import build_tokenizer
     root = tmp_path_factory.mktemp("zeroshot")
-    tokenizer = build_tokenizer("GPT2BPETokenizer", corpus["vocab"], corpus["merges"])
-    weights = random_weights(num_layers=2, hidden_size=32, num_heads=4,
-                             vocab_size=tokenizer.vocab_size, positions=16,
-                             tokenizer_type="GPT2BPETokenizer", vocab_file=corpus["vocab"],
-                             merge_file=corpus["merges"])
+    weights, tokenizer = tokenized_weights(corpus, hidden_size=32, num_heads=4, positions=16)
     save_model_weights(weights, str(root / "ckpt"), "megatron")
     model = build_model_from_weights(weights)
     return dict(root=root, tokenizer=tokenizer, model=model, load=str(root / "ckpt"))
