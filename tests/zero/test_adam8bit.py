@@ -10,8 +10,9 @@ import torch
 import zero
 from tests.dist_utils import run_distributed
 from tests.zero import engine_cases as cases
-from zero.optim.adam8bit import (BLOCK, Adam8bit, Piece, dequantize_signed, dequantize_unsigned,
-                                 quantize_signed, quantize_unsigned, state_bytes_per_param)
+from zero.optim.adam8bit import Adam8bit, Piece, state_bytes_per_param
+from zero.optim.adam8bit_kernels import (BLOCK, dequantize_signed, dequantize_unsigned,
+                                         quantize_signed, quantize_unsigned)
 
 MIN_NUMEL = 64  # the tiny model's tensors are 512-1024 elements: quantise them
 STEPS = 12
@@ -73,12 +74,12 @@ def test_the_compiled_step_is_the_eager_step():
 
 
 def test_without_a_compiler_the_step_runs_eagerly_with_one_note(monkeypatch, capsys):
-    from zero.optim import adam8bit
+    from zero.optim import adam8bit_kernels
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found\n(the rest of a long message)")
     monkeypatch.setattr(torch, "compile", no_compiler)
-    assert adam8bit._compile_kernels() is adam8bit._EAGER
+    assert adam8bit_kernels.compile_kernels() is adam8bit_kernels.EAGER_KERNELS
     out = capsys.readouterr().out
     assert out == (" note: Adam8bit runs its step eagerly (torch.compile failed: no C++ "
                    "compiler found)\n")
