@@ -26,7 +26,8 @@ every checkpoint loads at any data-parallel size (`elastic_checkpoint`). `offloa
 (zero/offload/host_masters.py). Stage 3 (parameters partitioned too, gathered by module hooks)
 is zero/stages/stage3.py, with zero/stages/partition_parameters.py (`zero.Init`,
 `zero.GatheredParameters`). The top-level `communication_data_type` "fp32" all-reduces 16-bit
-gradients in fp32 at stage 0.
+gradients in fp32 at stage 0. `compile` {"enabled": true} compiles the module in place
+(zero/compiler.py).
 """
 
 import contextlib
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from zero.checkpoint import layout as ckpt
 from zero.config.arguments import apply_mpi_environment, resolve_config_from_args
 from zero.comm.communicator import Communicator
+from zero.compiler import compile_module
 from zero.config.deepspeed_config import DeepSpeedConfig
 from zero.errors import ConfigError, ZeroError
 from zero.host_memory import keep_freed_buffers, small_block_cache_warning
@@ -110,6 +112,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self._check_supported_features()
         self.global_steps = self.global_samples = self.skipped_steps = self.micro_steps = 0
         self.device = self._place_module()
+        self.compiled = compile_module(self.module, self.config.compile,
+                                       self.config.zero_optimization.stage, self.global_rank)
         self._tune_host_allocator()
         self.optimizer = build_zero_optimizer(self, self._base_optimizer(optimizer,
                                                                          model_parameters),

@@ -17,6 +17,7 @@ describe the same thing fill what the JSON leaves out, or must agree with it:
                                            --zero-reduce-bucket-size,
                                            --zero-allgather-bucket-size (the flags win)
     gradient_checkpointing            ->   --checkpoint-activations (our extension)
+    compile.enabled                   <-   --compile (the flag turns it on)
 
 Without --deepspeed the flags are the whole story:
 
@@ -28,6 +29,7 @@ Without --deepspeed the flags are the whole story:
     --ddp-bucket-size MB (default 25)  ->  zero_optimization {stage 0, reduce_bucket_size in
                                            gradient elements, overlap_comm}
     --fp32-allreduce                   ->  communication_data_type "fp32"
+    --compile                          ->  compile {enabled}
 """
 
 import copy
@@ -143,6 +145,10 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
         final["gradient_accumulation_steps"] = num_micro_batches
     if raw["clip_grad"] is not None and "gradient_clipping" not in final:
         final["gradient_clipping"] = raw["clip_grad"]
+    if raw["compile"]:
+        section = final.get("compile")
+        if section is None or isinstance(section, dict):  # anything else: the parse says so
+            final["compile"] = {**(section or {}), "enabled": True}
     config = _parse(final, dp, source)
     _check_agreement(raw, given, config, source)
     global_batch, micro_batches = _settle_batch(raw, config, dp, source)
@@ -250,6 +256,8 @@ def _from_megatron_flags(raw, dp, num_micro_batches):
     }
     if raw["fp32_allreduce"]:
         config["communication_data_type"] = "fp32"
+    if raw["compile"]:
+        config["compile"] = {"enabled": True}
     parsed = _parse(copy.deepcopy(config), dp, "built from the command-line flags")
     return Settled(parsed, parsed.train_batch_size, num_micro_batches, bool(raw["fp16"]),
                    bool(raw["bf16"]), clip, raw["checkpoint_activations"])

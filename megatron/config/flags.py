@@ -92,6 +92,10 @@ def _training(parser):
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute each chunk of --checkpoint-num-layers layers in backward")
     g.add_argument("--checkpoint-num-layers", type=int, default=1)
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer layer (one compile shared by all "
+                        "layers) and the loss; under --deepspeed the same as the config's "
+                        "\"compile\": {\"enabled\": true}")
     g.add_argument("--seed", type=int, default=1234)
 
 

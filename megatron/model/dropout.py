@@ -10,8 +10,11 @@ the default CPU generator, so `torch.manual_seed`, the model-parallel RNG tracke
 checkpoint recompute (which restore that generator's state) replay the same masks.
 Measurements: docs/design/cpu-dropout-attention.md.
 
-On other devices (CUDA's dropout is a fused Philox kernel) and for p outside (0, 1) this is
-`torch.nn.functional.dropout`.
+On other devices (CUDA's dropout is a fused Philox kernel), for p outside (0, 1) and inside a
+torch.compile'd region this is `torch.nn.functional.dropout`. Compiled, inductor draws the mask
+inside the kernel that consumes it, from seeds it takes off the default generator at each
+call, so seeding, resume and checkpoint recompute (which restores that generator) replay the
+same masks there too; they are other masks than eager's.
 """
 
 import torch
@@ -24,7 +27,7 @@ _INT64_MIN = -2 ** 63
 def dropout(tensor, p, training=True):
     if not training or p == 0.0:
         return tensor
-    if tensor.device.type != "cpu" or not 0.0 < p < 1.0:
+    if tensor.device.type != "cpu" or not 0.0 < p < 1.0 or torch.compiler.is_compiling():
         return F.dropout(tensor, p, training=True)
     return _MaskedScale.apply(tensor, keep_mask(tensor.shape, p), 1.0 / (1.0 - p))
 

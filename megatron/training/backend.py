@@ -39,6 +39,11 @@ class Backend:
         return self.engine
 
     @property
+    def compiled(self):
+        """Whether the engine compiled the model (--compile, or the config's "compile")."""
+        return self.engine.compiled
+
+    @property
     def module(self):
         """The model itself, without any wrapper."""
         return self.engine.module

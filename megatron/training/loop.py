@@ -35,9 +35,13 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
     window = {"loss": 0.0, "iters": 0, "start": time.perf_counter(), "grad_norm": None,
               "peak": peak}
     saved_at = None
+    compiling = _CompileWatch() if backend.compiled else None
     while state["iteration"] < training.train_iters:
         guards.before_iteration(state["iteration"] + 1)
         total, updated, grad_norm = backend.train_step(train_forward_step, iterator)
+        if compiling is not None:  # this run's first step: it compiled the model
+            compiling.report(window, runtime)
+            compiling = None
         loss = _average_over_data_parallel(total / training.num_micro_batches, runtime.device)
         state["iteration"] += 1
         state["consumed_train_samples"] += training.global_batch_size
@@ -113,6 +117,29 @@ def _flops_per_sample(ctx):
     # recompute adds one more forward: 4 passes' worth instead of 3
     passes = 4 if ctx.config.activation_checkpointing.checkpoint_activations else 3
     return flops_per_token(ctx.model_config, seq_length) * seq_length * passes / 3
+
+
+class _CompileWatch:
+    """Times the first step of a compiled model: one line says how much of it was compiling,
+    and that time is kept out of the first log line's ms/iteration, as evaluation is."""
+
+    def __init__(self):
+        from zero.compiler import compile_seconds
+        self.start, self.compiled_before = time.perf_counter(), compile_seconds()
+
+    def report(self, window, runtime):
+        from zero.compiler import cache_dir, compile_seconds
+        step = time.perf_counter() - self.start
+        now = compile_seconds()
+        where = f"compiled code is cached in {cache_dir()}, so a run of the same shapes loads it"
+        if now is None or self.compiled_before is None:
+            runtime.print0(f" compile: the first step took {step:.1f} s, compiling included "
+                           f"({where})")
+            return
+        compiling = min(now - self.compiled_before, step)
+        runtime.print0(f" compile: the first step took {step:.1f} s, {compiling:.1f} s of it "
+                       f"compiling ({where})")
+        window["start"] += compiling
 
 
 def _log_window(window, state, backend, flops_per_sample, ctx, logger):

@@ -148,16 +148,22 @@ def case_init(rank, tp):
     return build_init_layers()
 
 
-def case_cross_entropy(rank, tp):
+def case_cross_entropy(rank, tp, kernels=None):
     r = mpu.get_model_parallel_rank()
     full = det(2, 3, 16, seed=50, scale=3.0)
     logits = shard(full, 2, tp, r).clone().requires_grad_()
     before = logits.detach().clone()
     target = torch.tensor([[0, 5, 15], [8, 4, 12]])  # ids in every quarter of the vocab
-    loss = mpu.vocab_parallel_cross_entropy(logits, target)
+    loss = mpu.vocab_parallel_cross_entropy(logits, target, kernels)
     unchanged = torch.equal(logits.detach(), before)
     loss.backward(det(2, 3, seed=51))
     return dict(loss=loss.detach(), grad=logits.grad, unchanged=unchanged)
+
+
+def case_fused_cross_entropy(rank, tp):
+    """The fused form, its kernels run eagerly (compiled kernels: a single-process test)."""
+    from megatron.mpu.cross_entropy import CrossEntropyKernels, _logits_grad, _loss_terms
+    return case_cross_entropy(rank, tp, CrossEntropyKernels(_loss_terms, _logits_grad))
 
 
 def case_broadcast(rank, tp):

@@ -330,6 +330,25 @@ def test_bad_values(config, piece):
     assert piece in message, message
 
 
+def test_compile_section():
+    """DeepSpeed's "compile" keys; torch.compile arguments other than its own are refused,
+    and so are backends torch does not have and DeepCompile (not implemented)."""
+    assert load({"train_batch_size": 2}).compile.enabled is False
+    config = load({"train_batch_size": 2, "compile": {
+        "enabled": True, "backend": "aot_eager", "kwargs": {"mode": "max-autotune-no-cudagraphs"},
+        "deepcompile": False}})
+    assert (config.compile.enabled, config.compile.backend, config.compile.kwargs) == \
+        (True, "aot_eager", {"mode": "max-autotune-no-cudagraphs"})
+    for section, piece in (({"enabled": True, "backend": "tvm-typo"}, "is not a torch.compile "
+                                                                      "backend here"),
+                           ({"kwargs": {"model": "x"}}, "'model', which torch.compile does not "
+                                                        "take"),
+                           ({"deepcompile": True}, "does not implement"),
+                           ({"enabeld": True}, "did you mean 'enabled'")):
+        message = error_of({"train_batch_size": 2, "compile": section})
+        assert piece in message, message
+
+
 def test_predivide_allowed_without_reduce_scatter():
     config = load({"train_batch_size": 2, "gradient_predivide_factor": 2.0,
                    "zero_optimization": {"stage": 2, "reduce_scatter": False}})

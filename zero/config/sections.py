@@ -251,6 +251,36 @@ class TensorboardConfig:
             self.output_path = ""
 
 
+# torch.compile's keyword arguments that 'compile.kwargs' may set
+COMPILE_KWARGS = ("fullgraph", "dynamic", "mode", "options", "disable")
+
+
+@dataclass
+class CompileConfig:
+    """torch.compile of the engine's module (DeepSpeed v0.14's keys; its later DeepCompile
+    passes only at their defaults)."""
+    enabled: bool = option(False)
+    backend: str = option("inductor")
+    kwargs: dict = option({})
+
+    DEFAULT_ONLY = {"deepcompile": False, "free_activation": False,
+                    "offload_activation": False, "offload_opt_states": False,
+                    "offload_parameters": False}
+
+    def check(self, source, path):
+        unknown = sorted(set(self.kwargs) - set(COMPILE_KWARGS))
+        if unknown:
+            fail(source, f"'{path}.kwargs' has {', '.join(map(repr, unknown))}, which "
+                         f"torch.compile does not take here; accepted: "
+                         f"{', '.join(COMPILE_KWARGS)}")
+        if self.enabled:
+            import torch._dynamo
+            backends = torch._dynamo.list_backends(exclude_tags=())
+            if self.backend not in backends:
+                fail(source, f"'{path}.backend' {self.backend!r} is not a torch.compile "
+                             f"backend here; available: {', '.join(sorted(backends))}")
+
+
 # Top-level DeepSpeed keys zero does not implement, accepted only at their defaults.
 UNIMPLEMENTED_TOP_LEVEL = {
     "sparse_gradients": False, "dump_state": False, "memory_breakdown": False,
@@ -290,6 +320,7 @@ class TopLevelConfig:
         ActivationCheckpointingConfig)
     aio: AioConfig = section(AioConfig)
     tensorboard: TensorboardConfig = section(TensorboardConfig)
+    compile: CompileConfig = section(CompileConfig)
 
     DEFAULT_ONLY = UNIMPLEMENTED_TOP_LEVEL
     DEPRECATED_KEYS = ("allgather_size",)

@@ -1,0 +1,55 @@
+"""The DeepSpeed JSON's "compile" section: torch.compile of the engine's module, in place.
+
+A module with a `compile` method of its own decides what is compiled (the GPT-2 model
+compiles each transformer layer and its loss); any other module is compiled whole by
+nn.Module.compile. Either way parameter names and state-dict keys do not change. Compiling
+happens at the first forward and backward; inductor caches what it builds on disk
+(TORCHINDUCTOR_CACHE_DIR, by default under the system's temporary folder), so a second run of
+the same shapes loads it instead of compiling again.
+"""
+
+import logging
+import os
+
+logger = logging.getLogger("zero.engine")
+
+# dynamo's timers that cover a whole compile: forward (with the joint graph) and the
+# backward compiled at the first backward pass
+_COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+
+def compile_module(module, section, zero_stage, rank):
+    """Compile `module` as the "compile" `section` asks; returns whether it did.
+
+    ZeRO stage 3 keeps the module eager, said once: its forward hooks gather each
+    submodule's parameters into new storage, so torch.compile recompiles at every layer until
+    it reaches its recompile limit and then runs eagerly anyway, with warnings."""
+    if not section.enabled:
+        return False
+    if zero_stage == 3:
+        if rank == 0:
+            logger.warning("compile: the model runs eagerly at ZeRO stage 3 (its module hooks "
+                           "gather every parameter into new storage, which makes torch.compile "
+                           "recompile at each layer); use stage 0-2 to compile")
+        return False
+    module.compile(backend=section.backend, **section.kwargs)
+    return True
+
+
+def compile_seconds():
+    """Seconds torch.compile has spent compiling in this process (None if torch no longer
+    keeps that count where this looks)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return None
+    return sum(sum(compilation_time_metrics.get(name, ())) for name in _COMPILE_TIMERS)
+
+
+def cache_dir():
+    """Where inductor keeps compiled code between runs."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+        return inductor_cache_dir()
+    except ImportError:
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default cache folder")
