@@ -4,7 +4,8 @@ One GPT-2 model and one global batch, trained with the trainer's own step (the b
 pretrain() builds) in several layouts (gloo, one torch thread per process unless stated):
 
     TP=1 DP=1 (1 and 2 threads), TP=2 DP=1, TP=1 DP=2 with --DDP-impl local (25 MB buckets,
-    and 2 MB buckets to overlap the all-reduce with backward) and torch
+    and 2 MB buckets to overlap the all-reduce with backward) and torch, TP=1 DP=2 at ZeRO
+    stage 2 (--deepspeed); TP=1 DP=1, TP=2, DP=2 and ZeRO-2 DP=2 again with --compile
 
 For each layout: median ms per iteration and tokens/s after warm-up; the time split into
 compute, tensor-parallel all-reduces (synchronous, timed around each call) and the wait for
@@ -22,6 +23,8 @@ ring all-reduce volume 2 (N - 1) / N x payload, with payloads from first princip
 """
 
 import argparse
+import base64
+import json
 import os
 import queue as queue_module
 import statistics
@@ -38,13 +41,25 @@ FULL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128
 QUICK = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
              vocab_size=1024, global_batch=4, warmup=1, steps=3, rounds=1)
 
-# (label, processes, tensor-parallel size, --DDP-impl, --ddp-bucket-size, threads per process)
-LAYOUTS = [("TP=1 DP=1", 1, 1, "local", 25.0, 1),
-           ("TP=1 DP=1, 2 threads", 1, 1, "local", 25.0, 2),
-           ("TP=2 DP=1", 2, 2, "local", 25.0, 1),
-           ("TP=1 DP=2, local DDP", 2, 1, "local", 25.0, 1),
-           ("TP=1 DP=2, local DDP, 2 MB buckets", 2, 1, "local", 2.0, 1),
-           ("TP=1 DP=2, torch DDP", 2, 1, "torch", 25.0, 1)]
+_ZERO2 = base64.urlsafe_b64encode(json.dumps({"zero_optimization": {"stage": 2},
+                                              "gradient_clipping": 1.0}).encode()).decode()
+ZERO2 = ("--deepspeed", "--deepspeed_config", _ZERO2)  # the config as base64 JSON
+COMPILE = ("--compile",)
+# (label, processes, tensor-parallel size, --DDP-impl, --ddp-bucket-size, threads per process,
+#  more flags); under --deepspeed the JSON replaces --DDP-impl and --ddp-bucket-size
+LAYOUTS = [("TP=1 DP=1", 1, 1, "local", 25.0, 1, ()),
+           ("TP=1 DP=1, 2 threads", 1, 1, "local", 25.0, 2, ()),
+           ("TP=2 DP=1", 2, 2, "local", 25.0, 1, ()),
+           ("TP=1 DP=2, local DDP", 2, 1, "local", 25.0, 1, ()),
+           ("TP=1 DP=2, local DDP, 2 MB buckets", 2, 1, "local", 2.0, 1, ()),
+           ("TP=1 DP=2, torch DDP", 2, 1, "torch", 25.0, 1, ()),
+           ("TP=1 DP=2, ZeRO-2", 2, 1, "local", 25.0, 1, ZERO2),
+           ("TP=1 DP=1, --compile", 1, 1, "local", 25.0, 1, COMPILE),
+           ("TP=2 DP=1, --compile", 2, 2, "local", 25.0, 1, COMPILE),
+           ("TP=1 DP=2, local DDP, --compile", 2, 1, "local", 25.0, 1, COMPILE),
+           ("TP=1 DP=2, ZeRO-2, --compile", 2, 1, "local", 25.0, 1, ZERO2 + COMPILE)]
+# the data-parallel gradient reduction: an all-reduce at stage 0, reduce(-scatter) at 1-2
+GRADIENT_OPS = ("all_reduce", "reduce_scatter", "reduce")
 
 
 def _bytes_written():
@@ -74,7 +89,7 @@ class _TensorParallelTimer:
         self.seconds, self.payload_bytes = 0.0, 0
 
 
-def _build(config, tp, impl, bucket_mb, world_size):
+def _build(config, tp, impl, bucket_mb, extra, world_size):
     """The trainer's backend and a batch iterator, the way pretrain() builds them."""
     from common import trainer_backend
     from megatron import mpu
@@ -85,8 +100,9 @@ def _build(config, tp, impl, bucket_mb, world_size):
              "--batch-size", micro_batch, "--train-iters", 10 ** 6, "--lr", 1e-4,
              "--lr-decay-style", "constant", "--warmup-iters", 0, "--clip-grad", 1.0,
              "--attention-dropout", 0, "--hidden-dropout", 0, "--model-parallel-size", tp,
-             "--DDP-impl", impl, "--ddp-bucket-size", bucket_mb,
-             "--threads", torch.get_num_threads()]
+             "--threads", torch.get_num_threads(), *extra]
+    if "--deepspeed" not in extra:
+        flags += ["--DDP-impl", impl, "--ddp-bucket-size", bucket_mb]
     backend, _ = trainer_backend([str(f) for f in flags], c["vocab_size"], world_size)
     generator = torch.Generator().manual_seed(mpu.get_data_parallel_rank())
     data = torch.randint(0, c["vocab_size"], (micro_batch, c["seq_length"] + 1),
@@ -97,22 +113,23 @@ def _build(config, tp, impl, bucket_mb, world_size):
 
 
 def _worker(rank, world_size, layout, config, port, queue):
-    _, _, tp, impl, bucket_mb, threads = layout
+    _, _, tp, impl, bucket_mb, threads, extra = layout
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     try:
-        queue.put((rank, _measure(tp, impl, bucket_mb, config, world_size)))
+        queue.put((rank, _measure(tp, impl, bucket_mb, extra, config, world_size)))
     finally:
         from megatron.runtime.initialize import destroy
         destroy()
 
 
-def _measure(tp, impl, bucket_mb, config, world_size):
+def _measure(tp, impl, bucket_mb, extra, config, world_size):
     from megatron import mpu
     from megatron.gpt2 import forward_step
-    backend, batches, numel, micro_batch = _build(config, tp, impl, bucket_mb, world_size)
+    backend, batches, numel, micro_batch = _build(config, tp, impl, bucket_mb, extra,
+                                                  world_size)
     dp_stats = backend.engine.optimizer.dp_comm.stats
     tp_timer = _TensorParallelTimer(mpu.get_model_parallel_group(), active=tp > 1)
     records = []
@@ -124,8 +141,8 @@ def _measure(tp, impl, bucket_mb, config, world_size):
         backend.train_step(forward_step, batches)
         seconds = time.perf_counter() - start
         if step >= config["warmup"]:
-            dp_payload = dp_stats.ops["all_reduce"].payload_bytes \
-                if "all_reduce" in dp_stats.ops else 0
+            dp_payload = sum(dp_stats.ops[op].payload_bytes for op in GRADIENT_OPS
+                             if op in dp_stats.ops)
             records.append(dict(seconds=seconds, cpu=time.process_time() - cpu,
                                 dp_wait=dp_stats.wait_seconds,
                                 tp_seconds=tp_timer.seconds, sent=_bytes_written() - written,
@@ -177,7 +194,7 @@ def analytic_bytes(config, tp, dp, numel, micro_batch):
 
 def summarize(layout, config, per_rank):
     """Medians over the measured steps of every round; bytes from the rank sending most."""
-    label, procs, tp, impl, _, threads = layout
+    label, procs, tp, impl, _, threads, _ = layout
     records = [r for rank in per_rank for r in rank["records"]]
     rank0 = per_rank[0]["records"]
 

@@ -1,8 +1,11 @@
-"""Training throughput: our trainer vs a plain-PyTorch GPT vs Hugging Face GPT2LMHeadModel.
+"""Training throughput: our trainer vs a plain-PyTorch GPT vs Hugging Face GPT2LMHeadModel,
+each eager and under torch.compile.
 
 The same model (6 layers, hidden 384, 6 heads, seq 256, micro batch 8, vocab 8192, AdamW,
 dropout 0, grad clipping 1.0) is trained for a few steps by each, in fp32 and in bf16, in one
 run; the runners take turns (round robin) so drift of the machine hits all of them alike.
+Compiled means: ours with --compile (each transformer layer and the loss), the peers with
+torch.compile of the whole model, as their users would; compiling happens in the warm-up.
 Prints a markdown table (tokens/s, MFU against the matmul peak measured in the same run,
 ratios); with --write-docs it also rewrites its section of docs/benchmarks.md.
 
@@ -77,8 +80,10 @@ class PlainGPT(nn.Module):
 
 # ------------------------------------------------------------------------------ runners
 
-def _peer_step(model, optimizer, autocast_dtype):
+def _peer_step(model, optimizer, autocast_dtype, compiled):
     c = CONFIG
+    if compiled:
+        model = torch.compile(model)
     data = torch.randint(0, c["vocab_size"], (c["micro_batch"], c["seq_length"] + 1))
     tokens, labels = data[:, :-1], data[:, 1:]
     amp = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype
@@ -94,14 +99,15 @@ def _peer_step(model, optimizer, autocast_dtype):
     return step
 
 
-def plain_runner(precision):
+def plain_runner(precision, compiled):
     torch.manual_seed(0)
     model = PlainGPT(CONFIG)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    return _peer_step(model, optimizer, torch.bfloat16 if precision == "bf16" else None)
+    return _peer_step(model, optimizer, torch.bfloat16 if precision == "bf16" else None,
+                      compiled)
 
 
-def hf_runner(precision):
+def hf_runner(precision, compiled):
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
@@ -124,10 +130,11 @@ def hf_runner(precision):
         def forward(self, tokens, labels):
             # HF shifts labels itself; pass tokens as labels so the work matches ours.
             return self.inner(input_ids=tokens, labels=tokens).loss
-    return _peer_step(Wrapped(), optimizer, torch.bfloat16 if precision == "bf16" else None)
+    return _peer_step(Wrapped(), optimizer, torch.bfloat16 if precision == "bf16" else None,
+                      compiled)
 
 
-def ours_runner(precision):
+def ours_runner(precision, compiled):
     """pretrain_gpt2.py's training step: the backend and zero engine pretrain() builds."""
     from common import trainer_backend
     from megatron.gpt2 import forward_step
@@ -137,7 +144,8 @@ def ours_runner(precision):
              "--batch-size", c["micro_batch"], "--train-iters", 10 ** 6, "--lr", 1e-4,
              "--lr-decay-style", "constant", "--warmup-iters", 0, "--weight-decay", 0.01,
              "--clip-grad", 1.0, "--attention-dropout", 0, "--hidden-dropout", 0,
-             "--threads", torch.get_num_threads()] + (["--bf16"] if precision == "bf16" else [])
+             "--threads", torch.get_num_threads()] + (["--bf16"] if precision == "bf16" else []) \
+        + (["--compile"] if compiled else [])
     backend, _ = trainer_backend([str(f) for f in flags], c["vocab_size"])
     data = torch.randint(0, c["vocab_size"], (c["micro_batch"], c["seq_length"] + 1))
     batches = iter(lambda: {"text": data}, None)
@@ -149,10 +157,12 @@ def ours_runner(precision):
 
 RUNNERS = {"ours": ours_runner, "plain PyTorch": plain_runner,
            "HF GPT2LMHeadModel": hf_runner}
+OURS_COMPILED = "ours, compiled"
 
 
 def measure(precision, warmup, steps, rounds):
-    steppers = {name: make(precision) for name, make in RUNNERS.items()}
+    steppers = {f"{name}, compiled" if compiled else name: make(precision, compiled)
+                for name, make in RUNNERS.items() for compiled in (False, True)}
     steppers = {name: s for name, s in steppers.items() if s is not None}
     for step in steppers.values():
         for _ in range(warmup):
@@ -192,24 +202,26 @@ def main():
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         peak = measure_matmul_flops(torch.device("cpu"), dtype, size=2048)
         seconds = measure(precision, warmup, steps, rounds)
-        ours = tokens_per_step / seconds["ours"]
+        ours = tokens_per_step / seconds[OURS_COMPILED]
         for name, s in seconds.items():
             tps = tokens_per_step / s
             rows.append([precision, name, f"{s * 1000:.0f}", f"{tps:,.0f}",
                          f"{100 * flops_per_step / s / peak:.1f}%", f"{peak / 1e9:.0f}",
-                         "1.00" if name == "ours" else f"{ours / tps:.2f}x"])
+                         "1.00" if name == OURS_COMPILED else f"{ours / tps:.2f}x"])
         print(f"{precision}: " + ", ".join(f"{n} {tokens_per_step / s:,.0f} tok/s"
                                           for n, s in seconds.items()), flush=True)
     table = markdown_table(["precision", "trainer", "ms/step", "tokens/s", "MFU",
-                            "matmul peak (GFLOP/s)", "ours / this"], rows)
+                            "matmul peak (GFLOP/s)", "ours compiled / this"], rows)
     body = (f"## Training throughput (`benchmarks/train_throughput.py`)\n\n"
             f"Machine: {machine_description()}.\n\n"
             f"Model: {c['num_layers']} layers, hidden {c['hidden_size']}, "
             f"{c['num_attention_heads']} heads, seq {c['seq_length']}, micro batch "
             f"{c['micro_batch']}, vocab {c['vocab_size']}, AdamW, clip 1.0, dropout 0. "
             f"Median step time of {steps * rounds} steps per trainer after {warmup} warm-up "
-            f"steps, trainers taking turns. MFU = (6N + 12·L·h·s)·tokens / time / the "
-            f"matmul peak measured in the same run.\n\n{table}\n")
+            f"steps (compiling happens there), trainers taking turns. Compiled: ours with "
+            f"--compile, the peers with torch.compile of the whole model. MFU = "
+            f"(6N + 12·L·h·s)·tokens / time / the matmul peak measured in the same run.\n\n"
+            f"{table}\n")
     print("\n" + body)
     if args.write_docs and not args.quick:
         update_docs_section("train_throughput", body)

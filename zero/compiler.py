@@ -47,9 +47,11 @@ def compile_seconds():
 
 
 def cache_dir():
-    """Where inductor keeps compiled code between runs."""
+    """Where inductor keeps compiled code between runs (looked up, not created)."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.path.abspath(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
-        return inductor_cache_dir()
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        return default_cache_dir()
     except ImportError:
-        return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default cache folder")
+        return "torch's default cache folder"

@@ -147,8 +147,9 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
         final["gradient_clipping"] = raw["clip_grad"]
     if raw["compile"]:
         section = final.get("compile")
-        if section is None or isinstance(section, dict):  # anything else: the parse says so
-            final["compile"] = {**(section or {}), "enabled": True}
+        if section in (None, "auto") or isinstance(section, dict):  # else the parse says why
+            final["compile"] = {**(section if isinstance(section, dict) else {}),
+                                "enabled": True}
     config = _parse(final, dp, source)
     _check_agreement(raw, given, config, source)
     global_batch, micro_batches = _settle_batch(raw, config, dp, source)

@@ -93,8 +93,8 @@ def _training(parser):
                    help="recompute each chunk of --checkpoint-num-layers layers in backward")
     g.add_argument("--checkpoint-num-layers", type=int, default=1)
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile each transformer layer (one compile shared by all "
-                        "layers) and the loss; under --deepspeed the same as the config's "
+                   help="torch.compile each transformer layer (the layers share the "
+                        "compiled code) and the loss; under --deepspeed the same as the config's "
                         "\"compile\": {\"enabled\": true}")
     g.add_argument("--seed", type=int, default=1234)
 

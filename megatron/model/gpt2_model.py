@@ -169,9 +169,10 @@ class GPT2Model(nn.Module):
     def compile(self, *args, **kwargs):
         """Regional compilation (torch.compile's arguments pass through), in place, so the
         state-dict keys stay: each transformer layer is compiled on its own, and since every
-        layer runs the same code with its parameters as inputs, one compiled graph serves
-        them all (compile time does not grow with depth); the loss runs two fused compiled
-        kernels (mpu.cross_entropy). Embeddings and the output layer stay eager: they are a
+        layer runs the same code with its parameters as inputs, the compiled graphs serve them
+        all (compile time does not grow with depth). That is one graph per layer, or two
+        around the eager attention of a layer with attention dropout. The loss runs two fused
+        compiled kernels (mpu.cross_entropy). Embeddings and the output layer stay eager: a
         lookup and one matmul."""
         for layer in self.language_model.transformer.layers:
             layer.compile(*args, **kwargs)

@@ -154,9 +154,10 @@ def gelu(x):
     """GPT-2's GeLU, the tanh approximation 0.5·x·(1 + tanh(u)), u = sqrt(2/π)·(x + 0.044715·x³).
 
     Inside a compiled region it is spelled x·sigmoid(2u), the same function, computed in fp32
-    like torch's kernel: inductor makes that one vectorised pass, forward and backward, about
-    2x faster on CPU than torch's tanh-GeLU kernel. Eager keeps torch's kernel, which is the
-    faster of the two there (docs/benchmarks.md, "Compiled training step").
+    like torch's kernel: inductor makes that one vectorised pass forward and one backward,
+    which on CPU beat torch's tanh-GeLU kernels (whose tanh is slow). Eager keeps torch's
+    kernel, the faster of the two there (docs/benchmarks.md, "Where a training step's time
+    goes").
     """
     if not torch.compiler.is_compiling():
         return F.gelu(x, approximate="tanh")
@@ -180,11 +181,16 @@ class ParallelTransformerLayer(nn.Module):
     def _dropout(self, tensor):
         return dropout(tensor, self.hidden_dropout, self.training)
 
-    def forward(self, hidden_states, allowed_mask):
-        # hidden_states: [b, s, h]
+    def forward(self, hidden_states, allowed_mask, half=None):
+        # hidden_states: [b, s, h]. half: "attention" or "mlp" runs only that half
+        # (--split-transformers checkpoints each on its own); through the module call, so a
+        # compiled layer compiles the halves too.
+        if half == "attention":
+            return self.attention_block(hidden_states, allowed_mask)
+        if half == "mlp":
+            return self.mlp_block(hidden_states)
         return self.mlp_block(self.attention_block(hidden_states, allowed_mask))
 
-    # The two halves; --split-transformers checkpoints each on its own.
     def attention_block(self, hidden_states, allowed_mask):
         attention_output = self.attention(self.input_layernorm(hidden_states), allowed_mask)
         return hidden_states + self._dropout(attention_output)
@@ -215,11 +221,9 @@ class ParallelTransformer(nn.Module):
             for unit in range(start, end):
                 if not self.split_transformers:
                     hidden_states = self.layers[unit](hidden_states, allowed_mask)
-                elif unit % 2 == 0:
-                    hidden_states = self.layers[unit // 2].attention_block(hidden_states,
-                                                                           allowed_mask)
                 else:
-                    hidden_states = self.layers[unit // 2].mlp_block(hidden_states)
+                    hidden_states = self.layers[unit // 2](
+                        hidden_states, allowed_mask, "mlp" if unit % 2 else "attention")
             return hidden_states
         return run
 

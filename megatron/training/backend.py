@@ -44,6 +44,10 @@ class Backend:
         return self.engine.compiled
 
     @property
+    def compile_backend(self):
+        return self.engine.config.compile.backend
+
+    @property
     def module(self):
         """The model itself, without any wrapper."""
         return self.engine.module

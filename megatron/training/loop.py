@@ -35,7 +35,7 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
     window = {"loss": 0.0, "iters": 0, "start": time.perf_counter(), "grad_norm": None,
               "peak": peak}
     saved_at = None
-    compiling = _CompileWatch() if backend.compiled else None
+    compiling = _CompileWatch(backend.compile_backend) if backend.compiled else None
     while state["iteration"] < training.train_iters:
         guards.before_iteration(state["iteration"] + 1)
         total, updated, grad_norm = backend.train_step(train_forward_step, iterator)
@@ -121,24 +121,27 @@ def _flops_per_sample(ctx):
 
 class _CompileWatch:
     """Times the first step of a compiled model: one line says how much of it was compiling,
-    and that time is kept out of the first log line's ms/iteration, as evaluation is."""
+    and that time is kept out of the first log line's ms/iteration, as evaluation is. (The
+    count is this rank's: a peer that compiles slower shows up here as waiting.)"""
 
-    def __init__(self):
+    def __init__(self, compile_backend):
         from zero.compiler import compile_seconds
+        self.compile_backend = compile_backend
         self.start, self.compiled_before = time.perf_counter(), compile_seconds()
 
     def report(self, window, runtime):
         from zero.compiler import cache_dir, compile_seconds
         step = time.perf_counter() - self.start
         now = compile_seconds()
-        where = f"compiled code is cached in {cache_dir()}, so a run of the same shapes loads it"
+        where = (f"; compiled code is cached in {cache_dir()}, so a run of the same shapes "
+                 "loads it") if self.compile_backend == "inductor" else ""
         if now is None or self.compiled_before is None:
-            runtime.print0(f" compile: the first step took {step:.1f} s, compiling included "
-                           f"({where})")
+            runtime.print0(f" compile: the first step took {step:.1f} s, compiling included"
+                           f"{where}")
             return
         compiling = min(now - self.compiled_before, step)
         runtime.print0(f" compile: the first step took {step:.1f} s, {compiling:.1f} s of it "
-                       f"compiling ({where})")
+                       f"compiling ({self.compile_backend}{where})")
         window["start"] += compiling
 
 

@@ -12,7 +12,8 @@ import shutil
 
 import pytest
 
-from tests.parallel.launching import build_corpus, launch_ranks, read_metrics, trainer_argv
+from tests.parallel.launching import (build_corpus, launch_ranks, read_metrics,
+                                      relative_difference, trainer_argv)
 from tests.parallel.test_layouts import GLOBAL_BATCH, assert_same_training
 
 ITERS = 6
@@ -44,6 +45,15 @@ def test_compiled_single_process_matches_eager(corpus, eager, tmp_path):
     assert_same_training(eager, metrics, ITERS)
     lines = [line for line in output.splitlines() if line.startswith(" compile: ")]
     assert len(lines) == 1 and "the first step took" in lines[0], output[-2000:]
+
+
+def test_compiled_fp16_with_split_halves_matches_eager(corpus, eager, tmp_path):
+    """fp16 (loss scaling) and --checkpoint-activations --split-transformers (the layer's
+    halves through the compiled module call), against eager fp32."""
+    metrics, _ = train(corpus, tmp_path, 1, ITERS, "--batch-size", 8, "--compile", "--fp16",
+                       "--checkpoint-activations", "--split-transformers")
+    for it in range(1, ITERS + 1):
+        assert relative_difference(metrics[it][0], eager[it][0]) < 1e-3, it
 
 
 def test_compiled_tensor_parallel_matches_eager(corpus, eager, tmp_path):

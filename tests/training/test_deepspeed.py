@@ -246,6 +246,9 @@ def test_compile_flag_and_the_config_section_are_one_switch(tmp_path):
     assert (section.enabled, section.backend) == (True, "aot_eager")
     assert not parse("--deepspeed", "--deepspeed_config", config).engine.ds_config\
         .compile.enabled
+    config = write_config(tmp_path, compile="auto")
+    assert parse("--deepspeed", "--deepspeed_config", config, "--compile").engine.ds_config\
+        .compile.enabled
     config = write_config(tmp_path, compile=True)
     with pytest.raises(zero.ConfigError, match="'compile' must be a JSON object"):
         parse("--deepspeed", "--deepspeed_config", config, "--compile")

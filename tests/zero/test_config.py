@@ -335,14 +335,21 @@ def test_compile_section():
     and so are backends torch does not have and DeepCompile (not implemented)."""
     assert load({"train_batch_size": 2}).compile.enabled is False
     config = load({"train_batch_size": 2, "compile": {
-        "enabled": True, "backend": "aot_eager", "kwargs": {"mode": "max-autotune-no-cudagraphs"},
+        "enabled": True, "backend": "inductor", "kwargs": {"mode": "max-autotune-no-cudagraphs"},
         "deepcompile": False}})
     assert (config.compile.enabled, config.compile.backend, config.compile.kwargs) == \
-        (True, "aot_eager", {"mode": "max-autotune-no-cudagraphs"})
+        (True, "inductor", {"mode": "max-autotune-no-cudagraphs"})
     for section, piece in (({"enabled": True, "backend": "tvm-typo"}, "is not a torch.compile "
                                                                       "backend here"),
                            ({"kwargs": {"model": "x"}}, "'model', which torch.compile does not "
                                                         "take"),
+                           ({"kwargs": {"fullgraph": "yes"}}, "has the wrong type"),
+                           ({"kwargs": {"mode": "default", "options": {}}}, "one of them"),
+                           ({"enabled": True, "kwargs": {"mode": "fastest"}}, "is not one of "
+                                                                              "torch.compile's "
+                                                                              "modes"),
+                           ({"enabled": True, "backend": "eager", "kwargs": {"mode": "default"}},
+                            "tunes inductor"),
                            ({"deepcompile": True}, "does not implement"),
                            ({"enabeld": True}, "did you mean 'enabled'")):
         message = error_of({"train_batch_size": 2, "compile": section})

@@ -251,34 +251,54 @@ class TensorboardConfig:
             self.output_path = ""
 
 
-# torch.compile's keyword arguments that 'compile.kwargs' may set
-COMPILE_KWARGS = ("fullgraph", "dynamic", "mode", "options", "disable")
+# torch.compile's keyword arguments that 'compile.kwargs' may set, with the JSON types
+COMPILE_KWARGS = {"fullgraph": (bool,), "dynamic": (bool, type(None)), "mode": (str,),
+                  "options": (dict,), "disable": (bool,)}
 
 
 @dataclass
 class CompileConfig:
-    """torch.compile of the engine's module (DeepSpeed v0.14's keys; its later DeepCompile
-    passes only at their defaults)."""
+    """torch.compile of the engine's module (DeepSpeed v0.14's keys; the keys of its later
+    DeepCompile only at their defaults)."""
     enabled: bool = option(False)
     backend: str = option("inductor")
     kwargs: dict = option({})
 
     DEFAULT_ONLY = {"deepcompile": False, "free_activation": False,
                     "offload_activation": False, "offload_opt_states": False,
-                    "offload_parameters": False}
+                    "offload_parameters": False, "double_buffer": True,
+                    "symmetric_memory": False, "debug_log": False}
 
     def check(self, source, path):
-        unknown = sorted(set(self.kwargs) - set(COMPILE_KWARGS))
-        if unknown:
-            fail(source, f"'{path}.kwargs' has {', '.join(map(repr, unknown))}, which "
-                         f"torch.compile does not take here; accepted: "
-                         f"{', '.join(COMPILE_KWARGS)}")
+        for key, value in self.kwargs.items():
+            if key not in COMPILE_KWARGS:
+                fail(source, f"'{path}.kwargs' has {key!r}, which torch.compile does not take "
+                             f"here; accepted: {', '.join(COMPILE_KWARGS)}")
+            if not isinstance(value, COMPILE_KWARGS[key]):
+                fail(source, f"'{path}.kwargs.{key}' = {value!r} has the wrong type for "
+                             f"torch.compile's {key}")
+        if "mode" in self.kwargs and "options" in self.kwargs:
+            fail(source, f"'{path}.kwargs' sets both 'mode' and 'options'; torch.compile takes "
+                         "one of them")
         if self.enabled:
-            import torch._dynamo
-            backends = torch._dynamo.list_backends(exclude_tags=())
-            if self.backend not in backends:
-                fail(source, f"'{path}.backend' {self.backend!r} is not a torch.compile "
-                             f"backend here; available: {', '.join(sorted(backends))}")
+            self._check_backend(source, path)
+
+    def _check_backend(self, source, path):
+        import torch._dynamo  # only when compiling: it takes a second to import
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if self.backend not in backends:
+            fail(source, f"'{path}.backend' {self.backend!r} is not a torch.compile backend "
+                         f"here; available: {', '.join(sorted(backends))}")
+        tuning = [key for key in ("mode", "options") if key in self.kwargs]
+        if tuning and self.backend != "inductor":
+            fail(source, f"'{path}.kwargs.{tuning[0]}' tunes inductor; the backend is "
+                         f"{self.backend!r}")
+        if "mode" in self.kwargs:
+            import torch._inductor
+            modes = torch._inductor.list_mode_options()
+            if self.kwargs["mode"] not in modes:
+                fail(source, f"'{path}.kwargs.mode' {self.kwargs['mode']!r} is not one of "
+                             f"torch.compile's modes: {', '.join(modes)}")
 
 
 # Top-level DeepSpeed keys zero does not implement, accepted only at their defaults.
