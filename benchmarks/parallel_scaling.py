@@ -13,13 +13,16 @@ the data-parallel gradient all-reduce (local only: torch's DDP waits inside back
 the bytes each rank sent per iteration, measured from the kernel's count of bytes the process
 wrote (/proc/self/io `wchar`: gloo sends with writev on TCP sockets), against the analytic
 ring all-reduce volume 2 (N - 1) / N x payload, with payloads from first principles:
-    data parallel:   the gradients, numel x 4 bytes (fp32)
+    data parallel:   the gradients, numel x 4 bytes (fp32; 2 in bf16)
     tensor parallel: (4 L + 2) all-reduces of [b, s, h] activations (embedding, two per layer
-                     forward and backward, the logits' input in backward) + 3 of [b, s]
-                     (vocab-parallel cross entropy) per micro batch, fp32 (and one scalar
-                     for the gradient norm, left out).
+                     forward and backward, the logits' input in backward; 4 bytes an element,
+                     2 in bf16) + 3 of [b, s] (vocab-parallel cross entropy, fp32) per micro
+                     batch (and one scalar for the gradient norm, left out).
 
-    python benchmarks/parallel_scaling.py [--quick] [--write-docs]
+    python benchmarks/parallel_scaling.py [--quick] [--bf16] [--write-docs]
+
+--bf16 trains in bf16 (the fast path on CPUs with AMX) and runs only the layouts that have a
+compiled twin, into a section of its own.
 """
 
 import argparse
@@ -41,9 +44,7 @@ FULL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128
 QUICK = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
              vocab_size=1024, global_batch=4, warmup=1, steps=3, rounds=1)
 
-_ZERO2 = base64.urlsafe_b64encode(json.dumps({"zero_optimization": {"stage": 2},
-                                              "gradient_clipping": 1.0}).encode()).decode()
-ZERO2 = ("--deepspeed", "--deepspeed_config", _ZERO2)  # the config as base64 JSON
+ZERO2 = ("--deepspeed",)  # with the config of _zero2_config
 COMPILE = ("--compile",)
 # (label, processes, tensor-parallel size, --DDP-impl, --ddp-bucket-size, threads per process,
 #  more flags); under --deepspeed the JSON replaces --DDP-impl and --ddp-bucket-size
@@ -58,6 +59,15 @@ LAYOUTS = [("TP=1 DP=1", 1, 1, "local", 25.0, 1, ()),
            ("TP=2 DP=1, --compile", 2, 2, "local", 25.0, 1, COMPILE),
            ("TP=1 DP=2, local DDP, --compile", 2, 1, "local", 25.0, 1, COMPILE),
            ("TP=1 DP=2, ZeRO-2, --compile", 2, 1, "local", 25.0, 1, ZERO2 + COMPILE)]
+
+
+def _zero2_config(bf16):
+    """The ZeRO-2 DeepSpeed config as base64 JSON (--deepspeed_config takes that too)."""
+    config = {"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0,
+              "bf16": {"enabled": bf16}}
+    return base64.urlsafe_b64encode(json.dumps(config).encode()).decode()
+
+
 # the data-parallel gradient reduction: an all-reduce at stage 0, reduce(-scatter) at 1-2
 GRADIENT_OPS = ("all_reduce", "reduce_scatter", "reduce")
 
@@ -101,8 +111,11 @@ def _build(config, tp, impl, bucket_mb, extra, world_size):
              "--lr-decay-style", "constant", "--warmup-iters", 0, "--clip-grad", 1.0,
              "--attention-dropout", 0, "--hidden-dropout", 0, "--model-parallel-size", tp,
              "--threads", torch.get_num_threads(), *extra]
-    if "--deepspeed" not in extra:
-        flags += ["--DDP-impl", impl, "--ddp-bucket-size", bucket_mb]
+    if "--deepspeed" in extra:  # the precision and the reduction come from the config
+        flags += ["--deepspeed_config", _zero2_config(c["bf16"])]
+    else:
+        flags += ["--DDP-impl", impl, "--ddp-bucket-size", bucket_mb] + \
+            (["--bf16"] if c["bf16"] else [])
     backend, _ = trainer_backend([str(f) for f in flags], c["vocab_size"], world_size)
     generator = torch.Generator().manual_seed(mpu.get_data_parallel_rank())
     data = torch.randint(0, c["vocab_size"], (micro_batch, c["seq_length"] + 1),
@@ -183,12 +196,14 @@ def _ring(payload, n):
 
 
 def analytic_bytes(config, tp, dp, numel, micro_batch):
-    """(DP payload, TP payload, ring bytes each rank sends) per iteration, fp32."""
+    """(DP payload, TP payload, ring bytes each rank sends) per iteration."""
     c = config
+    element = 2 if c["bf16"] else 4  # gradients and activations travel in the params' dtype
     activations = (4 * c["num_layers"] + 2) * micro_batch * c["seq_length"] * \
-        c["hidden_size"] + 3 * micro_batch * c["seq_length"]
-    dp_payload = numel * 4 if dp > 1 else 0
-    tp_payload = activations * 4 if tp > 1 else 0
+        c["hidden_size"] * element
+    loss = 3 * micro_batch * c["seq_length"] * 4
+    dp_payload = numel * element if dp > 1 else 0
+    tp_payload = activations + loss if tp > 1 else 0
     return dp_payload, tp_payload, _ring(dp_payload, dp) + _ring(tp_payload, tp)
 
 
@@ -248,14 +263,22 @@ def main():
     from tests.dist_utils import free_port
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bf16 training, the layouts with a compiled twin only")
     parser.add_argument("--write-docs", action="store_true",
                         help="rewrite its section of docs/benchmarks.md (default: print only)")
     args = parser.parse_args()
-    config = QUICK if args.quick else FULL
+    config = dict(QUICK if args.quick else FULL, bf16=args.bf16)
+    layouts = LAYOUTS
+    if args.bf16:
+        twins = {layout[0].replace(", --compile", "") for layout in LAYOUTS
+                 if "--compile" in layout[0]}
+        layouts = [layout for layout in LAYOUTS
+                   if layout[0] in twins or "--compile" in layout[0]]
     load_before = os.getloadavg()[0]
-    per_layout = {layout: None for layout in LAYOUTS}
+    per_layout = {layout: None for layout in layouts}
     for _ in range(config["rounds"]):  # layouts take turns, so machine drift hits all alike
-        for layout in LAYOUTS:
+        for layout in layouts:
             ranks = run_layout(layout, config, free_port())
             if per_layout[layout] is None:
                 per_layout[layout] = ranks
@@ -266,13 +289,15 @@ def main():
     summaries = [summarize(layout, config, ranks) for layout, ranks in per_layout.items()]
     table = markdown_table(HEADERS, table_rows(summaries))
     c = config
-    body = (f"## Tensor- and data-parallel scaling (`benchmarks/parallel_scaling.py`)\n\n"
+    precision = "bf16" if args.bf16 else "fp32"
+    body = (f"## Tensor- and data-parallel scaling{', bf16' if args.bf16 else ''} "
+            f"(`benchmarks/parallel_scaling.py{' --bf16' if args.bf16 else ''}`)\n\n"
             f"Machine: {machine_description()}; gloo over loopback TCP; 1-minute load "
             f"average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the run "
             f"(the cores are shared: above ~2, other work competes with the processes).\n\n"
             f"Model: GPT-2, {c['num_layers']} layers, hidden {c['hidden_size']}, "
             f"{c['num_attention_heads']} heads, seq {c['seq_length']}, vocab {c['vocab_size']}, "
-            f"fp32, AdamW, clip 1.0; global batch {c['global_batch']} in every layout "
+            f"{precision}, AdamW, clip 1.0; global batch {c['global_batch']} in every layout "
             f"({c['global_batch'] * c['seq_length']} tokens per iteration), the trainer's "
             f"training step. Medians of {c['steps'] * c['rounds']} steps "
             f"per layout after {c['warmup']} warm-up steps, layouts taking turns.\n\n"
@@ -281,8 +306,11 @@ def main():
             "per iteration; wall time above it means the process waited for a core. "
             "Compute = ms/iter - TP all-reduce - DP wait. TP all-reduces are synchronous (timed "
             "around each call on the tensor-parallel group); the DP wait is the time the zero "
-            "engine (ZeRO stage 0) blocks on its gradient all-reduces after backward, i.e. the "
-            "part backward did not hide. Payloads: counted by the engine's data-parallel "
+            "engine blocks on its gradient reduction after backward (stage 0: all-reduces; "
+            "ZeRO-2: each partition reduced to its owner), i.e. the part backward did not hide. "
+            "--compile layouts compile each transformer layer and the loss; the TP all-reduces "
+            "stay outside the compiled graphs (graph breaks), so they are timed the same way. "
+            "Payloads: counted by the engine's data-parallel "
             "`Communicator` (DP; its flat buckets include a little alignment padding) and a "
             "wrapper around `dist.all_reduce` (TP) "
             "against the formula in the script's docstring. Sent bytes are measured by the "
@@ -290,7 +318,7 @@ def main():
             "2 (N - 1) / N x payload per all-reduce (ring).\n")
     print("\n" + body)
     if args.write_docs and not args.quick:
-        update_docs_section("parallel_scaling", body)
+        update_docs_section("parallel_scaling_bf16" if args.bf16 else "parallel_scaling", body)
 
 
 if __name__ == "__main__":
