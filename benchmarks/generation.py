@@ -1,6 +1,6 @@
 """Generation speed: our KV-cached decode in fp32, bf16 and with quantised weights (--quantize
 int8 / int8-dynamic / int4) vs transformers' generate() in fp32 and under torch's dynamic int8
-quantisation, each beside its weight-bandwidth floor.
+quantisation, each beside its weight-bandwidth floor; at batch 1 and (fp32, bf16) batch 8.
 
     python benchmarks/generation.py            # 12 layers, hidden 768 (GPT-2 124M), 128 new tokens
     python benchmarks/generation.py --quick    # 32 new tokens, 1 repeat
@@ -11,11 +11,12 @@ batch 1, a 16-token prompt, the same number of new tokens (eos disabled on the H
 Tokens/s = new tokens / wall time of the whole call (prefill included), median of --repeats
 runs after one warm-up.  "same tokens" is the share of greedy tokens equal to our fp32 run's.
 
-Batch-1 decoding reads every matmul weight once per token, so its floor is (weight bytes per
-token) / (copy bandwidth measured in the same run).  A random-init model's logits are nearly
-flat, so the smallest perturbation changes a greedy choice and the rest of the sequence with
-it: "same tokens" is a harsh test here.  The accuracy a quantisation costs on a trained model
-is measured by tools/evaluate_gpt2.py --quantize (README, "Guide: quantisation").
+Decoding reads every matmul weight once per step, for the whole batch, so the floor is
+batch x (copy bandwidth measured in the same run) / (weight bytes per step).  A random-init
+model's logits are nearly flat, so the smallest perturbation changes a greedy choice and the
+rest of the sequence with it: "same tokens" is a harsh test here.  The accuracy a
+quantisation costs on a trained model is measured by tools/evaluate_gpt2.py --quantize
+(README, "Guide: quantisation").
 """
 
 import argparse
@@ -98,65 +99,74 @@ def main(argv=None):
     # only the LM head is quantised
     hf_int8 = torch.ao.quantization.quantize_dynamic(hf, {torch.nn.Linear}, dtype=torch.qint8)
 
-    prompt = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(1))
+    # batch 8: the batch-1 prompt first, then 7 others
+    prompts = {1: torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(1))}
+    prompts[8] = torch.cat([prompts[1], torch.randint(
+        0, vocab, (7, 16), generator=torch.Generator().manual_seed(2))])
     params = SamplingParams(greedy=True, out_seq_length=new_tokens)
     no_eod = -1  # never produced: every run makes exactly new_tokens tokens
 
-    def ours(dtype=torch.float32, scheme=None, use_cache=True):
+    def ours(dtype=torch.float32, scheme=None, use_cache=True, batch=1):
         model = build_model_from_weights(weights, dtype)
         if scheme:
             quantize_model(model, QuantizationConfig(scheme, group_size=128))
         generator = TextGenerator(model, no_eod, vocab, use_cache=use_cache)
-        return (lambda: generator.generate(prompt, params)[0]), _weight_bytes_per_token(model)
+        return ((lambda: generator.generate(prompts[batch], params)[0]),
+                _weight_bytes_per_token(model), batch)
 
-    def hf_generate(model):
+    def hf_generate(model, batch=1):
         def run():
             with torch.inference_mode():
-                return model.generate(prompt, max_new_tokens=new_tokens,
+                return model.generate(prompts[batch], max_new_tokens=new_tokens,
                                       min_new_tokens=new_tokens, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[:, 16:]
         return run
 
     fp32_bytes = 4 * sum(p.numel() for n, p in hf.named_parameters()
                          if p.dim() == 2 and "wpe" not in n)
-    runs = {  # name -> (generate(), weight bytes per token)
+    runs = {  # name -> (generate(), weight bytes per step, batch)
         "ours fp32, KV cache": ours(),
         "ours bf16": ours(torch.bfloat16),
         "ours --quantize int8": ours(scheme="int8"),
         "ours --quantize int8-dynamic": ours(scheme="int8-dynamic"),
         "ours --quantize int4 (group 128)": ours(scheme="int4"),
-        "transformers generate() fp32": (hf_generate(hf), fp32_bytes),
-        "transformers + torch quantize_dynamic int8": (hf_generate(hf_int8), None),
+        "transformers generate() fp32": (hf_generate(hf), fp32_bytes, 1),
+        "transformers + torch quantize_dynamic int8": (hf_generate(hf_int8), None, 1),
         "ours fp32 --recompute": ours(use_cache=False),
+        "ours fp32, batch 8": ours(batch=8),
+        "ours bf16, batch 8": ours(torch.bfloat16, batch=8),
+        "transformers generate() fp32, batch 8": (hf_generate(hf, batch=8), fp32_bytes, 8),
     }
     del state
     bandwidth = copy_bandwidth()
     reference = runs["ours fp32, KV cache"][0]()[0]
-    rows, hf_rate = [], None
-    for name, (generate, weight_bytes) in runs.items():
-        same = (generate()[0] == reference).float().mean().item()
+    rows, hf_rate = [], {}
+    for name, (generate, weight_bytes, batch) in runs.items():
+        same = (generate()[0] == reference).float().mean().item()  # the first row
         seconds = _median_time(generate, max(1, repeats // 3) if "recompute" in name
                                else repeats)
-        rate = new_tokens / seconds
-        if name == "transformers generate() fp32":
-            hf_rate = rate
-        floor = bandwidth / weight_bytes if weight_bytes else None
-        rows.append([name, f"{rate:.1f}", None,
+        rate = batch * new_tokens / seconds
+        if name.startswith("transformers generate() fp32"):
+            hf_rate[batch] = rate
+        floor = batch * bandwidth / weight_bytes if weight_bytes else None
+        rows.append([name, f"{rate:.1f}", batch,
                      f"{weight_bytes / 2**20:.0f}" if weight_bytes else "-",
                      f"{floor:.1f}" if floor else "-",
                      f"{100 * rate / floor:.0f}%" if floor else "-", f"{100 * same:.0f}%"])
         print(name, rows[-1], flush=True)
-    for row in rows:
-        row[2] = f"{float(row[1]) / hf_rate:.2f}x"
+    for row in rows:  # vs transformers fp32 at the same batch size
+        row[2] = f"{float(row[1]) / hf_rate[row[2]]:.2f}x"
     body = "\n".join([
-        "## Text generation (tokens/s, greedy, batch 1)",
+        "## Text generation (tokens/s, greedy, batch 1 and 8)",
         "",
         f"Machine: {machine_description()}; transformers {transformers.__version__}; copy "
         f"bandwidth {bandwidth / 1e9:.1f} GB/s (measured in the same run).",
         f"Model: GPT-2 124M (12 layers, hidden 768, vocab 50257), random init; 16-token "
-        f"prompt, {new_tokens} new tokens, median of {repeats} after a warm-up.  Floor = copy "
-        "bandwidth / weight bytes read per token (the batch-1 speed limit); \"same tokens\" = "
-        "greedy tokens equal to our fp32 run's (random init: nearly flat logits, so a harsh "
+        f"prompt, {new_tokens} new tokens, median of {repeats} after a warm-up; batch 1 "
+        "unless the name says 8 (tokens/s counts every row's tokens).  Floor = batch x copy "
+        "bandwidth / weight bytes read per step (the speed limit while weights dominate); "
+        "\"same tokens\" = greedy tokens (of the first row) equal to our fp32 run's "
+        "(random init: nearly flat logits, so a harsh "
         "test; the accuracy cost on a trained model is in the README's quantisation guide).  "
         "int8 and int4 run their matmuls in bf16 "
         "(torch's CPU kernels); int8-dynamic in int8 (fbgemm).  The transformers int8 row "
@@ -164,7 +174,7 @@ def main(argv=None):
         f"`python benchmarks/generation.py{' --quick' if args.quick else ''}`",
         "",
         markdown_table(["implementation", "tokens/s", "vs transformers fp32",
-                        "weight MB/token", "floor tokens/s", "of floor", "same tokens"], rows),
+                        "weight MB/step", "floor tokens/s", "of floor", "same tokens"], rows),
     ])
     print(body)
     if args.write_docs:
