@@ -174,6 +174,16 @@ class GPT2Model(nn.Module):
         around the eager attention of a layer with attention dropout. The loss runs two fused
         compiled kernels (mpu.cross_entropy). Embeddings and the output layer stay eager: a
         lookup and one matmul."""
+        if kwargs.get("fullgraph"):
+            breaks = [why for why, present in (
+                ("attention dropout runs eagerly under the model-parallel RNG tracker",
+                 self.config.attention_dropout > 0),
+                ("the tensor-parallel all-reduces run between the compiled graphs",
+                 mpu.get_model_parallel_world_size() > 1)) if present]
+            if breaks:
+                raise ConfigError(f"torch.compile's fullgraph=True cannot compile this model's "
+                                  f"layers whole: {'; '.join(breaks)}. Drop fullgraph from the "
+                                  "compile kwargs")
         for layer in self.language_model.transformer.layers:
             layer.compile(*args, **kwargs)
         self.loss_kernels = mpu.compile_cross_entropy_kernels(*args, **kwargs)

@@ -184,3 +184,9 @@ def test_compile_keeps_the_state_dict_and_the_function():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_fullgraph_compile_of_layers_that_must_break_is_a_config_error():
+    model = GPT2Model(tiny_config(attention_dropout=0.1))
+    with pytest.raises(ConfigError, match="attention dropout runs eagerly"):
+        model.compile(fullgraph=True)
