@@ -308,7 +308,7 @@ def main():
             "around each call on the tensor-parallel group); the DP wait is the time the zero "
             "engine blocks on its gradient reduction after backward (stage 0: all-reduces; "
             "ZeRO-2: each partition reduced to its owner), i.e. the part backward did not hide. "
-            "--compile layouts compile each transformer layer and the loss; the TP all-reduces "
+            "--compile layouts compile each transformer layer; the TP all-reduces "
             "stay outside the compiled graphs (graph breaks), so they are timed the same way. "
             "Payloads: counted by the engine's data-parallel "
             "`Communicator` (DP; its flat buckets include a little alignment padding) and a "

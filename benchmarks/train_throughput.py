@@ -4,7 +4,7 @@ each eager and under torch.compile.
 The same model (6 layers, hidden 384, 6 heads, seq 256, micro batch 8, vocab 8192, AdamW,
 dropout 0, grad clipping 1.0) is trained for a few steps by each, in fp32 and in bf16, in one
 run; the runners take turns (round robin) so drift of the machine hits all of them alike.
-Compiled means: ours with --compile (each transformer layer and the loss), the peers with
+Compiled means: ours with --compile (each transformer layer), the peers with
 torch.compile of the whole model, as their users would; compiling happens in the warm-up.
 Prints a markdown table (tokens/s, MFU against the matmul peak measured in the same run,
 ratios); with --write-docs it also rewrites its section of docs/benchmarks.md.

@@ -164,16 +164,15 @@ class GPT2Model(nn.Module):
         self.language_model = TransformerLanguageModel(config)
         if config.params_dtype != torch.float32:
             self.to(config.params_dtype)  # initialised in fp32 on CPU, then cast
-        self.loss_kernels = None  # mpu.CrossEntropyKernels once compiled
 
     def compile(self, *args, **kwargs):
         """Regional compilation (torch.compile's arguments pass through), in place, so the
         state-dict keys stay: each transformer layer is compiled on its own, and since every
         layer runs the same code with its parameters as inputs, the compiled graphs serve them
         all (compile time does not grow with depth). That is one graph per layer, or two
-        around the eager attention of a layer with attention dropout. The loss runs two fused
-        compiled kernels (mpu.cross_entropy). Embeddings and the output layer stay eager: a
-        lookup and one matmul."""
+        around the eager attention of a layer with attention dropout. Embeddings, the output
+        layer and the loss stay eager: a lookup, one matmul and mpu's cross entropy, which
+        already walks the logits in cache-sized chunks."""
         if kwargs.get("fullgraph"):
             breaks = [why for why, present in (
                 ("attention dropout runs eagerly under the model-parallel RNG tracker",
@@ -186,13 +185,11 @@ class GPT2Model(nn.Module):
                                   "compile kwargs")
         for layer in self.language_model.transformer.layers:
             layer.compile(*args, **kwargs)
-        self.loss_kernels = mpu.compile_cross_entropy_kernels(*args, **kwargs)
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
         hidden_states = self.language_model(input_ids, position_ids, attention_mask)
         word_embeddings_weight = self.language_model.embedding.word_embeddings.weight
         if labels is not None:
             logits = parallel_lm_logits(hidden_states, word_embeddings_weight, True)
-            return mpu.vocab_parallel_cross_entropy(logits, labels,
-                                                    self.loss_kernels)  # [b, s] fp32
+            return mpu.vocab_parallel_cross_entropy(logits, labels)  # [b, s] fp32
         return parallel_lm_logits(hidden_states, word_embeddings_weight, self.parallel_output)

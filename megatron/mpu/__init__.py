@@ -4,8 +4,7 @@ Layers and communication ops for splitting a transformer across `model_parallel_
 ranks; every function also works in a single process without torch.distributed.
 """
 
-from megatron.mpu.cross_entropy import (compile_cross_entropy_kernels,  # noqa: F401
-                                        vocab_parallel_cross_entropy)
+from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron.mpu.data import broadcast_data
 from megatron.mpu.grads import clip_grad_norm, get_grad_norm
 from megatron.mpu.initialize import (ParallelState, destroy_model_parallel,

@@ -166,9 +166,8 @@ def test_overfits_one_batch():
 
 
 def test_compile_keeps_the_state_dict_and_the_function():
-    """GPT2Model.compile compiles each layer in place (the same state-dict keys) and the loss;
-    loss and gradients equal eager's to fp32 rounding (the compiled GeLU is spelled with a
-    sigmoid, the loss is fused)."""
+    """GPT2Model.compile compiles each layer in place (the same state-dict keys); loss and
+    gradients equal eager's to fp32 rounding (the compiled GeLU is spelled with a sigmoid)."""
     torch.manual_seed(0)
     eager = GPT2Model(tiny_config())
     compiled = GPT2Model(tiny_config())

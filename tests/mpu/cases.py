@@ -148,22 +148,29 @@ def case_init(rank, tp):
     return build_init_layers()
 
 
-def case_cross_entropy(rank, tp, kernels=None):
+def case_cross_entropy(rank, tp, function=None):
     r = mpu.get_model_parallel_rank()
     full = det(2, 3, 16, seed=50, scale=3.0)
     logits = shard(full, 2, tp, r).clone().requires_grad_()
     before = logits.detach().clone()
     target = torch.tensor([[0, 5, 15], [8, 4, 12]])  # ids in every quarter of the vocab
-    loss = mpu.vocab_parallel_cross_entropy(logits, target, kernels)
+    loss = function.apply(logits, target) if function else \
+        mpu.vocab_parallel_cross_entropy(logits, target)
     unchanged = torch.equal(logits.detach(), before)
     loss.backward(det(2, 3, seed=51))
     return dict(loss=loss.detach(), grad=logits.grad, unchanged=unchanged)
 
 
-def case_fused_cross_entropy(rank, tp):
-    """The fused form, its kernels run eagerly (compiled kernels: a single-process test)."""
-    from megatron.mpu.cross_entropy import CrossEntropyKernels, _logits_grad, _loss_terms
-    return case_cross_entropy(rank, tp, CrossEntropyKernels(_loss_terms, _logits_grad))
+def case_chunked_cross_entropy(rank, tp):
+    """The chunked form (16-bit logits on the CPU take it), here on the fp32 logits of the
+    case above and with one row per chunk, so each rank's max and sums cross chunks."""
+    from megatron.mpu import cross_entropy
+    chunk = cross_entropy._CPU_CHUNK_ELEMENTS
+    cross_entropy._CPU_CHUNK_ELEMENTS = 1
+    try:
+        return case_cross_entropy(rank, tp, cross_entropy._ChunkedVocabParallelCrossEntropy)
+    finally:
+        cross_entropy._CPU_CHUNK_ELEMENTS = chunk
 
 
 def case_broadcast(rank, tp):

@@ -8,10 +8,10 @@ WORLD_SIZE = 4
 # Tensor-parallel sizes 4 and 2 (two groups of 2: data parallel 2), then 1 (data parallel 4).
 PLAN = [
     (4, ["layout", "mappings", "column", "row", "embedding", "init", "cross_entropy",
-         "fused_cross_entropy", "broadcast", "grads", "seed", "bad_size"]),
+         "chunked_cross_entropy", "broadcast", "grads", "seed", "bad_size"]),
     (2, ["layout", "mappings", "column", "row", "embedding", "init", "cross_entropy",
-         "fused_cross_entropy", "broadcast", "grads", "seed"]),
-    (1, ["layout", "mappings", "column", "row", "cross_entropy", "fused_cross_entropy",
+         "chunked_cross_entropy", "broadcast", "grads", "seed"]),
+    (1, ["layout", "mappings", "column", "row", "cross_entropy", "chunked_cross_entropy",
          "broadcast", "grads"]),
 ]
 
