@@ -235,25 +235,6 @@ def test_flags_override_the_config_and_fill_its_batch_sizes(tmp_path):
     assert spelled.engine.ds_config.zero_optimization.contiguous_gradients is True
 
 
-def test_compile_flag_and_the_config_section_are_one_switch(tmp_path):
-    """--compile turns on the config's "compile" (keeping its other keys); without
-    --deepspeed it goes into the stage 0 config the flags build."""
-    assert parse("--compile").engine.ds_config.compile.enabled
-    assert not parse().engine.ds_config.compile.enabled
-    config = write_config(tmp_path, compile={"backend": "aot_eager"})
-    section = parse("--deepspeed", "--deepspeed_config", config, "--compile").engine.ds_config\
-        .compile
-    assert (section.enabled, section.backend) == (True, "aot_eager")
-    assert not parse("--deepspeed", "--deepspeed_config", config).engine.ds_config\
-        .compile.enabled
-    config = write_config(tmp_path, compile="auto")
-    assert parse("--deepspeed", "--deepspeed_config", config, "--compile").engine.ds_config\
-        .compile.enabled
-    config = write_config(tmp_path, compile=True)
-    with pytest.raises(zero.ConfigError, match="'compile' must be a JSON object"):
-        parse("--deepspeed", "--deepspeed_config", config, "--compile")
-
-
 def test_global_batch_comes_from_the_config_when_not_given(tmp_path):
     config = write_config(tmp_path, train_batch_size=24, train_micro_batch_size_per_gpu=4)
     parsed = parse("--deepspeed", "--deepspeed_config", config, world_size=2)
