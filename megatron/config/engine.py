@@ -146,8 +146,9 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
     if raw["clip_grad"] is not None and "gradient_clipping" not in final:
         final["gradient_clipping"] = raw["clip_grad"]
     if raw["compile"]:
+        from zero.config.parsing import AUTO
         section = final.get("compile")
-        if section in (None, "auto") or isinstance(section, dict):  # else the parse says why
+        if section in (None, AUTO) or isinstance(section, dict):  # else the parse says why
             final["compile"] = {**(section if isinstance(section, dict) else {}),
                                 "enabled": True}
     config = _parse(final, dp, source)

@@ -189,3 +189,29 @@ def test_fullgraph_compile_of_layers_that_must_break_is_a_config_error():
     model = GPT2Model(tiny_config(attention_dropout=0.1))
     with pytest.raises(ConfigError, match="attention dropout runs eagerly"):
         model.compile(fullgraph=True)
+
+
+@pytest.mark.parametrize("split_transformers", [False, True])
+def test_every_layer_call_goes_through_the_compiled_code(split_transformers):
+    """With a backend that records what it is given: every layer, or with
+    --split-transformers each half, is traced (none bypasses the compiled module call), and
+    the recorded graphs compute what eager does."""
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    config = tiny_config(num_layers=2, checkpoint_activations=split_transformers,
+                         split_transformers=split_transformers)
+    torch.manual_seed(0)
+    eager = GPT2Model(config)
+    compiled = GPT2Model(config)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile(backend=recording_backend)
+    tokens, positions = _inputs()
+    losses = [model(tokens, positions, labels=tokens).mean() for model in (eager, compiled)]
+    torch.testing.assert_close(losses[1], losses[0])
+    traced = [node.target for graph in graphs for node in graph.graph.nodes]
+    layer_norms = sum(target is torch.nn.functional.layer_norm for target in traced)
+    assert layer_norms == 2, traced  # the two LayerNorms of a layer, traced once for all layers
