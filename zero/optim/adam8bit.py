@@ -278,7 +278,7 @@ class Adam8bit(torch.optim.Optimizer):
         """Update `p` and its moments; `loaded`: fp32 (exp_avg, exp_avg_sq) to start from
         instead of the codes (the first step after loading a checkpoint)."""
         plan, state, kernels = self._plan(p), self.state[p], row_kernels(self.compiled)
-        flat = p.view(-1)
+        flat = p.detach().view(-1)  # a Parameter would make the kernels compile once more
         if loaded is not None:
             loaded = [t.reshape(-1).to(p.device, torch.float32) for t in loaded]
         for piece, regions, slot in plan.quantized:

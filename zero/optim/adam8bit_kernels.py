@@ -118,8 +118,13 @@ def row_kernels(compiled):
 def compile_kernels():
     """The row kernels through torch.compile (dynamic in the number of rows), or eager with
     one line saying why when this machine cannot compile (no C++ compiler, say)."""
+    # inductor decides whether a kernel runs on the OpenMP threads from the sizes of the
+    # call that compiled it, and keeps that choice for every later size: the two-row
+    # warm-up below would give one-thread kernels (measured: 2x slower on 2 cores).
+    # dynamic_threads makes every kernel parallel and leaves small calls to OpenMP.
+    options = {"cpp.dynamic_threads": True}
     try:
-        kernels = RowKernels(*(torch.compile(fn, dynamic=True) for fn in (
+        kernels = RowKernels(*(torch.compile(fn, dynamic=True, options=options) for fn in (
             _step_and_quantize_rows, _step_rows, _step_rows_from, _quantize_rows)),
             chunk=COMPILED_CHUNK)
         rows = torch.zeros(2, BLOCK)  # compile now, so a failure shows here, not mid-step
