@@ -71,10 +71,11 @@ def _regularization(parser):
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--optimizer", choices=("adam", "adam8bit"), default="adam",
-                   help="adam: AdamW with fp32 states; adam8bit: the same update with 8-bit "
-                        "block-wise states (zero.optim.Adam8bit, ~2 bytes/param instead of 8; "
-                        "ZeRO stages 0-3, offload_optimizer cpu). Under --deepspeed the config's "
+    g.add_argument("--optimizer", choices=("adam", "adam8bit", "adam4bit"), default="adam",
+                   help="adam: AdamW with fp32 states; adam8bit / adam4bit: the same update "
+                        "with 8-bit / 4-bit block-wise states (zero.optim.quantized_adam, "
+                        "~2 / ~1.06 bytes/param instead of 8; ZeRO stages 0-3, "
+                        "offload_optimizer cpu or nvme). Under --deepspeed the config's "
                         "optimizer section, when it has one, decides instead")
 
 

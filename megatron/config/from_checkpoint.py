@@ -97,7 +97,8 @@ def describe(load_dir, taken):
 
 def optimizer_change_note(raw):
     """One line when --optimizer differs from the one the checkpoint was trained with (its
-    fp32 Adam moments load into either: Adam8bit quantises them at its first step)."""
+    fp32 Adam moments load into any of them: Adam8bit and Adam4bit quantise them at their
+    first step)."""
     if raw.get("deepspeed") or raw.get("no_load_optim") or raw.get("finetune"):
         return None
     saved = saved_args_of(raw.get("load"))

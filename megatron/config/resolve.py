@@ -258,14 +258,15 @@ def _optimizer(raw, clip_grad):
 
 
 def _check_optimizer_choice(raw, ds_config):
-    if raw["optimizer"] != "adam8bit":
+    name = raw["optimizer"]
+    if name == "adam":
         return
     require(ds_config.optimizer is None,
-            f"--optimizer adam8bit and the DeepSpeed config's optimizer section "
+            f"--optimizer {name} and the DeepSpeed config's optimizer section "
             f"(\"{getattr(ds_config.optimizer, 'type', '')}\") both choose the optimizer; drop "
-            "one (the config spells it \"type\": \"Adam8bit\")")
+            f"one (the config spells it \"type\": \"{name.replace('adam', 'Adam')}\")")
     require(not raw["cpu_optimizer"],
-            "--optimizer adam8bit steps on the device; --cpu-optimizer is the fp32 CPU Adam")
+            f"--optimizer {name} steps on the device; --cpu-optimizer is the fp32 CPU Adam")
 
 
 def _checkpoint(raw):

@@ -93,7 +93,8 @@ class OptimizerConfig:
     schedule_follows_train_iters: tuple
     cpu_optimizer: bool
     cpu_torch_adam: bool
-    optimizer: str  # "adam" or "adam8bit" (when the DeepSpeed JSON has no optimizer section)
+    # "adam", "adam8bit" or "adam4bit" (when the DeepSpeed JSON has no optimizer section)
+    optimizer: str
 
 
 @dataclass(frozen=True)

@@ -188,17 +188,18 @@ def build_backend(ctx, model_provider):
     if ctx.runtime.is_rank0:
         n_local = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
         print(f" > parameters on tensor-parallel rank 0: {n_local:,}", flush=True)
-        if config.optimizer.optimizer == "adam8bit":
-            _print_8bit_state_bytes(module, config.parallel.model_parallel_size)
+        if config.optimizer.optimizer != "adam":
+            _print_quantized_state_bytes(module, config.parallel.model_parallel_size,
+                                         config.optimizer.optimizer)
     return cls(_initialize_engine(cls.prepare_module(module, ctx), config), ctx)
 
 
-def _print_8bit_state_bytes(module, tp):
-    from zero.optim.adam8bit import state_bytes_per_param
+def _print_quantized_state_bytes(module, tp, name):
+    from zero.optim.quantized_adam import QUANTIZED_ADAMS, state_bytes_per_param
     numels = [getattr(p, "ds_numel", p.numel()) * (tp if getattr(p, "model_parallel", False)
                                                     else 1)
               for p in module.parameters() if p.requires_grad]
-    per_param, formula = state_bytes_per_param(numels)
+    per_param, formula = state_bytes_per_param(numels, code=QUANTIZED_ADAMS[name].code)
     print(f" > optimizer state: {per_param:.2f} bytes/param ({formula}; fp32 Adam: 8)",
           flush=True)
 
@@ -215,8 +216,9 @@ def _initialize_engine(model, config):
     if ds_config.optimizer is None:
         # --cpu-optimizer: Megatron-DeepSpeed's DeepSpeedCPUAdam (torch AdamW with
         # --cpu_torch_adam); under offload_optimizer the engine picks CPUAdam either way
-        if opt.optimizer == "adam8bit":
-            from zero.optim.adam8bit import Adam8bit as adam
+        if opt.optimizer != "adam":
+            from zero.optim.quantized_adam import QUANTIZED_ADAMS
+            adam = QUANTIZED_ADAMS[opt.optimizer]
         elif opt.cpu_optimizer and not opt.cpu_torch_adam:
             adam = zero.ops.CPUAdam
         else:

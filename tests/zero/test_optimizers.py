@@ -66,6 +66,14 @@ def test_sgd_adagrad_and_torch_names():
     assert type(build({"type": "RMSprop", "params": {"lr": 0.1}})) is torch.optim.RMSprop
 
 
+def test_quantized_adam_names():
+    from zero.optim.quantized_adam import Adam4bit, Adam8bit
+    for name, cls in (("Adam8bit", Adam8bit), ("adamw8bit", Adam8bit), ("ADAM4BIT", Adam4bit),
+                      ("AdamW4bit", Adam4bit)):
+        optimizer = build({"type": name, "params": {"lr": 0.1, "weight_decay": 0.01}})
+        assert type(optimizer) is cls and optimizer.param_groups[0]["weight_decay"] == 0.01
+
+
 def test_sgd_step_by_hand():
     assert one_step({"type": "SGD", "params": {"lr": 0.1}}, grad=0.5) == pytest.approx(0.95)
 
@@ -82,7 +90,11 @@ def test_param_groups_pass_through():
      "'max_grad_norm' is not supported as an optimizer parameter"),
     ({"type": "Lamb", "params": {}}, "needs DeepSpeed's fused kernels"),
     ({"type": "OneBitAdam"}, "needs DeepSpeed's fused kernels"),
-    ({"type": "Foo"}, "Supported: Adam, AdamW, Adam8bit (AdamW8bit), SGD, Adagrad"),
+    ({"type": "Foo"}, "Supported: Adam, AdamW, Adam8bit (AdamW8bit), Adam4bit (AdamW4bit), "
+                      "SGD, Adagrad"),
+    ({"type": "Adam4bit", "params": {"min_8bit_numel": 10}}, "did you mean 'min_4bit_numel'"),
+    ({"type": "AdamW8bit", "params": {"amsgrad": True}}, "unknown optimizer parameter"),
+    ({"type": "Adam4bit", "params": {"betas": [0.9, 1.5]}}, "rejected by"),
     ({"type": "rmsprop"}, "did you mean \"RMSprop\""),
     ({"type": "Optimizer"}, "unknown optimizer type"),
     ({"type": "Adam", "params": {"weight_decy": 0.1}}, "did you mean 'weight_decay'"),

@@ -15,9 +15,10 @@ the same pass). With "nvme" the state is in three files per key under
 sub-groups in memory at a time. Checkpoints hold the swapped-in state as plain tensors, so
 resuming does not need the swap folder.
 
-Adam8bit (zero/optim/adam8bit.py) steps the masters itself and keeps its 8-bit state (about
-2 bytes per element) in host memory; with "nvme" only the fp32 masters swap, one key at a
-time: 8 bytes per element move per step instead of CPUAdam's 24. A key is a stage-3
+Adam8bit / Adam4bit (zero/optim/quantized_adam.py) step the masters themselves and keep
+their quantised state (about 2 / 1 bytes per element) in host memory; with "nvme" only the
+fp32 masters swap, one key at a time: 8 bytes per element move per step instead of CPUAdam's
+24. A key is a stage-3
 sub-group, but a whole stage-1/2 partition: there the step holds that partition's master in
 memory, as "cpu" does (sub_group_size does not split it).
 """
@@ -81,7 +82,7 @@ class HostMasters:
     def __init__(self, offload):
         self.offload = offload
         self.masters, self.store, self.optimizer = [], None, None
-        self._own_state = False  # the optimizer keeps its state itself (Adam8bit)
+        self._own_state = False  # the optimizer keeps its state itself (Adam8bit/4bit)
         self._restored = {}  # NVMe: key -> fp32 master a checkpoint load fills
 
     @property
@@ -102,10 +103,10 @@ class HostMasters:
 
     def finish(self, optimizer):
         """Replace the optimizer by CPUAdam (keeping its param-group dicts, so learning-rate
-        schedules still act) and build the state store. Adam8bit keeps its own compact state
+        schedules still act) and build the state store. Adam8bit/4bit keep their own compact state
         and steps the host masters itself; with "nvme" the store holds only the masters."""
-        from zero.optim.adam8bit import Adam8bit
-        if isinstance(optimizer, Adam8bit):
+        from zero.optim.quantized_adam import QuantizedAdam
+        if isinstance(optimizer, QuantizedAdam):
             self.optimizer, self._own_state = optimizer, True
             if self.offload.device == "nvme":
                 self.store = self._swapped(names=("master",))
@@ -147,7 +148,7 @@ class HostMasters:
 
     @torch.no_grad()
     def write(self, key, lo, values):
-        if self.store is None:  # Adam8bit in host memory
+        if self.store is None:  # Adam8bit/4bit in host memory
             self.masters[key].narrow(0, lo, values.numel()).copy_(values.reshape(-1))
             return
         self.store.write_range(key, "master", lo, values)
@@ -157,7 +158,7 @@ class HostMasters:
             self.optimizer.step()
             self.publish(write_back)
             return
-        if self._own_state:  # Adam8bit with the masters in swap files: one key at a time
+        if self._own_state:  # Adam8bit/4bit with the masters in swap files: one key at a time
             pending = self.optimizer.begin_step()
             for key, master in enumerate(self.masters):
                 empty = master.data  # new_master's: the full shape on a storage of size 0

@@ -8,9 +8,11 @@ engine._configure_basic_optimizer builds).
   decay (torch.optim.AdamW) over L2 (torch.optim.Adam); "AdamW" is always decoupled. With
   `torch_adam: true` DeepSpeed builds the torch class with torch's defaults (AdamW's
   weight_decay is then 0.01), and so do we.
-- "Adam8bit" and "AdamW8bit" (any case) are zero.optim.Adam8bit: AdamW with 8-bit block-wise
-  moments (params lr, betas, eps, weight_decay, min_8bit_numel), ZeRO stages 0-3, offload
-  to "cpu" (not "nvme").
+- "Adam8bit" / "AdamW8bit" and "Adam4bit" / "AdamW4bit" (any case) are
+  zero.optim.quantized_adam's Adam8bit and Adam4bit: AdamW with 8-bit (4-bit) block-wise
+  moments (params lr, betas, eps, weight_decay, min_8bit_numel / min_4bit_numel), ZeRO
+  stages 0-3, offload_optimizer "cpu" (the state stays in host memory) and "nvme" (only the
+  fp32 masters swap).
 - "SGD" and "Adagrad" (any case) are the torch classes.
 - Any other name is looked up in torch.optim, case-sensitively, as DeepSpeed does ("RMSprop").
 - DeepSpeed's kernel-only optimizers (Lamb, OneBitAdam, ...) are a ConfigError.
@@ -28,23 +30,25 @@ import torch
 from zero.config.parsing import AUTO, fail, show
 from zero.errors import ConfigError
 from zero.ops.cpu_adam import CPUAdam
-from zero.optim.adam8bit import Adam8bit
+from zero.optim.quantized_adam import QUANTIZED_ADAMS, Adam4bit, Adam8bit
 
 logger = logging.getLogger("zero.optim.optimizers")
 
 FUSED_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
                        "amsgrad": False}
-FUSED_ADAM_DEFAULTS_8BIT = {k: v for k, v in FUSED_ADAM_DEFAULTS.items() if k != "amsgrad"}
+FUSED_ADAM_DEFAULTS_QUANTIZED = {k: v for k, v in FUSED_ADAM_DEFAULTS.items()
+                                 if k != "amsgrad"}
 NAMED_TORCH_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}
 NEEDS_DEEPSPEED_KERNELS = ("lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muadam",
                            "muadamw", "musgd", "muon")
-SUPPORTED_NAMES = "Adam, AdamW, Adam8bit (AdamW8bit), SGD, Adagrad, or a torch.optim class " \
+SUPPORTED_NAMES = "Adam, AdamW, Adam8bit (AdamW8bit), Adam4bit (AdamW4bit), SGD, Adagrad, " \
+                  "or a torch.optim class " \
                   "by its exact name (e.g. RMSprop)"
 
 # Optimizers ZeRO is tested with (DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS, torch subset, and
 # CPUAdam).
 ZERO_SUPPORTED_OPTIMIZERS = [torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, CPUAdam,
-                             Adam8bit]
+                             Adam8bit, Adam4bit]
 
 
 def build_optimizer(config, model_parameters):
@@ -88,11 +92,12 @@ def plan_optimizer(section, source):
     lower = name.lower()
     if lower in ("adam", "adamw"):
         return _plan_adam(lower, params, source)
-    if lower in ("adam8bit", "adamw8bit"):
+    if lower in QUANTIZED_ADAMS:
         if "betas" in params and isinstance(params["betas"], list):
             params["betas"] = tuple(params["betas"])
-        _check_param_names(Adam8bit, params, (), source)
-        return Adam8bit, {**FUSED_ADAM_DEFAULTS_8BIT, **params}
+        optimizer_class = QUANTIZED_ADAMS[lower]
+        _check_param_names(optimizer_class, params, (), source)
+        return optimizer_class, {**FUSED_ADAM_DEFAULTS_QUANTIZED, **params}
     if lower in NEEDS_DEEPSPEED_KERNELS:
         fail(source, f"optimizer type \"{name}\" needs DeepSpeed's fused kernels, which zero "
                      f"does not ship; use one of: {SUPPORTED_NAMES}")

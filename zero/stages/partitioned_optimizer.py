@@ -40,8 +40,8 @@ class PartitionedOptimizer:
         return self.optimizer.state
 
     def _describe_partitions(self):
-        """An optimizer whose state is laid out on the original parameters (Adam8bit's
-        quantisation blocks) learns which parameter elements each master element is, on
+        """An optimizer whose state is laid out on the original parameters (the quantisation
+        blocks of Adam8bit and Adam4bit) learns which parameter elements each master element is, on
         every rank, so its result does not depend on where the partitions cut."""
         describe = getattr(self.optimizer, "describe_partition", None)
         if describe is None:

@@ -124,7 +124,7 @@ class ZeroOptimizer(PartitionedOptimizer):
 
     def _partition_pieces(self, rank):
         """{master: [Piece]}: which parameter elements rank's partition of each group holds."""
-        from zero.optim.adam8bit import Piece
+        from zero.optim.quantized_adam import Piece
         return {group.master: [
             Piece(start, length, (g, i), offset, group.layout.numels[i],
                   self._whole_numel(group.params[i], group.layout.numels[i]))

@@ -190,7 +190,7 @@ class Stage3Optimizer(PartitionedOptimizer):
     def _partition_pieces(self, rank):
         """{master: [Piece]}: rank holds elements [r·s, (r+1)·s) of every parameter (s its
         partition size; the padding past the end of a parameter belongs to none)."""
-        from zero.optim.adam8bit import Piece
+        from zero.optim.quantized_adam import Piece
         found = {}
         for k, sub_group in enumerate(self.sub_groups):
             found[sub_group.master] = [

@@ -1,21 +1,14 @@
-"""AdamW with 8-bit block-wise optimizer states, laid out on the original parameters.
+"""AdamW with 8-bit (Adam8bit) or 4-bit (Adam4bit) block-wise optimizer states, laid out on
+the original parameters.
 
-Each moment is stored as one byte per element and one fp32 scale per block of 256 elements
-of the *original* parameter (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
-Quantization", for the block-wise idea). The code is a power-law companding of the block's
-absmax-normalised values, so small values keep precision the way a non-linear ("dynamic")
-code does:
-
-    first moment m (signed):     q = round(127 * sign(x) * sqrt(|x/s|)),  x = s * (q/127) |q/127|
-    second moment v (unsigned):  q = round(255 * sqrt(sqrt(x/s))),        x = s * ((q/255)^2)^2
-
-with s the block's absmax. Division, square root, product and rounding are correctly rounded
-on every SIMD path, so a code never depends on which kernel computed it, and requantising a
-dequantised value gives the same code: a checkpoint that holds the dequantised moments
-resumes exactly. The step runs as two or three compiled kernels over rows of 256 elements
-(torch.compile; eager PyTorch where no compiler is available).
-Parameters with fewer than `min_8bit_numel` elements (counted over the whole parameter, not a
-tensor-parallel shard of it) keep fp32 moments.
+Each moment is stored as codes with one fp32 scale per block of the *original* parameter
+(Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", for the block-wise
+idea; Li et al. 2023, "Memory Efficient Optimizers with 4-bit States", for 4 bits): one byte
+per element in blocks of 256, or half a byte in blocks of 128 (the codes themselves are in
+zero/optim/quantized_adam_kernels.py). The step runs as two or three compiled kernels over
+rows of one block each (torch.compile; eager PyTorch where no compiler is available).
+Parameters with fewer than `min_8bit_numel` / `min_4bit_numel` elements (counted over the
+whole parameter, not a tensor-parallel shard of it) keep fp32 moments.
 
 Partition-aware: under ZeRO the optimizer steps a flat partition that cuts parameters
 anywhere. `describe_partition` tells it which elements of which original parameter each
@@ -26,7 +19,8 @@ and the training, do not depend on the data-parallel size or the bucket size.
 
 state_dict() gives AdamW's format (fp32 `exp_avg`, `exp_avg_sq`, `step` per tensor), so
 checkpoints, their conversions and re-partitioning work unchanged, and a run can switch
-between AdamW and Adam8bit when it loads one.
+between AdamW, Adam8bit and Adam4bit when it loads one; requantising the dequantised
+moments gives the same codes, so resuming is exact.
 """
 
 import math
@@ -35,10 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zero.optim.adam8bit_kernels import (BLOCK, EAGER_CHUNK, adamw_update, dequantize_signed,
-                                         dequantize_unsigned, row_kernels)
+from zero.optim.quantized_adam_kernels import (EAGER_CHUNK, EIGHT_BIT, FOUR_BIT, adamw_update,
+                                               row_kernels)
 
-MIN_8BIT_NUMEL = 4096
+MIN_QUANTIZED_NUMEL = 4096
 
 
 # ------------------------------------------------------------------------------ the layout
@@ -70,78 +64,84 @@ class _Plan:
     shared: dict        # scale slot -> index in the optimizer's shared-block vector
 
 
-def _regions(piece):
+def _regions(piece, block):
     """(head, body, tail) lengths: the part of the first block the piece shares with what
     comes before it, whole blocks, and the rest."""
-    head = min((-piece.param_offset) % BLOCK, piece.length)
-    body = (piece.length - head) // BLOCK * BLOCK
+    head = min((-piece.param_offset) % block, piece.length)
+    body = (piece.length - head) // block * block
     return head, body, piece.length - head - body
 
 
-def _partial_blocks(piece):
-    """{which: (param, block)} for the head / tail block of the piece when other pieces hold
-    the rest of it."""
-    head, body, tail = _regions(piece)
+def _partial_blocks(piece, block):
+    """{which: (param, block index)} for the head / tail block of the piece when other
+    pieces hold the rest of it."""
+    head, body, tail = _regions(piece, block)
     found = {}
     if head:
-        found["head"] = (piece.param, piece.param_offset // BLOCK)
+        found["head"] = (piece.param, piece.param_offset // block)
     if tail:
         end = piece.param_offset + piece.length
-        block = (end - 1) // BLOCK
-        if end < min((block + 1) * BLOCK, piece.param_numel):  # the block goes on elsewhere
-            found["tail"] = (piece.param, block)
+        index = (end - 1) // block
+        if end < min((index + 1) * block, piece.param_numel):  # the block goes on elsewhere
+            found["tail"] = (piece.param, index)
     return found
 
 
-def _make_plan(pieces, shared_index, min_8bit_numel):
+def _make_plan(pieces, shared_index, min_numel, block):
     quantized, small, slots, small_numel, shared = [], [], 0, 0, {}
     for piece in pieces:
-        if piece.quantized_at < min_8bit_numel:
+        if piece.quantized_at < min_numel:
             small.append((piece, small_numel))
             small_numel += piece.length
             continue
-        head, body, tail = _regions(piece)
+        head, body, tail = _regions(piece, block)
         quantized.append((piece, (head, body, tail), slots))
-        count = (1 if head else 0) + body // BLOCK + (1 if tail else 0)
-        for which, block_id in _partial_blocks(piece).items():
+        count = (1 if head else 0) + body // block + (1 if tail else 0)
+        for which, block_id in _partial_blocks(piece, block).items():
             if block_id in shared_index:
                 shared[slots if which == "head" else slots + count - 1] = shared_index[block_id]
         slots += count
     return _Plan(quantized, small, slots, small_numel, shared)
 
 
-def state_bytes_per_param(numels, min_8bit_numel=MIN_8BIT_NUMEL):
+def state_bytes_per_param(numels, min_numel=MIN_QUANTIZED_NUMEL, code=EIGHT_BIT):
     """(bytes of optimizer state per parameter, the formula in words) for parameters of these
-    sizes (whole-parameter sizes: they decide 8-bit or fp32)."""
+    sizes (whole-parameter sizes: they decide quantised or fp32)."""
     total = sum(numels)
-    quantized = sum(n for n in numels if n >= min_8bit_numel)
-    blocks = sum(math.ceil(n / BLOCK) for n in numels if n >= min_8bit_numel)
-    # every element has its two code bytes (a flat partition mixes both kinds); elements of
-    # small tensors also have their fp32 moments
-    state = 2 * total + 8 * blocks + 8 * (total - quantized)
-    formula = (f"2 B + 2 x 4 B per {BLOCK}-element block, plus 8 B on the {total - quantized:,} "
-               f"of {total:,} params in tensors under {min_8bit_numel} elements")
+    quantized = sum(n for n in numels if n >= min_numel)
+    blocks = sum(math.ceil(n / code.block) for n in numels if n >= min_numel)
+    # 8 bits: every element has its two code bytes (a flat partition mixes both kinds);
+    # 4 bits: every block of a quantised tensor has its row of codes
+    codes = code.bytes_per_element * total if code.per_element else 2 * code.row_bytes * blocks
+    state = codes + 8 * blocks + 8 * (total - quantized)
+    width = f"{code.bytes_per_element:g} B"
+    formula = (f"{width} + 2 x 4 B per {code.block}-element block, plus 8 B on the "
+               f"{total - quantized:,} of {total:,} params in tensors under {min_numel} "
+               f"elements")
     return state / max(total, 1), formula
 
 
 # ------------------------------------------------------------------------------ the optimizer
 
-class Adam8bit(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay, bias correction) with 8-bit block-wise moments.
+class QuantizedAdam(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias correction) with block-wise quantised moments in
+    the format `code` (a subclass picks it).
 
     Without `describe_partition`, every parameter is its own original parameter.
     `compiled=False` runs the row kernels eagerly (the same formulas, several passes)."""
 
+    code = None
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 min_8bit_numel=MIN_8BIT_NUMEL, compiled=True):
+                 min_numel=MIN_QUANTIZED_NUMEL, compiled=True):
         if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and 0 <= betas[0] < 1
-                and 0 <= betas[1] < 1 and min_8bit_numel >= 0):
-            raise ValueError(f"Adam8bit: invalid hyperparameters lr={lr}, betas={betas}, "
-                             f"eps={eps}, weight_decay={weight_decay}, "
-                             f"min_8bit_numel={min_8bit_numel}")
+                and 0 <= betas[1] < 1 and min_numel >= 0):
+            raise ValueError(f"{type(self).__name__}: invalid hyperparameters lr={lr}, "
+                             f"betas={betas}, eps={eps}, weight_decay={weight_decay}, "
+                             f"smallest quantised tensor={min_numel}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
-        self.min_8bit_numel = int(min_8bit_numel)
+        self.min_numel = int(min_numel)
         self.compiled = compiled  # the row kernels through torch.compile (else eager)
         self._pieces = {}        # tensor -> [Piece]
         self._shared = {}        # (param, block) -> index in the shared vector
@@ -156,8 +156,8 @@ class Adam8bit(torch.optim.Optimizer):
         holders = {}
         for rank_pieces in all_ranks_pieces:
             for piece in rank_pieces:
-                if piece.quantized_at >= self.min_8bit_numel:
-                    for block_id in _partial_blocks(piece).values():
+                if piece.quantized_at >= self.min_numel:
+                    for block_id in _partial_blocks(piece, self.code.block).values():
                         holders[block_id] = holders.get(block_id, 0) + 1
         shared = sorted((b for b, n in holders.items() if n > 1), key=repr)
         self._shared = {block_id: i for i, block_id in enumerate(shared)}
@@ -168,17 +168,25 @@ class Adam8bit(torch.optim.Optimizer):
         plan = self._plans.get(p)
         if plan is None:
             pieces = self._pieces.get(p) or [Piece(0, p.numel(), id(p), 0, p.numel())]
-            plan = self._plans[p] = _make_plan(pieces, self._shared, self.min_8bit_numel)
+            plan = self._plans[p] = _make_plan(pieces, self._shared, self.min_numel,
+                                               self.code.block)
         return plan
+
+    def _kernels(self):
+        return row_kernels(self.code, self.compiled)
 
     # ----- state -----
 
     def _init_state(self, p):
-        plan, state = self._plan(p), self.state[p]
-        n, device = p.numel(), p.device
+        plan, state, code = self._plan(p), self.state[p], self.code
+        device = p.device
         state.setdefault("step", torch.zeros((), dtype=torch.float32))
-        state["m_codes"] = torch.zeros(n, dtype=torch.int8, device=device)
-        state["v_codes"] = torch.zeros(n, dtype=torch.uint8, device=device)
+        shape = (p.numel(),) if code.per_element else (plan.num_scales, code.row_bytes)
+        state["m_codes"] = torch.zeros(shape, dtype=code.m_dtype, device=device)
+        state["v_codes"] = torch.zeros(shape, dtype=torch.uint8, device=device)
+        if not code.per_element:  # every row starts as zeros: m = 0, v = its smallest code
+            state["m_codes"].fill_(code.pad_m)
+            state["v_codes"].fill_(code.pad_v)
         state["m_scales"] = torch.zeros(plan.num_scales, dtype=torch.float32, device=device)
         state["v_scales"] = torch.zeros(plan.num_scales, dtype=torch.float32, device=device)
         state["m_small"] = torch.zeros(plan.small_numel, dtype=torch.float32, device=device)
@@ -190,9 +198,12 @@ class Adam8bit(torch.optim.Optimizer):
         m = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
         v = torch.zeros_like(m)
         for piece, regions, slot in plan.quantized:
-            for lo, hi, scale_slots in _spans(regions, slot):
+            for lo, hi, (first, last) in _spans(regions, slot, self.code.block):
                 a, b = piece.start + lo, piece.start + hi
-                m[a:b], v[a:b] = _moments(state, a, b, scale_slots)
+                rows = _Rows(a, b, first, last, self.code)
+                m_codes, m_scales, v_codes, v_scales = rows.state(state)
+                m[a:b] = rows.elements(self.code.dequantize_m(m_codes, m_scales))
+                v[a:b] = rows.elements(self.code.dequantize_v(v_codes, v_scales))
         for piece, at in plan.small:
             m[piece.start:piece.start + piece.length] = state["m_small"][at:at + piece.length]
             v[piece.start:piece.start + piece.length] = state["v_small"][at:at + piece.length]
@@ -215,8 +226,8 @@ class Adam8bit(torch.optim.Optimizer):
         return packed
 
     def load_state_dict(self, state_dict):
-        """Takes AdamW's format (from this optimizer or from AdamW); the moments are
-        quantised at the next step (every rank steps together, as shared blocks need)."""
+        """Takes AdamW's format (from this optimizer, the other width or AdamW); the moments
+        are quantised at the next step (every rank steps together, as shared blocks need)."""
         super().load_state_dict(state_dict)
         for p, state in self.state.items():
             if "step" in state:  # stepped in place: never the caller's tensor
@@ -272,19 +283,19 @@ class Adam8bit(torch.optim.Optimizer):
         self._step_tensor(p, p.grad.reshape(-1), hyper, pending, loaded)
 
     def finish_step(self, pending):
-        pending.finish(self._comm_group, row_kernels(self.compiled))
+        pending.finish(self._comm_group, self._kernels())
 
     def _step_tensor(self, p, grad, hyper, pending, loaded=None):
         """Update `p` and its moments; `loaded`: fp32 (exp_avg, exp_avg_sq) to start from
         instead of the codes (the first step after loading a checkpoint)."""
-        plan, state, kernels = self._plan(p), self.state[p], row_kernels(self.compiled)
+        plan, state, kernels, code = self._plan(p), self.state[p], self._kernels(), self.code
         flat = p.detach().view(-1)  # a Parameter would make the kernels compile once more
         if loaded is not None:
             loaded = [t.reshape(-1).to(p.device, torch.float32) for t in loaded]
         for piece, regions, slot in plan.quantized:
-            for lo, hi, (first, last) in _spans(regions, slot, kernels.chunk):
+            for lo, hi, (first, last) in _spans(regions, slot, code.block, kernels.chunk):
                 a, b = piece.start + lo, piece.start + hi
-                rows = _Rows(a, b, first, last)
+                rows = _Rows(a, b, first, last, code)
                 shared = plan.shared.get(first)
                 if loaded is None and shared is None and rows.whole:  # all in place
                     kernels.step_and_quantize(rows.take(flat), rows.take(grad),
@@ -312,23 +323,56 @@ class Adam8bit(torch.optim.Optimizer):
             flat[a:b], m_small[:], v_small[:] = new_param, m, v
 
 
-class _Rows:
-    """Elements [a, b) of a stepped tensor with scale slots [first, last), as rows of BLOCK
-    for the kernels. A part of a block, or a single block, is copied into two zero-padded
-    rows: the kernels then see the same shapes (never a specialised one-row case), and
-    padding zeros do not change a block's absmax (the padding itself is discarded)."""
+class Adam8bit(QuantizedAdam):
+    """AdamW with 8-bit moments in blocks of 256 (about 2 bytes of state per parameter)."""
 
-    def __init__(self, a, b, first, last):
+    code = EIGHT_BIT
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 min_8bit_numel=MIN_QUANTIZED_NUMEL, compiled=True):
+        super().__init__(params, lr, betas, eps, weight_decay, min_8bit_numel, compiled)
+
+
+class Adam4bit(QuantizedAdam):
+    """AdamW with 4-bit moments in blocks of 128 (about 1.06 bytes of state per parameter)."""
+
+    code = FOUR_BIT
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 min_4bit_numel=MIN_QUANTIZED_NUMEL, compiled=True):
+        super().__init__(params, lr, betas, eps, weight_decay, min_4bit_numel, compiled)
+
+
+# the names a config or --optimizer gives them (lower case)
+QUANTIZED_ADAMS = {"adam8bit": Adam8bit, "adamw8bit": Adam8bit, "adam4bit": Adam4bit,
+                   "adamw4bit": Adam4bit}
+
+
+class _Rows:
+    """Elements [a, b) of a stepped tensor with scale slots [first, last), as rows of one
+    block each for the kernels. A part of a block, or a single block, is copied into two
+    padded rows: the kernels then see the same shapes (never a specialised one-row case), and
+    padding (zeros, and codes of m = 0 and the smallest v) does not raise a block's absmax;
+    the padding itself is discarded."""
+
+    def __init__(self, a, b, first, last, code):
         self.a, self.b, self.first, self.last = a, b, first, last
+        self.code = code
         self.count = last - first
-        self.whole = (b - a) == self.count * BLOCK and self.count > 1
+        self.whole = (b - a) == self.count * code.block and self.count > 1
 
     def take(self, tensor):
+        """Per-element `tensor`'s elements [a, b) as rows."""
         if self.whole:
-            return tensor[self.a:self.b].view(self.count, BLOCK)
-        rows = torch.zeros(max(2, self.count), BLOCK, dtype=tensor.dtype, device=tensor.device)
+            return tensor[self.a:self.b].view(self.count, self.code.block)
+        rows = torch.zeros(max(2, self.count), self.code.block, dtype=tensor.dtype,
+                           device=tensor.device)
         rows.view(-1)[:self.b - self.a] = tensor[self.a:self.b]
         return rows
+
+    def elements(self, rows):
+        """The elements [a, b) of `rows` as take() laid them out, flat."""
+        return rows.reshape(-1)[:self.b - self.a]
 
     def scales(self, scales):
         if self.whole:
@@ -337,21 +381,41 @@ class _Rows:
         padded[:self.count] = scales[self.first:self.last]
         return padded
 
+    def codes(self, codes, pad):
+        """Code rows: per-element codes as take() does; one row per slot as a view, or a
+        padded copy whose positions past the elements hold `pad`."""
+        if self.code.per_element:
+            return self.take(codes)
+        if self.whole:
+            return codes[self.first:self.last]
+        from zero.optim.quantized_adam_kernels import pack_nibbles, unpack_nibbles
+        nibbles = torch.full((max(2, self.count), self.code.block), pad & 15, dtype=torch.uint8,
+                             device=codes.device)
+        real = unpack_nibbles(codes[self.first:self.last]).reshape(-1)[:self.b - self.a]
+        nibbles.view(-1)[:self.b - self.a] = real
+        return pack_nibbles(nibbles)
+
     def state(self, state):
         """(m codes, m scales, v codes, v scales) of these rows."""
-        return (self.take(state["m_codes"]), self.scales(state["m_scales"]),
-                self.take(state["v_codes"]), self.scales(state["v_scales"]))
+        return (self.codes(state["m_codes"], self.code.pad_m), self.scales(state["m_scales"]),
+                self.codes(state["v_codes"], self.code.pad_v), self.scales(state["v_scales"]))
 
     def put(self, tensor, rows):
         """Write rows back to elements [a, b) of `tensor` (a view from take() already is)."""
         if not (self.whole and rows.data_ptr() == tensor[self.a:self.b].data_ptr()):
-            tensor[self.a:self.b] = rows.reshape(-1)[:self.b - self.a]
+            tensor[self.a:self.b] = self.elements(rows)
+
+    def put_codes(self, codes, rows):
+        if self.code.per_element:
+            self.put(codes, rows)
+        elif not (self.whole and rows.data_ptr() == codes[self.first:self.last].data_ptr()):
+            codes[self.first:self.last] = rows[:self.count]
 
     def quantize(self, state, m, v, m_scale, v_scale, kernels):
         """Codes of the updated moments `m`, `v` (rows as take() gave) at these scales."""
         m_codes, v_codes = kernels.quantize(m, v, m_scale, v_scale)
-        self.put(state["m_codes"], m_codes)
-        self.put(state["v_codes"], v_codes)
+        self.put_codes(state["m_codes"], m_codes)
+        self.put_codes(state["v_codes"], v_codes)
         state["m_scales"][self.first:self.last] = m_scale[:self.count]
         state["v_scales"][self.first:self.last] = v_scale[:self.count]
 
@@ -380,7 +444,7 @@ class _SharedBlocks:
         self.waiting = []
 
 
-def _spans(regions, slot, chunk=EAGER_CHUNK):
+def _spans(regions, slot, block, chunk=EAGER_CHUNK):
     """[(lo, hi, (first scale slot, end scale slot))] of a piece's spans, each a whole number
     of its scale slots: the head, the body in chunks, the tail."""
     head, body, tail = regions
@@ -390,18 +454,9 @@ def _spans(regions, slot, chunk=EAGER_CHUNK):
         at, s = head, s + 1
     for lo in range(at, at + body, chunk):
         hi = min(lo + chunk, at + body)
-        blocks = (hi - lo) // BLOCK
+        blocks = (hi - lo) // block
         spans.append((lo, hi, (s, s + blocks)))
         s += blocks
     if tail:
         spans.append((at + body, at + body + tail, (s, s + 1)))
     return spans
-
-
-def _moments(state, a, b, scale_slots):
-    """fp32 (m, v) of the tensor's elements [a, b), a whole number of scale slots."""
-    first, last = scale_slots
-    rows = last - first
-    m = dequantize_signed(state["m_codes"][a:b].view(rows, -1), state["m_scales"][first:last])
-    v = dequantize_unsigned(state["v_codes"][a:b].view(rows, -1), state["v_scales"][first:last])
-    return m.view(-1), v.view(-1)
