@@ -1,13 +1,15 @@
-"""Optimizer step time and state bytes per parameter: zero.optim.Adam8bit (8-bit block-wise
-moments) vs zero.ops.CPUAdam and torch's fused AdamW (fp32 moments), on one flat fp32
-parameter of 10M and 100M elements, beside the memory-bandwidth floor of each state width.
+"""Optimizer step time and state bytes per parameter: Adam8bit and Adam4bit
+(zero.optim.quantized_adam: 8-/4-bit block-wise moments) vs zero.ops.CPUAdam and torch's fused
+AdamW (fp32 moments), on one flat fp32 parameter of 10M and 100M elements, beside the
+memory-bandwidth floor of each state width.
 
     .venv/bin/python benchmarks/quantization.py            # 10M and 100M (~3 GB of RAM)
     .venv/bin/python benchmarks/quantization.py --quick    # 10M only
 
 Floors: a step reads param and grad (8 B), writes param (4 B), and reads and writes each
 moment: 2 x 8 B in fp32 (28 B/param in all), 2 x 2 B in 8 bits (16 B/param, plus the block
-scales); floor = bytes x N / (copy bandwidth measured in the same run). Medians after warm-up.
+scales), 2 x 1 B in 4 bits (14 B/param); floor = bytes x N / (copy bandwidth measured in the
+same run). Medians after warm-up.
 Peers, from a separate venv (benchmarks/install_quantization_peers_venv.sh; rows say n/a
 without it): bitsandbytes AdamW8bit, torchao AdamW8bit and AdamW4bit (compiled on their first
 step). Sizes are rounded to a multiple of 256: torchao keeps fp32 states for a tensor whose
@@ -27,10 +29,11 @@ import torch  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     copy_bandwidth, machine_description, markdown_table, median_seconds, update_docs_section)
 from zero.ops import CPUAdam  # noqa: E402
-from zero.optim.adam8bit import Adam8bit  # noqa: E402
+from zero.optim.quantized_adam import Adam4bit, Adam8bit  # noqa: E402
 
 OPTIMIZERS = {  # name: (factory, floor bytes per parameter)
     "zero.optim.Adam8bit": (lambda p: Adam8bit(p, lr=1e-3, weight_decay=0.01), 16),
+    "zero.optim.Adam4bit": (lambda p: Adam4bit(p, lr=1e-3, weight_decay=0.01), 14),
     "zero.ops.CPUAdam (fp32)": (lambda p: CPUAdam(p, lr=1e-3, weight_decay=0.01), 28),
     "torch AdamW fused (fp32)": (lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01,
                                                              fused=True), 28),

@@ -74,40 +74,79 @@ def dequantize_unsigned(codes, scale):
 
 
 # ------------------------------------------------------------------------------ 4 bits
-# Codes are nibbles 0..15, two per byte: element 2k in the low half of byte k, 2k+1 in the
-# high half. The signed code q in -7..7 is stored as q + 8.
+# Codes are nibbles 0..15, two per byte: byte j of a block's row holds element j in its low
+# half and element j + block/2 in its high half (halves of the row, not neighbours, so packing
+# and unpacking read and write contiguous runs and vectorise). The signed code q in -7..7 is
+# stored as q + 8.
 
 def pack_nibbles(nibbles):
     """uint8 [..., 2n] of values 0..15 -> uint8 [..., n]."""
-    pairs = nibbles.unflatten(-1, (-1, 2))
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    low, high = nibbles.chunk(2, dim=-1)
+    return low | (high << 4)
 
 
 def unpack_nibbles(packed):
     """uint8 [..., n] -> uint8 [..., 2n] of values 0..15."""
-    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+    return torch.cat((packed & 15, packed >> 4), dim=-1)
+
+
+def _nibble_m4(x, scale):
+    return (_signed_ratio_code(x, scale, 7) + 8).to(torch.uint8)
+
+
+def _value_m4(nibbles, scale):
+    y = (nibbles.float() - 8) * (1 / 7)
+    return (y * y.abs()) * scale.unsqueeze(-1)
+
+
+def _nibble_v4(x, scale):
+    return (_fourth_root_ratio(x, scale) * 16).round().sub(1).clamp(0, 15).to(torch.uint8)
+
+
+def _value_v4(nibbles, scale):
+    y = (nibbles.float() + 1) * (1 / 16)
+    y = y * y
+    return (y * y) * scale.unsqueeze(-1)
 
 
 def quantize_signed4(x, scale):
     """Packed 4-bit codes of `x` [..., 128] with per-row absmax `scale` [...]."""
-    return pack_nibbles((_signed_ratio_code(x, scale, 7) + 8).to(torch.uint8))
+    return pack_nibbles(_nibble_m4(x, scale))
 
 
 def dequantize_signed4(packed, scale):
-    y = (unpack_nibbles(packed).float() - 8) * (1 / 7)
-    return (y * y.abs()) * scale.unsqueeze(-1)
+    return _value_m4(unpack_nibbles(packed), scale)
 
 
 def quantize_unsigned4(x, scale):
     """Packed zero-free 4-bit codes of non-negative `x` [..., 128] with per-row max `scale`."""
-    code = (_fourth_root_ratio(x, scale) * 16).round().sub(1).clamp(0, 15)
-    return pack_nibbles(code.to(torch.uint8))
+    return pack_nibbles(_nibble_v4(x, scale))
 
 
 def dequantize_unsigned4(packed, scale):
-    y = (unpack_nibbles(packed).float() + 1) * (1 / 16)
-    y = y * y
-    return (y * y) * scale.unsqueeze(-1)
+    return _value_v4(unpack_nibbles(packed), scale)
+
+
+def _step_and_quantize_4bit(param, grad, m_codes, m_scale, v_codes, v_scale, hyper):
+    """The in-place step of whole 4-bit blocks, written on the two halves of each row (the
+    low and the high nibbles): every expression is then elementwise on [rows, block/2], so
+    the compiler fuses it into one pass instead of materialising fp32 moments to pack them."""
+    half = param.shape[-1] // 2
+    updates = []
+    for nibble, columns in ((lambda c: c & 15, slice(0, half)),
+                            (lambda c: c >> 4, slice(half, None))):
+        updates.append(adamw_update(param[:, columns], grad[:, columns],
+                                    _value_m4(nibble(m_codes), m_scale),
+                                    _value_v4(nibble(v_codes), v_scale), hyper))
+    (param_low, m_low, v_low), (param_high, m_high, v_high) = updates
+    param.copy_(torch.cat((param_low, param_high), dim=-1))
+    # torch.maximum propagates a NaN, as amax over the whole row does
+    new_m_scale = torch.maximum(m_low.abs().amax(1), m_high.abs().amax(1))
+    new_v_scale = torch.maximum(v_low.amax(1), v_high.amax(1))
+    m_codes.copy_(_nibble_m4(m_low, new_m_scale) | (_nibble_m4(m_high, new_m_scale) << 4))
+    v_codes.copy_(_nibble_v4(v_low, new_v_scale) | (_nibble_v4(v_high, new_v_scale) << 4))
+    m_scale.copy_(new_m_scale)
+    v_scale.copy_(new_v_scale)
 
 
 # ------------------------------------------------------------------------------ the formats
@@ -127,6 +166,7 @@ class Code:
     dequantize_v: object
     pad_m: int = 0            # the byte a padded row position holds: codes of m = 0 and of
     pad_v: int = 0            # the smallest v, which never raise a block's absmax
+    fused_step: object = None  # a step_and_quantize written for the compiler (else generic)
 
     @property
     def row_bytes(self):
@@ -136,7 +176,8 @@ class Code:
 EIGHT_BIT = Code("8-bit", 256, True, torch.int8, 2.0, quantize_signed, dequantize_signed,
                  quantize_unsigned, dequantize_unsigned)
 FOUR_BIT = Code("4-bit", 128, False, torch.uint8, 1.0, quantize_signed4, dequantize_signed4,
-                quantize_unsigned4, dequantize_unsigned4, pad_m=0x88, pad_v=0x00)
+                quantize_unsigned4, dequantize_unsigned4, pad_m=0x88, pad_v=0x00,
+                fused_step=_step_and_quantize_4bit)
 
 
 # ------------------------------------------------------------------------------ the kernels
@@ -183,7 +224,7 @@ def _row_functions(code):
         m_scale.copy_(new_m_scale)
         v_scale.copy_(new_v_scale)
 
-    return step_and_quantize, step, step_from, quantize
+    return code.fused_step or step_and_quantize, step, step_from, quantize
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""Convergence of --optimizer adam8bit against adam: the default training run
+"""Convergence of --optimizer adam8bit and adam4bit against adam: the default training run
 (scripts/pretrain_gpt2.sh: 6 layers, hidden 384, the default corpus) with each optimizer,
 in one process and under ZeRO-2 at DP=2 (scripts/pretrain_gpt2_distributed.sh, 2 processes,
 micro batch 4: the same global batch of 8).
 
-    .venv/bin/python benchmarks/adam8bit_convergence.py                 # 300 iterations
-    .venv/bin/python benchmarks/adam8bit_convergence.py --iters 1000    # the slow one (~1 h)
+    .venv/bin/python benchmarks/quantized_adam_convergence.py               # 300 iterations
+    .venv/bin/python benchmarks/quantized_adam_convergence.py --iters 1000  # slow (~1.5 h)
 
 Each run trains from scratch into its own folder under a temporary directory; the table gives
 the last validation loss, the change against adam in the same layout, and the mean time per
@@ -28,6 +28,7 @@ LAYOUTS = {
     "1 process": ("scripts/pretrain_gpt2.sh", []),
     "ZeRO-2 DP=2": ("scripts/pretrain_gpt2_distributed.sh", ["--deepspeed"]),
 }
+OPTIMIZERS = ("adam", "adam8bit", "adam4bit")
 ZERO2_DP2 = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
              "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
@@ -59,6 +60,8 @@ def main(argv=None):
                              "without AMX)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS),
                         help=f"comma-separated, of: {', '.join(LAYOUTS)}")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                        help="comma-separated; adam, the reference, always runs")
     parser.add_argument("--write-docs", action="store_true",
                         help="rewrite its section of docs/benchmarks.md (default: print only)")
     args = parser.parse_args(argv)
@@ -72,7 +75,7 @@ def main(argv=None):
             if extra:
                 extra = extra + ["--deepspeed_config", config]
             results = {}
-            for optimizer in ("adam", "adam8bit"):
+            for optimizer in ["adam"] + [o for o in args.optimizers.split(",") if o != "adam"]:
                 folder = os.path.join(root, f"{layout}-{optimizer}".replace(" ", "_"))
                 results[optimizer] = train(script, extra, optimizer, args.iters,
                                            args.precision, folder)
@@ -83,7 +86,7 @@ def main(argv=None):
                              f"{100 * (loss / base_loss - 1):+.2f}%", f"{ms:.0f}",
                              f"{ms / base_ms:.2f}x"])
     body = "\n".join([
-        "## adam8bit convergence (benchmarks/adam8bit_convergence.py)",
+        "## Quantised Adam convergence (benchmarks/quantized_adam_convergence.py)",
         "",
         f"{machine_description()}. The default run (scripts/pretrain_gpt2.sh sizes: 6 layers, "
         f"hidden 384, seq 256, global batch 8) for {args.iters} iterations, "
@@ -96,7 +99,7 @@ def main(argv=None):
     ])
     print(body)
     if args.write_docs:
-        update_docs_section(f"adam8bit_convergence_{args.iters}", body)
+        update_docs_section(f"quantized_adam_convergence_{args.iters}", body)
     return 0
 
 
