@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build a separate virtualenv with the quantised-optimizer peers: bitsandbytes (its CPU 8-bit
 # optimizers) and torchao (low-bit optimizers). benchmarks/quantization.py times them beside
-# zero.optim.Adam8bit through subprocesses. Kept outside the project's .venv so that the
+# zero.optim.quantized_adam's Adam8bit and Adam4bit through subprocesses. Kept outside the project's .venv so that the
 # project never depends on either package.
 #
 #   bash benchmarks/install_quantization_peers_venv.sh     # -> /work/qvenv (or $QUANT_PEERS_VENV)

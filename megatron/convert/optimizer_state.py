@@ -24,6 +24,7 @@ import torch
 
 from megatron.convert.tp_layout import REPLICATED, merge_shards, parameter_layout, split_full
 from megatron.errors import CheckpointError
+from zero.optim.quantized_state import decode_parameter_entry, is_quantized
 
 
 @dataclass
@@ -74,9 +75,13 @@ def _check_groups(group_names, param_groups):
 
 
 def _merge_moments(name, per_rank, shard_models):
-    """{"step": rank 0's, each parameter-shaped tensor: merged}, or None if never stepped."""
+    """{"step": rank 0's, each parameter-shaped tensor: merged}, or None if never stepped.
+    Quantised states (--optimizer adam8bit / adam4bit) are dequantised first: their blocks
+    follow each shard, so they do not survive a different cut; the fp32 moments requantise
+    at the first step after loading."""
     if per_rank[0] is None:
         return None
+    per_rank = [decode_parameter_entry(s) if is_quantized(s) else s for s in per_rank]
     merged = {}
     for key, value in per_rank[0].items():
         if torch.is_tensor(value) and value.dim() > 0:  # exp_avg, exp_avg_sq

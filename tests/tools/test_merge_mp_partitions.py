@@ -176,6 +176,26 @@ def test_merged_checkpoint_continues_training_with_the_same_losses(corpus, tp2_r
     assert tp2[6] < tp2_run["first"][1]  # training went on: not a frozen copy
 
 
+def test_an_8bit_checkpoint_merges_and_trains_on(corpus, tmp_path):
+    """--optimizer adam8bit saves codes whose blocks follow each TP shard: merging decodes
+    them to fp32 moments, which TP=1 requantises on its own blocks at its first step."""
+    save, eight_bit = str(tmp_path / "ckpt"), ("--optimizer", "adam8bit")
+    _pretrain_tp2(_argv(corpus, tmp_path / "first", *eight_bit, "--save", save,
+                        "--exit-interval", "3"))
+    _pretrain_tp2(_argv(corpus, tmp_path / "tp2", *eight_bit, "--load", save))
+    merged = _convert(save, str(tmp_path / "merged"), 1)
+    adam = _shards(merged)[0]
+    assert any(k.endswith("/exp_avg") for k in adam)
+    assert not any(k.endswith("/exp_avg_codes") for k in adam)
+    _pretrain_tp1(_argv(corpus, tmp_path / "tp1", *eight_bit, "--load", merged,
+                        "--model-parallel-size", "1"))
+    tp2, tp1 = _losses(tmp_path / "tp2"), _losses(tmp_path / "tp1")
+    assert sorted(tp1) == sorted(tp2) == [4, 5, 6]
+    assert tp1[4] == pytest.approx(tp2[4], rel=1e-5)  # the same weights
+    for iteration in (5, 6):  # requantised on other blocks: close, not equal
+        assert tp1[iteration] == pytest.approx(tp2[iteration], rel=1e-2)
+
+
 @pytest.mark.slow
 def test_split_checkpoint_trains_at_tp4(corpus, tp2_run):
     """TP=4 pads the vocab to 320, not 304.  The 16 new zero rows only add probability mass

@@ -3,8 +3,10 @@
 combinations they refuse."""
 
 import pytest
+import torch
 
 from tests.training.test_deepspeed import read_losses, run, stage_config, write_config
+
 
 def _resume_matches_unbroken(corpus, tmp_path, *flags):
     assert run(corpus, tmp_path / "full", 6, *flags) == 0
@@ -18,12 +20,17 @@ def _resume_matches_unbroken(corpus, tmp_path, *flags):
 
 
 @pytest.mark.parametrize("name, formula", [("adam8bit", "(2 B + 2 x 4 B per 256-element block"),
-                                           ("adam4bit", "(1 B + 2 x 4 B per 128-element block")])
+                                           ("adam4bit", "(1 B per quantised element + 2 x 4 B per 128-element block")])
 def test_resume_is_exact_in_the_megatron_layout(corpus, tmp_path, capsys, name, formula):
     losses = _resume_matches_unbroken(corpus, tmp_path, "--optimizer", name)
     assert losses[6][0] < losses[1][0]
     out = capsys.readouterr().out  # bytes/param and the formula
     assert " > optimizer state: " in out and formula in out
+    saved = torch.load(tmp_path / "ckpt" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt",
+                       weights_only=True)["optimizer"]["optimizer"]["state"]
+    codes = [entry["exp_avg_codes"] for entry in saved.values()]  # codes, not fp32 moments
+    assert codes and all(c.element_size() == 1 for c in codes)
+    assert not any("exp_avg" in entry for entry in saved.values())
 
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "Adam4bit"])
@@ -35,7 +42,8 @@ def test_resume_is_exact_with_a_deepspeed_config_that_names_it(corpus, tmp_path,
     _resume_matches_unbroken(corpus, tmp_path, "--deepspeed", "--deepspeed_config", config)
 
 
-@pytest.mark.parametrize("before, after", [("adam", "adam8bit"), ("adam8bit", "adam4bit")])
+@pytest.mark.parametrize("before, after", [("adam", "adam8bit"), ("adam8bit", "adam4bit"),
+                                           ("adam4bit", "adam")])
 def test_switching_optimizers_on_load_converts_the_states(corpus, tmp_path, capsys, before,
                                                           after):
     save = tmp_path / "ckpt"

@@ -95,7 +95,7 @@ def _steps(width, compiled, steps=4):
     for _ in range(steps):
         weight.grad = torch.randn(weight.numel()) * torch.logspace(-4, 0, weight.numel())
         optimizer.step()
-    return weight.detach(), optimizer.state_dict()["state"][0]
+    return weight.detach(), optimizer.adamw_state_dict()["state"][0]
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -135,7 +135,8 @@ def test_tracks_adamw_on_the_tiny_model(width):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("cuts", [[1000, 4333], [1, 127, 255, 256, 257, 4999], [4096]])
+@pytest.mark.parametrize("cuts", [[1000, 4333], [1, 127, 255, 256, 257, 4999], [4096],
+                                  [128, 256, 512]])
 def test_the_result_does_not_depend_on_where_the_tensor_is_cut(width, cuts):
     """One flat tensor holding two parameters, described whole and cut into pieces at odd
     places: bit-identical weights and states (blocks split by a cut take the MAX of their
@@ -161,9 +162,55 @@ def test_the_result_does_not_depend_on_where_the_tensor_is_cut(width, cuts):
             weight.grad = grad.clone()
             optimizer.step()
     assert torch.equal(weights[0], weights[1])
-    states = [optimizer.state_dict()["state"][0] for optimizer in optimizers]
+    states = [optimizer.adamw_state_dict()["state"][0] for optimizer in optimizers]
     assert torch.equal(states[0]["exp_avg"], states[1]["exp_avg"])
     assert torch.equal(states[0]["exp_avg_sq"], states[1]["exp_avg_sq"])
+    saved = optimizers[0].state_dict()["state"][0]
+    assert saved["exp_avg_codes"].numel() == n1 + n2  # codes, per element, not fp32 moments
+    assert "exp_avg" not in saved
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_a_saved_state_loads_into_another_cut_and_goes_on_exactly(width):
+    """The checkpoint format names its scale runs by parameter: saved from one tensor
+    described whole, loaded into the same tensor cut into pieces elsewhere, the training goes
+    on bit for bit as if never saved."""
+    n1, n2 = 5000, 9000
+    whole = [Piece(0, n1, "a", 0, n1), Piece(n1, n2, "b", 0, n2)]
+    cut = [Piece(0, 1000, "a", 0, n1), Piece(1000, n1 - 1000, "a", 1000, n1),
+           Piece(n1, 257, "b", 0, n2), Piece(n1 + 257, n2 - 257, "b", 257, n2)]
+    torch.manual_seed(0)
+    weight = torch.randn(n1 + n2, requires_grad=True)
+    first = _adam(width, [weight], lr=1e-2, weight_decay=0.1)
+    first.describe_partition({weight: whole}, [whole])
+    grads = [torch.randn(n1 + n2) * torch.logspace(-4, 0, n1 + n2) for _ in range(6)]
+    for grad in grads[:3]:
+        weight.grad = grad.clone()
+        first.step()
+    resumed = weight.detach().clone().requires_grad_(True)
+    second = _adam(width, [resumed], lr=1e-2, weight_decay=0.1)
+    second.describe_partition({resumed: cut}, [cut])
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    for grad in grads[3:]:
+        for w, optimizer in ((weight, first), (resumed, second)):
+            w.grad = grad.clone()
+            optimizer.step()
+    assert torch.equal(weight, resumed)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_saved_state_is_about_two_bytes_per_parameter(width):
+    """Codes per element (4 bits: one per byte, so partitions can cut them anywhere) and
+    their block scales; fp32 moments would be 8 bytes."""
+    weight = torch.zeros(BLOCK * 4000, requires_grad=True)
+    optimizer = WIDTHS[width]([weight])
+    weight.grad = torch.randn_like(weight)
+    optimizer.step()
+    entry = optimizer.state_dict()["state"][0]
+    tensors = [entry["exp_avg_codes"], entry["exp_avg_sq_codes"]] + [
+        run[2] for kind in ("scales", "small") for run in entry["quantized"][kind]]
+    saved = sum(t.numel() * t.element_size() for t in tensors) / weight.numel()
+    assert 2.0 < saved < 2.07
 
 
 @pytest.mark.parametrize("width, most", [("8bit", 2.04), ("4bit", 1.07)])
@@ -210,9 +257,9 @@ def test_state_dict_is_adamw_format_and_moves_between_the_two(width):
     assert abs(after_q[1] - after_adamw[1]) / after_adamw[1] < 1e-3
     assert max(abs(a - b) / a for a, b in zip(after_q, after_adamw)) < 0.02
     back = torch.optim.AdamW(cases.param_groups(model_q), lr=cases.LR)
-    back.load_state_dict(quantized.state_dict())  # quantised -> AdamW
+    back.load_state_dict(quantized.adamw_state_dict())  # quantised -> AdamW
     assert torch.equal(back.state[next(model_q.parameters())]["exp_avg"].reshape(-1),
-                       quantized.state_dict()["state"][0]["exp_avg"].reshape(-1))
+                       quantized.adamw_state_dict()["state"][0]["exp_avg"].reshape(-1))
 
 
 @pytest.mark.parametrize("source, target", [("8bit", "8bit"), ("4bit", "4bit"),
@@ -325,3 +372,23 @@ def test_a_dp2_checkpoint_resumes_at_dp1(tmp_path, width):
     single.load_checkpoint(str(tmp_path))
     resumed = cases.train_steps(single, 3, start=3)
     assert max(abs(a - b) / b for a, b in zip(resumed, continued)) < 1e-4
+
+
+def _adamw_engine(stage):
+    model = cases.make_model()
+    optimizer = torch.optim.AdamW(cases.param_groups(model), lr=cases.LR)
+    engine, _, _, _ = zero.initialize(model=model, optimizer=optimizer,
+                                      config=cases.ds_config(stage))
+    return engine
+
+
+def test_a_quantized_dp2_checkpoint_loads_into_adamw(tmp_path):
+    """--optimizer adam after adam8bit: the engine decodes the codes with its own pieces and
+    AdamW starts from the dequantised moments."""
+    continued = run_distributed(_dp2_save_then_continue, 2, args=(str(tmp_path), "8bit"))[0]
+    adamw = _adamw_engine(2)
+    adamw.load_checkpoint(str(tmp_path))
+    state = adamw.optimizer.optimizer.state_dict()["state"][0]
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["exp_avg"].abs().sum() > 0
+    resumed = cases.train_steps(adamw, 3, start=3)
+    assert max(abs(a - b) / b for a, b in zip(resumed, continued)) < 0.02

@@ -14,6 +14,8 @@ import math
 import torch
 
 from zero.errors import CheckpointError
+from zero.optim.quantized_state import TABLE as QUANTIZED_TABLE
+from zero.optim.quantized_state import merge_tables
 
 DS_VERSION = "0.16.5+zero"  # the DeepSpeed release whose layout these files reproduce
 
@@ -131,6 +133,8 @@ class PartitionRestore:
                     target = self.states[g].setdefault(
                         key, torch.zeros(group.layout.partition_numel, dtype=value.dtype))
                     self._copy_runs(value, target, runs, lo)
+                elif key == QUANTIZED_TABLE:  # every saved rank's runs, named by parameter
+                    self.states[g][key] = merge_tables([self.states[g].get(key), value])
                 elif s == 0:
                     self.states[g][key] = value.clone() if torch.is_tensor(value) else value
 

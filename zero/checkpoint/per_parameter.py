@@ -12,6 +12,8 @@ padding and stay zero.
 import torch
 
 from zero.errors import CheckpointError
+from zero.optim.quantized_state import TABLE as QUANTIZED_TABLE
+from zero.optim.quantized_state import merge_tables, restrict_table
 
 
 def _check_single_partition(optimizer):
@@ -52,8 +54,11 @@ def per_parameter_state(optimizer):
         saved = base["state"].get(torch_group["params"][0], {})
         master = None if group.master_is_flat else optimizer.master_partition(g)
         entries = []
-        for param, where in _slices(group):
+        for i, (param, where) in enumerate(_slices(group)):
             state = {key: _per_param(value, where, param, group) for key, value in saved.items()}
+            if QUANTIZED_TABLE in state:  # the runs of this parameter only
+                state[QUANTIZED_TABLE] = restrict_table(state[QUANTIZED_TABLE],
+                                                        optimizer.piece_name(g, i))
             entries.append({"param": param, "state": state,
                             "master": None if master is None else
                             master[where].to("cpu", copy=True).view_as(param)})
@@ -105,6 +110,8 @@ def load_per_parameter_state(optimizer, param_groups, per_group):
                     flat = state.setdefault(key, torch.zeros(group.layout.partition_numel,
                                                              dtype=value.dtype))
                     flat[where].copy_(value.reshape(-1))
+                elif key == QUANTIZED_TABLE:  # each parameter's runs, for the whole group
+                    state[key] = merge_tables([state.get(key), value])
                 else:
                     state.setdefault(key, value.clone() if torch.is_tensor(value) else value)
         if state:

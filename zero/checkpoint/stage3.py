@@ -31,6 +31,8 @@ import torch
 
 from zero.checkpoint import files as common
 from zero.errors import CheckpointError
+from zero.optim.quantized_state import TABLE as QUANTIZED_TABLE
+from zero.optim.quantized_state import merge_tables
 from zero.offload.param_swapper import read_shard, write_shard
 from zero.stages.partition_parameters import GatheredParameters, is_zero_param
 
@@ -247,6 +249,9 @@ class _SavedStage3:
                                   f"{missing[:5]}; the model differs from the saved one")
         flats = [o["fp32_flat_groups"] for o in self.optim]
         saved_states = [o["optimizer_state_dict"]["state"] for o in self.optim]
+        # quantised states name their scale runs by parameter: every saved rank's, merged
+        table = merge_tables([s.get(QUANTIZED_TABLE) for state in saved_states
+                              for s in state.values()])
         restored = {}
         for index, sub_group in enumerate(optimizer.sub_groups):
             state = restored.setdefault(sub_group, {})
@@ -263,10 +268,12 @@ class _SavedStage3:
                     if torch.is_tensor(value) and value.dim() == 1 \
                             and value.numel() == flats[0][g].numel():
                         target = state.setdefault(key, torch.zeros(
-                            sub_group.master.shape, dtype=sub_group.master.dtype))
+                            sub_group.master.shape, dtype=value.dtype))
                         full = self._full(name, param.ds_numel,
                                           lambda r, k=key: _per_group(saved_states[r], k))
                         _cut_into(target.narrow(0, offset, size), full, rank)
+                    elif key == QUANTIZED_TABLE:
+                        state[key] = table
                     elif key not in state:
                         state[key] = value.clone() if torch.is_tensor(value) else value
         return restored

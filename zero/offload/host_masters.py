@@ -18,9 +18,8 @@ resuming does not need the swap folder.
 Adam8bit / Adam4bit (zero/optim/quantized_adam.py) step the masters themselves and keep
 their quantised state (about 2 / 1 bytes per element) in host memory; with "nvme" only the
 fp32 masters swap, one key at a time: 8 bytes per element move per step instead of CPUAdam's
-24. A key is a stage-3
-sub-group, but a whole stage-1/2 partition: there the step holds that partition's master in
-memory, as "cpu" does (sub_group_size does not split it).
+24. A key is a stage-3 sub-group, but a whole stage-1/2 partition: there the step holds that
+partition's master in memory, as "cpu" does (sub_group_size does not split it).
 """
 
 import logging

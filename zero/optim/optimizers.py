@@ -174,8 +174,10 @@ def _construct(optimizer_class, parameters, kwargs, source):
     try:
         return optimizer_class(parameters, **kwargs)
     except Exception as e:  # noqa: BLE001 -- any failure here comes from the user's JSON values
-        fail(source, f"'optimizer.params' {show(kwargs)} rejected by "
-                     f"torch.optim.{optimizer_class.__name__}: {e}")
+        name = optimizer_class.__name__
+        if optimizer_class.__module__.startswith("torch.optim"):
+            name = f"torch.optim.{name}"
+        fail(source, f"'optimizer.params' {show(kwargs)} rejected by {name}: {e}")
 
 
 def _no_section_error(source):

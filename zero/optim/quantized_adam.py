@@ -5,8 +5,9 @@ Each moment is stored as codes with one fp32 scale per block of the *original* p
 (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", for the block-wise
 idea; Li et al. 2023, "Memory Efficient Optimizers with 4-bit States", for 4 bits): one byte
 per element in blocks of 256, or half a byte in blocks of 128 (the codes themselves are in
-zero/optim/quantized_adam_kernels.py). The step runs as two or three compiled kernels over
-rows of one block each (torch.compile; eager PyTorch where no compiler is available).
+zero/optim/quantized_adam_kernels.py). Whole blocks step in one compiled kernel over rows of
+one block each; blocks cut by a partition take a slower path (torch.compile; eager PyTorch
+where no compiler is available).
 Parameters with fewer than `min_8bit_numel` / `min_4bit_numel` elements (counted over the
 whole parameter, not a tensor-parallel shard of it) keep fp32 moments.
 
@@ -29,30 +30,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zero.optim.pieces import Piece
 from zero.optim.quantized_adam_kernels import (EAGER_CHUNK, EIGHT_BIT, FOUR_BIT, adamw_update,
-                                               row_kernels)
+                                               pack_nibbles, row_kernels, unpack_nibbles)
+from zero.optim.quantized_state import TABLE, decode_state_dict
 
 MIN_QUANTIZED_NUMEL = 4096
 
 
 # ------------------------------------------------------------------------------ the layout
-
-@dataclass(frozen=True)
-class Piece:
-    """A run of a tensor's elements that belongs to one original parameter."""
-    start: int          # first element in the stepped tensor
-    length: int
-    param: object       # a hashable id of the original parameter (same on every rank)
-    param_offset: int   # where the run starts in the original parameter
-    param_numel: int
-    # the size that decides 8-bit vs fp32 moments: the whole parameter's, also when this
-    # process holds a tensor-parallel shard of it (None: param_numel)
-    full_numel: int = None
-
-    @property
-    def quantized_at(self):
-        return self.param_numel if self.full_numel is None else self.full_numel
-
 
 @dataclass
 class _Plan:
@@ -114,7 +100,7 @@ def state_bytes_per_param(numels, min_numel=MIN_QUANTIZED_NUMEL, code=EIGHT_BIT)
     # 4 bits: every block of a quantised tensor has its row of codes
     codes = code.bytes_per_element * total if code.per_element else 2 * code.row_bytes * blocks
     state = codes + 8 * blocks + 8 * (total - quantized)
-    width = f"{code.bytes_per_element:g} B"
+    width = f"{code.bytes_per_element:g} B" + ("" if code.per_element else " per quantised element")
     formula = (f"{width} + 2 x 4 B per {code.block}-element block, plus 8 B on the "
                f"{total - quantized:,} of {total:,} params in tensors under {min_numel} "
                f"elements")
@@ -131,14 +117,17 @@ class QuantizedAdam(torch.optim.Optimizer):
     `compiled=False` runs the row kernels eagerly (the same formulas, several passes)."""
 
     code = None
+    min_numel_name = None  # the constructor argument that sets min_numel
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  min_numel=MIN_QUANTIZED_NUMEL, compiled=True):
+        if self.code is None:
+            raise TypeError("QuantizedAdam is the machinery; construct Adam8bit or Adam4bit")
         if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and 0 <= betas[0] < 1
                 and 0 <= betas[1] < 1 and min_numel >= 0):
             raise ValueError(f"{type(self).__name__}: invalid hyperparameters lr={lr}, "
                              f"betas={betas}, eps={eps}, weight_decay={weight_decay}, "
-                             f"smallest quantised tensor={min_numel}")
+                             f"{self.min_numel_name}={min_numel}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
         self.min_numel = int(min_numel)
@@ -167,10 +156,21 @@ class QuantizedAdam(torch.optim.Optimizer):
     def _plan(self, p):
         plan = self._plans.get(p)
         if plan is None:
-            pieces = self._pieces.get(p) or [Piece(0, p.numel(), id(p), 0, p.numel())]
-            plan = self._plans[p] = _make_plan(pieces, self._shared, self.min_numel,
-                                               self.code.block)
+            plan = self._plans[p] = _make_plan(self._pieces_of(p), self._shared,
+                                               self.min_numel, self.code.block)
         return plan
+
+    def _pieces_of(self, p):
+        """The pieces `describe_partition` gave, else the whole tensor as its own parameter,
+        named by its position among the optimizer's tensors (as checkpoints number them)."""
+        described = self._pieces.get(p)
+        if described:
+            return described
+        index = next(i for i, q in enumerate(self._tensors()) if q is p)
+        return [Piece(0, p.numel(), index, 0, p.numel())]
+
+    def _tensors(self):
+        return [p for group in self.param_groups for p in group["params"]]
 
     def _kernels(self):
         return row_kernels(self.code, self.compiled)
@@ -192,43 +192,71 @@ class QuantizedAdam(torch.optim.Optimizer):
         state["m_small"] = torch.zeros(plan.small_numel, dtype=torch.float32, device=device)
         state["v_small"] = torch.zeros(plan.small_numel, dtype=torch.float32, device=device)
 
-    def _dequantized(self, p):
-        """Full fp32 (exp_avg, exp_avg_sq) of tensor `p`."""
-        plan, state = self._plan(p), self.state[p]
-        m = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-        v = torch.zeros_like(m)
+    def _saved_entry(self, p):
+        """The checkpoint entry of tensor `p` (zero/optim/quantized_state.py): per-element
+        codes (4 bits: one per byte, so they can be cut anywhere) and the table of scales and
+        small parameters' fp32 moments, named by original parameter."""
+        plan, state, code = self._plan(p), self.state[p], self.code
+        if code.per_element:
+            m_codes, v_codes = state["m_codes"].cpu().clone(), state["v_codes"].cpu().clone()
+        else:
+            m_codes = torch.zeros(p.numel(), dtype=torch.uint8)
+            v_codes = torch.zeros(p.numel(), dtype=torch.uint8)
+        scales, small = [], []
         for piece, regions, slot in plan.quantized:
-            for lo, hi, (first, last) in _spans(regions, slot, self.code.block):
+            spans = _spans(regions, slot, code.block)
+            count = spans[-1][2][1] - slot
+            scales.append([piece.param, piece.param_offset // code.block, torch.stack(
+                (state["m_scales"][slot:slot + count], state["v_scales"][slot:slot + count])
+            ).cpu()])
+            if code.per_element:
+                continue
+            for lo, hi, (first, last) in spans:
                 a, b = piece.start + lo, piece.start + hi
-                rows = _Rows(a, b, first, last, self.code)
-                m_codes, m_scales, v_codes, v_scales = rows.state(state)
-                m[a:b] = rows.elements(self.code.dequantize_m(m_codes, m_scales))
-                v[a:b] = rows.elements(self.code.dequantize_v(v_codes, v_scales))
+                rows = _Rows(a, b, first, last, code)
+                m_codes[a:b] = rows.elements(unpack_nibbles(rows.codes(state["m_codes"],
+                                                                       code.pad_m)))
+                v_codes[a:b] = rows.elements(unpack_nibbles(rows.codes(state["v_codes"],
+                                                                       code.pad_v)))
         for piece, at in plan.small:
-            m[piece.start:piece.start + piece.length] = state["m_small"][at:at + piece.length]
-            v[piece.start:piece.start + piece.length] = state["v_small"][at:at + piece.length]
-        return m, v
+            small.append([piece.param, piece.param_offset, torch.stack(
+                (state["m_small"][at:at + piece.length],
+                 state["v_small"][at:at + piece.length])).cpu()])
+        return {"step": state["step"].clone(), "exp_avg_codes": m_codes,
+                "exp_avg_sq_codes": v_codes,
+                TABLE: {"code": code.name, "scales": scales, "small": small}}
 
     def state_dict(self):
-        """AdamW's format: fp32 exp_avg / exp_avg_sq per tensor (dequantised)."""
+        """The codes and their scales (zero/optim/quantized_state.py has the format); a
+        tensor loaded from AdamW's format and not stepped since keeps that format."""
         packed = super().state_dict()
-        index = {id(p): i for i, p in enumerate(
-            p for group in self.param_groups for p in group["params"])}
+        index = {id(p): i for i, p in enumerate(self._tensors())}
         for p, state in self.state.items():
-            if "pending" in state:  # loaded, not stepped since
+            if "pending" in state:
                 m, v = state["pending"]
+                entry = {"step": state["step"].clone(), "exp_avg": m, "exp_avg_sq": v}
             elif "m_codes" in state:
-                m, v = self._dequantized(p)
+                entry = self._saved_entry(p)
             else:
                 continue
-            packed["state"][index[id(p)]] = {"step": state["step"].clone(), "exp_avg": m,
-                                             "exp_avg_sq": v}
+            packed["state"][index[id(p)]] = entry
         return packed
 
+    def adamw_state_dict(self):
+        """The state in AdamW's format (fp32 exp_avg / exp_avg_sq), for torch.optim.AdamW."""
+        return self._decoded(self.state_dict())
+
+    def _decoded(self, state_dict):
+        tensors = self._tensors()
+        return decode_state_dict(state_dict, {i: self._pieces_of(p) for i, p in
+                                              enumerate(tensors)},
+                                 {i: p.numel() for i, p in enumerate(tensors)})
+
     def load_state_dict(self, state_dict):
-        """Takes AdamW's format (from this optimizer, the other width or AdamW); the moments
-        are quantised at the next step (every rank steps together, as shared blocks need)."""
-        super().load_state_dict(state_dict)
+        """Takes this format (from either width) or AdamW's; the moments are quantised at the
+        next step (every rank steps together, as shared blocks need), to the same codes when
+        they come from this optimizer."""
+        super().load_state_dict(self._decoded(state_dict))
         for p, state in self.state.items():
             if "step" in state:  # stepped in place: never the caller's tensor
                 state["step"] = state["step"].clone()
@@ -327,6 +355,7 @@ class Adam8bit(QuantizedAdam):
     """AdamW with 8-bit moments in blocks of 256 (about 2 bytes of state per parameter)."""
 
     code = EIGHT_BIT
+    min_numel_name = "min_8bit_numel"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  min_8bit_numel=MIN_QUANTIZED_NUMEL, compiled=True):
@@ -337,6 +366,7 @@ class Adam4bit(QuantizedAdam):
     """AdamW with 4-bit moments in blocks of 128 (about 1.06 bytes of state per parameter)."""
 
     code = FOUR_BIT
+    min_numel_name = "min_4bit_numel"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  min_4bit_numel=MIN_QUANTIZED_NUMEL, compiled=True):
@@ -388,7 +418,6 @@ class _Rows:
             return self.take(codes)
         if self.whole:
             return codes[self.first:self.last]
-        from zero.optim.quantized_adam_kernels import pack_nibbles, unpack_nibbles
         nibbles = torch.full((max(2, self.count), self.code.block), pad & 15, dtype=torch.uint8,
                              device=codes.device)
         real = unpack_nibbles(codes[self.first:self.last]).reshape(-1)[:self.b - self.a]
@@ -447,6 +476,7 @@ class _SharedBlocks:
 def _spans(regions, slot, block, chunk=EAGER_CHUNK):
     """[(lo, hi, (first scale slot, end scale slot))] of a piece's spans, each a whole number
     of its scale slots: the head, the body in chunks, the tail."""
+    assert chunk % block == 0, "a chunk is a whole number of blocks"
     head, body, tail = regions
     spans, at, s = [], 0, slot
     if head:

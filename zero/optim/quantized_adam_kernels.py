@@ -8,7 +8,7 @@ Both codes compand a block's values by its absmax `s` so small values keep preci
       second moment v:           q = round(255 (x/s)^(1/4)),        x = s ((q/255)^2)^2
     4 bits, blocks of 128 (two elements per byte):
       m:                         q = round(7 sign(x) sqrt|x/s|),    x = s (q/7)|q/7|
-      v, without a zero:         q = round(16 (x/s)^(1/4)) - 1,     x = s ((q+1)/16)^4
+      v, without a zero:         q = max(0, round(16 (x/s)^(1/4)) - 1), x = s ((q+1)/16)^4
 
 The 4-bit second moment has no code for zero (Li et al. 2023, "Memory Efficient Optimizers
 with 4-bit States": a v rounded to zero turns m / sqrt(v) into a huge update); its smallest
@@ -79,10 +79,13 @@ def dequantize_unsigned(codes, scale):
 # and unpacking read and write contiguous runs and vectorise). The signed code q in -7..7 is
 # stored as q + 8.
 
+def _pack(low, high):
+    return low | (high << 4)
+
+
 def pack_nibbles(nibbles):
     """uint8 [..., 2n] of values 0..15 -> uint8 [..., n]."""
-    low, high = nibbles.chunk(2, dim=-1)
-    return low | (high << 4)
+    return _pack(*nibbles.chunk(2, dim=-1))
 
 
 def unpack_nibbles(packed):
@@ -143,8 +146,8 @@ def _step_and_quantize_4bit(param, grad, m_codes, m_scale, v_codes, v_scale, hyp
     # torch.maximum propagates a NaN, as amax over the whole row does
     new_m_scale = torch.maximum(m_low.abs().amax(1), m_high.abs().amax(1))
     new_v_scale = torch.maximum(v_low.amax(1), v_high.amax(1))
-    m_codes.copy_(_nibble_m4(m_low, new_m_scale) | (_nibble_m4(m_high, new_m_scale) << 4))
-    v_codes.copy_(_nibble_v4(v_low, new_v_scale) | (_nibble_v4(v_high, new_v_scale) << 4))
+    m_codes.copy_(_pack(_nibble_m4(m_low, new_m_scale), _nibble_m4(m_high, new_m_scale)))
+    v_codes.copy_(_pack(_nibble_v4(v_low, new_v_scale), _nibble_v4(v_high, new_v_scale)))
     m_scale.copy_(new_m_scale)
     v_scale.copy_(new_v_scale)
 
@@ -159,11 +162,12 @@ class Code:
     per_element: bool         # codes indexed like the elements (8 bits), else one row of
                               # bytes per block ("slot"; 4 bits: block / 2 bytes)
     m_dtype: torch.dtype
-    bytes_per_element: float  # both moments' codes
     quantize_m: object
     dequantize_m: object
     quantize_v: object
     dequantize_v: object
+    value_m: object = None    # dequantise codes one element per byte (unpacked), as
+    value_v: object = None    # checkpoints hold them (None: dequantize_m / _v)
     pad_m: int = 0            # the byte a padded row position holds: codes of m = 0 and of
     pad_v: int = 0            # the smallest v, which never raise a block's absmax
     fused_step: object = None  # a step_and_quantize written for the compiler (else generic)
@@ -172,12 +176,18 @@ class Code:
     def row_bytes(self):
         return self.block if self.per_element else self.block // 2
 
+    @property
+    def bytes_per_element(self):
+        """Bytes of both moments' codes per element."""
+        return 2 * self.row_bytes / self.block
 
-EIGHT_BIT = Code("8-bit", 256, True, torch.int8, 2.0, quantize_signed, dequantize_signed,
+
+EIGHT_BIT = Code("8-bit", 256, True, torch.int8, quantize_signed, dequantize_signed,
                  quantize_unsigned, dequantize_unsigned)
-FOUR_BIT = Code("4-bit", 128, False, torch.uint8, 1.0, quantize_signed4, dequantize_signed4,
-                quantize_unsigned4, dequantize_unsigned4, pad_m=0x88, pad_v=0x00,
-                fused_step=_step_and_quantize_4bit)
+FOUR_BIT = Code("4-bit", 128, False, torch.uint8, quantize_signed4, dequantize_signed4,
+                quantize_unsigned4, dequantize_unsigned4, value_m=_value_m4, value_v=_value_v4,
+                pad_m=0x88, pad_v=0x00, fused_step=_step_and_quantize_4bit)
+CODES = {code.name: code for code in (EIGHT_BIT, FOUR_BIT)}
 
 
 # ------------------------------------------------------------------------------ the kernels

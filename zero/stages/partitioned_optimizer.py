@@ -133,7 +133,17 @@ class PartitionedOptimizer:
         return self.masters.restore_target(key)
 
     def load_base_state_dict(self, state_dict):
+        if not hasattr(self.optimizer, "describe_partition"):
+            # an fp32 optimizer given a quantised state (--optimizer adam after adam8bit)
+            state_dict = self._decoded(state_dict)
         self.masters.load_state_dict(state_dict)
+
+    def _decoded(self, state_dict):
+        from zero.optim.quantized_state import decode_state_dict
+        pieces = self._partition_pieces(self.dp_comm.rank if self.partition_count > 1 else 0)
+        masters = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return decode_state_dict(state_dict, {i: pieces[m] for i, m in enumerate(masters)},
+                                 {i: m.numel() for i, m in enumerate(masters)})
 
     def commit_restored_masters(self):
         """Called after a load wrote the masters, before publish_masters()."""

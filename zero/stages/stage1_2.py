@@ -124,12 +124,17 @@ class ZeroOptimizer(PartitionedOptimizer):
 
     def _partition_pieces(self, rank):
         """{master: [Piece]}: which parameter elements rank's partition of each group holds."""
-        from zero.optim.quantized_adam import Piece
+        from zero.optim.pieces import Piece
         return {group.master: [
-            Piece(start, length, (g, i), offset, group.layout.numels[i],
+            Piece(start, length, self.piece_name(g, i), offset, group.layout.numels[i],
                   self._whole_numel(group.params[i], group.layout.numels[i]))
             for start, i, offset, length in group.layout.partition_param_pieces(rank)]
             for g, group in enumerate(self.groups)}
+
+    @staticmethod
+    def piece_name(g, i):
+        """The name of parameter i of group g in its pieces (the same at any DP size)."""
+        return (g, i)
 
     def _alias_master_in_flat(self, dtype):
         """Stage 1/2 with fp32 params: the master partition is this rank's chunk of the flat

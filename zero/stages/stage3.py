@@ -189,15 +189,16 @@ class Stage3Optimizer(PartitionedOptimizer):
 
     def _partition_pieces(self, rank):
         """{master: [Piece]}: rank holds elements [r·s, (r+1)·s) of every parameter (s its
-        partition size; the padding past the end of a parameter belongs to none)."""
-        from zero.optim.quantized_adam import Piece
+        partition size; the padding past the end of a parameter belongs to none). Pieces are
+        named by parameter name: sub-groups are cut differently at other DP sizes."""
+        from zero.optim.pieces import Piece
         found = {}
-        for k, sub_group in enumerate(self.sub_groups):
+        for sub_group in self.sub_groups:
             found[sub_group.master] = [
-                Piece(offset, min(size, param.ds_numel - rank * size), (k, i), rank * size,
-                      param.ds_numel, self._whole_numel(param, param.ds_numel))
-                for i, (param, offset, size) in enumerate(zip(
-                    sub_group.params, sub_group.offsets, sub_group.sizes))
+                Piece(offset, min(size, param.ds_numel - rank * size), self.param_names[param],
+                      rank * size, param.ds_numel, self._whole_numel(param, param.ds_numel))
+                for param, offset, size in zip(sub_group.params, sub_group.offsets,
+                                               sub_group.sizes)
                 if param.ds_numel > rank * size]
         return found
 
