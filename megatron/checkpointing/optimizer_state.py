@@ -2,6 +2,8 @@
 
     {"optimizer": {"state": {index: {"step", "exp_avg", "exp_avg_sq"}},
                    "param_groups": [{"params": [index, ...], "lr", "betas", ...}]},
+                  (--optimizer adam8bit / adam4bit: per-element codes and the parameter's
+                  table of scales instead of the moments, zero/optim/quantized_state.py)
      "fp32_from_fp16_params": [[fp32 master or None, one per parameter] per group],
      "grad_scaler": the loss scaler's state, or None}
 

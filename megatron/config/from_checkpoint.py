@@ -97,8 +97,8 @@ def describe(load_dir, taken):
 
 def optimizer_change_note(raw):
     """One line when --optimizer differs from the one the checkpoint was trained with (its
-    fp32 Adam moments load into any of them: Adam8bit and Adam4bit quantise them at their
-    first step)."""
+    Adam states, fp32 moments or quantised codes, are decoded to fp32 moments as they load, and
+    Adam8bit and Adam4bit quantise them at their first step)."""
     if raw.get("deepspeed") or raw.get("no_load_optim") or raw.get("finetune"):
         return None
     saved = saved_args_of(raw.get("load"))

@@ -5,6 +5,8 @@ What a Megatron-layout checkpoint holds as "optimizer" on each tensor-parallel r
 
     {"optimizer": AdamW state_dict {"state": {index: {"step", "exp_avg", "exp_avg_sq"}},
                                     "param_groups": [{"params": [index, ...], "lr", ...}]},
+                  (--optimizer adam8bit / adam4bit: codes and a table of scales in place of
+                  exp_avg / exp_avg_sq, zero/optim/quantized_state.py; dequantised here)
      "fp32_from_fp16_params": [[fp32 master or None, one per param] per group],
      "grad_scaler": loss-scaler state or None}
 
@@ -81,7 +83,10 @@ def _merge_moments(name, per_rank, shard_models):
     at the first step after loading."""
     if per_rank[0] is None:
         return None
-    per_rank = [decode_parameter_entry(s) if is_quantized(s) else s for s in per_rank]
+    try:
+        per_rank = [decode_parameter_entry(s) if is_quantized(s) else s for s in per_rank]
+    except ValueError as error:
+        raise CheckpointError(f"the quantised optimizer state of {name}: {error}") from None
     merged = {}
     for key, value in per_rank[0].items():
         if torch.is_tensor(value) and value.dim() > 0:  # exp_avg, exp_avg_sq

@@ -198,6 +198,25 @@ def test_a_saved_state_loads_into_another_cut_and_goes_on_exactly(width):
     assert torch.equal(weight, resumed)
 
 
+def test_a_partition_of_padding_only_loads_a_checkpoint():
+    """A rank whose partition of a tensor holds no parameter element (padding only) is
+    described with no pieces: it saves nothing for it and loads whatever layout saved it."""
+    torch.manual_seed(0)
+    weight = torch.randn(5000, requires_grad=True)
+    saving = Adam8bit([weight], lr=1e-2, min_8bit_numel=MIN_NUMEL)
+    whole = [Piece(0, 5000, "a", 0, 5000)]
+    saving.describe_partition({weight: whole}, [whole])
+    weight.grad = torch.randn(5000)
+    saving.step()
+    padding = torch.zeros(64, requires_grad=True)
+    loading = Adam8bit([padding], lr=1e-2, min_8bit_numel=MIN_NUMEL)
+    loading.describe_partition({padding: []}, [[], whole])
+    loading.load_state_dict(saving.state_dict())
+    padding.grad = torch.zeros(64)
+    loading.step()
+    assert loading.state_dict()["state"][0]["quantized"]["small"] == []
+
+
 @pytest.mark.parametrize("width", WIDTHS)
 def test_saved_state_is_about_two_bytes_per_parameter(width):
     """Codes per element (4 bits: one per byte, so partitions can cut them anywhere) and
@@ -242,7 +261,7 @@ def test_the_reported_bytes_per_param_are_what_the_state_holds(width):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-def test_state_dict_is_adamw_format_and_moves_between_the_two(width):
+def test_adamw_states_load_and_convert_back(width):
     model, model_q = _tiny_model_pair()
     adamw = torch.optim.AdamW(cases.param_groups(model), lr=cases.LR)
     cases.train_reference(3, model=model, optimizer=adamw)

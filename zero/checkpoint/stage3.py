@@ -32,7 +32,7 @@ import torch
 from zero.checkpoint import files as common
 from zero.errors import CheckpointError
 from zero.optim.quantized_state import TABLE as QUANTIZED_TABLE
-from zero.optim.quantized_state import merge_tables
+from zero.optim.quantized_state import merge_tables, split_table
 from zero.offload.param_swapper import read_shard, write_shard
 from zero.stages.partition_parameters import GatheredParameters, is_zero_param
 
@@ -249,12 +249,15 @@ class _SavedStage3:
                                   f"{missing[:5]}; the model differs from the saved one")
         flats = [o["fp32_flat_groups"] for o in self.optim]
         saved_states = [o["optimizer_state_dict"]["state"] for o in self.optim]
-        # quantised states name their scale runs by parameter: every saved rank's, merged
+        # quantised states name their scale runs by parameter: every saved rank's, merged,
+        # and each sub-group given the runs of its own parameters
         table = merge_tables([s.get(QUANTIZED_TABLE) for state in saved_states
                               for s in state.values()])
+        table_parts = split_table(table) if table is not None else {}
         restored = {}
         for index, sub_group in enumerate(optimizer.sub_groups):
             state = restored.setdefault(sub_group, {})
+            own_table = merge_tables([table_parts.get(names[p]) for p in sub_group.params])
             for param, offset, size in zip(sub_group.params, sub_group.offsets, sub_group.sizes):
                 name = names[param]
                 rank = param.ds_comm.rank
@@ -273,7 +276,7 @@ class _SavedStage3:
                                           lambda r, k=key: _per_group(saved_states[r], k))
                         _cut_into(target.narrow(0, offset, size), full, rank)
                     elif key == QUANTIZED_TABLE:
-                        state[key] = table
+                        state[key] = own_table or {**table, "scales": [], "small": []}
                     elif key not in state:
                         state[key] = value.clone() if torch.is_tensor(value) else value
         return restored

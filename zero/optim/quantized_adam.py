@@ -18,10 +18,11 @@ a partition cut splits (between ranks, or between two pieces on one rank) gets i
 a MAX over the pieces (one small all-reduce over data parallelism per step). So the states,
 and the training, do not depend on the data-parallel size or the bucket size.
 
-state_dict() gives AdamW's format (fp32 `exp_avg`, `exp_avg_sq`, `step` per tensor), so
-checkpoints, their conversions and re-partitioning work unchanged, and a run can switch
-between AdamW, Adam8bit and Adam4bit when it loads one; requantising the dequantised
-moments gives the same codes, so resuming is exact.
+state_dict() holds the codes, with their scales named by original parameter
+(zero/optim/quantized_state.py), so every checkpoint layout re-partitions it; loading decodes
+it with this optimizer's own pieces, and requantising the decoded moments gives the same codes,
+so resuming is exact. load_state_dict() also takes AdamW's format, and adamw_state_dict()
+gives it, so a run can switch between AdamW, Adam8bit and Adam4bit.
 """
 
 import math
@@ -163,9 +164,8 @@ class QuantizedAdam(torch.optim.Optimizer):
     def _pieces_of(self, p):
         """The pieces `describe_partition` gave, else the whole tensor as its own parameter,
         named by its position among the optimizer's tensors (as checkpoints number them)."""
-        described = self._pieces.get(p)
-        if described:
-            return described
+        if p in self._pieces:  # possibly none: a partition of padding only
+            return self._pieces[p]
         index = next(i for i, q in enumerate(self._tensors()) if q is p)
         return [Piece(0, p.numel(), index, 0, p.numel())]
 

@@ -46,8 +46,17 @@ def merge_tables(tables):
 
 def restrict_table(table, key):
     """The runs of `table` that belong to the parameter named `key`."""
-    return {"code": table["code"], "scales": [r for r in table["scales"] if r[0] == key],
-            "small": [r for r in table["small"] if r[0] == key]}
+    return split_table(table).get(key, {"code": table["code"], "scales": [], "small": []})
+
+
+def split_table(table):
+    """{parameter name: the runs of `table` that belong to it}."""
+    parts = {}
+    for kind in ("scales", "small"):
+        for run in table[kind]:
+            part = parts.setdefault(run[0], {"code": table["code"], "scales": [], "small": []})
+            part[kind].append(run)
+    return parts
 
 
 def decode(entry, pieces, numel):
@@ -101,21 +110,23 @@ def decode_state_dict(state_dict, pieces_by_index, numels):
 
 
 def _dense(runs, rows):
-    """{param key: fp32 [rows, n]} from runs [key, first, values [rows, count]], NaN where no
-    run reached."""
+    """{param key: (fp32 [rows, n], which of the n some run covered)} from runs [key, first,
+    values [rows, count]]."""
     sizes = {}
     for key, first, values in runs:
         sizes[key] = max(sizes.get(key, 0), first + values.shape[1])
-    dense = {key: torch.full((rows, n), float("nan")) for key, n in sizes.items()}
+    dense = {key: (torch.zeros(rows, n), torch.zeros(n, dtype=torch.bool))
+             for key, n in sizes.items()}
     for key, first, values in runs:
-        dense[key][:, first:first + values.shape[1]] = values.float().cpu()
+        filled, covered = dense[key]
+        filled[:, first:first + values.shape[1]] = values.float().cpu()
+        covered[first:first + values.shape[1]] = True
     return dense
 
 
 def _take(dense, key, index, what):
-    values = dense.get(key)
-    if values is None or int(index.max()) >= values.shape[1] \
-            or torch.isnan(values[:, index]).any():
+    filled, covered = dense.get(key, (None, None))
+    if filled is None or int(index.max()) >= filled.shape[1] or not covered[index].all():
         raise ValueError(f"the saved quantised optimizer state has no {what} for part of "
                          f"parameter {key!r}: the checkpoint's pieces do not cover it")
-    return values[:, index]
+    return filled[:, index]
