@@ -166,8 +166,8 @@ class Code:
     dequantize_m: object
     quantize_v: object
     dequantize_v: object
-    value_m: object = None    # dequantise codes one element per byte (unpacked), as
-    value_v: object = None    # checkpoints hold them (None: dequantize_m / _v)
+    value_m: object           # dequantise codes one element per byte (unpacked), as
+    value_v: object           # checkpoints hold them
     pad_m: int = 0            # the byte a padded row position holds: codes of m = 0 and of
     pad_v: int = 0            # the smallest v, which never raise a block's absmax
     fused_step: object = None  # a step_and_quantize written for the compiler (else generic)
@@ -183,9 +183,10 @@ class Code:
 
 
 EIGHT_BIT = Code("8-bit", 256, True, torch.int8, quantize_signed, dequantize_signed,
-                 quantize_unsigned, dequantize_unsigned)
+                 quantize_unsigned, dequantize_unsigned, dequantize_signed,
+                 dequantize_unsigned)
 FOUR_BIT = Code("4-bit", 128, False, torch.uint8, quantize_signed4, dequantize_signed4,
-                quantize_unsigned4, dequantize_unsigned4, value_m=_value_m4, value_v=_value_v4,
+                quantize_unsigned4, dequantize_unsigned4, _value_m4, _value_v4,
                 pad_m=0x88, pad_v=0x00, fused_step=_step_and_quantize_4bit)
 CODES = {code.name: code for code in (EIGHT_BIT, FOUR_BIT)}
 

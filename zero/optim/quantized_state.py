@@ -75,10 +75,8 @@ def decode(entry, pieces, numel):
         if piece.param in scales:
             blocks = torch.arange(lo, hi) // code.block
             per_element = _take(scales, piece.param, blocks, "scales")
-            value_m = code.value_m or code.dequantize_m
-            value_v = code.value_v or code.dequantize_v
-            m[a:b] = value_m(m_codes[a:b].view(-1, 1), per_element[0]).view(-1)
-            v[a:b] = value_v(v_codes[a:b].view(-1, 1), per_element[1]).view(-1)
+            m[a:b] = code.value_m(m_codes[a:b].view(-1, 1), per_element[0]).view(-1)
+            v[a:b] = code.value_v(v_codes[a:b].view(-1, 1), per_element[1]).view(-1)
         else:
             moments = _take(small, piece.param, torch.arange(lo, hi), "fp32 moments")
             m[a:b], v[a:b] = moments[0], moments[1]
