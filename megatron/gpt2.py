@@ -42,8 +42,12 @@ def get_batch(batch, ctx):
 
 
 def forward_step(batch, model, ctx):
-    """Mean cross entropy over the tokens the loss mask keeps."""
+    """Mean cross entropy over the tokens the loss mask keeps; on a pipeline stage before the
+    last, the stage's output hidden states (for the next stage)."""
+    from megatron import mpu
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(batch, ctx)
     losses = model(tokens, position_ids, attention_mask, labels=labels)  # [b, s] fp32
+    if not mpu.is_pipeline_last_stage():
+        return losses  # hidden states [b, s, h]
     loss_mask = loss_mask.view(-1).float()
     return torch.sum(losses.view(-1) * loss_mask) / loss_mask.sum().clamp(min=1.0)

@@ -129,10 +129,14 @@ class DeepSpeedEngine(torch.nn.Module):
         initialized = dist.is_initialized()
         self.global_rank = dist.get_rank() if initialized else 0
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.pp_comm = None  # the pipeline's stages: they share one norm and overflow
         if mpu is None:
             self.dp_comm, self.mp_comm, self.mp_rank, self.mp_world_size = \
                 Communicator(None), None, 0, 1
         else:
+            stages = getattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 1)()
+            if stages > 1:
+                self.pp_comm = Communicator(mpu.get_pipeline_model_parallel_group())
             self.dp_comm = Communicator(mpu.get_data_parallel_group())
             self.mp_rank = mpu.get_model_parallel_rank()
             self.mp_world_size = mpu.get_model_parallel_world_size()
@@ -246,14 +250,20 @@ class DeepSpeedEngine(torch.nn.Module):
         context = getattr(self.optimizer, "forward_context", None)
         return context() if context is not None else contextlib.nullcontext()
 
-    def backward(self, loss, scale_wrt_gas=True):
+    def backward(self, loss, scale_wrt_gas=True, grad=None):
         """Backward of `loss` / gradient_accumulation_steps (x the loss scale); reduces the
-        gradients over data parallel on the last micro-step (every micro-step in stage 2)."""
-        self.monitor.record_loss(loss)
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            loss = loss / self.gradient_accumulation_steps()
+        gradients over data parallel on the last micro-step (every micro-step in stage 2).
+
+        `grad`: a pipeline stage before the last backpropagates its output `loss` with the
+        gradient the next stage sent, which already carries the loss scale and the division
+        by the accumulation steps."""
+        if grad is None:
+            self.monitor.record_loss(loss)
+            if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+                loss = loss / self.gradient_accumulation_steps()
         with self.monitor.timed("backward"):
-            self.optimizer.backward(loss, reduce_gradients=self.is_gradient_accumulation_boundary())
+            self.optimizer.backward(loss, reduce_gradients=self.is_gradient_accumulation_boundary(),
+                                    grad=grad)
         return loss
 
     def is_gradient_accumulation_boundary(self):

@@ -1,9 +1,14 @@
 """Megatron-layout checkpoints, saved atomically and resumed exactly.
 
-Layout (one file per tensor-parallel rank, written by data-parallel rank 0 of each group):
+Layout (one file per tensor-parallel rank and pipeline stage, written by data-parallel rank
+0 of each):
 
     <save>/iter_0000200/mp_rank_00/model_optim_rng.pt
+    <save>/iter_0000200/mp_rank_00_001/model_optim_rng.pt   # with pipeline stages: TT_PPP
     <save>/latest_checkpointed_iteration.txt        # "200" (or "release")
+
+A stage's file holds its own layers, numbered from 0 as Megatron's stages number them, the
+embeddings on the first stage and the final LayerNorm on the last.
 
 Each file holds only plain containers and tensors, so `torch.load(..., weights_only=True)`
 reads it.  The model is stored in Megatron 1.1.5's nested form
@@ -38,15 +43,33 @@ CHECKPOINT_VERSION = 2.0
 # Flags that fix the shapes of the saved tensors; a checkpoint must agree on all of them.
 MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                     "max_position_embeddings", "make_vocab_size_divisible_by",
-                    "padded_vocab_size", "tokenizer_type", "model_parallel_size")
+                    "padded_vocab_size", "tokenizer_type", "model_parallel_size",
+                    "pipeline_model_parallel_size")
 
 
-def get_checkpoint_name(checkpoints_path, iteration, mp_rank=None, release=False):
+def get_checkpoint_name(checkpoints_path, iteration, mp_rank=None, release=False,
+                        pp_rank=None, pipeline_parallel=None):
+    """<path>/iter_<iteration>/mp_rank_TT/model_optim_rng.pt, or mp_rank_TT_PPP with
+    pipeline stages (Megatron's names). Ranks and whether stages exist default to this
+    process's."""
     directory = "release" if release else f"iter_{iteration:07d}"
     if mp_rank is None:
         mp_rank = mpu.get_model_parallel_rank()
-    return os.path.join(checkpoints_path, directory, f"mp_rank_{mp_rank:02d}",
-                        "model_optim_rng.pt")
+    if pipeline_parallel is None:
+        pipeline_parallel = mpu.get_pipeline_model_parallel_world_size() > 1
+    if pp_rank is None:
+        pp_rank = mpu.get_pipeline_model_parallel_rank()
+    folder = f"mp_rank_{mp_rank:02d}" + (f"_{pp_rank:03d}" if pipeline_parallel else "")
+    return os.path.join(checkpoints_path, directory, folder, "model_optim_rng.pt")
+
+
+def first_rank_checkpoint_name(checkpoints_path, iteration, release=False):
+    """The file of tensor-parallel rank 0 (of pipeline stage 0, when the checkpoint has
+    stages): where a checkpoint's args are read from."""
+    plain = get_checkpoint_name(checkpoints_path, iteration, 0, release, pipeline_parallel=False)
+    staged = get_checkpoint_name(checkpoints_path, iteration, 0, release, pp_rank=0,
+                                 pipeline_parallel=True)
+    return staged if not os.path.isfile(plain) and os.path.isfile(staged) else plain
 
 
 def get_checkpoint_tracker_filename(checkpoints_path):
@@ -142,7 +165,10 @@ def check_checkpoint_args(saved_args, run_args, path):
             differences.append(f"--{key.replace('_', '-')}: checkpoint {saved}, flags {ours}")
     if differences:
         hint = ""
-        if any(d.startswith("--model-parallel-size") for d in differences):
+        if any(d.startswith("--pipeline-model-parallel-size") for d in differences):
+            hint = (" A checkpoint's pipeline stages hold different layers: load it with the "
+                    "--pipeline-model-parallel-size it was saved with.")
+        elif any(d.startswith("--model-parallel-size") for d in differences):
             hint = (" To change the tensor-parallel size of a checkpoint, convert it with "
                     "tools/merge_mp_partitions.py.")
         elif run_args.get("load") and run_args.get("save") and \
@@ -215,6 +241,7 @@ def _explain_missing_file(load_dir, iteration, path, directory, run_args):
             f"tools/merge_mp_partitions.py --deepspeed --load {load_dir} --save <dir>, "
             "then --load <dir> --no-load-optim")
     # Without our rank's file, the rank directories present tell the saved size.
+    _check_pipeline_stages(run_args, directory)
     _check_model_parallel_size(load_dir, run_args, directory, _count_rank_files(directory))
     raise CheckpointError(f"{get_checkpoint_tracker_filename(load_dir)} names iteration "
                           f"{iteration}, but {path} is missing: the checkpoint is "
@@ -255,6 +282,22 @@ def _count_rank_files(directory):
     ranks = [d for d in os.listdir(directory) if re.fullmatch(r"mp_rank_\d{2}", d) and
              os.path.isfile(os.path.join(directory, d, "model_optim_rng.pt"))]
     return len(ranks) or None
+
+
+def _check_pipeline_stages(run_args, directory):
+    """A checkpoint saved with another number of pipeline stages: say so."""
+    if not os.path.isdir(directory):
+        return
+    stages = {int(m.group(1)) for d in os.listdir(directory)
+              if (m := re.fullmatch(r"mp_rank_\d{2}_(\d{3})", d))}
+    saved = max(stages) + 1 if stages else 1
+    ours = run_args.get("pipeline_model_parallel_size", 1)
+    if saved != ours and any(re.fullmatch(r"mp_rank_\d{2}(_\d{3})?", d)
+                             for d in os.listdir(directory)):
+        raise CheckpointError(
+            f"checkpoint {directory} was saved with --pipeline-model-parallel-size {saved}, "
+            f"but this run uses {ours}: its stages hold other layers. Load it with "
+            f"--pipeline-model-parallel-size {saved}")
 
 
 def _check_model_parallel_size(load_dir, run_args, directory, saved_size):

@@ -150,6 +150,11 @@ def _distributed(parser):
     g = parser.add_argument_group("distributed")
     g.add_argument("--model-parallel-size", type=int, default=1,
                    help="tensor-parallel size; adjacent ranks form a tensor-parallel group")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages: the transformer layers are split over this many "
+                        "stages (embeddings on the first, the output layer on the last), "
+                        "which run the micro batches of --global-batch-size in the 1F1B "
+                        "schedule; world size = tensor x pipeline x data parallel")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl on CUDA, gloo on CPU")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

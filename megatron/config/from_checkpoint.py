@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from megatron.checkpointing.megatron_layout import get_checkpoint_name, read_tracker
+from megatron.checkpointing.megatron_layout import first_rank_checkpoint_name, read_tracker
 from megatron.errors import CheckpointError
 
 # Shape, vocab and tokenizer: what the model needs to be rebuilt as it was saved.
@@ -49,7 +49,7 @@ def _megatron_path(load_dir):
     iteration, release = read_tracker(load_dir)
     if iteration is None:
         return None
-    return get_checkpoint_name(load_dir, iteration, mp_rank=0, release=release)
+    return first_rank_checkpoint_name(load_dir, iteration, release=release)
 
 
 def _deepspeed_states_path(load_dir):

@@ -27,7 +27,7 @@ POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length
                  "batch_size", "train_iters", "max_position_embeddings", "global_batch_size",
                  "ffn_hidden_size", "make_vocab_size_divisible_by", "exit_interval",
                  "save_interval", "log_interval", "eval_interval", "lr_decay_iters",
-                 "model_parallel_size", "threads")
+                 "model_parallel_size", "pipeline_model_parallel_size", "threads")
 MAX_INT = 2 ** 31 - 1
 NON_NEGATIVE_INTS = ("eval_iters", "num_workers", "warmup_iters", "max_nan_iterations")
 # float flags that must be finite (NaN and inf are never meaningful) -> (low, high, what)
@@ -106,6 +106,7 @@ def freeze(raw, given, world_size, notes=(), extra=None):
             f"{model.max_position_embeddings}")
     checkpoint = _checkpoint(raw)
     _check_optimizer_choice(raw, settled.ds_config)
+    notes += _check_pipeline(raw, parallel, training, settled.ds_config)
     return TrainConfig(
         model=model,
         activation_checkpointing=activation.activation_checkpointing(
@@ -172,18 +173,57 @@ def _check_scalars(raw, int_flags):
 
 
 def _parallel(raw, world_size):
-    tp = raw["model_parallel_size"]
+    tp, pp = raw["model_parallel_size"], raw["pipeline_model_parallel_size"]
     require(world_size % tp == 0,
             f"world size {world_size} is not divisible by --model-parallel-size {tp} "
             f"({world_size} % {tp} = {world_size % tp})")
+    require(world_size % (tp * pp) == 0,
+            f"world size {world_size} is not divisible by --model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp} ({world_size} % {tp * pp} = "
+            f"{world_size % (tp * pp)}); start a multiple of {tp * pp} processes")
     return ParallelConfig(
-        world_size=world_size, model_parallel_size=tp, data_parallel_size=world_size // tp,
+        world_size=world_size, model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        data_parallel_size=world_size // (tp * pp),
         distributed_backend=raw["distributed_backend"], device=raw["device"],
         local_rank=raw["local_rank"],
         distributed_timeout_minutes=raw["distributed_timeout_minutes"], threads=raw["threads"],
         DDP_impl=raw["DDP_impl"], seed=raw["seed"],
         ddp_bucket_size=engine.DEFAULT_DDP_BUCKET_MB if raw["ddp_bucket_size"] is None
         else raw["ddp_bucket_size"])
+
+
+def _check_pipeline(raw, parallel, training, ds_config):
+    """What pipeline parallelism composes with; the notes it leaves for the log."""
+    pp = parallel.pipeline_model_parallel_size
+    if pp == 1:
+        return ()
+    from megatron.model.gpt2_model import check_pipeline_split
+    check_pipeline_split(raw["num_layers"], pp)
+    require(ds_config.zero_optimization.stage < 3,
+            "ZeRO stage 3 does not compose with --pipeline-model-parallel-size (as in "
+            "DeepSpeed's PipelineEngine): each stage already holds only its own layers. Use "
+            "ZeRO stage 0, 1 or 2")
+    require(not (raw["DDP_impl"] == "torch" and not raw["deepspeed"]
+                 and parallel.data_parallel_size > 1),
+            "--DDP-impl torch does not compose with --pipeline-model-parallel-size; use "
+            "--DDP-impl local (the engine's buckets, also overlapped with backward)")
+    require(not (raw["deepspeed"] and (raw["save"] or raw["load"])),
+            "--deepspeed checkpoints (DeepSpeed's layout) of pipeline stages are not built "
+            "yet: with --pipeline-model-parallel-size, --save and --load take Megatron's "
+            "layout (mp_rank_TT_PPP), which needs a run without --deepspeed")
+    notes = []
+    base, extra = divmod(raw["num_layers"], pp)
+    if extra:
+        notes.append(f"--num-layers {raw['num_layers']} over {pp} pipeline stages: the first "
+                     f"{extra} stage(s) hold {base + 1} layers, the others {base}")
+    m = training.num_micro_batches
+    if m < pp:
+        suggested = 4 * pp * training.batch_size * parallel.data_parallel_size
+        notes.append(f"{m} micro batch(es) per step over {pp} pipeline stages: each stage "
+                     f"idles {(pp - 1) / (m + pp - 1):.0%} of the step ((P-1)/(m+P-1)); "
+                     f"--global-batch-size {suggested} ({4 * pp} micro batches) brings that "
+                     f"to {(pp - 1) / (5 * pp - 1):.0%}")
+    return tuple(notes)
 
 
 def _training(raw, parallel):

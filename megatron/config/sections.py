@@ -117,6 +117,7 @@ class ParallelConfig:
     world_size: int
     model_parallel_size: int
     data_parallel_size: int
+    pipeline_model_parallel_size: int
     distributed_backend: Optional[str]  # None: nccl on CUDA, gloo on CPU
     device: str
     local_rank: Optional[int]

@@ -111,6 +111,18 @@ def check_shape(model, model_parallel_size):
             raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
 
 
+def check_pipeline_split(num_layers, pipeline_size):
+    """ConfigError unless every one of `pipeline_size` stages gets at least one layer."""
+    if isinstance(pipeline_size, bool) or not isinstance(pipeline_size, int) \
+            or pipeline_size < 1:
+        raise ConfigError(f"--pipeline-model-parallel-size must be a positive integer, got "
+                          f"{pipeline_size!r}")
+    if pipeline_size > num_layers:
+        raise ConfigError(f"--pipeline-model-parallel-size {pipeline_size} is more stages than "
+                          f"--num-layers {num_layers}: every stage needs at least one "
+                          "transformer layer")
+
+
 def _require_divides(divisor, divisor_name, value, value_name):
     if divisor < 1 or value % divisor != 0:
         raise ConfigError(f"{divisor_name} {divisor} must divide {value_name} {value} "
@@ -159,11 +171,34 @@ class GPT2Model(nn.Module):
     def __init__(self, config, parallel_output=True):
         super().__init__()
         config.validate(mpu.get_model_parallel_world_size())
+        check_pipeline_split(config.num_layers, mpu.get_pipeline_model_parallel_world_size())
         self.config = config
         self.parallel_output = parallel_output
+        self.pre_process = mpu.is_pipeline_first_stage()
+        self.post_process = mpu.is_pipeline_last_stage()
         self.language_model = TransformerLanguageModel(config)
         if config.params_dtype != torch.float32:
             self.to(config.params_dtype)  # initialised in fp32 on CPU, then cast
+        # Pipeline parallelism: the input of a stage after the first (set_input_tensor), and
+        # on the last stage a copy of the first stage's word embeddings for the tied output
+        # layer (megatron/pipeline/tied_embeddings.py keeps it in step; not a parameter).
+        self._input_tensor = None
+        self.tied_head_weight = None
+
+    def set_input_tensor(self, tensor):
+        """What the next forward of a stage after the first starts from: the previous stage's
+        output [b, s, h] (Megatron's set_input_tensor)."""
+        self._input_tensor = tensor
+
+    def output_layer_weight(self):
+        """The word embeddings the output layer multiplies by: the parameter itself on the
+        first stage, the tied copy on a last stage that does not hold it."""
+        if self.pre_process:
+            return self.language_model.embedding.word_embeddings.weight
+        if self.tied_head_weight is None:
+            raise RuntimeError("the last pipeline stage has no copy of the word embeddings; "
+                               "megatron.pipeline.tied_embeddings must set it up first")
+        return self.tied_head_weight
 
     def compile(self, *args, **kwargs):
         """Regional compilation (torch.compile's arguments pass through), in place, so the
@@ -187,8 +222,17 @@ class GPT2Model(nn.Module):
             layer.compile(*args, **kwargs)
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
-        hidden_states = self.language_model(input_ids, position_ids, attention_mask)
-        word_embeddings_weight = self.language_model.embedding.word_embeddings.weight
+        """Under pipeline parallelism a stage before the last returns its hidden states
+        [b, s, h]; a stage after the first starts from the tensor set_input_tensor gave."""
+        input_tensor, self._input_tensor = self._input_tensor, None
+        if not self.pre_process and input_tensor is None:
+            raise RuntimeError("a pipeline stage after the first needs set_input_tensor() "
+                               "before its forward")
+        hidden_states = self.language_model(input_ids, position_ids, attention_mask,
+                                            input_tensor=input_tensor)
+        if not self.post_process:
+            return hidden_states
+        word_embeddings_weight = self.output_layer_weight()
         if labels is not None:
             logits = parallel_lm_logits(hidden_states, word_embeddings_weight, True)
             return mpu.vocab_parallel_cross_entropy(logits, labels)  # [b, s] fp32

@@ -34,8 +34,9 @@ class Embedding(nn.Module):
 class TransformerLanguageModel(nn.Module):
     """Module tree (and state-dict keys) as Megatron-LM 1.1.5: embedding.*, transformer.*.
 
-    Parameters are created in a fixed order, independent of the tensor-parallel size: word
-    embeddings, position embeddings, then layer by layer (QKV, dense, h->4h, 4h->h).
+    Parameters are created in a fixed order, independent of the tensor- and pipeline-parallel
+    sizes: word embeddings, position embeddings, then layer by layer (QKV, dense, h->4h, 4h->h).
+    A pipeline stage keeps the embedding on the first stage only.
     """
 
     def __init__(self, config):
@@ -43,11 +44,17 @@ class TransformerLanguageModel(nn.Module):
         init_method = mpu.init_method_normal(config.init_method_std)
         output_layer_init_method = mpu.scaled_init_method_normal(config.init_method_std,
                                                                  config.num_layers)
-        self.embedding = Embedding(config, init_method)
+        embedding = Embedding(config, init_method)  # every stage draws its weights
+        # under pipeline parallelism only the first stage keeps it
+        self.embedding = embedding if mpu.is_pipeline_first_stage() else None
         self.transformer = ParallelTransformer(config, init_method, output_layer_init_method)
 
-    def forward(self, input_ids, position_ids, attention_mask=None):
-        return self.transformer(self.embedding(input_ids, position_ids), attention_mask)
+    def forward(self, input_ids, position_ids, attention_mask=None, input_tensor=None):
+        """input_tensor: a later pipeline stage's input, the previous stage's output [b, s, h]
+        (input_ids and position_ids are then unused)."""
+        hidden_states = input_tensor if self.embedding is None \
+            else self.embedding(input_ids, position_ids)
+        return self.transformer(hidden_states, attention_mask)
 
 
 def parallel_lm_logits(hidden_states, word_embeddings_weight, parallel_output):

@@ -201,7 +201,8 @@ class ParallelTransformerLayer(nn.Module):
 
 
 class ParallelTransformer(nn.Module):
-    """A stack of layers and a final LayerNorm, with optional activation checkpointing."""
+    """A stack of layers and a final LayerNorm, with optional activation checkpointing; under
+    pipeline parallelism, this stage's layers (and the LayerNorm on the last stage)."""
 
     def __init__(self, config, init_method, output_layer_init_method):
         super().__init__()
@@ -211,10 +212,22 @@ class ParallelTransformer(nn.Module):
         # attention half of layer i, 2i+1 its MLP half); a chunk is checkpoint_num_layers units.
         self.split_transformers = config.split_transformers
         self.checkpoint_function = config.checkpoint_function or mpu.checkpoint
-        self.layers = nn.ModuleList(
-            ParallelTransformerLayer(config, init_method, output_layer_init_method)
-            for _ in range(config.num_layers))
-        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        # A pipeline stage keeps its own layers (numbered from 0 in its state dict, as
+        # Megatron's stages are) but builds and drops the others, so the weight generator
+        # draws the single-process model's stream: every pipeline layout starts from it.
+        first, last = stage_layer_range(config.num_layers,
+                                        mpu.get_pipeline_model_parallel_world_size(),
+                                        mpu.get_pipeline_model_parallel_rank())
+        self.layer_offset = first
+        layers = []
+        for number in range(config.num_layers):
+            layer = ParallelTransformerLayer(config, init_method, output_layer_init_method)
+            if first <= number < last:
+                layers.append(layer)
+        self.layers = nn.ModuleList(layers)
+        # the last pipeline stage's (LayerNorm draws nothing from the generator)
+        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon) \
+            if mpu.is_pipeline_last_stage() else None
 
     def _run_units(self, start, end):
         def run(hidden_states, allowed_mask):
@@ -239,4 +252,15 @@ class ParallelTransformer(nn.Module):
                                                          hidden_states, allowed_mask)
         else:
             hidden_states = self._run_units(0, num_units)(hidden_states, allowed_mask)
+        if self.final_layernorm is None:
+            return hidden_states  # a pipeline stage before the last
         return self.final_layernorm(hidden_states)
+
+
+def stage_layer_range(num_layers, stages, stage):
+    """[first, last) of the layers pipeline stage `stage` of `stages` holds: as even as the
+    count allows, the first num_layers % stages stages taking one layer more (the last stage
+    also runs the output layer and the loss)."""
+    base, extra = divmod(num_layers, stages)
+    first = stage * base + min(stage, extra)
+    return first, first + base + (1 if stage < extra else 0)

@@ -1,4 +1,4 @@
-"""Model (tensor) parallel utilities, with Megatron-LM's names.
+"""Model (tensor and pipeline) parallel utilities, with Megatron-LM's names.
 
 Layers and communication ops for splitting a transformer across `model_parallel_size`
 ranks; every function also works in a single process without torch.distributed.
@@ -12,6 +12,13 @@ from megatron.mpu.initialize import (ParallelState, destroy_model_parallel,
                                      get_data_parallel_world_size, get_model_parallel_group,
                                      get_model_parallel_rank, get_model_parallel_src_rank,
                                      get_model_parallel_world_size, get_parallel_state,
+                                     get_pipeline_model_parallel_group,
+                                     get_pipeline_model_parallel_next_rank,
+                                     get_pipeline_model_parallel_prev_rank,
+                                     get_pipeline_model_parallel_rank,
+                                     get_pipeline_model_parallel_stage_rank,
+                                     get_pipeline_model_parallel_world_size,
+                                     is_pipeline_first_stage, is_pipeline_last_stage,
                                      initialize_model_parallel, model_parallel_is_initialized,
                                      set_model_parallel_rank, set_model_parallel_world_size)
 from megatron.mpu.layers import (ColumnParallelLinear, RowParallelLinear, ShardRows,

@@ -1,4 +1,4 @@
-"""Tensor- and data-parallel process groups, kept in one `ParallelState` object.
+"""Tensor-, pipeline- and data-parallel process groups, kept in one `ParallelState` object.
 
 Megatron's getter functions (`get_model_parallel_rank()`, ...) read that object, so code
 written against Megatron's `mpu` (and DeepSpeed's `mpu=` argument) works unchanged, while
@@ -17,7 +17,7 @@ from megatron.errors import ConfigError
 
 @dataclass
 class ParallelState:
-    """Who this process is within its tensor-parallel and data-parallel groups."""
+    """Who this process is within its tensor-, pipeline- and data-parallel groups."""
     model_parallel_group: Any
     data_parallel_group: Any
     model_parallel_size: int
@@ -25,6 +25,10 @@ class ParallelState:
     data_parallel_size: int
     data_parallel_rank: int
     model_parallel_src_rank: int  # global rank of tensor-parallel rank 0 in this group
+    pipeline_group: Any = None
+    pipeline_size: int = 1
+    pipeline_rank: int = 0
+    pipeline_ranks: tuple = ()  # global ranks of this pipeline, stage 0 first
 
 
 _STATE: Optional[ParallelState] = None
@@ -33,12 +37,17 @@ _MP_WORLD_SIZE_OVERRIDE: Optional[int] = None
 _MP_RANK_OVERRIDE: Optional[int] = None
 
 
-def initialize_model_parallel(model_parallel_size, timeout=None):
-    """Split the world into tensor-parallel groups of adjacent ranks and strided DP groups.
+def initialize_model_parallel(model_parallel_size, timeout=None,
+                              pipeline_model_parallel_size=1):
+    """Split the world into tensor-parallel groups of adjacent ranks, data-parallel groups
+    strided by the tensor-parallel size within a pipeline stage, and pipelines strided by
+    tensor x data parallel (Megatron's rank order: rank = (pipeline stage x dp + dp rank) x
+    tp + tp rank).
 
-    With 8 processes g0..g7 and model_parallel_size 2:
+    With 8 processes g0..g7, model_parallel_size 2, pipeline_model_parallel_size 2:
         tensor-parallel groups: [g0, g1], [g2, g3], [g4, g5], [g6, g7]
-        data-parallel groups:   [g0, g2, g4, g6], [g1, g3, g5, g7]
+        data-parallel groups:   [g0, g2], [g1, g3], [g4, g6], [g5, g7]
+        pipelines:              [g0, g4], [g1, g5], [g2, g6], [g3, g7]
     Adjacent ranks usually share a node, so the frequent tensor-parallel all-reduces stay
     on the fastest links.  Every rank must call this (group creation is collective).
     `timeout` (a timedelta) bounds every collective on the new groups; None keeps torch's
@@ -49,32 +58,58 @@ def initialize_model_parallel(model_parallel_size, timeout=None):
         raise ConfigError("initialize_model_parallel needs torch.distributed; call "
                           "torch.distributed.init_process_group first")
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    if model_parallel_size < 1 or world_size % model_parallel_size != 0:
+    tp, pp = model_parallel_size, pipeline_model_parallel_size
+    if tp < 1 or world_size % tp != 0:
         raise ConfigError(
-            f"--model-parallel-size {model_parallel_size} must be a positive divisor of the "
-            f"world size {world_size} ({world_size} % {model_parallel_size} = "
-            f"{world_size % max(model_parallel_size, 1)}); change --model-parallel-size or "
+            f"--model-parallel-size {tp} must be a positive divisor of the "
+            f"world size {world_size} ({world_size} % {tp} = "
+            f"{world_size % max(tp, 1)}); change --model-parallel-size or "
             f"the number of processes")
+    if pp < 1 or world_size % (tp * pp) != 0:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {pp} x --model-parallel-size {tp} = {tp * pp} "
+            f"must divide the world size {world_size}; change the sizes or the number of "
+            "processes")
     if _STATE is not None:
         destroy_model_parallel()
-    num_data_parallel = world_size // model_parallel_size
-    model_group = data_group = None
-    for i in range(num_data_parallel):
-        ranks = list(range(i * model_parallel_size, (i + 1) * model_parallel_size))
+    stage_size = world_size // pp  # ranks per pipeline stage: tp x dp
+    dp = stage_size // tp
+    layout = group_ranks(world_size, tp, pp)
+    model_group = data_group = pipeline_group = None
+    pipeline_ranks = (rank,)
+    for ranks in layout["tensor"]:
         group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             model_group = group
-    for i in range(model_parallel_size):
-        ranks = list(range(i, world_size, model_parallel_size))
+    for ranks in layout["data"]:
         group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             data_group = group
+    if pp > 1:
+        for ranks in layout["pipeline"]:
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                pipeline_group, pipeline_ranks = group, tuple(ranks)
     _STATE = ParallelState(
         model_parallel_group=model_group, data_parallel_group=data_group,
-        model_parallel_size=model_parallel_size, model_parallel_rank=rank % model_parallel_size,
-        data_parallel_size=num_data_parallel, data_parallel_rank=rank // model_parallel_size,
-        model_parallel_src_rank=(rank // model_parallel_size) * model_parallel_size)
+        model_parallel_size=tp, model_parallel_rank=rank % tp,
+        data_parallel_size=dp, data_parallel_rank=(rank % stage_size) // tp,
+        model_parallel_src_rank=(rank // tp) * tp,
+        pipeline_group=pipeline_group, pipeline_size=pp, pipeline_rank=rank // stage_size,
+        pipeline_ranks=pipeline_ranks)
     return _STATE
+
+
+def group_ranks(world_size, tp, pp):
+    """{"tensor" | "data" | "pipeline": [[global ranks of one group], ...]} in Megatron's rank
+    order (see initialize_model_parallel); every rank creates the groups in this order."""
+    stage_size = world_size // pp
+    return {
+        "tensor": [list(range(i * tp, (i + 1) * tp)) for i in range(world_size // tp)],
+        "data": [list(range(stage * stage_size + t, (stage + 1) * stage_size, tp))
+                 for stage in range(pp) for t in range(tp)],
+        "pipeline": [list(range(first, world_size, stage_size)) for first in range(stage_size)],
+    }
 
 
 def model_parallel_is_initialized():
@@ -92,7 +127,8 @@ def destroy_model_parallel():
     state, _STATE = _STATE, None
     _MP_WORLD_SIZE_OVERRIDE = _MP_RANK_OVERRIDE = None
     if state is not None and dist.is_initialized():
-        for group in (state.model_parallel_group, state.data_parallel_group):
+        for group in (state.model_parallel_group, state.data_parallel_group,
+                      state.pipeline_group):
             if group is not None:
                 dist.destroy_process_group(group)
 
@@ -150,3 +186,39 @@ def get_data_parallel_rank():
     if _STATE is not None:
         return _STATE.data_parallel_rank
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_pipeline_model_parallel_group():
+    """The ranks holding the other stages of this rank's model replica (None without
+    pipeline parallelism)."""
+    return _require_state("get_pipeline_model_parallel_group").pipeline_group
+
+
+def get_pipeline_model_parallel_world_size():
+    return _STATE.pipeline_size if _STATE is not None else 1
+
+
+def get_pipeline_model_parallel_rank():
+    """This rank's pipeline stage (0 holds the embeddings, the last the output layer)."""
+    return _STATE.pipeline_rank if _STATE is not None else 0
+
+
+def is_pipeline_first_stage():
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage():
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def get_pipeline_model_parallel_stage_rank(stage):
+    """Global rank of pipeline stage `stage` in this rank's pipeline (same TP and DP rank)."""
+    return _require_state("get_pipeline_model_parallel_stage_rank").pipeline_ranks[stage]
+
+
+def get_pipeline_model_parallel_next_rank():
+    return get_pipeline_model_parallel_stage_rank(get_pipeline_model_parallel_rank() + 1)
+
+
+def get_pipeline_model_parallel_prev_rank():
+    return get_pipeline_model_parallel_stage_rank(get_pipeline_model_parallel_rank() - 1)

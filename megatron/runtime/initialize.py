@@ -63,7 +63,8 @@ def initialize_megatron(parallel, recompute=None, notes=()):
         torch.set_num_threads(parallel.threads or device_mod.default_num_threads())
     timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
     _init_process_group(parallel, device, launch, timeout)
-    mpu.initialize_model_parallel(parallel.model_parallel_size, timeout=timeout)
+    mpu.initialize_model_parallel(parallel.model_parallel_size, timeout=timeout,
+                                  pipeline_model_parallel_size=parallel.pipeline_model_parallel_size)
     # Before seeding: under --deepspeed-activation-checkpointing mpu uses zero's RNG tracker.
     setup_activation_checkpointing(recompute, notes, device, is_rank0=launch.rank == 0)
     set_random_seed(parallel.seed, device)
@@ -134,6 +135,16 @@ def set_random_seed(seed, device):
     np.random.seed(seed)
     device_mod.manual_seed(device, seed)
     mpu.model_parallel_cuda_manual_seed(seed)
+
+
+def seed_pipeline_stage(seed, device):
+    """After the model is built (every stage draws the single-process weights): give each
+    pipeline stage its own dropout streams, seed + 100 x stage as Megatron does, so stages do
+    not repeat each other's masks."""
+    stage = mpu.get_pipeline_model_parallel_rank()
+    if stage > 0:
+        device_mod.manual_seed(device, seed + 100 * stage)
+        mpu.model_parallel_cuda_manual_seed(seed + 100 * stage)
 
 
 def destroy():

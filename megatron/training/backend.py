@@ -32,6 +32,11 @@ _CONFIG_WEIGHT_DECAY = object()  # marks the group whose decay the config's opti
 class Backend:
     def __init__(self, engine, ctx):
         self.engine, self.ctx = engine, ctx
+        # pipeline parallelism: this rank's stage runs the micro batches (1F1B)
+        self.pipeline = None
+        if mpu.get_pipeline_model_parallel_world_size() > 1:
+            from megatron.pipeline.schedules import PipelineStage
+            self.pipeline = PipelineStage(engine, ctx)
 
     @property
     def model(self):
@@ -70,12 +75,7 @@ class Backend:
         while True:
             skipped_before = engine.skipped_steps
             source = iter(batches) if searching else data_iterator
-            total = torch.zeros((), dtype=torch.float32, device=self.ctx.runtime.device)
-            for _ in range(count):
-                loss = forward_step(next(source), engine, self.ctx)
-                engine.backward(loss)
-                engine.step()  # acts at the last micro batch only
-                total += loss.detach().float()
+            total = self._run_micro_batches(forward_step, source, count)
             updated = engine.skipped_steps == skipped_before
             if updated or not searching or not engine.retry_skipped_step():
                 break
@@ -87,6 +87,27 @@ class Backend:
             self.ctx.runtime.print0(f" fp16: the initial loss scale {_power_of_two(first_scale)} "
                                     f"overflowed on the first batch; {outcome}")
         return total.item(), updated, engine.get_global_grad_norm() if updated else None
+
+    def _run_micro_batches(self, forward_step, batches, count):
+        """Forward and backward of `count` micro batches and the step after the last; their
+        summed losses."""
+        if self.pipeline is not None:
+            return self.pipeline.train_step(forward_step, batches, count)
+        total = torch.zeros((), dtype=torch.float32, device=self.ctx.runtime.device)
+        for _ in range(count):
+            loss = forward_step(next(batches), self.engine, self.ctx)
+            self.engine.backward(loss)
+            self.engine.step()  # acts at the last micro batch only
+            total += loss.detach().float()
+        return total
+
+    @torch.no_grad()
+    def forward_only(self, forward_step, batches):
+        """Summed losses of the micro batches `batches` (a list), without gradients."""
+        if self.pipeline is not None:
+            return self.pipeline.forward_only(forward_step, iter(batches), len(batches)).item()
+        return sum(forward_step(batch, self.engine, self.ctx).float().item()
+                   for batch in batches)
 
     def resume_notes(self):
         """What loading the checkpoint changed that the user should read (once)."""

@@ -8,6 +8,7 @@ Data flow of one iteration (global batch G = micro batch b x data-parallel size 
     loss averaged over data parallelism for the log line
 """
 
+import itertools
 import time
 
 import torch
@@ -57,7 +58,7 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
                 iteration % training.eval_interval == 0 and iteration != training.train_iters:
             eval_start = time.perf_counter()
             logger.log_eval(iteration, "valid",
-                            evaluate(forward_step_func, backend.model, datasets[1], ctx))
+                            evaluate(forward_step_func, backend, datasets[1], ctx))
             window["start"] += time.perf_counter() - eval_start  # keep eval out of ms/iter
         exiting = training.exit_interval and iteration % training.exit_interval == 0
         stop_reason = guards.stop_reason()  # SIGTERM or time limit, agreed by all ranks
@@ -76,22 +77,19 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
 
 
 @torch.no_grad()
-def evaluate(forward_step_func, model, dataset, ctx):
+def evaluate(forward_step_func, backend, dataset, ctx):
     """Mean loss over --eval-iters global batches, always the same leading batches."""
     training = ctx.config.training
-    model.eval()
+    backend.model.eval()
     iterator = _data_iterator(dataset, 0, ctx)
     total, count = 0.0, 0
-    with torch.no_grad():  # nothing to keep for a backward
-        for _ in range(training.eval_iters):
-            for _ in range(training.num_micro_batches):
-                try:
-                    batch = next(iterator)
-                except StopIteration:
-                    break
-                total += forward_step_func(batch, model, ctx).float().item()
-                count += 1
-    model.train()
+    for _ in range(training.eval_iters):
+        batches = list(itertools.islice(iterator, training.num_micro_batches))
+        if not batches:
+            break
+        total += backend.forward_only(forward_step_func, batches)
+        count += len(batches)
+    backend.model.train()
     return _average_over_data_parallel(total / max(count, 1), ctx.runtime.device)
 
 

@@ -19,7 +19,8 @@ from megatron.errors import Interrupted
 from megatron.model import GPTConfig
 from megatron.runtime.activation_checkpointing import checkpoint_function
 from megatron.runtime.fault_tolerance import TrainingGuards
-from megatron.runtime.initialize import Runtime, destroy, initialize_megatron
+from megatron.runtime.initialize import (Runtime, destroy, initialize_megatron,
+                                         seed_pipeline_stage)
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training.backend import build_backend
 from megatron.training.loop import evaluate, train
@@ -65,6 +66,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
         ctx = TrainContext(config, tokenizer, runtime,
                            model_config(config, tokenizer.vocab_size))
         backend = build_backend(ctx, model_provider)
+        seed_pipeline_stage(config.parallel.seed, runtime.device)
         train_state = {"iteration": 0, "consumed_train_samples": 0, "skipped_iters": 0,
                        "run_id": _agreed_run_id()}  # a resumed run keeps the one it loads
         if config.checkpoint.load:
@@ -152,7 +154,7 @@ def _final_evaluation(forward_step_func, backend, datasets, ctx, train_state, lo
         return
     for split, dataset in (("valid", datasets[1]), ("test", datasets[2])):
         if dataset is not None:
-            loss = evaluate(forward_step_func, backend.model, dataset, ctx)
+            loss = evaluate(forward_step_func, backend, dataset, ctx)
             logger.log_eval(train_state["iteration"], split, loss)
 
 

@@ -44,3 +44,28 @@ def test_overrides_for_offline_tools_and_teardown():
     finally:
         mpu.destroy_model_parallel()
     assert mpu.get_model_parallel_world_size() == 1 and mpu.get_model_parallel_rank() == 0
+
+
+def test_pipeline_groups_follow_megatrons_rank_order():
+    """8 ranks, TP 2 x PP 2 x DP 2: rank = (stage x dp + dp rank) x tp + tp rank."""
+    layout = mpu.initialize.group_ranks(8, tp=2, pp=2)
+    assert layout["tensor"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout["data"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout["pipeline"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # without stages, the data-parallel groups are the TP-strided ones of before
+    assert mpu.initialize.group_ranks(8, tp=2, pp=1)["data"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # every rank is in exactly one group of each kind
+    for kind in ("tensor", "data", "pipeline"):
+        assert sorted(r for group in layout[kind] for r in group) == list(range(8))
+
+
+def test_stage_layer_split_is_even_with_the_extra_layers_first():
+    from megatron.model.transformer import stage_layer_range
+    assert [stage_layer_range(8, 4, s) for s in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert [stage_layer_range(7, 3, s) for s in range(3)] == [(0, 3), (3, 5), (5, 7)]
+    assert [stage_layer_range(2, 2, s) for s in range(2)] == [(0, 1), (1, 2)]
+
+
+def test_without_pipeline_every_rank_is_first_and_last_stage():
+    assert mpu.get_pipeline_model_parallel_world_size() == 1
+    assert mpu.is_pipeline_first_stage() and mpu.is_pipeline_last_stage()

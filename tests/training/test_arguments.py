@@ -4,6 +4,8 @@ the arithmetic."""
 import pytest
 
 import dataclasses
+import json
+import re
 
 from megatron.config import resolve_config
 from megatron.errors import ConfigError
@@ -108,3 +110,52 @@ def test_missing_required_flag():
 def test_unknown_flag_is_rejected_not_ignored():
     with pytest.raises(SystemExit):
         parse("--no-such-flag")
+
+
+@pytest.fixture
+def ds_json(tmp_path):
+    def write(**config):
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(config))
+        return str(path)
+    return write
+
+
+def test_pipeline_refuses_zero_stage_3(ds_json):
+    with pytest.raises(ConfigError, match="ZeRO stage 3 does not compose with "
+                                          "--pipeline-model-parallel-size"):
+        parse("--pipeline-model-parallel-size", "2", "--deepspeed", "--deepspeed_config",
+              ds_json(zero_optimization={"stage": 3}), world_size=2)
+
+
+def test_pipeline_refuses_deepspeed_checkpoints(ds_json):
+    with pytest.raises(ConfigError, match=re.escape(
+            "--deepspeed checkpoints (DeepSpeed's layout) of pipeline stages are not built")):
+        parse("--pipeline-model-parallel-size", "2", "--deepspeed", "--deepspeed_config",
+              ds_json(zero_optimization={"stage": 1}), "--save", "ckpt", world_size=2)
+
+
+@pytest.mark.parametrize("extra, world_size, message", [
+    (["--pipeline-model-parallel-size", "2", "--DDP-impl", "torch"], 4,
+     "--DDP-impl torch does not compose with --pipeline-model-parallel-size"),
+    (["--pipeline-model-parallel-size", "3"], 3, "is more stages than --num-layers 2"),
+    (["--pipeline-model-parallel-size", "0"], 2, "--pipeline-model-parallel-size must be "
+                                                 "positive"),
+])
+def test_pipeline_refusals(extra, world_size, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse(*extra, world_size=world_size)
+
+
+def test_pipeline_sizes_and_the_bubble_note():
+    config = parse("--pipeline-model-parallel-size", "2", "--model-parallel-size", "2",
+                   world_size=8)
+    assert config.parallel.data_parallel_size == 2
+    assert config.training.num_micro_batches == 1
+    note, = [n for n in config.notes if "pipeline stages" in n]
+    assert "1 micro batch(es) per step over 2 pipeline stages: each stage idles 50%" in note
+    assert "--global-batch-size 64 (8 micro batches) brings that to 11%" in note
+    uneven = parse("--pipeline-model-parallel-size", "2", "--num-layers", "3",
+                   "--global-batch-size", "32", world_size=2)
+    assert any("the first 1 stage(s) hold 2 layers, the others 1" in n for n in uneven.notes)
+    assert not any("idles" in n for n in uneven.notes)

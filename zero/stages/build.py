@@ -35,11 +35,15 @@ def build_zero_optimizer(engine, base_optimizer, module_reduces_gradients=False)
     config = engine.config
     loss_scaler = build_loss_scaler(config)
     if config.zero_optimization.stage == 3:
+        if engine.pp_comm is not None:
+            raise ConfigError("ZeRO stage 3 does not compose with pipeline parallelism (as in "
+                            "DeepSpeed's PipelineEngine); use stage 0, 1 or 2")
         return build_stage3_optimizer(engine, base_optimizer, loss_scaler)
     param_order = {p: i for i, p in enumerate(engine.module.parameters())}
     settings = zero_settings(config, module_reduces_gradients)
     return ZeroOptimizer(base_optimizer, param_order, settings, engine.dp_comm, engine.mp_comm,
-                         engine.mp_rank, loss_scaler, masters=master_store(engine))
+                         engine.mp_rank, loss_scaler, masters=master_store(engine),
+                         pp_comm=engine.pp_comm)
 
 
 def master_store(engine):

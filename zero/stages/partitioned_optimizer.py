@@ -5,7 +5,8 @@ checkpoint hooks into their master store.
 
 A subclass sets `optimizer`, `masters` (its master store, zero/stages/masters.py),
 `loss_scaler` (None unless fp16), `settings.gradient_clipping`, `dp_comm` and `mp_comm`
-(zero.comm.communicator.Communicator; None without tensor parallelism), `partition_count`,
+(zero.comm.communicator.Communicator; None without tensor parallelism), `pp_comm` (None
+without pipeline parallelism), `partition_count`,
 and provides `zero_grad()`, `_step_partitions()` and `_partition_pieces(rank)`.
 """
 
@@ -28,6 +29,7 @@ def sum_of_squares(tensors, device):
 
 
 class PartitionedOptimizer:
+    pp_comm = None  # over the pipeline's stages; a subclass sets it under pipeline parallelism
     overflow = False  # the last step found inf/nan gradients and was skipped
     global_grad_norm = None  # the last step's gradient norm before clipping (unscaled)
 
@@ -84,6 +86,8 @@ class PartitionedOptimizer:
             self.dp_comm.all_reduce(packed)
         if self.mp_comm is not None:
             self.mp_comm.all_reduce(packed)
+        if self.pp_comm is not None:  # every pipeline stage holds its own parameters
+            self.pp_comm.all_reduce(packed)
         norm_sq, overflow = packed.tolist()
         return norm_sq, overflow > 0 or not math.isfinite(norm_sq)
 

@@ -56,16 +56,18 @@ class ZeroOptimizer(PartitionedOptimizer):
 
     `param_order` maps each model parameter to its registration index in the module (it fixes
     the bucket launch order); `dp_comm`/`mp_comm` are zero.comm Communicators over the data-
-    and model-parallel groups; `loss_scaler` is None unless fp16; `masters` the master store
+    and model-parallel groups (`pp_comm` over the pipeline's stages, None without pipeline
+    parallelism); `loss_scaler` is None unless fp16; `masters` the master store
     (zero/stages/masters.py; default DeviceMasters).
     """
 
     def __init__(self, optimizer, param_order, settings, dp_comm, mp_comm=None, mp_rank=0,
-                 loss_scaler=None, masters=None):
+                 loss_scaler=None, masters=None, pp_comm=None):
         if settings.stage not in (0, 1, 2):
             raise ZeroError(f"ZeroOptimizer handles stages 0-2, got stage {settings.stage}")
         self.settings, self.masters = settings, masters or DeviceMasters()
         self.dp_comm, self.mp_comm, self.mp_rank = dp_comm, mp_comm, mp_rank
+        self.pp_comm = pp_comm
         self.loss_scaler = loss_scaler
         self.partition_count = 1 if settings.stage == 0 else dp_comm.world_size
         self.partition_rank = 0 if settings.stage == 0 else dp_comm.rank
@@ -164,18 +166,20 @@ class ZeroOptimizer(PartitionedOptimizer):
         self._in_flight = []  # Pending collectives with their post-processing
         self._next_launch = 0
 
-    def backward(self, loss, reduce_gradients):
-        """loss.backward() with loss scaling; reduce over data parallel if `reduce_gradients`
-        (stage 2 always reduces: it keeps no full gradients between micro-steps)."""
+    def backward(self, loss, reduce_gradients, grad=None):
+        """loss.backward() with loss scaling (or loss.backward(grad), `grad` already scaled);
+        reduce over data parallel if `reduce_gradients` (stage 2 always reduces: it keeps no
+        full gradients between micro-steps)."""
         self._reducing = (reduce_gradients and not self.settings.external_reduction) \
             or self.settings.stage == 2
         if self.settings.stage < 2:
             for group in self.groups:  # the user may have set grads to None (zero_grad)
                 for i in range(len(group.params)):
                     group.adopt_grad(i)
-        scaled = loss * self.cur_scale if self.loss_scaler is not None else loss
+        scaled = loss * self.cur_scale if self.loss_scaler is not None and grad is None \
+            else loss
         try:
-            scaled.backward()
+            scaled.backward(grad)
             if self._reducing:
                 self._finish_reduction()
         finally:

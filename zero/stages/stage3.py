@@ -224,12 +224,14 @@ class Stage3Optimizer(PartitionedOptimizer):
 
     # ----- backward: bucketed reduce-scatter into the partition gradients -----
 
-    def backward(self, loss, reduce_gradients=True):
-        """loss.backward() with loss scaling; gradients are reduced every micro-step."""
-        scaled = loss * self.cur_scale if self.loss_scaler is not None else loss
+    def backward(self, loss, reduce_gradients=True, grad=None):
+        """loss.backward() with loss scaling (or loss.backward(grad), `grad` already scaled);
+        gradients are reduced every micro-step."""
+        scaled = loss * self.cur_scale if self.loss_scaler is not None and grad is None \
+            else loss
         try:
             with self.coordinator.saved_tensor_hooks():  # recomputation inside backward
-                scaled.backward()
+                scaled.backward(grad)
             self._flush()
             while self._in_flight:
                 self._in_flight.pop(0).wait()

@@ -1,0 +1,136 @@
+"""Pipeline parallelism trains the same model as one process.
+
+Each layout runs the real trainer (pretrain_gpt2.py) with dropout 0 and the global batch of
+the other layout tests (8 samples, here in micro batches so the 1F1B schedule has something
+to overlap), and is compared with the single-process run: losses within 1e-4 relative,
+gradient norms within 1e-3.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.parallel.launching import (build_corpus, launch_ranks, read_metrics,
+                                      relative_difference, trainer_argv)
+from tests.parallel.test_layouts import GLOBAL_BATCH, assert_same_training
+
+ITERS = 8
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return build_corpus(tmp_path_factory.mktemp("data"))
+
+
+def train(corpus, out_dir, world_size, iters, *extra, expect_ok=True):
+    """pretrain_gpt2.py on `world_size` processes: ({iteration: (loss, grad norm)}, outputs)."""
+    argv = trainer_argv(corpus, out_dir / "log", iters, "--global-batch-size", GLOBAL_BATCH,
+                        *extra)
+    results = launch_ranks(argv, world_size, out_dir, timeout=300)
+    if expect_ok:
+        for rank, (code, output) in enumerate(results):
+            assert code == 0, f"rank {rank} failed:\n{output[-3000:]}"
+    return read_metrics(out_dir / "log") if expect_ok else None, results
+
+
+@pytest.fixture(scope="module")
+def single_process(corpus, tmp_path_factory):
+    return train(corpus, tmp_path_factory.mktemp("single"), 1, ITERS, "--batch-size", 8)[0]
+
+
+@pytest.mark.parametrize("name, world_size, flags", [
+    ("pp2", 2, ["--pipeline-model-parallel-size", 2, "--batch-size", 2]),
+    ("pp2xtp2", 4, ["--pipeline-model-parallel-size", 2, "--model-parallel-size", 2,
+                    "--batch-size", 2]),
+    ("pp2xdp2", 4, ["--pipeline-model-parallel-size", 2, "--batch-size", 1]),
+])
+def test_pipeline_matches_single_process(corpus, single_process, tmp_path, name, world_size,
+                                         flags):
+    metrics, _ = train(corpus, tmp_path, world_size, ITERS, *flags)
+    assert_same_training(single_process, metrics, ITERS)
+
+
+def test_pipeline_zero2_data_parallel_matches_single_process(corpus, single_process, tmp_path):
+    """PP 2 x DP 2 with ZeRO stage 2 (its gradients reduced per micro batch) from a DeepSpeed
+    JSON: one global norm and overflow decision over both stages."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1,
+                                  "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
+                                  "zero_optimization": {"stage": 2}}))
+    metrics, _ = train(corpus, tmp_path, 4, ITERS, "--pipeline-model-parallel-size", 2,
+                       "--batch-size", 1, "--deepspeed", "--deepspeed_config", config)
+    assert_same_training(single_process, metrics, ITERS)
+
+
+def test_pipeline_fp16_with_recompute_follows_single_process(corpus, single_process, tmp_path):
+    """fp16 (the loss scale travels back with the gradients; one overflow decision) and
+    --checkpoint-activations inside each stage, against fp32 in one process."""
+    metrics, _ = train(corpus, tmp_path, 2, ITERS, "--pipeline-model-parallel-size", 2,
+                       "--batch-size", 2, "--fp16", "--checkpoint-activations")
+    for it in range(1, ITERS + 1):
+        assert relative_difference(metrics[it][0], single_process[it][0]) < 2e-3, it
+
+
+@pytest.fixture(scope="module")
+def pp2_tp2_with_checkpoints(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp2xtp2")
+    metrics, _ = train(corpus, out, 4, ITERS, "--pipeline-model-parallel-size", 2,
+                       "--model-parallel-size", 2, "--batch-size", 2, "--save", out / "ckpt",
+                       "--save-interval", ITERS // 2)
+    return out, metrics
+
+
+def test_pipeline_checkpoint_has_a_file_per_stage_and_rank(pp2_tp2_with_checkpoints):
+    """Megatron's names: mp_rank_TT_PPP; each stage numbers its layers from 0."""
+    out, _ = pp2_tp2_with_checkpoints
+    folder = out / "ckpt" / f"iter_{ITERS:07d}"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    first, last = (torch.load(folder / f"mp_rank_00_00{s}" / "model_optim_rng.pt",
+                              weights_only=True)["model"]["language_model"] for s in (0, 1))
+    assert "embedding" in first and "embedding" not in last
+    assert sorted(k.split(".")[1] for k in first["transformer"] if k.startswith("layers.")) \
+        == ["0"] * 12
+    assert "final_layernorm.weight" in last["transformer"]
+    assert "final_layernorm.weight" not in first["transformer"]
+
+
+def test_pipeline_resume_is_exact(corpus, pp2_tp2_with_checkpoints, tmp_path):
+    out, uninterrupted = pp2_tp2_with_checkpoints
+    middle = ITERS // 2
+    resume_from = tmp_path / "ckpt"
+    shutil.copytree(out / "ckpt" / f"iter_{middle:07d}", resume_from / f"iter_{middle:07d}")
+    (resume_from / "latest_checkpointed_iteration.txt").write_text(str(middle))
+    resumed, _ = train(corpus, tmp_path, 4, ITERS, "--pipeline-model-parallel-size", 2,
+                       "--model-parallel-size", 2, "--batch-size", 2, "--load", resume_from)
+    assert sorted(resumed) == list(range(middle + 1, ITERS + 1))
+    for it in resumed:
+        assert resumed[it] == uninterrupted[it], it
+
+
+def test_loading_at_another_pipeline_size_is_a_clear_error(corpus, pp2_tp2_with_checkpoints,
+                                                            tmp_path):
+    out, _ = pp2_tp2_with_checkpoints
+    _, results = train(corpus, tmp_path, 2, ITERS + 2, "--model-parallel-size", 2,
+                       "--batch-size", 8, "--load", out / "ckpt", expect_ok=False)
+    code, output = results[0]
+    assert code != 0
+    assert "--pipeline-model-parallel-size 2" in output, output[-2000:]
+
+
+@pytest.mark.parametrize("world_size, flags, expected", [
+    (2, ["--pipeline-model-parallel-size", 4],
+     "world size 2 is not divisible by --model-parallel-size 1 x "
+     "--pipeline-model-parallel-size 4 = 4"),
+    (4, ["--pipeline-model-parallel-size", 4],
+     "--pipeline-model-parallel-size 4 is more stages than --num-layers 2"),
+])
+def test_bad_pipeline_layout_is_one_error_line(corpus, tmp_path, world_size, flags, expected):
+    argv = trainer_argv(corpus, tmp_path / "log", 2, "--batch-size", 2, *flags)
+    results = launch_ranks(argv, world_size, tmp_path)
+    assert all(code == 2 for code, _ in results)
+    output0 = results[0][1]
+    assert len(output0.strip().splitlines()) == 1, output0
+    assert output0.startswith("error: ") and expected in output0, output0
