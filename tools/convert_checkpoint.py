@@ -1,11 +1,11 @@
 """Convert GPT-2 checkpoints between Megatron, DeepSpeed and Hugging Face formats.
 
-    # Megatron (any TP size) or --deepspeed (any ZeRO stage / TP / DP) -> Hugging Face
+    # Megatron (any TP x PP size) or --deepspeed (any ZeRO stage / TP / DP) -> Hugging Face
     python tools/convert_checkpoint.py --load-dir checkpoints/gpt2_small \
         --save-dir hf/gpt2_small --saver hf
-    # Hugging Face GPT-2 -> Megatron at TP=2, to continue pretraining it
+    # Hugging Face GPT-2 -> Megatron at TP=2 x PP=2, to continue pretraining it
     python tools/convert_checkpoint.py --load-dir hf/gpt2 --save-dir checkpoints/gpt2_tp2 \
-        --saver megatron --target-tensor-parallel-size 2
+        --saver megatron --target-tensor-parallel-size 2 --target-pipeline-model-parallel-size 2
 
 Flags follow Megatron's tools/checkpoint/convert.py.  The source format is detected from the
 directory when --loader is omitted.  Everything goes through one full, unsharded model with
@@ -40,6 +40,8 @@ def get_args(argv=None):
     parser.add_argument("--saver", choices=SAVERS, required=True, help="target format")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1,
                         help="TP size of a --saver megatron checkpoint (default 1)")
+    parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=1,
+                        help="pipeline stages of a --saver megatron checkpoint (default 1)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32",
                         help="dtype of the written weights (default fp32)")
     group = parser.add_argument_group("vocab size of Megatron/DeepSpeed sources (to drop "
@@ -63,7 +65,8 @@ def run(args):
         weights.args["tokenizer_type"] = ("SentencePieceTokenizer" if args.tokenizer_model
                                           else "GPT2BPETokenizer")
     paths = save_model_weights(weights, args.save_dir, args.saver,
-                               args.target_tensor_parallel_size, _DTYPES[args.dtype])
+                               args.target_tensor_parallel_size, _DTYPES[args.dtype],
+                               args.target_pipeline_model_parallel_size)
     a = weights.args
     print(f" converted {args.load_dir} ({weights.source_format}, iteration {weights.iteration}) "
           f"-> {args.save_dir} ({args.saver})")
@@ -73,10 +76,13 @@ def run(args):
     print(f" wrote {len(paths)} file(s)")
     if args.saver == "megatron":
         # The checkpoint records the model's shape and tokenizer: --load supplies them.
+        stages = args.target_pipeline_model_parallel_size
+        pipeline = f" --pipeline-model-parallel-size {stages}" if stages > 1 else ""
         tokenizer = "" if a.get("tokenizer_type") else \
             " --tokenizer-type ... --vocab-file ... --merge-file ... (none recorded)"
         print(f" continue pretraining with: python pretrain_gpt2.py --load {args.save_dir} "
-              f"--model-parallel-size {args.target_tensor_parallel_size}{tokenizer} "
+              f"--model-parallel-size {args.target_tensor_parallel_size}"
+              f"{pipeline}{tokenizer} "
               "--data-path ... --batch-size ... --train-iters ... --lr ...")
 
 

@@ -1,8 +1,14 @@
-"""Change the tensor-parallel size of a Megatron-layout checkpoint: N -> 1, 1 -> N, N -> M.
+"""Change the tensor-parallel size and the pipeline stages of a Megatron-layout checkpoint:
+TP N x PP P -> TP M x PP Q, any sizes the model allows.
 
     python tools/merge_mp_partitions.py --load checkpoints/gpt2 --target-model-parallel-size 1
     # writes checkpoints/gpt2_mp1/{latest_checkpointed_iteration.txt, iter_XXXXXXX/mp_rank_00/}
     python pretrain_gpt2.py --load checkpoints/gpt2_mp1 --model-parallel-size 1 ...
+    python tools/merge_mp_partitions.py --load checkpoints/gpt2 --target-model-parallel-size 2 \
+        --target-pipeline-model-parallel-size 2     # -> checkpoints/gpt2_mp2_pp2/.../mp_rank_TT_PPP
+
+The data-parallel size is not part of this layout (data-parallel rank 0 writes each file), so a
+checkpoint resumes at any data-parallel size as it is.
 
 The source size is read from the checkpoint.  Model weights, Adam moments and fp32 master
 weights are all converted, so training continues where it stopped.  The vocab padding
@@ -50,6 +56,8 @@ def get_args(argv=None):
                              "partitions in DeepSpeed's layout); output a Megatron layout")
     parser.add_argument("--target-model-parallel-size", type=int, default=1,
                         help="tensor-parallel size to convert to (default 1: merge)")
+    parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=1,
+                        help="pipeline stages to convert to (default 1: join the stages)")
     parser.add_argument("--model-parallel-size", type=int, default=None,
                         help="the SOURCE size (Megatron's flag); optional, it is read from the "
                              "checkpoint and must agree")
@@ -64,7 +72,9 @@ def get_args(argv=None):
     group.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
     args = parser.parse_args(argv)
     if args.save is None:
-        args.save = f"{os.path.normpath(args.load)}_mp{args.target_model_parallel_size}"
+        pp = args.target_pipeline_model_parallel_size
+        args.save = f"{os.path.normpath(args.load)}_mp{args.target_model_parallel_size}" + \
+            (f"_pp{pp}" if pp > 1 else "")
     return args
 
 
@@ -76,21 +86,23 @@ def run(args):
                                 tokenizer_files=tokenizer_files,
                                 source_tp=args.model_parallel_size,
                                 reader=read_deepspeed_checkpoint if args.deepspeed
-                                else read_sharded_checkpoint)
+                                else read_sharded_checkpoint,
+                                target_pp=args.target_pipeline_model_parallel_size)
     name = "release" if result.release else f"iteration {result.iteration}"
     optimizer = "converted" if result.optimizer_converted else \
         "not converted (ZeRO partitions): resume with --no-load-optim" if args.deepspeed else \
         "none in the source checkpoint"
     print("\n".join([
         f" converted {args.load} ({name}): tensor-parallel size {result.source_tp} -> "
-        f"{result.target_tp}",
+        f"{result.target_tp}, pipeline stages {result.source_pp} -> {result.target_pp}",
         f" vocab: {result.vocab_size} tokens, padded {result.source_padded_vocab_size} -> "
         f"{result.target_padded_vocab_size}",
         f" optimizer state: {optimizer}",
         f" wrote {len(result.paths)} file(s) under {os.path.dirname(result.paths[0])}/..",
         f" resume with: python pretrain_gpt2.py --load {args.save} "
         f"--model-parallel-size {result.target_tp}"
-        f"{' --no-load-optim' if args.deepspeed else ''} ...",
+        + (f" --pipeline-model-parallel-size {result.target_pp}" if result.target_pp > 1
+           else "") + f"{' --no-load-optim' if args.deepspeed else ''} ...",
     ]), flush=True)
     return result
 

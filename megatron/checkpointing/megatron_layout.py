@@ -182,9 +182,14 @@ def check_checkpoint_args(saved_args, run_args, path):
                               "matching shape." + hint)
 
 
-def load_checkpoint(module, engine, checkpoint, run_args, device):
+def load_checkpoint(module, engine, checkpoint, run_args, device, convert=None):
     """Resume from checkpoint.load. Returns the train_state dict to continue from, or None
-    when there is nothing to resume."""
+    when there is nothing to resume.
+
+    `convert(load_dir)`: (this rank's file contents, a note) for a checkpoint saved at another
+    tensor-parallel or pipeline size, None when it has this run's layout
+    (megatron.convert.online.convert_for_this_rank); without it such a checkpoint is an error
+    that names the conversion tool. The note is printed once."""
     load_dir = checkpoint.load
     iteration, release = read_tracker(load_dir)
     if iteration is None:
@@ -195,9 +200,15 @@ def load_checkpoint(module, engine, checkpoint, run_args, device):
         return None  # nothing to resume: start from scratch (Megatron behaviour)
     path = get_checkpoint_name(load_dir, iteration, release=release)
     directory = os.path.dirname(os.path.dirname(path))
-    if not os.path.isfile(path):
-        _explain_missing_file(load_dir, iteration, path, directory, run_args)
-    state = safe_load(path)
+    converted = convert(load_dir) if convert is not None else None
+    if converted is not None:
+        state, note = converted
+        if is_global_rank0():
+            print(f" note: {note}", flush=True)
+    else:
+        if not os.path.isfile(path):
+            _explain_missing_file(load_dir, iteration, path, directory, run_args)
+        state = safe_load(path)
     if "args" in state:
         _check_model_parallel_size(load_dir, run_args, directory,
                                    state["args"].get("model_parallel_size"))

@@ -2,6 +2,7 @@
 
     <dir>/latest_checkpointed_iteration.txt      "200" or "release"
     <dir>/iter_0000200/mp_rank_{00..N-1}/model_optim_rng.pt
+    <dir>/iter_0000200/mp_rank_{00..N-1}_{000..P-1}/model_optim_rng.pt   with pipeline stages
 """
 
 import os
@@ -13,18 +14,22 @@ from typing import List
 from megatron.checkpointing.files import atomic_torch_save, atomic_write_text, safe_load
 from megatron.checkpointing.megatron_layout import (TRACKER_FILENAME, get_checkpoint_name,
                                                     read_tracker)
+from megatron.convert.pipeline_layout import join_stages, split_stages
 from megatron.errors import CheckpointError
 
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})")
+_STAGE_DIR = re.compile(r"mp_rank_\d{2}_(\d{3})")
 
 
 @dataclass
 class ShardedCheckpoint:
-    """One iteration of a checkpoint: the loaded file of each tensor-parallel rank."""
+    """One iteration of a checkpoint: the loaded file of each tensor-parallel rank (a
+    checkpoint with pipeline stages has its stages joined: megatron/convert/pipeline_layout)."""
     load_dir: str
     iteration: int
     release: bool
     shards: List[dict]  # model_optim_rng.pt contents, indexed by tensor-parallel rank
+    pipeline_model_parallel_size: int = 1  # as saved
 
     @property
     def args(self):
@@ -44,7 +49,11 @@ def read_sharded_checkpoint(load_dir, iteration=None):
         raise CheckpointError(f"{os.path.join(load_dir, TRACKER_FILENAME)} names iteration "
                               f"{'release' if release else iteration}, but {directory} does "
                               "not exist; fix the tracker or pass --iteration")
-    first_path = get_checkpoint_name(load_dir, iteration, mp_rank=0, release=release)
+    stages = _pipeline_stages(directory)
+    if stages > 1:
+        return _read_staged(load_dir, iteration, release, directory, stages)
+    first_path = get_checkpoint_name(load_dir, iteration, mp_rank=0, release=release,
+                                     pipeline_parallel=False)
     first = safe_load(first_path)
     if not isinstance(first, dict) or not isinstance(first.get("args"), dict) \
             or "model" not in first:
@@ -54,7 +63,8 @@ def read_sharded_checkpoint(load_dir, iteration=None):
     _check_rank_dirs(directory, size)
     shards = [first]
     for rank in range(1, size):
-        path = get_checkpoint_name(load_dir, iteration, mp_rank=rank, release=release)
+        path = get_checkpoint_name(load_dir, iteration, mp_rank=rank, release=release,
+                                   pipeline_parallel=False)
         shard = safe_load(path)
         saved_size = shard.get("args", {}).get("model_parallel_size")
         if saved_size != size or shard.get("iteration") != first.get("iteration"):
@@ -65,6 +75,46 @@ def read_sharded_checkpoint(load_dir, iteration=None):
                 "directory mixes two checkpoints")
         shards.append(shard)
     return ShardedCheckpoint(load_dir, iteration, release, shards)
+
+
+def _pipeline_stages(directory):
+    stages = {int(m.group(1)) for m in map(_STAGE_DIR.fullmatch, os.listdir(directory)) if m}
+    return max(stages) + 1 if stages else 1
+
+
+def _read_staged(load_dir, iteration, release, directory, stages):
+    """Every mp_rank_TT_PPP file, each tensor-parallel rank's stages joined into one."""
+    first_path = get_checkpoint_name(load_dir, iteration, 0, release, pp_rank=0,
+                                     pipeline_parallel=True)
+    first = safe_load(first_path)
+    if not isinstance(first, dict) or not isinstance(first.get("args"), dict):
+        raise CheckpointError(f"{first_path} has no 'args' entry: it was not saved by "
+                              "pretrain_gpt2.py and cannot be converted")
+    size = first["args"].get("model_parallel_size", 1)
+    saved_stages = first["args"].get("pipeline_model_parallel_size", stages)
+    expected = [f"mp_rank_{t:02d}_{s:03d}" for t in range(size) for s in range(saved_stages)]
+    present = sorted(d for d in os.listdir(directory)
+                     if _STAGE_DIR.fullmatch(d) or _RANK_DIR.fullmatch(d))
+    missing = [d for d in expected
+               if not os.path.isfile(os.path.join(directory, d, "model_optim_rng.pt"))]
+    if missing or present != expected:
+        raise CheckpointError(
+            f"{directory} should hold {', '.join(expected)} (model_parallel_size {size} x "
+            f"pipeline_model_parallel_size {saved_stages}), but holds {', '.join(present)}: "
+            "the checkpoint is incomplete or mixes two saves")
+    shards = []
+    for rank in range(size):
+        files = [first if rank == 0 and stage == 0 else
+                 safe_load(get_checkpoint_name(load_dir, iteration, rank, release,
+                                               pp_rank=stage, pipeline_parallel=True))
+                 for stage in range(saved_stages)]
+        for stage, contents in enumerate(files):
+            if contents.get("iteration") != first.get("iteration"):
+                raise CheckpointError(f"{directory}: mp_rank_{rank:02d}_{stage:03d} is of "
+                                      f"iteration {contents.get('iteration')}, mp_rank_00_000 "
+                                      f"of {first.get('iteration')}; the folder mixes two saves")
+        shards.append(join_stages(files))
+    return ShardedCheckpoint(load_dir, iteration, release, shards, saved_stages)
 
 
 def _resolve_iteration(load_dir, iteration):
@@ -103,24 +153,32 @@ def _check_rank_dirs(directory, size):
                               "directories left by another run")
 
 
-def write_sharded_checkpoint(save_dir, iteration, release, shards):
-    """Write one file per rank under a temporary name, rename it into place, then the tracker.
+def write_sharded_checkpoint(save_dir, iteration, release, shards, pipeline_stages=1):
+    """Write one file per rank (and per pipeline stage: each shard split into
+    `pipeline_stages`) under a temporary name, rename it into place, then the tracker.
 
     A crash leaves either no new iteration directory or a complete one, and the tracker is
     only advanced once every rank's file is in place.  Returns the file paths.
     """
+    staged = pipeline_stages > 1
     final = os.path.dirname(os.path.dirname(
-        get_checkpoint_name(save_dir, iteration, mp_rank=0, release=release)))
+        get_checkpoint_name(save_dir, iteration, 0, release, pp_rank=0,
+                            pipeline_parallel=staged)))
     if os.path.exists(final):
         raise CheckpointError(f"{final} already exists; choose another --save directory or "
                               "delete it first")
     staging = os.path.join(save_dir, f".{os.path.basename(final)}.tmp.{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
+    names = []
     for rank, shard in enumerate(shards):
-        atomic_torch_save(shard, os.path.join(staging, f"mp_rank_{rank:02d}",
-                                              "model_optim_rng.pt"))
+        files = split_stages(shard, pipeline_stages) if staged else \
+            [dict(shard, args=dict(shard["args"], pipeline_model_parallel_size=1))]
+        for stage, contents in enumerate(files):
+            path = get_checkpoint_name(save_dir, iteration, rank, release, pp_rank=stage,
+                                       pipeline_parallel=staged)
+            atomic_torch_save(contents, os.path.join(staging, os.path.relpath(path, final)))
+            names.append(path)
     os.replace(staging, final)
     atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME),
                       "release" if release else str(iteration))
-    return [get_checkpoint_name(save_dir, iteration, mp_rank=rank, release=release)
-            for rank in range(len(shards))]
+    return names

@@ -1,7 +1,10 @@
-"""Change the tensor-parallel (TP) size of a checkpoint through a full, unsharded form.
+"""Change the tensor-parallel (TP) and pipeline (PP) sizes of a checkpoint through a full,
+unsharded form.
 
-    TP=N shards --merge--> FullCheckpoint --re-pad vocab--> --split--> TP=M shards
+    TP=N x PP=P files --join stages--> TP=N shards --merge--> FullCheckpoint --re-pad vocab-->
+        --split--> TP=M shards --split stages--> TP=M x PP=Q files
 
+(the stages: megatron/convert/pipeline_layout.py).
 Everything sharded is converted: model weights, Adam moments and fp32 master weights, so
 training resumes at the new size with the loss it would have had at the old one.  The word
 embeddings are padded to a multiple of make_vocab_size_divisible_by * TP; the real rows are
@@ -203,11 +206,20 @@ def check_target_size(args, target_tp):
                               f"{value % target_tp})")
 
 
+def check_target_stages(args, target_pp):
+    """ConfigError unless every one of `target_pp` pipeline stages gets a layer."""
+    if target_pp < 1 or target_pp > args["num_layers"]:
+        raise ConfigError(f"--target-pipeline-model-parallel-size {target_pp} must be between 1 "
+                          f"and the checkpoint's num_layers {args['num_layers']}")
+
+
 class ReshardResult(NamedTuple):
     iteration: int
     release: bool
     source_tp: int
     target_tp: int
+    source_pp: int
+    target_pp: int
     vocab_size: int
     source_padded_vocab_size: int
     target_padded_vocab_size: int
@@ -216,8 +228,10 @@ class ReshardResult(NamedTuple):
 
 
 def reshard_checkpoint(load_dir, save_dir, target_tp, iteration=None, vocab_size=None,
-                       tokenizer_files=None, source_tp=None, reader=read_sharded_checkpoint):
-    """Convert `load_dir` (at its saved TP size) to a TP=`target_tp` checkpoint in `save_dir`.
+                       tokenizer_files=None, source_tp=None, reader=read_sharded_checkpoint,
+                       target_pp=1):
+    """Convert `load_dir` (at its saved TP and pipeline sizes) to a TP=`target_tp`, PP=
+    `target_pp` checkpoint in `save_dir`.
 
     `source_tp`, when given, must be the TP size the checkpoint was saved at. `reader(load_dir,
     iteration)` -> ShardedCheckpoint (deepspeed_source.read_deepspeed_checkpoint for --deepspeed).
@@ -234,13 +248,22 @@ def reshard_checkpoint(load_dir, save_dir, target_tp, iteration=None, vocab_size
                           f"{sharded.model_parallel_size}; drop the flag, it is read from "
                           "the checkpoint")
     check_target_size(sharded.args, target_tp)
+    check_target_stages(sharded.args, target_pp)
+    full, source_padded = resharded(sharded, target_tp, vocab_size, tokenizer_files)
+    paths = write_sharded_checkpoint(save_dir, sharded.iteration, sharded.release,
+                                     split_checkpoint(full, target_tp), target_pp)
+    return ReshardResult(sharded.iteration, sharded.release, sharded.model_parallel_size,
+                         target_tp, sharded.pipeline_model_parallel_size, target_pp,
+                         full.vocab_size, source_padded, full.padded_vocab_size,
+                         full.optimizer is not None, paths)
+
+
+def resharded(sharded, target_tp, vocab_size=None, tokenizer_files=None):
+    """(FullCheckpoint with the vocab padded for `target_tp`, the source's padded vocab) of a
+    ShardedCheckpoint."""
     vocab_size = resolve_vocab_size(sharded.args, vocab_size, tokenizer_files)
     full = merge_checkpoint(sharded, vocab_size)
     source_padded = full.padded_vocab_size
     divisible_by = full.args.get("make_vocab_size_divisible_by", 128)
     resize_vocab(full, vocab_size_with_padding(vocab_size, divisible_by, target_tp))
-    paths = write_sharded_checkpoint(save_dir, sharded.iteration, sharded.release,
-                                     split_checkpoint(full, target_tp))
-    return ReshardResult(sharded.iteration, sharded.release, sharded.model_parallel_size,
-                         target_tp, vocab_size, source_padded, full.padded_vocab_size,
-                         full.optimizer is not None, paths)
+    return full, source_padded

@@ -21,7 +21,7 @@ from megatron.tokenizer.file_utils import permissions_as_new_file
 from megatron.checkpointing.megatron_layout import CHECKPOINT_VERSION, to_nested_state_dict
 from megatron.convert.checkpoint_files import write_sharded_checkpoint
 from megatron.convert.hf import hf_config_from_model_args, megatron_to_hf_state_dict
-from megatron.convert.reshard import check_target_size
+from megatron.convert.reshard import check_target_size, check_target_stages
 from megatron.convert.tp_layout import (WORD_EMBEDDINGS, parameter_layout, resize_vocab_rows,
                                         split_full)
 from megatron.errors import CheckpointError, ConfigError
@@ -31,16 +31,17 @@ SAVERS = ("megatron", "hf")
 _TOKENIZER_KEYS = ("vocab_file", "merge_file", "tokenizer_model")
 
 
-def save_model_weights(weights, save_dir, saver, target_tp=1, dtype=torch.float32):
+def save_model_weights(weights, save_dir, saver, target_tp=1, dtype=torch.float32, target_pp=1):
     """Write `weights` in format `saver`; returns a list of the files written."""
     if saver not in SAVERS:
         raise ConfigError(f"unknown --saver {saver!r}; choose one of {', '.join(SAVERS)}")
     _check_empty(save_dir)
     if saver == "megatron":
-        return save_megatron(weights, save_dir, target_tp, dtype)
-    if target_tp != 1:
-        raise ConfigError("--target-tensor-parallel-size applies to --saver megatron; a "
-                          "Hugging Face folder always holds the full model")
+        return save_megatron(weights, save_dir, target_tp, dtype, target_pp)
+    if target_tp != 1 or target_pp != 1:
+        raise ConfigError("--target-tensor-parallel-size and --target-pipeline-model-parallel-"
+                          "size apply to --saver megatron; a Hugging Face folder always holds "
+                          "the full model")
     return save_hf(weights, save_dir, dtype)
 
 
@@ -63,9 +64,10 @@ def _copy_tokenizer_files(args, save_dir):
     return copied
 
 
-def save_megatron(weights, save_dir, target_tp, dtype=torch.float32):
+def save_megatron(weights, save_dir, target_tp, dtype=torch.float32, target_pp=1):
     args = dict(weights.args)
     check_target_size(args, target_tp)
+    check_target_stages(args, target_pp)
     divisible_by = args.get("make_vocab_size_divisible_by") or 128
     padded = vocab_size_with_padding(weights.vocab_size, divisible_by, target_tp)
     state = {name: tensor.to(dtype) for name, tensor in weights.state_dict.items()}
@@ -84,7 +86,7 @@ def save_megatron(weights, save_dir, target_tp, dtype=torch.float32):
                "model": to_nested_state_dict({name: parts[rank]
                                               for name, parts in split.items()})}
               for rank in range(target_tp)]
-    return write_sharded_checkpoint(save_dir, 0, True, shards)
+    return write_sharded_checkpoint(save_dir, 0, True, shards, target_pp)
 
 
 def save_hf(weights, save_dir, dtype=torch.float32):

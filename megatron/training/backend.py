@@ -6,7 +6,7 @@ bucketed all-reduce overlapped with backward), under --deepspeed whatever the De
 asks for. So there is one optimizer, loss-scaler and gradient-reduction stack. What differs
 is chosen once, at start-up, by the backend class:
 
-    MegatronBackend   Megatron's checkpoint layout; --DDP-impl torch
+    MegatronBackend   Megatron's checkpoint layout (loaded at any TP x PP size); --DDP-impl torch
     ZeroBackend       DeepSpeed's checkpoint layout; zero.Init at ZeRO stage 3
 
 The trainer calls `train_step`, `report`, `save`, `load`, `checkpoint_tag` and uses `model`
@@ -149,9 +149,11 @@ class MegatronBackend(Backend):
                                         train_state, self.ctx.runtime.device)
 
     def load(self):
+        from megatron.convert.online import convert_for_this_rank
         state = megatron_layout.load_checkpoint(self.module, self.engine,
                                                 self.ctx.config.checkpoint, self.ctx.run_args,
-                                                self.ctx.runtime.device)
+                                                self.ctx.runtime.device,
+                                                convert=convert_for_this_rank)
         if state is not None:
             self.engine.restore_progress(state["iteration"], state["consumed_train_samples"],
                                          state["skipped_iters"])

@@ -1,0 +1,49 @@
+"""`--load` of a Megatron-layout checkpoint saved at other tensor-parallel or pipeline sizes.
+
+Every rank reads all of the checkpoint's files, joins and merges them into the full model and
+optimizer state, and keeps the part its own tensor-parallel rank and pipeline stage hold
+(megatron/convert/reshard.py, pipeline_layout.py): the same conversion as
+tools/merge_mp_partitions.py, in memory. The data-parallel size is free in this layout.
+"""
+
+import torch
+
+from megatron import mpu
+from megatron.checkpointing.megatron_layout import first_rank_checkpoint_name, read_tracker
+from megatron.convert.checkpoint_files import read_sharded_checkpoint
+from megatron.convert.pipeline_layout import split_stages
+from megatron.convert.reshard import check_target_stages, resharded, split_checkpoint
+
+
+def saved_layout(load_dir):
+    """(tensor-parallel size, pipeline stages) the checkpoint `load_dir` names was saved at,
+    or None without a readable one."""
+    iteration, release = read_tracker(load_dir)
+    if iteration is None:
+        return None
+    try:
+        args = torch.load(first_rank_checkpoint_name(load_dir, iteration, release),
+                          map_location="cpu", weights_only=True, mmap=True)["args"]
+    except Exception:  # noqa: BLE001 -- the load itself reports a missing or damaged file
+        return None
+    return args.get("model_parallel_size", 1), args.get("pipeline_model_parallel_size", 1)
+
+
+def convert_for_this_rank(load_dir):
+    """(this rank's file contents at the run's layout, a one-line note), or None when the
+    checkpoint already has the run's layout."""
+    saved = saved_layout(load_dir)
+    ours = (mpu.get_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
+    if saved is None or saved == ours:
+        return None
+    tp, stages = ours
+    sharded = read_sharded_checkpoint(load_dir)
+    check_target_stages(sharded.args, stages)
+    full, _ = resharded(sharded, tp)
+    mine = split_checkpoint(full, tp)[mpu.get_model_parallel_rank()]
+    files = split_stages(mine, stages) if stages > 1 else \
+        [dict(mine, args=dict(mine["args"], pipeline_model_parallel_size=1))]
+    note = (f"--load {load_dir} was saved at tensor-parallel size {saved[0]} x {saved[1]} "
+            f"pipeline stage(s); converted to {tp} x {stages} as it loaded (weights, optimizer "
+            "state, schedule)")
+    return files[mpu.get_pipeline_model_parallel_rank()], note

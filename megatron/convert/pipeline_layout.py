@@ -1,0 +1,154 @@
+"""Pipeline stages of a Megatron-layout checkpoint joined into one model, and split again.
+
+A stage's file (`mp_rank_TT_PPP/model_optim_rng.pt`) holds its own transformer layers
+numbered from 0, the embeddings on stage 0 and the final LayerNorm on the last stage, and an
+optimizer state over its own parameters (indices group by group: weight decay, no weight
+decay, each in model order). Joining renumbers the layers by each stage's offset and chains
+the stages' groups, which gives exactly the file a single-stage run saves; splitting is the
+inverse, with the layers cut as the trainer cuts them (`stage_layer_range`). Everything else
+in a file (iteration, args, schedule, loss scale) is the same on every stage; the RNG states
+of stage 0 are kept, and every stage of a split gets them. Quantised optimizer states
+(--optimizer adam8bit / adam4bit) move as their decoded moments.
+"""
+
+import copy
+import re
+
+from megatron.checkpointing.megatron_layout import to_flat_state_dict, to_nested_state_dict
+from megatron.convert.tp_layout import parameter_layout
+from megatron.errors import CheckpointError
+from megatron.model.transformer import stage_layer_range
+from zero.optim.quantized_state import decode_parameter_entry, is_quantized
+
+_LAYER = re.compile(r"^(language_model\.transformer\.layers\.)(\d+)(\..*)$")
+
+
+def _renumbered(flat, offset):
+    """Layer keys shifted by `offset`, other keys unchanged; order kept."""
+    out = {}
+    for key, value in flat.items():
+        match = _LAYER.match(key)
+        out[f"{match.group(1)}{int(match.group(2)) + offset}{match.group(3)}" if match
+            else key] = value
+    return out
+
+
+def _group_kinds(names):
+    """The optimizer groups of a model with these parameter names, as (kind, names): kind True
+    for the weight-decay group; empty groups are dropped, as the trainer drops them."""
+    decay = [n for n in names if parameter_layout(n).weight_decay]
+    rest = [n for n in names if not parameter_layout(n).weight_decay]
+    return [(kind, group) for kind, group in ((True, decay), (False, rest)) if group]
+
+
+def _per_name(optimizer, names):
+    """{name: (adam entry or None, fp32 master or None)} and {kind: hyper-parameters} of one
+    file's optimizer entry."""
+    inner = optimizer["optimizer"]
+    masters = optimizer.get("fp32_from_fp16_params")
+    entries, hypers = {}, {}
+    for g, (kind, group) in enumerate(_group_kinds(names)):
+        saved = inner["param_groups"][g]
+        if len(saved["params"]) != len(group):
+            raise CheckpointError(f"an optimizer group holds {len(saved['params'])} parameters "
+                                  f"where the stage's model has {len(group)}: the file was not "
+                                  "saved by pretrain_gpt2.py")
+        hypers[kind] = {k: v for k, v in saved.items() if k != "params"}
+        for position, (name, index) in enumerate(zip(group, saved["params"])):
+            master = None if masters is None else masters[g][position]
+            entry = inner["state"].get(index, inner["state"].get(str(index)))
+            if entry is not None and is_quantized(entry):
+                # a quantised entry's table names its parameter by index: moving it to
+                # another index moves AdamW's moments instead (requantised at the next step)
+                entry = decode_parameter_entry(entry)
+            entries[name] = (entry, master)
+    return entries, hypers
+
+
+def _optimizer_for(names, entries, hypers, template):
+    """A Megatron optimizer entry over `names` (model order) from per-name entries."""
+    state, groups, masters, index = {}, [], [], 0
+    for kind, group in _group_kinds(names):
+        indices = []
+        for name in group:
+            entry, _ = entries[name]
+            if entry is not None:
+                state[index] = entry
+            indices.append(index)
+            index += 1
+        groups.append(dict(hypers[kind], params=indices))
+        masters.append([entries[name][1] for name in group])
+    out = {k: copy.deepcopy(v) for k, v in template.items()
+           if k not in ("optimizer", "fp32_from_fp16_params")}
+    out["optimizer"] = {"state": state, "param_groups": groups}
+    out["fp32_from_fp16_params"] = masters if template.get("fp32_from_fp16_params") \
+        is not None else None
+    return out
+
+
+def join_stages(stages):
+    """One file's contents (pipeline_model_parallel_size 1) from the files of stages 0..P-1 of
+    one tensor-parallel rank."""
+    flat, offset = {}, 0
+    per_name, hypers = {}, {}
+    with_optimizer = ["optimizer" in stage for stage in stages]
+    if any(with_optimizer) and not all(with_optimizer):
+        raise CheckpointError("some pipeline stages have optimizer state and others not: the "
+                              "files come from different saves")
+    for number, stage in enumerate(stages):
+        stage_flat = to_flat_state_dict(stage["model"])
+        layers = {int(m.group(2)) for m in map(_LAYER.match, stage_flat) if m}
+        if layers != set(range(len(layers))):
+            raise CheckpointError(f"pipeline stage {number} holds layers {sorted(layers)}, not "
+                                  "0..n-1: it was not saved by a pipeline stage")
+        renumbered = _renumbered(stage_flat, offset)
+        if all(with_optimizer):
+            entries, stage_hypers = _per_name(stage["optimizer"], list(stage_flat))
+            per_name.update({new: entries[old] for old, new in zip(stage_flat, renumbered)})
+            for kind, hyper in stage_hypers.items():
+                hypers.setdefault(kind, hyper)
+        flat.update(renumbered)
+        offset += len(layers)
+    joined = {k: v for k, v in stages[0].items() if k not in ("model", "optimizer")}
+    joined["args"] = dict(stages[0]["args"], pipeline_model_parallel_size=1)
+    joined["model"] = to_nested_state_dict(flat)
+    if all(with_optimizer):
+        joined["optimizer"] = _optimizer_for(list(flat), per_name, hypers,
+                                             stages[0]["optimizer"])
+    return joined
+
+
+def split_stages(whole, stages):
+    """The files of `stages` pipeline stages from one file of pipeline_model_parallel_size 1."""
+    flat = to_flat_state_dict(whole["model"])
+    num_layers = len({int(m.group(2)) for m in map(_LAYER.match, flat) if m})
+    if stages > num_layers:
+        raise CheckpointError(f"{stages} pipeline stages need at least as many layers; the "
+                              f"checkpoint has {num_layers}")
+    entries = hypers = None
+    if "optimizer" in whole:
+        entries, hypers = _per_name(whole["optimizer"], list(flat))
+    files = []
+    for stage in range(stages):
+        first, last = stage_layer_range(num_layers, stages, stage)
+        mine = {}
+        for key, value in flat.items():
+            match = _LAYER.match(key)
+            if match:
+                keep = first <= int(match.group(2)) < last
+            elif key.startswith("language_model.embedding."):
+                keep = stage == 0
+            else:  # the final LayerNorm
+                keep = stage == stages - 1
+            if keep:
+                mine[key] = value
+        local = _renumbered(mine, -first)
+        out = {k: v for k, v in whole.items() if k not in ("model", "optimizer")}
+        out["args"] = dict(whole["args"], pipeline_model_parallel_size=stages)
+        out["model"] = to_nested_state_dict(local)
+        if entries is not None:
+            out["optimizer"] = _optimizer_for(
+                list(local), {new: entries[old] for old, new in zip(mine, local)}, hypers,
+                whole["optimizer"])
+        files.append(out)
+    return files
