@@ -250,20 +250,22 @@ class DeepSpeedEngine(torch.nn.Module):
         context = getattr(self.optimizer, "forward_context", None)
         return context() if context is not None else contextlib.nullcontext()
 
-    def backward(self, loss, scale_wrt_gas=True, grad=None):
+    def backward(self, loss, scale_wrt_gas=True, grad=None, reduce_gradients=None):
         """Backward of `loss` / gradient_accumulation_steps (x the loss scale); reduces the
         gradients over data parallel on the last micro-step (every micro-step in stage 2).
 
         `grad`: a pipeline stage before the last backpropagates its output `loss` with the
         gradient the next stage sent, which already carries the loss scale and the division
-        by the accumulation steps."""
+        by the accumulation steps. `reduce_gradients`: a schedule that runs several backward
+        passes per micro-step (model chunks) says which one reduces (stages 0 and 1)."""
         if grad is None:
             self.monitor.record_loss(loss)
             if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
                 loss = loss / self.gradient_accumulation_steps()
+        if reduce_gradients is None:
+            reduce_gradients = self.is_gradient_accumulation_boundary()
         with self.monitor.timed("backward"):
-            self.optimizer.backward(loss, reduce_gradients=self.is_gradient_accumulation_boundary(),
-                                    grad=grad)
+            self.optimizer.backward(loss, reduce_gradients=reduce_gradients, grad=grad)
         return loss
 
     def is_gradient_accumulation_boundary(self):

@@ -155,6 +155,11 @@ def _distributed(parser):
                         "stages (embeddings on the first, the output layer on the last), "
                         "which run the micro batches of --global-batch-size in the 1F1B "
                         "schedule; world size = tensor x pipeline x data parallel")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved 1F1B: each stage holds num_layers / (stages x N) model "
+                        "chunks of N layers (chunk c of stage s is the (c x stages + s)-th "
+                        "block of layers), which shrinks the pipeline bubble by that factor "
+                        "for one more point-to-point message per chunk and micro batch")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl on CUDA, gloo on CPU")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

@@ -27,7 +27,8 @@ POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length
                  "batch_size", "train_iters", "max_position_embeddings", "global_batch_size",
                  "ffn_hidden_size", "make_vocab_size_divisible_by", "exit_interval",
                  "save_interval", "log_interval", "eval_interval", "lr_decay_iters",
-                 "model_parallel_size", "pipeline_model_parallel_size", "threads")
+                 "model_parallel_size", "pipeline_model_parallel_size",
+                 "num_layers_per_virtual_pipeline_stage", "threads")
 MAX_INT = 2 ** 31 - 1
 NON_NEGATIVE_INTS = ("eval_iters", "num_workers", "warmup_iters", "max_nan_iterations")
 # float flags that must be finite (NaN and inf are never meaningful) -> (low, high, what)
@@ -181,8 +182,22 @@ def _parallel(raw, world_size):
             f"world size {world_size} is not divisible by --model-parallel-size {tp} x "
             f"--pipeline-model-parallel-size {pp} = {tp * pp} ({world_size} % {tp * pp} = "
             f"{world_size % (tp * pp)}); start a multiple of {tp * pp} processes")
+    per_virtual = raw["num_layers_per_virtual_pipeline_stage"]
+    chunks = 1
+    if per_virtual is not None:
+        require(pp > 1, "--num-layers-per-virtual-pipeline-stage needs "
+                        "--pipeline-model-parallel-size > 1")
+        stage_blocks = per_virtual * pp
+        require(raw["num_layers"] % stage_blocks == 0,
+                f"--num-layers {raw['num_layers']} is not divisible by "
+                f"--num-layers-per-virtual-pipeline-stage {per_virtual} x "
+                f"--pipeline-model-parallel-size {pp} = {stage_blocks} "
+                f"({raw['num_layers']} % {stage_blocks} = {raw['num_layers'] % stage_blocks})")
+        chunks = raw["num_layers"] // stage_blocks
     return ParallelConfig(
         world_size=world_size, model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        num_layers_per_virtual_pipeline_stage=per_virtual,
+        virtual_pipeline_model_parallel_size=chunks,
         data_parallel_size=world_size // (tp * pp),
         distributed_backend=raw["distributed_backend"], device=raw["device"],
         local_rank=raw["local_rank"],
@@ -211,12 +226,23 @@ def _check_pipeline(raw, parallel, training, ds_config):
             "--deepspeed checkpoints (DeepSpeed's layout) of pipeline stages are not built "
             "yet: with --pipeline-model-parallel-size, --save and --load take Megatron's "
             "layout (mp_rank_TT_PPP), which needs a run without --deepspeed")
+    chunks = parallel.virtual_pipeline_model_parallel_size
+    m = training.num_micro_batches
+    if chunks > 1:
+        require(m % pp == 0,
+                f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage) runs the "
+                f"micro batches in groups of --pipeline-model-parallel-size {pp}, but a step "
+                f"has {m} ({m} % {pp} = {m % pp}); make --global-batch-size a multiple of "
+                f"{pp * training.batch_size * parallel.data_parallel_size}")
+        require(ds_config.zero_optimization.stage < 2,
+                "the interleaved schedule reduces the gradients once, after the step's last "
+                "backward; ZeRO stage 2 reduces them at every micro batch. Use ZeRO stage 0 "
+                "or 1 with --num-layers-per-virtual-pipeline-stage")
     notes = []
     base, extra = divmod(raw["num_layers"], pp)
     if extra:
         notes.append(f"--num-layers {raw['num_layers']} over {pp} pipeline stages: the first "
                      f"{extra} stage(s) hold {base + 1} layers, the others {base}")
-    m = training.num_micro_batches
     if m < pp:
         suggested = 4 * pp * training.batch_size * parallel.data_parallel_size
         notes.append(f"{m} micro batch(es) per step over {pp} pipeline stages: each stage "

@@ -118,6 +118,8 @@ class ParallelConfig:
     model_parallel_size: int
     data_parallel_size: int
     pipeline_model_parallel_size: int
+    num_layers_per_virtual_pipeline_stage: Optional[int]  # interleaved 1F1B when set
+    virtual_pipeline_model_parallel_size: int  # model chunks per stage (1: plain 1F1B)
     distributed_backend: Optional[str]  # None: nccl on CUDA, gloo on CPU
     device: str
     local_rank: Optional[int]

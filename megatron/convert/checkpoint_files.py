@@ -171,8 +171,7 @@ def write_sharded_checkpoint(save_dir, iteration, release, shards, pipeline_stag
     shutil.rmtree(staging, ignore_errors=True)
     names = []
     for rank, shard in enumerate(shards):
-        files = split_stages(shard, pipeline_stages) if staged else \
-            [dict(shard, args=dict(shard["args"], pipeline_model_parallel_size=1))]
+        files = split_stages(shard, pipeline_stages)
         for stage, contents in enumerate(files):
             path = get_checkpoint_name(save_dir, iteration, rank, release, pp_rank=stage,
                                        pipeline_parallel=staged)

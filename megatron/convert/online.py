@@ -16,8 +16,8 @@ from megatron.convert.reshard import check_target_stages, resharded, split_check
 
 
 def saved_layout(load_dir):
-    """(tensor-parallel size, pipeline stages) the checkpoint `load_dir` names was saved at,
-    or None without a readable one."""
+    """(tensor-parallel size, pipeline stages, layers per virtual stage or None) the
+    checkpoint `load_dir` names was saved at, or None without a readable one."""
     iteration, release = read_tracker(load_dir)
     if iteration is None:
         return None
@@ -26,24 +26,30 @@ def saved_layout(load_dir):
                           map_location="cpu", weights_only=True, mmap=True)["args"]
     except Exception:  # noqa: BLE001 -- the load itself reports a missing or damaged file
         return None
-    return args.get("model_parallel_size", 1), args.get("pipeline_model_parallel_size", 1)
+    return (args.get("model_parallel_size", 1), args.get("pipeline_model_parallel_size", 1),
+            args.get("num_layers_per_virtual_pipeline_stage"))
 
 
-def convert_for_this_rank(load_dir):
+def convert_for_this_rank(load_dir, layers_per_virtual_stage=None):
     """(this rank's file contents at the run's layout, a one-line note), or None when the
-    checkpoint already has the run's layout."""
+    checkpoint already has the run's layout (`layers_per_virtual_stage`: the run's
+    --num-layers-per-virtual-pipeline-stage)."""
     saved = saved_layout(load_dir)
-    ours = (mpu.get_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
-    if saved is None or saved == ours:
+    tp, stages = mpu.get_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size()
+    ours = (tp, stages, layers_per_virtual_stage if stages > 1 else None)
+    if saved is None or saved == ours or (saved[:2] == (1, 1) and ours[:2] == (1, 1)):
         return None
-    tp, stages = ours
     sharded = read_sharded_checkpoint(load_dir)
     check_target_stages(sharded.args, stages)
     full, _ = resharded(sharded, tp)
     mine = split_checkpoint(full, tp)[mpu.get_model_parallel_rank()]
-    files = split_stages(mine, stages) if stages > 1 else \
-        [dict(mine, args=dict(mine["args"], pipeline_model_parallel_size=1))]
-    note = (f"--load {load_dir} was saved at tensor-parallel size {saved[0]} x {saved[1]} "
-            f"pipeline stage(s); converted to {tp} x {stages} as it loaded (weights, optimizer "
-            "state, schedule)")
+    files = split_stages(mine, stages, ours[2])
+    note = (f"--load {load_dir} was saved at {_describe(saved)}; converted to "
+            f"{_describe(ours)} as it loaded (weights, optimizer state, schedule)")
     return files[mpu.get_pipeline_model_parallel_rank()], note
+
+
+def _describe(layout):
+    tp, stages, per_virtual = layout
+    chunks = f" of {per_virtual}-layer model chunks" if per_virtual else ""
+    return f"tensor-parallel size {tp} x {stages} pipeline stage(s){chunks}"

@@ -3,9 +3,10 @@
 A stage's file (`mp_rank_TT_PPP/model_optim_rng.pt`) holds its own transformer layers
 numbered from 0, the embeddings on stage 0 and the final LayerNorm on the last stage, and an
 optimizer state over its own parameters (indices group by group: weight decay, no weight
-decay, each in model order). Joining renumbers the layers by each stage's offset and chains
-the stages' groups, which gives exactly the file a single-stage run saves; splitting is the
-inverse, with the layers cut as the trainer cuts them (`stage_layer_range`). Everything else
+decay, each in model order). Joining renumbers each stage's layers to their place in the
+model (`stage_layers`: as the trainer cuts them, interleaved model chunks included) and
+orders the parameters as the model does, which gives exactly the file a single-stage run
+saves; splitting is the inverse. Everything else
 in a file (iteration, args, schedule, loss scale) is the same on every stage; the RNG states
 of stage 0 are kept, and every stage of a split gets them. Quantised optimizer states
 (--optimizer adam8bit / adam4bit) move as their decoded moments.
@@ -17,20 +18,10 @@ import re
 from megatron.checkpointing.megatron_layout import to_flat_state_dict, to_nested_state_dict
 from megatron.convert.tp_layout import parameter_layout
 from megatron.errors import CheckpointError
-from megatron.model.transformer import stage_layer_range
+from megatron.model.transformer import stage_layers
 from zero.optim.quantized_state import decode_parameter_entry, is_quantized
 
 _LAYER = re.compile(r"^(language_model\.transformer\.layers\.)(\d+)(\..*)$")
-
-
-def _renumbered(flat, offset):
-    """Layer keys shifted by `offset`, other keys unchanged; order kept."""
-    out = {}
-    for key, value in flat.items():
-        match = _LAYER.match(key)
-        out[f"{match.group(1)}{int(match.group(2)) + offset}{match.group(3)}" if match
-            else key] = value
-    return out
 
 
 def _group_kinds(names):
@@ -86,10 +77,29 @@ def _optimizer_for(names, entries, hypers, template):
     return out
 
 
+def _global_layers(args, stages, stage):
+    """The layer numbers, in local order, a stage of a checkpoint with these args holds."""
+    per_virtual = args.get("num_layers_per_virtual_pipeline_stage")
+    chunks = 1 if not per_virtual else args["num_layers"] // (per_virtual * stages)
+    return [n for chunk in stage_layers(args["num_layers"], stages, stage, chunks)
+            for n in chunk]
+
+
+def _renumbered(flat, numbers):
+    """Layer keys renumbered by `numbers` (old number -> new), other keys unchanged; order
+    kept."""
+    out = {}
+    for key, value in flat.items():
+        match = _LAYER.match(key)
+        out[f"{match.group(1)}{numbers[int(match.group(2))]}{match.group(3)}" if match
+            else key] = value
+    return out
+
+
 def join_stages(stages):
     """One file's contents (pipeline_model_parallel_size 1) from the files of stages 0..P-1 of
     one tensor-parallel rank."""
-    flat, offset = {}, 0
+    flat = {}
     per_name, hypers = {}, {}
     with_optimizer = ["optimizer" in stage for stage in stages]
     if any(with_optimizer) and not all(with_optimizer):
@@ -101,16 +111,20 @@ def join_stages(stages):
         if layers != set(range(len(layers))):
             raise CheckpointError(f"pipeline stage {number} holds layers {sorted(layers)}, not "
                                   "0..n-1: it was not saved by a pipeline stage")
-        renumbered = _renumbered(stage_flat, offset)
+        numbers = _global_layers(stages[0]["args"], len(stages), number)
+        if len(numbers) != len(layers):
+            raise CheckpointError(f"pipeline stage {number} holds {len(layers)} layers, but its "
+                                  f"args give it {len(numbers)}")
+        renumbered = _renumbered(stage_flat, numbers)
         if all(with_optimizer):
             entries, stage_hypers = _per_name(stage["optimizer"], list(stage_flat))
             per_name.update({new: entries[old] for old, new in zip(stage_flat, renumbered)})
             for kind, hyper in stage_hypers.items():
                 hypers.setdefault(kind, hyper)
         flat.update(renumbered)
-        offset += len(layers)
     joined = {k: v for k, v in stages[0].items() if k not in ("model", "optimizer")}
-    joined["args"] = dict(stages[0]["args"], pipeline_model_parallel_size=1)
+    joined["args"] = _with_stages(stages[0]["args"], 1, None)
+    flat = _in_model_order(flat)
     joined["model"] = to_nested_state_dict(flat)
     if all(with_optimizer):
         joined["optimizer"] = _optimizer_for(list(flat), per_name, hypers,
@@ -118,33 +132,57 @@ def join_stages(stages):
     return joined
 
 
-def split_stages(whole, stages):
-    """The files of `stages` pipeline stages from one file of pipeline_model_parallel_size 1."""
+def _with_stages(args, stages, layers_per_virtual_stage):
+    """`args` recording a layout of `stages` stages (and model chunks of that many layers)."""
+    args = dict(args, pipeline_model_parallel_size=stages)
+    if layers_per_virtual_stage is not None or "num_layers_per_virtual_pipeline_stage" in args:
+        args["num_layers_per_virtual_pipeline_stage"] = layers_per_virtual_stage
+    return args
+
+
+def _in_model_order(flat):
+    """Embeddings, layers by number, the rest (the final LayerNorm): the module's order."""
+    def rank(key):
+        match = _LAYER.match(key)
+        if match:
+            return (1, int(match.group(2)))
+        return (0, 0) if key.startswith("language_model.embedding.") else (2, 0)
+    return {key: flat[key] for key in sorted(flat, key=rank)}  # sorted() is stable
+
+
+def split_stages(whole, stages, layers_per_virtual_stage=None):
+    """The files of `stages` pipeline stages (each holding num_layers / (stages x
+    `layers_per_virtual_stage`) model chunks when given) from one file of
+    pipeline_model_parallel_size 1."""
     flat = to_flat_state_dict(whole["model"])
     num_layers = len({int(m.group(2)) for m in map(_LAYER.match, flat) if m})
     if stages > num_layers:
         raise CheckpointError(f"{stages} pipeline stages need at least as many layers; the "
                               f"checkpoint has {num_layers}")
+    args = _with_stages(whole["args"], stages, layers_per_virtual_stage)
+    if stages == 1:
+        return [dict(whole, args=args)]
     entries = hypers = None
     if "optimizer" in whole:
         entries, hypers = _per_name(whole["optimizer"], list(flat))
     files = []
     for stage in range(stages):
-        first, last = stage_layer_range(num_layers, stages, stage)
+        numbers = _global_layers(args, stages, stage)
+        local_number = {n: i for i, n in enumerate(numbers)}
         mine = {}
         for key, value in flat.items():
             match = _LAYER.match(key)
             if match:
-                keep = first <= int(match.group(2)) < last
+                keep = int(match.group(2)) in local_number
             elif key.startswith("language_model.embedding."):
                 keep = stage == 0
             else:  # the final LayerNorm
                 keep = stage == stages - 1
             if keep:
                 mine[key] = value
-        local = _renumbered(mine, -first)
+        local = _renumbered(mine, local_number)  # a stage's layers ascend: order kept
         out = {k: v for k, v in whole.items() if k not in ("model", "optimizer")}
-        out["args"] = dict(whole["args"], pipeline_model_parallel_size=stages)
+        out["args"] = dict(args)
         out["model"] = to_nested_state_dict(local)
         if entries is not None:
             out["optimizer"] = _optimizer_for(

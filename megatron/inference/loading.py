@@ -102,7 +102,8 @@ def initialize_inference(args):
                           f"{args.distributed_timeout_minutes}")
     return initialize_megatron(ParallelConfig(
         world_size=world_size, model_parallel_size=tp, data_parallel_size=world_size // tp,
-        pipeline_model_parallel_size=1, distributed_backend=None, device=args.device,
+        pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=None,
+        virtual_pipeline_model_parallel_size=1, distributed_backend=None, device=args.device,
         local_rank=None,
         distributed_timeout_minutes=args.distributed_timeout_minutes, threads=args.threads,
         DDP_impl="local", ddp_bucket_size=0.0, seed=args.seed))

@@ -174,8 +174,8 @@ class GPT2Model(nn.Module):
         check_pipeline_split(config.num_layers, mpu.get_pipeline_model_parallel_world_size())
         self.config = config
         self.parallel_output = parallel_output
-        self.pre_process = mpu.is_pipeline_first_stage()
-        self.post_process = mpu.is_pipeline_last_stage()
+        self.pre_process = mpu.is_pipeline_first_stage(ignore_virtual=True)
+        self.post_process = mpu.is_pipeline_last_stage(ignore_virtual=True)
         self.language_model = TransformerLanguageModel(config)
         if config.params_dtype != torch.float32:
             self.to(config.params_dtype)  # initialised in fp32 on CPU, then cast
@@ -223,14 +223,21 @@ class GPT2Model(nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
         """Under pipeline parallelism a stage before the last returns its hidden states
-        [b, s, h]; a stage after the first starts from the tensor set_input_tensor gave."""
+        [b, s, h]; a stage after the first starts from the tensor set_input_tensor gave. With
+        the interleaved schedule the same holds per model chunk: the chunk at work is mpu's
+        virtual pipeline rank."""
         input_tensor, self._input_tensor = self._input_tensor, None
-        if not self.pre_process and input_tensor is None:
-            raise RuntimeError("a pipeline stage after the first needs set_input_tensor() "
-                               "before its forward")
+        chunk = mpu.get_virtual_pipeline_model_parallel_rank() or 0
+        first_here = self.pre_process and chunk == 0
+        last_here = self.post_process and \
+            chunk == len(self.language_model.transformer.chunk_layers) - 1
+        if not first_here and input_tensor is None:
+            raise RuntimeError("a pipeline stage (or model chunk) after the first needs "
+                               "set_input_tensor() before its forward")
         hidden_states = self.language_model(input_ids, position_ids, attention_mask,
-                                            input_tensor=input_tensor)
-        if not self.post_process:
+                                            input_tensor=None if first_here else input_tensor,
+                                            chunk=chunk)
+        if not last_here:
             return hidden_states
         word_embeddings_weight = self.output_layer_weight()
         if labels is not None:

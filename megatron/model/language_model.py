@@ -46,15 +46,16 @@ class TransformerLanguageModel(nn.Module):
                                                                  config.num_layers)
         embedding = Embedding(config, init_method)  # every stage draws its weights
         # under pipeline parallelism only the first stage keeps it
-        self.embedding = embedding if mpu.is_pipeline_first_stage() else None
+        self.embedding = embedding if mpu.is_pipeline_first_stage(ignore_virtual=True) \
+            else None
         self.transformer = ParallelTransformer(config, init_method, output_layer_init_method)
 
-    def forward(self, input_ids, position_ids, attention_mask=None, input_tensor=None):
-        """input_tensor: a later pipeline stage's input, the previous stage's output [b, s, h]
-        (input_ids and position_ids are then unused)."""
-        hidden_states = input_tensor if self.embedding is None \
-            else self.embedding(input_ids, position_ids)
-        return self.transformer(hidden_states, attention_mask)
+    def forward(self, input_ids, position_ids, attention_mask=None, input_tensor=None, chunk=0):
+        """input_tensor: the input of a pipeline stage (or model chunk) after the first, the
+        previous one's output [b, s, h] (input_ids and position_ids are then unused)."""
+        hidden_states = self.embedding(input_ids, position_ids) if input_tensor is None \
+            else input_tensor
+        return self.transformer(hidden_states, attention_mask, chunk)
 
 
 def parallel_lm_logits(hidden_states, word_embeddings_weight, parallel_output):

@@ -215,19 +215,22 @@ class ParallelTransformer(nn.Module):
         # A pipeline stage keeps its own layers (numbered from 0 in its state dict, as
         # Megatron's stages are) but builds and drops the others, so the weight generator
         # draws the single-process model's stream: every pipeline layout starts from it.
-        first, last = stage_layer_range(config.num_layers,
-                                        mpu.get_pipeline_model_parallel_world_size(),
-                                        mpu.get_pipeline_model_parallel_rank())
-        self.layer_offset = first
+        chunks = stage_layers(config.num_layers, mpu.get_pipeline_model_parallel_world_size(),
+                              mpu.get_pipeline_model_parallel_rank(),
+                              mpu.get_virtual_pipeline_model_parallel_world_size())
+        kept = {number for chunk in chunks for number in chunk}
         layers = []
         for number in range(config.num_layers):
             layer = ParallelTransformerLayer(config, init_method, output_layer_init_method)
-            if first <= number < last:
+            if number in kept:
                 layers.append(layer)
-        self.layers = nn.ModuleList(layers)
+        self.layers = nn.ModuleList(layers)  # chunk after chunk, each in layer order
+        # [first, last) local layers of each model chunk (one chunk unless interleaved)
+        ends = [sum(len(chunk) for chunk in chunks[:c + 1]) for c in range(len(chunks))]
+        self.chunk_layers = [(end - len(chunk), end) for chunk, end in zip(chunks, ends)]
         # the last pipeline stage's (LayerNorm draws nothing from the generator)
         self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon) \
-            if mpu.is_pipeline_last_stage() else None
+            if mpu.is_pipeline_last_stage(ignore_virtual=True) else None
 
     def _run_units(self, start, end):
         def run(hidden_states, allowed_mask):
@@ -240,27 +243,35 @@ class ParallelTransformer(nn.Module):
             return hidden_states
         return run
 
-    def forward(self, hidden_states, attention_mask=None):
+    def forward(self, hidden_states, attention_mask=None, chunk=0):
         # hidden_states: [b, s, h]; attention_mask: None (causal) or bool [b|1, 1, s, s] with
         # Megatron's convention True = masked.  SDPA's bool mask means the opposite.
+        # chunk: the model chunk to run (interleaved pipeline schedule).
         allowed_mask = None if attention_mask is None else ~attention_mask
-        num_units = len(self.layers) * (2 if self.split_transformers else 1)
+        per_layer = 2 if self.split_transformers else 1
+        first, last = (n * per_layer for n in self.chunk_layers[chunk])
         if self.checkpoint_activations and self.training and torch.is_grad_enabled():
-            for start in range(0, num_units, self.checkpoint_num_layers):
-                end = min(start + self.checkpoint_num_layers, num_units)
+            for start in range(first, last, self.checkpoint_num_layers):
+                end = min(start + self.checkpoint_num_layers, last)
                 hidden_states = self.checkpoint_function(self._run_units(start, end),
                                                          hidden_states, allowed_mask)
         else:
-            hidden_states = self._run_units(0, num_units)(hidden_states, allowed_mask)
-        if self.final_layernorm is None:
-            return hidden_states  # a pipeline stage before the last
+            hidden_states = self._run_units(first, last)(hidden_states, allowed_mask)
+        if self.final_layernorm is None or chunk != len(self.chunk_layers) - 1:
+            return hidden_states  # a pipeline stage (or model chunk) before the last
         return self.final_layernorm(hidden_states)
 
 
-def stage_layer_range(num_layers, stages, stage):
-    """[first, last) of the layers pipeline stage `stage` of `stages` holds: as even as the
-    count allows, the first num_layers % stages stages taking one layer more (the last stage
-    also runs the output layer and the loss)."""
-    base, extra = divmod(num_layers, stages)
-    first = stage * base + min(stage, extra)
-    return first, first + base + (1 if stage < extra else 0)
+def stage_layers(num_layers, stages, stage, chunks=1):
+    """The layers pipeline stage `stage` of `stages` holds, one list of layer numbers per
+    model chunk. One chunk: a contiguous run, as even as the count allows, the first
+    num_layers % stages stages taking one layer more (the last stage also runs the output
+    layer and the loss). `chunks` > 1 (interleaved 1F1B): num_layers splits evenly into
+    chunks x stages virtual stages, and chunk c of stage s is virtual stage c x stages + s."""
+    if chunks == 1:
+        base, extra = divmod(num_layers, stages)
+        first = stage * base + min(stage, extra)
+        return [list(range(first, first + base + (1 if stage < extra else 0)))]
+    per = num_layers // (stages * chunks)
+    return [list(range((c * stages + stage) * per, (c * stages + stage + 1) * per))
+            for c in range(chunks)]

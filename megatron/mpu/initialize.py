@@ -29,16 +29,20 @@ class ParallelState:
     pipeline_size: int = 1
     pipeline_rank: int = 0
     pipeline_ranks: tuple = ()  # global ranks of this pipeline, stage 0 first
+    virtual_pipeline_size: int = 1  # model chunks per stage (the interleaved schedule)
 
 
 _STATE: Optional[ParallelState] = None
+# The model chunk a stage is running (interleaved schedule); None outside the schedule.
+_VIRTUAL_RANK: Optional[int] = None
 # Set by tools (checkpoint merge/split) that need the layout without a process group.
 _MP_WORLD_SIZE_OVERRIDE: Optional[int] = None
 _MP_RANK_OVERRIDE: Optional[int] = None
 
 
 def initialize_model_parallel(model_parallel_size, timeout=None,
-                              pipeline_model_parallel_size=1):
+                              pipeline_model_parallel_size=1,
+                              virtual_pipeline_model_parallel_size=1):
     """Split the world into tensor-parallel groups of adjacent ranks, data-parallel groups
     strided by the tensor-parallel size within a pipeline stage, and pipelines strided by
     tensor x data parallel (Megatron's rank order: rank = (pipeline stage x dp + dp rank) x
@@ -51,7 +55,9 @@ def initialize_model_parallel(model_parallel_size, timeout=None,
     Adjacent ranks usually share a node, so the frequent tensor-parallel all-reduces stay
     on the fastest links.  Every rank must call this (group creation is collective).
     `timeout` (a timedelta) bounds every collective on the new groups; None keeps torch's
-    default.
+    default. `virtual_pipeline_model_parallel_size` > 1: each stage holds that many model
+    chunks (interleaved 1F1B); the schedule names the chunk at work with
+    set_virtual_pipeline_model_parallel_rank.
     """
     global _STATE
     if not dist.is_initialized():
@@ -96,7 +102,8 @@ def initialize_model_parallel(model_parallel_size, timeout=None,
         data_parallel_size=dp, data_parallel_rank=(rank % stage_size) // tp,
         model_parallel_src_rank=(rank // tp) * tp,
         pipeline_group=pipeline_group, pipeline_size=pp, pipeline_rank=rank // stage_size,
-        pipeline_ranks=pipeline_ranks)
+        pipeline_ranks=pipeline_ranks,
+        virtual_pipeline_size=virtual_pipeline_model_parallel_size)
     return _STATE
 
 
@@ -123,8 +130,8 @@ def get_parallel_state():
 
 def destroy_model_parallel():
     """Forget the groups and overrides, so the next `initialize_model_parallel` starts clean."""
-    global _STATE, _MP_WORLD_SIZE_OVERRIDE, _MP_RANK_OVERRIDE
-    state, _STATE = _STATE, None
+    global _STATE, _MP_WORLD_SIZE_OVERRIDE, _MP_RANK_OVERRIDE, _VIRTUAL_RANK
+    state, _STATE, _VIRTUAL_RANK = _STATE, None, None
     _MP_WORLD_SIZE_OVERRIDE = _MP_RANK_OVERRIDE = None
     if state is not None and dist.is_initialized():
         for group in (state.model_parallel_group, state.data_parallel_group,
@@ -203,11 +210,36 @@ def get_pipeline_model_parallel_rank():
     return _STATE.pipeline_rank if _STATE is not None else 0
 
 
-def is_pipeline_first_stage():
+def get_virtual_pipeline_model_parallel_world_size():
+    """Model chunks per pipeline stage (1 unless the schedule is interleaved)."""
+    return _STATE.virtual_pipeline_size if _STATE is not None else 1
+
+
+def get_virtual_pipeline_model_parallel_rank():
+    return _VIRTUAL_RANK
+
+
+def set_virtual_pipeline_model_parallel_rank(rank):
+    """The model chunk the next forward or backward runs (None: not inside a schedule)."""
+    global _VIRTUAL_RANK
+    _VIRTUAL_RANK = rank
+
+
+def is_pipeline_first_stage(ignore_virtual=False):
+    """This rank holds the embeddings; unless `ignore_virtual`, with interleaving, also the
+    chunk at work is the first one."""
+    if not ignore_virtual and get_virtual_pipeline_model_parallel_world_size() > 1 \
+            and _VIRTUAL_RANK not in (None, 0):
+        return False
     return get_pipeline_model_parallel_rank() == 0
 
 
-def is_pipeline_last_stage():
+def is_pipeline_last_stage(ignore_virtual=False):
+    """This rank holds the output layer; unless `ignore_virtual`, with interleaving, also the
+    chunk at work is the last one."""
+    chunks = get_virtual_pipeline_model_parallel_world_size()
+    if not ignore_virtual and chunks > 1 and _VIRTUAL_RANK not in (None, chunks - 1):
+        return False
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
 

@@ -6,12 +6,18 @@ backward, then drains the backward passes still owed. A stage holds at most P - 
 batches' activations (GPipe: all m), and each stage idles (P - 1) / (m + P - 1) of the step,
 the bubble.
 
-A stage's forward is `forward_step(batch, engine, ctx)`: on the last stage it returns the
-micro batch's loss, before it the hidden states the next stage starts from. Every stage reads
-the same batches (the tokens feed the first stage, the labels the last). Backward goes through
-the engine, so gradients accumulate, reduce over data parallelism and step exactly as without
-stages; the engine's step after the last backward is the one collective all stages join (the
-global norm and the overflow decision).
+Interleaved 1F1B (the same paper, section 2.2): each stage holds v model chunks, chunk c of
+stage s being the (c x P + s)-th block of layers, and the stages form a ring. Micro batches
+go through the chunks in groups of P, so a stage starts its next chunk's work while the
+pipeline fills, and the bubble shrinks to (P - 1) / (v x m + P - 1) for v times the messages.
+
+A stage's forward is `forward_step(batch, engine, ctx)`: on the last stage (last chunk) it
+returns the micro batch's loss, before it the hidden states the next stage starts from. Every
+stage reads the same batches (the tokens feed the first stage, the labels the last). Backward
+goes through the engine, so gradients accumulate, reduce over data parallelism and step
+exactly as without stages; the engine's step after the last backward is the one collective
+all stages join (the global norm and the overflow decision), so it follows this stage's last
+sends.
 """
 
 import torch
@@ -30,78 +36,196 @@ class PipelineStage:
         self.engine, self.ctx = engine, ctx
         self.module = engine.module
         config = ctx.config
+        self.chunks = mpu.get_virtual_pipeline_model_parallel_world_size()
         shape = (config.training.batch_size, config.data.seq_length,
                  ctx.model_config.hidden_size)
-        self.links = StageLinks(shape, config.precision.torch_dtype, ctx.runtime.device)
+        self.links = StageLinks(shape, config.precision.torch_dtype, ctx.runtime.device,
+                                ring=self.chunks > 1)
         self.tied = TiedEmbeddings(self.module, ctx.runtime.device,
                                    config.precision.torch_dtype)
-        self.first, self.last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
+        self.first = mpu.is_pipeline_first_stage(ignore_virtual=True)
+        self.last = mpu.is_pipeline_last_stage(ignore_virtual=True)
         self.stages = mpu.get_pipeline_model_parallel_world_size()
         self.stage = mpu.get_pipeline_model_parallel_rank()
 
-    def _forward(self, forward_step, batches, input_tensor):
-        if not self.first:
-            self.module.set_input_tensor(input_tensor)
-        return forward_step(next(batches), self.engine, self.ctx)
-
-    def _backward(self, input_tensor, output, output_grad):
-        """Backward of one micro batch; the gradient of this stage's input (None on the first
-        stage)."""
-        if self.last:
-            self.engine.backward(output)
-        else:
-            self.engine.backward(output, grad=output_grad)
-        return None if input_tensor is None else input_tensor.grad
+    # ----- one step
 
     def train_step(self, forward_step, batches, count):
-        """One step of `count` micro batches (1F1B). The summed losses, on every stage."""
+        """One step of `count` micro batches. The summed losses, on every stage."""
         if self.tied.involved:
             self.tied.sync_weights()
+        total = torch.zeros((), dtype=torch.float32, device=self.ctx.runtime.device)
+        if self.chunks > 1:
+            self._interleaved(forward_step, [next(batches) for _ in range(count)], count, total)
+        else:
+            self._one_f_one_b(forward_step, batches, count, total)
+        return self._from_last_stage(total)
+
+    def _forward(self, forward_step, batch, input_tensor, total, counted=True):
+        if input_tensor is not None:
+            self.module.set_input_tensor(input_tensor)
+        output = forward_step(batch, self.engine, self.ctx)
+        if counted and mpu.is_pipeline_last_stage():  # the loss (of the last chunk)
+            total += output.detach().float()
+        return output
+
+    def _backward(self, input_tensor, output, output_grad, final):
+        """Backward of one micro batch (through one chunk); the gradient of its input (None on
+        the first stage's first chunk). `final`: the step's last backward on this stage."""
+        if final and self.first:
+            self.tied.receive_grad()  # before the last backward adds the embedding's
+        if mpu.is_pipeline_last_stage():
+            self.engine.backward(output, reduce_gradients=final if self.chunks > 1 else None)
+        else:
+            self.engine.backward(output, grad=output_grad,
+                                 reduce_gradients=final if self.chunks > 1 else None)
+        return None if input_tensor is None else input_tensor.grad
+
+    def _finish(self):
+        """After this stage's last sends: the output layer's gradient to the first stage, then
+        the engine's step."""
+        if self.last:
+            self.tied.send_grad()
+        self.engine.step()
+
+    def _one_f_one_b(self, forward_step, batches, count, total):
+        links = self.links
         warmup = min(self.stages - self.stage - 1, count)
         steady = count - warmup
         in_flight = []  # (input, output) of micro batches whose backward is still owed
-        total = torch.zeros((), dtype=torch.float32, device=self.ctx.runtime.device)
-        done = 0  # backward passes run
+        done = 0
 
-        def backward(input_tensor, output, output_grad):
+        def backward(output_grad):
             nonlocal done
             done += 1
-            if self.first and done == count:
-                self.tied.receive_grad()  # before the last backward adds the embedding's
-            return self._backward(input_tensor, output, output_grad)
+            input_tensor, output = in_flight.pop(0)
+            return self._backward(input_tensor, output, output_grad, done == count)
 
-        def finish_backward(input_grad, recv_next):
-            """Send the input gradient back (receiving the next input when `recv_next`), then
-            the engine's step: after the sends, since the step after the last backward waits
-            for every stage."""
-            received = self.links.send_backward_recv_forward(input_grad) if recv_next \
-                else self.links.send_backward(input_grad)
-            if done == count and self.last:
-                self.tied.send_grad()
-            self.engine.step()  # acts after the last micro batch only
-            return received
+        def step_unless_final():
+            if done < count:
+                self.engine.step()  # counts the micro batch; the last one steps in _finish
 
         for _ in range(warmup):
-            input_tensor = self.links.recv_forward()
-            output = self._forward(forward_step, batches, input_tensor)
-            self.links.send_forward(output)
+            input_tensor = links.recv_forward()
+            output = self._forward(forward_step, next(batches), input_tensor, total)
+            links.send_forward(output)
             in_flight.append((input_tensor, output))
-        input_tensor = self.links.recv_forward() if steady else None
+        input_tensor = links.recv_forward() if steady else None
         for i in range(steady):
-            output = self._forward(forward_step, batches, input_tensor)
-            if self.last:
-                total += output.detach().float()
-            output_grad = self.links.send_forward_recv_backward(output)
+            output = self._forward(forward_step, next(batches), input_tensor, total)
+            output_grad = links.send_forward_recv_backward(output)
             in_flight.append((input_tensor, output))
-            oldest_input, oldest_output = in_flight.pop(0)
-            input_grad = backward(oldest_input, oldest_output, output_grad)
-            input_tensor = finish_backward(input_grad, recv_next=i < steady - 1)
+            input_grad = backward(output_grad)
+            if i < steady - 1:
+                input_tensor = links.send_backward_recv_forward(input_grad)
+            else:
+                links.send_backward(input_grad)
+            step_unless_final()
         for _ in range(warmup):
-            oldest_input, oldest_output = in_flight.pop(0)
-            output_grad = self.links.recv_backward()
-            input_grad = backward(oldest_input, oldest_output, output_grad)
-            finish_backward(input_grad, recv_next=False)
-        return self._from_last_stage(total)
+            input_grad = backward(links.recv_backward())
+            links.send_backward(input_grad)
+            step_unless_final()
+        self._finish()
+
+    def _chunk(self, k, forward):
+        """The model chunk of this stage's k-th forward (or backward) pass: micro batches go
+        through the chunks in groups of P, backward passes through the chunks in reverse."""
+        chunk = k % (self.stages * self.chunks) // self.stages
+        return chunk if forward else self.chunks - 1 - chunk
+
+    def _micro_batch(self, k):
+        """The micro batch of this stage's k-th forward pass."""
+        return k // (self.stages * self.chunks) * self.stages + k % self.stages
+
+    def _interleaved(self, forward_step, batches, count, total):
+        links, stages, chunks = self.links, self.stages, self.chunks
+        passes = count * chunks  # forward (and backward) passes of this stage
+        if count == stages:
+            warmup = passes  # every forward before the first backward
+        else:
+            warmup = min((stages - self.stage - 1) * 2 + (chunks - 1) * stages, passes)
+        steady = passes - warmup
+        inputs = [[] for _ in range(chunks)]
+        outputs = [[] for _ in range(chunks)]
+        grads = [[] for _ in range(chunks)]
+
+        def forward(k):
+            chunk = self._chunk(k, forward=True)
+            mpu.set_virtual_pipeline_model_parallel_rank(chunk)
+            if mpu.is_pipeline_first_stage() and len(inputs[chunk]) == len(outputs[chunk]):
+                inputs[chunk].append(None)  # the embeddings start from the tokens
+            output = self._forward(forward_step, batches[self._micro_batch(k)],
+                                   inputs[chunk][-1], total)
+            outputs[chunk].append(output)
+            return None if mpu.is_pipeline_last_stage() else output
+
+        def backward(k):
+            chunk = self._chunk(k, forward=False)
+            mpu.set_virtual_pipeline_model_parallel_rank(chunk)
+            if mpu.is_pipeline_last_stage() and not grads[chunk]:
+                grads[chunk].append(None)  # the loss starts the backward
+            input_grad = self._backward(inputs[chunk].pop(0), outputs[chunk].pop(0),
+                                        grads[chunk].pop(0), final=k == passes - 1)
+            if chunk == 0 and k < passes - 1:
+                self.engine.step()  # a micro batch's last chunk: counted
+            return None if mpu.is_pipeline_first_stage() else input_grad
+
+        def receives_input(k):
+            """Whether forward pass k + 1 takes its input from the previous stage."""
+            return k < passes - 1 and not (self.first and self._chunk(k + 1, True) == 0)
+
+        try:
+            mpu.set_virtual_pipeline_model_parallel_rank(0)
+            inputs[0].append(links.exchange(recv_prev=not self.first)[0])
+            for k in range(warmup):
+                output = forward(k)
+                recv_prev = receives_input(k)
+                if k == warmup - 1 and warmup < passes:  # the first gradient arrives with it
+                    received, grad = links.exchange(send_next=output, recv_prev=recv_prev,
+                                                    recv_next=not self.last)
+                    grads[chunks - 1].append(grad)
+                else:
+                    received, _ = links.exchange(send_next=output, recv_prev=recv_prev)
+                if recv_prev:
+                    inputs[self._chunk(k + 1, True)].append(received)
+            for i in range(steady):
+                k_forward, k_backward = i + warmup, i
+                output = forward(k_forward)
+                input_grad = backward(k_backward)
+                # The first stage runs P - 1 passes ahead of the last: which chunk's input
+                # (gradient) arrives next follows from the sender's position.
+                if self.first:
+                    sender = self._chunk(k_forward - (stages - 1), True)
+                    recv_prev, next_input = sender != chunks - 1, sender + 1
+                else:
+                    recv_prev, next_input = True, self._chunk(k_forward + 1, True)
+                if self.last:
+                    sender = self._chunk(k_backward - (stages - 1), False)
+                    recv_next, next_grad = sender != 0, sender - 1
+                else:
+                    recv_next, next_grad = True, self._chunk(k_backward + 1, False)
+                if i == steady - 1:
+                    recv_prev = False  # the last input came in the warm-up
+                received, grad = links.exchange(send_next=output, send_prev=input_grad,
+                                                recv_prev=recv_prev, recv_next=recv_next)
+                if recv_prev:
+                    inputs[next_input].append(received)
+                if recv_next:
+                    grads[next_grad].append(grad)
+            if warmup == passes:
+                grads[chunks - 1].append(links.exchange(recv_next=not self.last)[1])
+            for k in range(steady, passes):
+                input_grad = backward(k)
+                recv_next = k < passes - 1 and not (
+                    self.last and self._chunk(k + 1, False) == chunks - 1)
+                _, grad = links.exchange(send_prev=input_grad, recv_next=recv_next)
+                if recv_next:
+                    grads[self._chunk(k + 1, False)].append(grad)
+        finally:
+            mpu.set_virtual_pipeline_model_parallel_rank(None)
+        self._finish()
+
+    # ----- evaluation
 
     @torch.no_grad()
     def forward_only(self, forward_step, batches, count):
@@ -110,12 +234,38 @@ class PipelineStage:
         if self.tied.involved:
             self.tied.sync_weights()
         total = torch.zeros((), dtype=torch.float32, device=self.ctx.runtime.device)
-        for _ in range(count):
-            output = self._forward(forward_step, batches, self.links.recv_forward())
-            if self.last:
-                total += output.float()
-            else:
-                self.links.send_forward(output)
+        if self.chunks == 1:
+            for _ in range(count):
+                output = self._forward(forward_step, next(batches), self.links.recv_forward(),
+                                       total)
+                if not self.last:
+                    self.links.send_forward(output)
+            return self._from_last_stage(total)
+        batches = [next(batches) for _ in range(count)]
+        # micro batches go in groups of P: a short last evaluation batch is padded with
+        # repeats whose losses are not counted
+        counted = count
+        batches += batches[-1:] * (-count % self.stages)
+        passes = len(batches) * self.chunks
+        inputs = [[] for _ in range(self.chunks)]
+        try:
+            mpu.set_virtual_pipeline_model_parallel_rank(0)
+            inputs[0].append(self.links.exchange(recv_prev=not self.first)[0])
+            for k in range(passes):
+                chunk = self._chunk(k, forward=True)
+                mpu.set_virtual_pipeline_model_parallel_rank(chunk)
+                input_tensor = None if mpu.is_pipeline_first_stage() else inputs[chunk].pop(0)
+                micro_batch = self._micro_batch(k)
+                output = self._forward(forward_step, batches[micro_batch], input_tensor, total,
+                                       counted=micro_batch < counted)
+                send = None if mpu.is_pipeline_last_stage() else output
+                recv_prev = k < passes - 1 and not (
+                    self.first and self._chunk(k + 1, True) == 0)
+                received, _ = self.links.exchange(send_next=send, recv_prev=recv_prev)
+                if recv_prev:
+                    inputs[self._chunk(k + 1, True)].append(received)
+        finally:
+            mpu.set_virtual_pipeline_model_parallel_rank(None)
         return self._from_last_stage(total)
 
     def _from_last_stage(self, total):

@@ -63,8 +63,10 @@ def initialize_megatron(parallel, recompute=None, notes=()):
         torch.set_num_threads(parallel.threads or device_mod.default_num_threads())
     timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
     _init_process_group(parallel, device, launch, timeout)
-    mpu.initialize_model_parallel(parallel.model_parallel_size, timeout=timeout,
-                                  pipeline_model_parallel_size=parallel.pipeline_model_parallel_size)
+    mpu.initialize_model_parallel(
+        parallel.model_parallel_size, timeout=timeout,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size)
     # Before seeding: under --deepspeed-activation-checkpointing mpu uses zero's RNG tracker.
     setup_activation_checkpointing(recompute, notes, device, is_rank0=launch.rank == 0)
     set_random_seed(parallel.seed, device)

@@ -153,7 +153,10 @@ class MegatronBackend(Backend):
         state = megatron_layout.load_checkpoint(self.module, self.engine,
                                                 self.ctx.config.checkpoint, self.ctx.run_args,
                                                 self.ctx.runtime.device,
-                                                convert=convert_for_this_rank)
+                                                convert=functools.partial(
+                                                    convert_for_this_rank,
+                                                    layers_per_virtual_stage=self.ctx.config
+                                                    .parallel.num_layers_per_virtual_pipeline_stage))
         if state is not None:
             self.engine.restore_progress(state["iteration"], state["consumed_train_samples"],
                                          state["skipped_iters"])

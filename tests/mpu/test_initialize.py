@@ -60,10 +60,12 @@ def test_pipeline_groups_follow_megatrons_rank_order():
 
 
 def test_stage_layer_split_is_even_with_the_extra_layers_first():
-    from megatron.model.transformer import stage_layer_range
-    assert [stage_layer_range(8, 4, s) for s in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert [stage_layer_range(7, 3, s) for s in range(3)] == [(0, 3), (3, 5), (5, 7)]
-    assert [stage_layer_range(2, 2, s) for s in range(2)] == [(0, 1), (1, 2)]
+    from megatron.model.transformer import stage_layers
+    assert [stage_layers(8, 4, s) for s in range(4)] == [[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]]
+    assert [stage_layers(7, 3, s) for s in range(3)] == [[[0, 1, 2]], [[3, 4]], [[5, 6]]]
+    # interleaved: 2 chunks a stage, chunk c of stage s is virtual stage c x 2 + s
+    assert [stage_layers(8, 2, s, chunks=2) for s in range(2)] == [[[0, 1], [4, 5]],
+                                                                   [[2, 3], [6, 7]]]
 
 
 def test_without_pipeline_every_rank_is_first_and_last_stage():

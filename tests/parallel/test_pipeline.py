@@ -125,6 +125,8 @@ def test_pipeline_resume_is_exact(corpus, pp2_tp2_with_checkpoints, tmp_path):
 @pytest.mark.parametrize("world_size, flags", [
     (2, ["--batch-size", 4]),  # TP 1 x PP 1 x DP 2
     (4, ["--pipeline-model-parallel-size", 4, "--batch-size", 2]),  # PP 4
+    (2, ["--pipeline-model-parallel-size", 2, "--batch-size", 2,  # interleaved
+         "--num-layers-per-virtual-pipeline-stage", 1]),
 ])
 def test_resume_at_another_layout_continues_the_loss_curve(corpus, pp2_tp2_with_checkpoints,
                                                            tmp_path, world_size, flags):
@@ -154,3 +156,23 @@ def test_bad_pipeline_layout_is_one_error_line(corpus, tmp_path, world_size, fla
     output0 = results[0][1]
     assert len(output0.strip().splitlines()) == 1, output0
     assert output0.startswith("error: ") and expected in output0, output0
+
+
+@pytest.fixture(scope="module")
+def four_layer_1f1b(corpus, tmp_path_factory):
+    return train(corpus, tmp_path_factory.mktemp("pp2-4layers"), 2, ITERS, *FOUR_LAYERS,
+                 "--pipeline-model-parallel-size", 2, "--batch-size", 2)[0]
+
+
+def test_interleaved_schedule_matches_1f1b(corpus, four_layer_1f1b, tmp_path):
+    """Two model chunks a stage (layers 0 and 2 on stage 0, 1 and 3 on stage 1): the same
+    losses as plain 1F1B; its checkpoint, whose stages hold layers 0, 2 and 1, 3, loads into
+    a run without stages."""
+    metrics, _ = train(corpus, tmp_path, 2, ITERS, *FOUR_LAYERS,
+                       "--pipeline-model-parallel-size", 2, "--batch-size", 2,
+                       "--num-layers-per-virtual-pipeline-stage", 1, "--save", tmp_path / "ckpt")
+    assert_same_training(four_layer_1f1b, metrics, ITERS)
+    resumed, results = train(corpus, tmp_path / "resumed", 1, ITERS + 2, *FOUR_LAYERS,
+                             "--batch-size", 8, "--load", tmp_path / "ckpt")
+    assert sorted(resumed) == [ITERS + 1, ITERS + 2]
+    assert "of 1-layer model chunks; converted to tensor-parallel size 1" in results[0][1]

@@ -159,3 +159,35 @@ def test_pipeline_sizes_and_the_bubble_note():
                    "--global-batch-size", "32", world_size=2)
     assert any("the first 1 stage(s) hold 2 layers, the others 1" in n for n in uneven.notes)
     assert not any("idles" in n for n in uneven.notes)
+
+
+@pytest.mark.parametrize("extra, world_size, message", [
+    (["--num-layers-per-virtual-pipeline-stage", "1"], 1,
+     "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "6",
+      "--num-layers-per-virtual-pipeline-stage", "2"], 2,
+     "--num-layers 6 is not divisible by --num-layers-per-virtual-pipeline-stage 2 x "
+     "--pipeline-model-parallel-size 2 = 4 (6 % 4 = 2)"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+      "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "12"], 2,
+     "runs the micro batches in groups of --pipeline-model-parallel-size 2, but a step has 3"),
+])
+def test_interleaved_schedule_refusals(extra, world_size, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse(*extra, world_size=world_size)
+
+
+def test_interleaved_schedule_refuses_zero_stage_2(ds_json):
+    with pytest.raises(ConfigError, match="ZeRO stage 2 reduces them at every micro batch"):
+        parse("--pipeline-model-parallel-size", "2", "--num-layers", "4",
+              "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8",
+              "--deepspeed", "--deepspeed_config",
+              ds_json(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
+                      zero_optimization={"stage": 2}), world_size=2)
+
+
+def test_interleaved_chunks_per_stage():
+    config = parse("--pipeline-model-parallel-size", "2", "--num-layers", "8",
+                   "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "8",
+                   world_size=2)
+    assert config.parallel.virtual_pipeline_model_parallel_size == 2
