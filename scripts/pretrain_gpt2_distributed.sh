@@ -18,8 +18,10 @@
 #                  rendezvous instead, hosted at that address; NODE_RANK, MASTER_* unused)
 #   DISTRIBUTED_TIMEOUT_MINUTES=10  how long the rendezvous and every collective wait for a
 #                  missing peer (or pass --distributed-timeout-minutes N)
-#   MP_SIZE=1      tensor-parallel size (pretrain_gpt2_model_parallel.sh defaults it to 2);
-#                  data-parallel size = NNODES * GPUS_PER_NODE / MP_SIZE
+#   MP_SIZE=1      tensor-parallel size (pretrain_gpt2_model_parallel.sh defaults it to 2)
+#   PP_SIZE=1      pipeline stages (--pipeline-model-parallel-size; must not exceed NLAYERS);
+#                  data-parallel size = NNODES * GPUS_PER_NODE / (MP_SIZE * PP_SIZE)
+#   VP_LAYERS      --num-layers-per-virtual-pipeline-stage (interleaved 1F1B; unset: plain)
 #   OMP_NUM_THREADS  CPU threads per process (default: cores / GPUS_PER_NODE)
 # Any extra arguments are passed on to pretrain_gpt2.py.  Data: scripts/prepare_default_data.sh,
 # the same corpus, tokenizer and .bin/.idx as pretrain_gpt2.sh.  Every node prepares what its
@@ -27,7 +29,9 @@
 # `bash scripts/prepare_default_data.sh` once before launching.
 #
 # Sizes are pretrain_gpt2.sh's, with the micro batch per process and the global batch derived:
-#   NLAYERS=6 NHIDDEN=384 NHEADS=6 SEQ_LEN=256 MICRO_BATCH=4 GLOBAL_BATCH=(micro x data-parallel)
+#   NLAYERS=6 NHIDDEN=384 NHEADS=6 SEQ_LEN=256 MICRO_BATCH=4 GLOBAL_BATCH=(micro x data-parallel,
+#   times 4 x PP_SIZE with pipeline stages: 4 x PP_SIZE micro batches keep each stage's bubble
+#   (P-1)/(m+P-1) near 20%)
 #   TRAIN_ITERS=300 LR=1e-3 MIN_LR=1e-4 WARMUP_ITERS=30 VOCAB_SIZE=8192
 #   PRECISION=bf16|fp16|fp32 (default: one node measures the faster of bf16 and fp32; several
 #   nodes take bf16)
@@ -49,7 +53,7 @@ cd "$ROOT"
 NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-localhost}"; MASTER_PORT="${MASTER_PORT:-6000}"
 RDZV_ENDPOINT="${RDZV_ENDPOINT:-}"; RDZV_ID="${RDZV_ID:-gpt2_small}"
-MP_SIZE="${MP_SIZE:-1}"
+MP_SIZE="${MP_SIZE:-1}"; PP_SIZE="${PP_SIZE:-1}"; VP_LAYERS="${VP_LAYERS:-}"
 
 NLAYERS="${NLAYERS:-6}"; NHIDDEN="${NHIDDEN:-384}"; NHEADS="${NHEADS:-6}"
 SEQ_LEN="${SEQ_LEN:-256}"; MICRO_BATCH="${MICRO_BATCH:-4}"
@@ -75,15 +79,20 @@ CORES_PER_PROCESS=$(( $(nproc) / GPUS_PER_NODE ))
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES_PER_PROCESS > 0 ? CORES_PER_PROCESS : 1 ))}"
 
 WORLD_SIZE=$(( GPUS_PER_NODE * NNODES ))
-if (( WORLD_SIZE % MP_SIZE != 0 )); then
-    echo "MP_SIZE=$MP_SIZE does not divide the $WORLD_SIZE processes" \
+if (( WORLD_SIZE % (MP_SIZE * PP_SIZE) != 0 )); then
+    echo "MP_SIZE=$MP_SIZE x PP_SIZE=$PP_SIZE does not divide the $WORLD_SIZE processes" \
          "(NNODES=$NNODES x GPUS_PER_NODE=$GPUS_PER_NODE)" >&2
     exit 2
 fi
-GLOBAL_BATCH="${GLOBAL_BATCH:-$(( MICRO_BATCH * WORLD_SIZE / MP_SIZE ))}"
+DP_SIZE=$(( WORLD_SIZE / (MP_SIZE * PP_SIZE) ))
+if (( PP_SIZE > 1 )); then
+    GLOBAL_BATCH="${GLOBAL_BATCH:-$(( MICRO_BATCH * DP_SIZE * 4 * PP_SIZE ))}"
+else
+    GLOBAL_BATCH="${GLOBAL_BATCH:-$(( MICRO_BATCH * DP_SIZE ))}"
+fi
 print_compute_estimate "$NLAYERS" "$NHIDDEN" "$VOCAB_SIZE" "$SEQ_LEN" "$TRAIN_ITERS" "$GLOBAL_BATCH"
 echo "[launch] $NNODES node(s) x $GPUS_PER_NODE processes: tensor-parallel $MP_SIZE," \
-     "data-parallel $(( WORLD_SIZE / MP_SIZE )), global batch $GLOBAL_BATCH"
+     "pipeline stages $PP_SIZE, data-parallel $DP_SIZE, global batch $GLOBAL_BATCH"
 
 # Unset PRECISION is measured per node (the faster of bf16 and fp32); nodes must agree, so
 # a multi-node launch that names none takes bf16.
@@ -123,7 +132,8 @@ if (( NNODES > 1 )); then
          "(--distributed-timeout-minutes)"
 fi
 
-MODEL_ARGS=(--model-parallel-size "$MP_SIZE"
+MODEL_ARGS=(--model-parallel-size "$MP_SIZE" --pipeline-model-parallel-size "$PP_SIZE"
+            ${VP_LAYERS:+--num-layers-per-virtual-pipeline-stage "$VP_LAYERS"}
             --num-layers "$NLAYERS" --hidden-size "$NHIDDEN" --num-attention-heads "$NHEADS"
             --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN")
 TRAIN_ARGS=(--batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"

@@ -4,6 +4,17 @@
 #
 #   bash scripts/pretrain_gpt2_model_parallel.sh               # MP_SIZE=2 over 2 processes here
 #   MP_SIZE=4 GPUS_PER_NODE=8 bash scripts/pretrain_gpt2_model_parallel.sh   # TP 4 x DP 2
+#   MP_SIZE=1 PP_SIZE=2 bash scripts/pretrain_gpt2_model_parallel.sh          # 2 pipeline stages
+#   MP_SIZE=2 PP_SIZE=2 GPUS_PER_NODE=8 bash scripts/pretrain_gpt2_model_parallel.sh  # TP2xPP2xDP2
+#   MP_SIZE=1 PP_SIZE=2 VP_LAYERS=1 bash ...                   # interleaved 1F1B, 3 chunks a stage
+#
+# PP_SIZE splits the layers over pipeline stages (Megatron's --pipeline-model-parallel-size):
+# the embeddings on the first, the output layer on the last, the 1F1B schedule over the
+# micro batches of the global batch (4 x PP_SIZE micro batches of 1 sample by default: the
+# tokens per iteration of the other scripts; raise MICRO_BATCH on GPUs). Pipeline stages are the
+# outer dimension of the rank order, so they may span nodes while each stage's tensor-parallel
+# group stays on one. Checkpoints then hold iter_*/mp_rank_TT_PPP; `--load` of a checkpoint
+# saved at other MP_SIZE / PP_SIZE converts it as it loads.
 #
 # This is pretrain_gpt2_distributed.sh with MP_SIZE=2, a micro batch of 8 per tensor-parallel
 # group and its own checkpoint directory; every variable of that script works here too
@@ -26,7 +37,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 export MP_SIZE="${MP_SIZE:-2}"
-export MICRO_BATCH="${MICRO_BATCH:-8}"
-export CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small_mp$MP_SIZE}"
-export RUN_DIR="${RUN_DIR:-$ROOT/runs/gpt2_small_mp$MP_SIZE}"
+export PP_SIZE="${PP_SIZE:-1}"
+# with stages, 4 x PP_SIZE micro batches of 1 sample: the default run's tokens per iteration
+if (( PP_SIZE > 1 )); then
+    export MICRO_BATCH="${MICRO_BATCH:-1}"; NAME="gpt2_small_mp${MP_SIZE}_pp$PP_SIZE"
+else
+    export MICRO_BATCH="${MICRO_BATCH:-8}"; NAME="gpt2_small_mp$MP_SIZE"
+fi
+export CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/$NAME}"
+export RUN_DIR="${RUN_DIR:-$ROOT/runs/$NAME}"
 exec bash "$ROOT/scripts/pretrain_gpt2_distributed.sh" "$@"

@@ -27,6 +27,8 @@ NOT_RUN = {
     ".venv/bin/python tools/build_index_maps.py --world-size 8 <": "a placeholder for flags",
     ".venv/bin/torchrun --standalone --nproc_per_node 4 pretrain_gpt2.py --model-parallel-size "
     "2 <flags above>": "a placeholder for flags",
+    ".venv/bin/torchrun --standalone --nproc_per_node 4 pretrain_gpt2.py "
+    "--pipeline-model-parallel-size 2": "a placeholder for flags",
     "NNODES=2 NODE_RANK=": "two machines (tests/parallel/test_launch.py runs two local nodes)",
     "NNODES=2 RDZV_ENDPOINT=node0": "two machines (tests/parallel/test_launch.py runs two "
                                     "local nodes)",

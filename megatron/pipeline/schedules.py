@@ -20,6 +20,8 @@ all stages join (the global norm and the overflow decision), so it follows this 
 sends.
 """
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -47,6 +49,7 @@ class PipelineStage:
         self.last = mpu.is_pipeline_last_stage(ignore_virtual=True)
         self.stages = mpu.get_pipeline_model_parallel_world_size()
         self.stage = mpu.get_pipeline_model_parallel_rank()
+        self._idle = self._busy = 0.0  # seconds waiting in exchanges, and in steps
 
     # ----- one step
 
@@ -55,11 +58,22 @@ class PipelineStage:
         if self.tied.involved:
             self.tied.sync_weights()
         total = torch.zeros((), dtype=torch.float32, device=self.ctx.runtime.device)
+        start, waited = time.perf_counter(), self.links.waited
         if self.chunks > 1:
             self._interleaved(forward_step, [next(batches) for _ in range(count)], count, total)
         else:
             self._one_f_one_b(forward_step, batches, count, total)
+        self._idle += self.links.waited - waited
+        self._busy += time.perf_counter() - start
         return self._from_last_stage(total)
+
+    def bubble(self):
+        """The share of the steps since the last call that this pipeline's stages spent
+        waiting on each other (mean over the stages; the transfers themselves included)."""
+        shares = torch.tensor([self._idle / max(self._busy, 1e-9)], dtype=torch.float64)
+        dist.all_reduce(shares, group=mpu.get_pipeline_model_parallel_group())
+        self._idle = self._busy = 0.0
+        return shares.item() / self.stages
 
     def _forward(self, forward_step, batch, input_tensor, total, counted=True):
         if input_tensor is not None:

@@ -22,7 +22,8 @@ METRICS_FILENAME = "metrics.jsonl"
 _JSON_KEYS = ("iteration", "consumed_samples", "lm_loss", "lr", "loss_scale", "grad_norm",
               "ms_per_iter", "tokens_per_s", "mfu", "skipped_iters")
 _TENSORBOARD_TAGS = {"lm_loss": "lm-loss", "lr": "learning-rate", "loss_scale": "loss-scale",
-                     "grad_norm": "grad-norm", "tokens_per_s": "tokens-per-s", "mfu": "mfu"}
+                     "grad_norm": "grad-norm", "tokens_per_s": "tokens-per-s", "mfu": "mfu",
+                     "pipeline_bubble": "pipeline-bubble"}
 
 
 def mfu(tokens_per_s, flops_per_token, peak_flops):
@@ -204,6 +205,8 @@ def format_train_line(record):
         _field("grad norm: {:.3f}", record.get("grad_norm")),
         _field("tokens/s: {:.0f}", record.get("tokens_per_s")),
         _field("MFU: {:.1f}%", None if record.get("mfu") is None else 100.0 * record["mfu"]),
+        _field("pipeline bubble: {:.1f}%", None if record.get("pipeline_bubble") is None
+               else 100.0 * record["pipeline_bubble"]),
         _field("skipped: {:d}", _as_int(record.get("skipped_iters"))),
         _field("nan iterations: {:d}", _as_int(record.get("nan_iters"))),
     ]

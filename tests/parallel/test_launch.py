@@ -326,7 +326,7 @@ def test_distributed_script_as_is(corpus, single_process_script, tmp_path):
     env = _script_env(corpus, tmp_path, MICRO_BATCH=2)
     (code, output), = _run_scripts(("pretrain_gpt2_distributed.sh", env, tmp_path / "o.txt"))
     assert code == 0, output[-3000:]
-    assert "1 node(s) x 2 processes: tensor-parallel 1, data-parallel 2, global batch 4" in output
+    assert "1 node(s) x 2 processes: tensor-parallel 1, pipeline stages 1, data-parallel 2, global batch 4" in output
     _assert_same_losses(single_process_script, read_metrics(tmp_path / "run"))
 
 
@@ -334,7 +334,7 @@ def test_model_parallel_script_as_is(corpus, single_process_script, tmp_path):
     env = _script_env(corpus, tmp_path, MICRO_BATCH=4, GPUS_PER_NODE=2)
     (code, output), = _run_scripts(("pretrain_gpt2_model_parallel.sh", env, tmp_path / "o.txt"))
     assert code == 0, output[-3000:]
-    assert "tensor-parallel 2, data-parallel 1, global batch 4" in output
+    assert "tensor-parallel 2, pipeline stages 1, data-parallel 1, global batch 4" in output
     _assert_same_losses(single_process_script, read_metrics(tmp_path / "run"))
     shards = sorted(p.name for p in (tmp_path / "ckpt" / "iter_0000003").iterdir())
     assert shards == ["mp_rank_00", "mp_rank_01"]
@@ -384,7 +384,7 @@ def test_script_rejects_a_tensor_parallel_size_that_does_not_divide(corpus, tmp_
     (code, output), = _run_scripts(("pretrain_gpt2_model_parallel.sh", env, tmp_path / "o.txt"))
     assert code == 2
     assert output.strip().splitlines()[-1] == \
-        "MP_SIZE=3 does not divide the 2 processes (NNODES=1 x GPUS_PER_NODE=2)"
+        "MP_SIZE=3 x PP_SIZE=1 does not divide the 2 processes (NNODES=1 x GPUS_PER_NODE=2)"
 
 
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])

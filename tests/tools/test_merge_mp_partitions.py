@@ -378,7 +378,8 @@ def test_loading_at_another_tp_size_converts_as_it_loads(corpus, tp2_run, tmp_pa
     argv = _argv(corpus, tmp_path / "log", "--load", tp2_run["save"])
     assert pretrain_gpt2.main(argv) == 0
     out = capsys.readouterr().out
-    assert "saved at tensor-parallel size 2 x 1 pipeline stage(s); converted to 1 x 1" in out
+    assert ("saved at tensor-parallel size 2 x 1 pipeline stage(s); converted to "
+            "tensor-parallel size 1 x 1 pipeline stage(s)") in out
 
 
 def test_tp1_checkpoint_loaded_by_tp_rank_1_names_the_tool(tp2_run, tmp_path):
