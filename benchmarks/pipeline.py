@@ -3,9 +3,10 @@
 Two stages (two processes, one torch thread each, gloo over loopback), one GPT-2 model and
 micro batches of the same size; for m = 1, 4, 8, 16 micro batches per step:
 
-- ours, 1F1B: ms per step, and the measured bubble (the share of the step each stage spent
-  waiting on the other in its point-to-point exchanges, mean over the stages: the figure the
-  log line prints as "pipeline bubble") against the formula (P - 1) / (m + P - 1);
+- ours, 1F1B: ms per step, and the measured bubble (the share of the schedule's span, the
+  first forward to the last backward, a stage spends outside its forward and backward passes,
+  mean over the stages: the figure the log line prints as "pipeline bubble") against the
+  formula (P - 1) / (m + P - 1);
 - ours, interleaved 1F1B with two model chunks a stage (m a multiple of P), against
   (P - 1) / (v m + P - 1);
 - torch.distributed.pipelining's Schedule1F1B on a plain-PyTorch GPT of the same shapes
@@ -226,10 +227,10 @@ def main():
     for m in c["micro_batches"]:
         ours = _run("ours", (c, m, "1f1b"))
         interleaved = _run("ours", (c, m, "interleaved")) if m % STAGES == 0 else None
-        peer = _run("torch", (c, m))
+        # Schedule1F1B refuses fewer micro batches than stages
+        peer = _run("torch", (c, m)) if m >= STAGES else None
         deepspeed = None if args.no_deepspeed else _deepspeed(c, m)
         ms = 1000 * statistics.median(ours["seconds"])
-        peer_ms = 1000 * statistics.median(peer["seconds"])
         row = [m, f"{_bubble_formula(m):.1%}", f"{statistics.median(ours['bubbles']):.1%}",
                f"{ms:.0f}"]
         if interleaved is not None:
@@ -238,7 +239,11 @@ def main():
                     f"{1000 * statistics.median(interleaved['seconds']):.0f}"]
         else:
             row += ["-", "-", "-"]
-        row += [f"{peer_ms:.0f}", f"{peer_ms / ms:.2f}x"]
+        if peer is not None:
+            peer_ms = 1000 * statistics.median(peer["seconds"])
+            row += [f"{peer_ms:.0f}", f"{peer_ms / ms:.2f}x"]
+        else:
+            row += ["refuses m < P", "-"]
         if deepspeed is not None:
             row += [f"{1000 * deepspeed:.0f}", f"{1000 * deepspeed / ms:.2f}x"]
         else:
@@ -267,8 +272,9 @@ def main():
             f"{c['vocab_size']}, fp32, AdamW; micro batch {c['micro_batch']}; medians of "
             f"{c['steps']} steps after {c['warmup']} warm-up steps. Two stages of "
             f"{c['num_layers'] // 2} layers (the interleaved run: two chunks of "
-            f"{c['num_layers'] // 4} a stage). Bubble: the share of a step a stage waits on "
-            "the other (mean over the stages; transfers included), against (P-1)/(m+P-1) "
+            f"{c['num_layers'] // 4} a stage). Bubble: the share of the schedule's span (first "
+            "forward to last backward, the optimizer step left out) a stage spends outside "
+            "its forward and backward passes, mean over the stages, against (P-1)/(m+P-1) "
             "and (P-1)/(v m+P-1). \"ours vs it\": the peer's time over ours (above 1: ours "
             "is faster).\n\n" + table +
             f"\n\nThe same global batch ({m} micro batches of {c['micro_batch']}) over 2 "

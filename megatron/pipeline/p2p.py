@@ -11,8 +11,6 @@ With the interleaved schedule the stages form a ring: the last stage's next is t
 (its model chunk c feeds chunk c + 1 there).
 """
 
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -33,7 +31,6 @@ class StageLinks:
             mpu.get_pipeline_model_parallel_stage_rank((stage - 1) % stages)
         self.next = None if last and not ring else \
             mpu.get_pipeline_model_parallel_stage_rank((stage + 1) % stages)
-        self.waited = 0.0  # seconds spent in exchanges: the bubble, and the transfers
 
     def _empty(self):
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -57,10 +54,8 @@ class StageLinks:
             received_grad = self._empty()
             ops.append(dist.P2POp(dist.irecv, received_grad, self.next, tag=_GRADIENT))
         if ops:
-            start = time.perf_counter()
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-            self.waited += time.perf_counter() - start
         if received_input is not None:
             received_input.requires_grad_()
         return received_input, received_grad

@@ -49,7 +49,10 @@ class PipelineStage:
         self.last = mpu.is_pipeline_last_stage(ignore_virtual=True)
         self.stages = mpu.get_pipeline_model_parallel_world_size()
         self.stage = mpu.get_pipeline_model_parallel_rank()
-        self._idle = self._busy = 0.0  # seconds waiting in exchanges, and in steps
+        # seconds in forward and backward passes, and from each step's first pass to this
+        # stage's last backward (the bubble's measure)
+        self._compute = self._span = 0.0
+        self._schedule_start = None
 
     # ----- one step
 
@@ -58,29 +61,36 @@ class PipelineStage:
         if self.tied.involved:
             self.tied.sync_weights()
         total = torch.zeros((), dtype=torch.float32, device=self.ctx.runtime.device)
-        start, waited = time.perf_counter(), self.links.waited
+        self._schedule_start = time.perf_counter()
         if self.chunks > 1:
             self._interleaved(forward_step, [next(batches) for _ in range(count)], count, total)
         else:
             self._one_f_one_b(forward_step, batches, count, total)
-        self._idle += self.links.waited - waited
-        self._busy += time.perf_counter() - start
         return self._from_last_stage(total)
 
     def bubble(self):
-        """The share of the steps since the last call that this pipeline's stages spent
-        waiting on each other (mean over the stages; the transfers themselves included)."""
-        shares = torch.tensor([self._idle / max(self._busy, 1e-9)], dtype=torch.float64)
-        dist.all_reduce(shares, group=mpu.get_pipeline_model_parallel_group())
-        self._idle = self._busy = 0.0
-        return shares.item() / self.stages
+        """The pipeline bubble of the steps since the last call: the share of the schedule's
+        span (the first forward to the last stage's last backward, the optimizer step left
+        out) that a stage did not spend in its forward and backward passes, mean over the
+        stages. It counts the waits for the other stages and the transfers, as the formula
+        (P - 1) / (m + P - 1) counts the waits."""
+        busy = torch.tensor([self._compute], dtype=torch.float64)
+        span = torch.tensor([self._span], dtype=torch.float64)
+        group = mpu.get_pipeline_model_parallel_group()
+        dist.all_reduce(span, op=dist.ReduceOp.MAX, group=group)
+        idle = torch.tensor([1.0 - busy.item() / max(span.item(), 1e-9)], dtype=torch.float64)
+        dist.all_reduce(idle, group=group)
+        self._compute = self._span = 0.0
+        return idle.item() / self.stages
 
     def _forward(self, forward_step, batch, input_tensor, total, counted=True):
+        start = time.perf_counter()
         if input_tensor is not None:
             self.module.set_input_tensor(input_tensor)
         output = forward_step(batch, self.engine, self.ctx)
         if counted and mpu.is_pipeline_last_stage():  # the loss (of the last chunk)
             total += output.detach().float()
+        self._compute += time.perf_counter() - start
         return output
 
     def _backward(self, input_tensor, output, output_grad, final):
@@ -88,16 +98,19 @@ class PipelineStage:
         the first stage's first chunk). `final`: the step's last backward on this stage."""
         if final and self.first:
             self.tied.receive_grad()  # before the last backward adds the embedding's
+        start = time.perf_counter()
         if mpu.is_pipeline_last_stage():
             self.engine.backward(output, reduce_gradients=final if self.chunks > 1 else None)
         else:
             self.engine.backward(output, grad=output_grad,
                                  reduce_gradients=final if self.chunks > 1 else None)
+        self._compute += time.perf_counter() - start
         return None if input_tensor is None else input_tensor.grad
 
     def _finish(self):
         """After this stage's last sends: the output layer's gradient to the first stage, then
         the engine's step."""
+        self._span += time.perf_counter() - self._schedule_start
         if self.last:
             self.tied.send_grad()
         self.engine.step()

@@ -114,8 +114,8 @@ class Backend:
         return tuple(getattr(self.engine.lr_scheduler, "resume_notes", ()))  # a JSON's has none
 
     def report(self):
-        """What the log line shows of the optimizer (and of the pipeline: the share of the
-        steps its stages waited). Called on every rank."""
+        """What the log line shows of the optimizer (and of the pipeline: its bubble). Called
+        on every rank."""
         record = {"lr": self.engine.optimizer.param_groups[0]["lr"],
                   "loss_scale": self.engine.optimizer.cur_scale}
         if self.pipeline is not None:
