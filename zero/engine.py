@@ -130,6 +130,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_rank = dist.get_rank() if initialized else 0
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.pp_comm = None  # the pipeline's stages: they share one norm and overflow
+        self.pp_rank, self.pp_world_size = 0, 1
         if mpu is None:
             self.dp_comm, self.mp_comm, self.mp_rank, self.mp_world_size = \
                 Communicator(None), None, 0, 1
@@ -137,6 +138,8 @@ class DeepSpeedEngine(torch.nn.Module):
             stages = getattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 1)()
             if stages > 1:
                 self.pp_comm = Communicator(mpu.get_pipeline_model_parallel_group())
+                self.pp_rank = mpu.get_pipeline_model_parallel_rank()
+                self.pp_world_size = stages
             self.dp_comm = Communicator(mpu.get_data_parallel_group())
             self.mp_rank = mpu.get_model_parallel_rank()
             self.mp_world_size = mpu.get_model_parallel_world_size()
@@ -144,6 +147,10 @@ class DeepSpeedEngine(torch.nn.Module):
                 if self.mp_world_size > 1 else None
         self.dp_world_size = self.dp_comm.world_size
         self.dp_rank = self.dp_comm.rank
+        # DeepSpeed's model-parallel rank over pipeline stages and tensor slices (its
+        # PipelineParallelGrid): what checkpoint files are named by
+        self.checkpoint_rank = self.pp_rank * self.mp_world_size + self.mp_rank
+        self.checkpoint_world_size = self.pp_world_size * self.mp_world_size
 
     def _check_supported_features(self):
         zero = self.config.zero_optimization

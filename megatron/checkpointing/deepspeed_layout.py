@@ -65,7 +65,7 @@ def load_checkpoint(engine, checkpoint, run_args, device):
     if engine.zero_optimization_stage() == 3:  # one model states file per DP rank
         states_name = stage3_model_states_name(0, mpu.get_model_parallel_rank())
     else:
-        states_name = model_states_name(mpu.get_model_parallel_rank())
+        states_name = model_states_name(engine.checkpoint_rank)
     fresh_optimizer = checkpoint.no_load_optim or checkpoint.finetune
     _check_saved_args(os.path.join(load_dir, tag, states_name), run_args, fresh_optimizer)
     path, client_state = engine.load_checkpoint(

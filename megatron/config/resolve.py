@@ -222,10 +222,6 @@ def _check_pipeline(raw, parallel, training, ds_config):
                  and parallel.data_parallel_size > 1),
             "--DDP-impl torch does not compose with --pipeline-model-parallel-size; use "
             "--DDP-impl local (the engine's buckets, also overlapped with backward)")
-    require(not (raw["deepspeed"] and (raw["save"] or raw["load"])),
-            "--deepspeed checkpoints (DeepSpeed's layout) of pipeline stages are not built "
-            "yet: with --pipeline-model-parallel-size, --save and --load take Megatron's "
-            "layout (mp_rank_TT_PPP), which needs a run without --deepspeed")
     chunks = parallel.virtual_pipeline_model_parallel_size
     m = training.num_micro_batches
     if chunks > 1:

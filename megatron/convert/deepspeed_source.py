@@ -5,14 +5,18 @@
     <load>/<tag>/zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt   the same, ZeRO stage 3
                                                     (module: empty placeholders)
     <load>/<tag>/*zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   fp32 partitions
+    <load>/<tag>/layer_{i:02d}-model_{tp:02d}-model_states.pt   with pipeline stages: the
+                                                    module, layer by layer (mp counts stages
+                                                    x TP + TP rank then)
 
 Per tensor-parallel rank the fp32 weights are consolidated over the data-parallel partitions
 by zero's own `get_fp32_state_dict_from_zero_checkpoint` (any ZeRO stage, any DP size) and
-cast to the dtype the model was trained in; the result is that rank's Megatron
-`model_optim_rng.pt` content (iteration, args, train_state, RNG), which megatron/convert then
-merges and re-splits to any TP size.  The one reader of this layout: tools/merge_mp_partitions.py
---deepspeed and tools/convert_checkpoint.py --loader deepspeed (and so the generation and
-evaluation tools) all come through here. The Adam moments are not carried over: they live in
+cast to the dtype the model was trained in (with pipeline stages, per stage, and the stages
+joined); the result is that rank's Megatron `model_optim_rng.pt` content (iteration, args,
+train_state, RNG), which megatron/convert then merges and re-splits to any TP x PP size.
+The one reader of this layout: tools/merge_mp_partitions.py --deepspeed and
+tools/convert_checkpoint.py --loader deepspeed (and so the generation and evaluation tools)
+all come through here. The Adam moments are not carried over: they live in
 ZeRO's flat partitions, not per parameter, so the converted checkpoint resumes with
 `--no-load-optim` (a fresh optimizer from the converted weights). A model trained with
 --memory-centric-tiled-linear under stage 3 has its fp32 masters per tile; they are joined
@@ -25,6 +29,7 @@ import torch
 
 from megatron.checkpointing.megatron_layout import CHECKPOINT_VERSION, to_nested_state_dict
 from megatron.convert.checkpoint_files import ShardedCheckpoint
+from megatron.convert.pipeline_layout import join_stages, stage_layer_numbers
 from megatron.errors import CheckpointError
 from megatron.model.tiling import join_tiled_weights
 
@@ -77,15 +82,19 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
                               f"{', '.join(_saved_tags(load_dir)) or 'none'}")
     first = _model_states(tag_dir, 0)
     size = int(first["args"].get("model_parallel_size", first.get("mp_world_size", 1)))
-    shards = []
-    for mp_rank in range(size):
-        states = first if mp_rank == 0 else _model_states(tag_dir, mp_rank, size)
+    stages = int(first["args"].get("pipeline_model_parallel_size", 1))
+
+    def shard_of(mp_rank, tp_rank, stage):
+        """The Megatron file contents of one file of DeepSpeed's model-parallel rank
+        `mp_rank` (stage x TP + TP rank)."""
+        states = first if mp_rank == 0 else _model_states(tag_dir, mp_rank, size * stages)
         try:
             fp32 = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag, mp_rank=mp_rank)
         except ZeroCheckpointError as e:
             raise CheckpointError(str(e)) from None
         fp32 = join_tiled_weights(fp32)
-        module = states["module"]
+        module = states["module"] if states["module"] is not None else \
+            _stage_module(tag_dir, states["args"], stages, stage, tp_rank)
         model = {name: _master(fp32, name, tensor, fp32_weights, tag_dir)
                  for name, tensor in module.items()}
         shard = {key: states[key] for key in _CLIENT_KEYS if key in states}
@@ -93,9 +102,36 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
                      model=to_nested_state_dict(model))
         if states.get("lr_scheduler") is not None:
             shard["lr_scheduler"] = states["lr_scheduler"]
-        shards.append(shard)
+        return shard
+
+    shards = []
+    for tp_rank in range(size):
+        files = [shard_of(stage * size + tp_rank, tp_rank, stage) for stage in range(stages)]
+        shards.append(files[0] if stages == 1 else join_stages(files))
     return ShardedCheckpoint(load_dir, int(first.get("iteration", first["global_steps"])),
-                             False, shards)
+                             False, shards, stages)
+
+
+def _stage_module(tag_dir, args, stages, stage, tp_rank):
+    """A pipeline stage's module state (its names, layers numbered from 0) from DeepSpeed's
+    layer files: layer 0 the embeddings, 1 + n transformer layer n, num_layers + 1 the final
+    LayerNorm (megatron.model.GPT2Model.layer_state_dicts)."""
+    num_layers = args["num_layers"]
+    parts = [(1 + number, f"language_model.transformer.layers.{local}.")
+             for local, number in enumerate(stage_layer_numbers(args, stages, stage))]
+    if stage == 0:
+        parts.insert(0, (0, "language_model.embedding."))
+    if stage == stages - 1:
+        parts.append((1 + num_layers, "language_model.transformer.final_layernorm."))
+    module = {}
+    for layer, prefix in parts:
+        path = os.path.join(tag_dir, f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{tag_dir} has no {os.path.basename(path)}: the pipeline "
+                                  "checkpoint is incomplete")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        module.update({prefix + key: tensor for key, tensor in state.items()})
+    return module
 
 
 def _master(fp32, name, tensor, keep_fp32, tag_dir):

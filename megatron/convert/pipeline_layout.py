@@ -77,7 +77,7 @@ def _optimizer_for(names, entries, hypers, template):
     return out
 
 
-def _global_layers(args, stages, stage):
+def stage_layer_numbers(args, stages, stage):
     """The layer numbers, in local order, a stage of a checkpoint with these args holds."""
     per_virtual = args.get("num_layers_per_virtual_pipeline_stage")
     chunks = 1 if not per_virtual else args["num_layers"] // (per_virtual * stages)
@@ -111,7 +111,7 @@ def join_stages(stages):
         if layers != set(range(len(layers))):
             raise CheckpointError(f"pipeline stage {number} holds layers {sorted(layers)}, not "
                                   "0..n-1: it was not saved by a pipeline stage")
-        numbers = _global_layers(stages[0]["args"], len(stages), number)
+        numbers = stage_layer_numbers(stages[0]["args"], len(stages), number)
         if len(numbers) != len(layers):
             raise CheckpointError(f"pipeline stage {number} holds {len(layers)} layers, but its "
                                   f"args give it {len(numbers)}")
@@ -167,7 +167,7 @@ def split_stages(whole, stages, layers_per_virtual_stage=None):
         entries, hypers = _per_name(whole["optimizer"], list(flat))
     files = []
     for stage in range(stages):
-        numbers = _global_layers(args, stages, stage)
+        numbers = stage_layer_numbers(args, stages, stage)
         local_number = {n: i for i, n in enumerate(numbers)}
         mine = {}
         for key, value in flat.items():

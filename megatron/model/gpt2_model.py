@@ -190,6 +190,27 @@ class GPT2Model(nn.Module):
         output [b, s, h] (Megatron's set_input_tensor)."""
         self._input_tensor = tensor
 
+    def _pipeline_layers(self):
+        """{DeepSpeed pipeline layer index: module}: 0 the embeddings, 1 + n transformer layer
+        n, num_layers + 1 the final LayerNorm; the ones this stage holds."""
+        language_model = self.language_model
+        transformer = language_model.transformer
+        layers = {} if language_model.embedding is None else {0: language_model.embedding}
+        layers.update({1 + number: layer
+                       for number, layer in zip(transformer.layer_numbers, transformer.layers)})
+        if transformer.final_layernorm is not None:
+            layers[1 + self.config.num_layers] = transformer.final_layernorm
+        return layers
+
+    def layer_state_dicts(self):
+        """This stage's weights layer by layer, for DeepSpeed's pipeline checkpoint layout
+        (`layer_XX-model_YY-model_states.pt`, zero/checkpoint/layout.py)."""
+        return {index: module.state_dict() for index, module in self._pipeline_layers().items()}
+
+    def load_layer_state_dicts(self, states):
+        for index, module in self._pipeline_layers().items():
+            module.load_state_dict(states[index])
+
     def output_layer_weight(self):
         """The word embeddings the output layer multiplies by: the parameter itself on the
         first stage, the tied copy on a last stage that does not hold it."""

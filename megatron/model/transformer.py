@@ -225,6 +225,7 @@ class ParallelTransformer(nn.Module):
             if number in kept:
                 layers.append(layer)
         self.layers = nn.ModuleList(layers)  # chunk after chunk, each in layer order
+        self.layer_numbers = [number for chunk in chunks for number in chunk]  # in the model
         # [first, last) local layers of each model chunk (one chunk unless interleaved)
         ends = [sum(len(chunk) for chunk in chunks[:c + 1]) for c in range(len(chunks))]
         self.chunk_layers = [(end - len(chunk), end) for chunk, end in zip(chunks, ends)]

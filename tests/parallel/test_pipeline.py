@@ -176,3 +176,75 @@ def test_interleaved_schedule_matches_1f1b(corpus, four_layer_1f1b, tmp_path):
                              "--batch-size", 8, "--load", tmp_path / "ckpt")
     assert sorted(resumed) == [ITERS + 1, ITERS + 2]
     assert "of 1-layer model chunks; converted to tensor-parallel size 1" in results[0][1]
+
+
+def _zero_json(path, gas, stage=1):
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1,
+                                "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+                                "zero_optimization": {"stage": stage}}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def deepspeed_pp2_dp2(corpus, tmp_path_factory):
+    """PP 2 x DP 2 at ZeRO-1 under --deepspeed, saving at the middle and the end."""
+    out = tmp_path_factory.mktemp("ds-pp2xdp2")
+    metrics, _ = train(corpus, out, 4, ITERS, "--pipeline-model-parallel-size", 2,
+                       "--batch-size", 1, "--deepspeed", "--deepspeed_config",
+                       _zero_json(out / "ds.json", gas=4), "--save", out / "ckpt",
+                       "--save-interval", ITERS // 2)
+    return out, metrics
+
+
+def test_deepspeed_pipeline_checkpoint_layout(deepspeed_pp2_dp2):
+    """DeepSpeed's PipelineEngine names: a file per layer and tensor slice, model and optimizer
+    states per (stage x TP + TP rank), the module itself not in the model states."""
+    out, _ = deepspeed_pp2_dp2
+    folder = out / "ckpt" / f"global_step{ITERS}"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "layer_00-model_00-model_states.pt", "layer_01-model_00-model_states.pt",
+        "layer_02-model_00-model_states.pt", "layer_03-model_00-model_states.pt",
+        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_01_optim_states.pt"]
+    states = torch.load(folder / "mp_rank_01_model_states.pt", weights_only=True)
+    assert states["module"] is None and states["mp_world_size"] == 2
+    embedding = torch.load(folder / "layer_00-model_00-model_states.pt", weights_only=True)
+    assert sorted(embedding) == ["position_embeddings.weight", "word_embeddings.weight"]
+    final = torch.load(folder / "layer_03-model_00-model_states.pt", weights_only=True)
+    assert sorted(final) == ["bias", "weight"]
+
+
+def test_deepspeed_pipeline_resume_is_exact(corpus, deepspeed_pp2_dp2, tmp_path):
+    out, uninterrupted = deepspeed_pp2_dp2
+    middle = ITERS // 2
+    resume_from = tmp_path / "ckpt"
+    shutil.copytree(out / "ckpt" / f"global_step{middle}", resume_from / f"global_step{middle}")
+    (resume_from / "latest").write_text(f"global_step{middle}")
+    resumed, _ = train(corpus, tmp_path, 4, ITERS, "--pipeline-model-parallel-size", 2,
+                       "--batch-size", 1, "--deepspeed", "--deepspeed_config",
+                       _zero_json(tmp_path / "ds.json", gas=4), "--load", resume_from)
+    assert sorted(resumed) == list(range(middle + 1, ITERS + 1))
+    for it in resumed:
+        assert resumed[it] == uninterrupted[it], it
+    # the same checkpoint at DP 1 and ZeRO-2: the partitions are re-cut as they load
+    resumed, _ = train(corpus, tmp_path / "dp1", 2, ITERS, "--pipeline-model-parallel-size", 2,
+                       "--batch-size", 1, "--deepspeed", "--deepspeed_config",
+                       _zero_json(tmp_path / "ds1.json", gas=8, stage=2), "--load", resume_from)
+    for it in resumed:
+        assert relative_difference(resumed[it][0], uninterrupted[it][0]) < 1e-4, it
+
+
+def test_deepspeed_pipeline_checkpoint_converts(deepspeed_pp2_dp2, tmp_path):
+    """The converters read the layer files (fp32 masters from the ZeRO partitions of each
+    stage) and join the stages: the full model's layer 1 is the second stage's layer."""
+    from megatron.convert.loaders import load_model_weights
+    out, _ = deepspeed_pp2_dp2
+    weights = load_model_weights(str(out / "ckpt"), "deepspeed").state_dict
+    folder = out / "ckpt" / f"global_step{ITERS}"
+    layer = torch.load(folder / "layer_02-model_00-model_states.pt", weights_only=True)
+    for key, tensor in layer.items():
+        assert torch.equal(weights[f"language_model.transformer.layers.1.{key}"], tensor), key
+    embedding = torch.load(folder / "layer_00-model_00-model_states.pt", weights_only=True)
+    assert torch.equal(weights["language_model.embedding.position_embeddings.weight"],
+                       embedding["position_embeddings.weight"])

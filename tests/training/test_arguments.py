@@ -128,13 +128,6 @@ def test_pipeline_refuses_zero_stage_3(ds_json):
               ds_json(zero_optimization={"stage": 3}), world_size=2)
 
 
-def test_pipeline_refuses_deepspeed_checkpoints(ds_json):
-    with pytest.raises(ConfigError, match=re.escape(
-            "--deepspeed checkpoints (DeepSpeed's layout) of pipeline stages are not built")):
-        parse("--pipeline-model-parallel-size", "2", "--deepspeed", "--deepspeed_config",
-              ds_json(zero_optimization={"stage": 1}), "--save", "ckpt", world_size=2)
-
-
 @pytest.mark.parametrize("extra, world_size, message", [
     (["--pipeline-model-parallel-size", "2", "--DDP-impl", "torch"], 4,
      "--DDP-impl torch does not compose with --pipeline-model-parallel-size"),

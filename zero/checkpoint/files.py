@@ -17,6 +17,11 @@ def model_states_name(mp_rank):
     return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
+def layer_states_name(layer, tp_rank):
+    """A pipeline module's layer file (DeepSpeed's PipelineModule.ckpt_layer_path)."""
+    return f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
 def optim_states_name(dp_rank, mp_rank, bf16=False):
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
@@ -31,7 +36,7 @@ def engine_counters(engine):
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "dp_world_size": engine.dp_world_size,
-        "mp_world_size": engine.mp_world_size,
+        "mp_world_size": engine.checkpoint_world_size,
         "ds_config": engine.config.raw,
         "ds_version": DS_VERSION,
     }

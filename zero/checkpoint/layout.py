@@ -5,6 +5,12 @@ re-partitioning loads.
     <save_dir>/zero_to_fp32.py                            standalone consolidation script
     <save_dir>/<tag>/mp_rank_{mp:02d}_model_states.pt     DP rank 0 of every TP rank
     <save_dir>/<tag>/[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   stage 1/2
+    <save_dir>/<tag>/layer_{i:02d}-model_{tp:02d}-model_states.pt   pipeline stages' layers
+
+With pipeline stages (DeepSpeed's PipelineEngine), `mp` counts stages and tensor slices
+(stage x TP + TP rank), the module's weights go to one file per layer (the module says which:
+`layer_state_dicts()` / `load_layer_state_dicts()`, as a PipelineModule does) and the model
+states file holds `module: None`.
 
 Files hold plain containers, numbers and tensors only (`torch.load(weights_only=True)` reads
 them). The fp32 masters and optimizer states are saved in DeepSpeed's partitioning -- the
@@ -31,9 +37,10 @@ import torch
 
 from zero.checkpoint.partitions import (DS_VERSION, PartitionRestore, check_param_shapes,
                                         zero_optimizer_state)
-from zero.checkpoint.files import (all_agree, engine_counters, model_states_name,
-                                   module_state_on_cpu, on_rank0_then_agree, optim_files,
-                                   optim_states_name, shared_params, torch_load, try_)
+from zero.checkpoint.files import (all_agree, engine_counters, layer_states_name,
+                                   model_states_name, module_state_on_cpu, on_rank0_then_agree,
+                                   optim_files, optim_states_name, shared_params, torch_load,
+                                   try_)
 from zero.errors import CheckpointError
 from zero.fault_injection import kill_point
 from zero.fault_injection import writer as fault_writer
@@ -83,14 +90,33 @@ def _stage0_2_files(engine, stage, client_state):
         zero_state = zero_optimizer_state(engine.optimizer)  # collective over DP in stage 1/2
     writes = []
     if stage > 0:
-        name = optim_states_name(engine.dp_rank, engine.mp_rank, engine.bfloat16_enabled())
+        name = optim_states_name(engine.dp_rank, engine.checkpoint_rank,
+                                 engine.bfloat16_enabled())
         writes.append((name, {"optimizer_state_dict": zero_state,
                               "ds_config": engine.config.raw, "ds_version": DS_VERSION}))
     if engine.dp_rank == 0:
         states = _model_states(engine, zero_state if stage == 0 else None)
         states.update(client_state)
-        writes.append((model_states_name(engine.mp_rank), states))
+        writes.append((model_states_name(engine.checkpoint_rank), states))
+        if _pipelined(engine):
+            writes += [(layer_states_name(layer, engine.mp_rank), _on_cpu(state))
+                       for layer, state in engine.module.layer_state_dicts().items()]
     return writes
+
+
+def _pipelined(engine):
+    """A pipeline stage: its weights are saved layer by layer."""
+    if engine.pp_comm is None:
+        return False
+    if not hasattr(engine.module, "layer_state_dicts"):
+        raise CheckpointError("a pipeline stage's module must provide layer_state_dicts() and "
+                              "load_layer_state_dicts() to be checkpointed (DeepSpeed's "
+                              "layout saves a pipeline layer by layer)")
+    return True
+
+
+def _on_cpu(state):
+    return OrderedDict((k, v.detach().to("cpu", copy=True)) for k, v in state.items())
 
 
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.Size,
@@ -175,7 +201,7 @@ def _model_states(engine, optimizer_state):
     persistent = set(module.state_dict().keys())
     scheduler = engine.lr_scheduler
     return {
-        "module": module_state_on_cpu(module),
+        "module": None if _pipelined(engine) else module_state_on_cpu(module),
         "buffer_names": [n for n, _ in module.named_buffers() if n in persistent],
         "optimizer": optimizer_state,
         "param_shapes": [OrderedDict((names[p], p.shape) for p in group.params)
@@ -206,10 +232,13 @@ def load_checkpoint(engine, load_dir, tag, load_optimizer_states, load_lr_schedu
         if load_module_only:
             return path, client_state
         return _restore_counters(engine, states, load_lr_scheduler_states, path, client_state)
-    path = os.path.join(ckpt_dir, model_states_name(engine.mp_rank))
-    states = _load_model_states(path, ckpt_dir, engine.mp_world_size)
+    path = os.path.join(ckpt_dir, model_states_name(engine.checkpoint_rank))
+    states = _load_model_states(path, ckpt_dir, engine.checkpoint_world_size)
     try:
-        engine.module.load_state_dict(states["module"], strict=True)
+        if _pipelined(engine):
+            _load_layers(engine, ckpt_dir)
+        else:
+            engine.module.load_state_dict(states["module"], strict=True)
     except RuntimeError as e:
         raise CheckpointError(f"{path} does not fit the model: {e}") from None
     client_state = {k: v for k, v in states.items() if k not in MODEL_STATE_KEYS}
@@ -222,6 +251,17 @@ def load_checkpoint(engine, load_dir, tag, load_optimizer_states, load_lr_schedu
     if not masters_loaded:
         engine.optimizer.refresh_masters_from_model()
     return _restore_counters(engine, states, load_lr_scheduler_states, path, client_state)
+
+
+def _load_layers(engine, ckpt_dir):
+    states = {}
+    for layer in engine.module.layer_state_dicts():
+        path = os.path.join(ckpt_dir, layer_states_name(layer, engine.mp_rank))
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{ckpt_dir} has no {os.path.basename(path)}: it was saved "
+                                  "with other pipeline stages or tensor-parallel size")
+        states[layer] = torch_load(path)
+    engine.module.load_layer_state_dicts(states)
 
 
 def _restore_counters(engine, states, load_lr_scheduler_states, path, client_state):
@@ -276,8 +316,9 @@ def _load_model_states(path, ckpt_dir, mp_world_size):
     states = torch_load(path)
     saved_mp = states.get("mp_world_size", 1)
     if saved_mp != mp_world_size:
-        raise CheckpointError(f"{path} was saved with tensor-parallel size {saved_mp}, this run "
-                              f"uses {mp_world_size}; resume with the saved size or convert the "
+        raise CheckpointError(f"{path} was saved with {saved_mp} model-parallel rank(s) "
+                              f"(tensor slices x pipeline stages), this run has "
+                              f"{mp_world_size}; resume with the saved sizes or convert the "
                               "checkpoint first")
     return states
 
@@ -288,12 +329,13 @@ def load_zero_optimizer_state(engine, ckpt_dir, states):
     if states.get("optimizer") is not None:  # a stage 0 checkpoint: one full "slice"
         sources = [lambda: states["optimizer"]]
     else:
-        files = optim_files(ckpt_dir, engine.mp_rank)
+        files = optim_files(ckpt_dir, engine.checkpoint_rank)
         expected = states.get("dp_world_size")
         if not files or len(files) != expected:
             raise CheckpointError(
                 f"optimizer states missing in {ckpt_dir}: expected {expected} "
-                f"zero_pp_rank_*_mp_rank_{engine.mp_rank:02d}_optim_states.pt file(s), found "
+                f"zero_pp_rank_*_mp_rank_{engine.checkpoint_rank:02d}_optim_states.pt file(s), "
+                f"found "
                 f"{len(files)}. Pass load_optimizer_states=False to load the weights only")
         sources = [lambda path=path: torch_load(path, mmap=True)["optimizer_state_dict"]
                    for path in files]
