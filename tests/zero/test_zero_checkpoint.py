@@ -267,7 +267,8 @@ def test_other_tensor_parallel_size_and_missing_optimizer_states(tmp_path):
     states = _load(tag_dir / "mp_rank_00_model_states.pt")
     states["mp_world_size"] = 2
     torch.save(states, tag_dir / "mp_rank_00_model_states.pt")
-    with pytest.raises(CheckpointError, match="tensor-parallel size 2, this run uses 1"):
+    with pytest.raises(CheckpointError, match=r"saved with 2 model-parallel rank\(s\) "
+                                              r"\(tensor slices x pipeline stages\), this run has 1"):
         _engine().load_checkpoint(str(tmp_path), tag="t")
     os.rename(tag_dir / "mp_rank_00_model_states.pt", tag_dir / "mp_rank_01_model_states.pt")
     with pytest.raises(CheckpointError, match="tensor-parallel"):
