@@ -44,7 +44,7 @@ CHECKPOINT_VERSION = 2.0
 MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                     "max_position_embeddings", "make_vocab_size_divisible_by",
                     "padded_vocab_size", "tokenizer_type", "model_parallel_size",
-                    "pipeline_model_parallel_size")
+                    "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
 
 
 def get_checkpoint_name(checkpoints_path, iteration, mp_rank=None, release=False,
@@ -165,9 +165,11 @@ def check_checkpoint_args(saved_args, run_args, path):
             differences.append(f"--{key.replace('_', '-')}: checkpoint {saved}, flags {ours}")
     if differences:
         hint = ""
-        if any(d.startswith("--pipeline-model-parallel-size") for d in differences):
-            hint = (" A checkpoint's pipeline stages hold different layers: load it with the "
-                    "--pipeline-model-parallel-size it was saved with.")
+        if any(d.startswith(("--pipeline-model-parallel-size",
+                             "--num-layers-per-virtual-pipeline-stage")) for d in differences):
+            hint = (" A checkpoint's pipeline stages hold other layers: load it with the sizes "
+                    "it was saved with, or convert it (tools/merge_mp_partitions.py, --deepspeed "
+                    "for DeepSpeed's layout).")
         elif any(d.startswith("--model-parallel-size") for d in differences):
             hint = (" To change the tensor-parallel size of a checkpoint, convert it with "
                     "tools/merge_mp_partitions.py.")
@@ -221,6 +223,9 @@ def load_checkpoint(module, engine, checkpoint, run_args, device, convert=None):
         _load_optimizer(engine, state, run_args, path)
     if not checkpoint.no_load_rng:
         set_rng_states(state, device, path)
+        if converted is not None:  # every stage got stage 0's states: give them their own
+            from megatron.runtime.initialize import seed_pipeline_stage
+            seed_pipeline_stage(run_args.get("seed", 1234) + state.get("iteration", 0), device)
     train_state = dict(state.get("train_state", {}))
     train_state["iteration"] = state.get("iteration", state.get("total_iters", iteration))
     train_state.setdefault("consumed_train_samples",
@@ -308,7 +313,9 @@ def _check_pipeline_stages(run_args, directory):
         raise CheckpointError(
             f"checkpoint {directory} was saved with --pipeline-model-parallel-size {saved}, "
             f"but this run uses {ours}: its stages hold other layers. Load it with "
-            f"--pipeline-model-parallel-size {saved}")
+            f"--pipeline-model-parallel-size {saved}, or convert it: python "
+            f"tools/merge_mp_partitions.py --load <dir> --target-pipeline-model-parallel-size "
+            f"{ours}")
 
 
 def _check_model_parallel_size(load_dir, run_args, directory, saved_size):

@@ -108,11 +108,19 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     checkpoint = _checkpoint(raw)
     _check_optimizer_choice(raw, settled.ds_config)
     notes += _check_pipeline(raw, parallel, training, settled.ds_config)
+    recompute = activation.activation_checkpointing(
+        raw, settled.checkpoint_activations, settled.ds_config.activation_checkpointing,
+        model.num_layers, parallel.model_parallel_size)
+    options = recompute.deepspeed_activation_checkpointing
+    require(not (parallel.pipeline_model_parallel_size > 1 and options is not None
+                 and options.contiguous_checkpointing),
+            "contiguous activation checkpoints (--contiguous-checkpointing, 'activation_"
+            "checkpointing.contiguous_memory_optimization') keep one forward's checkpoints in "
+            "one buffer, but a pipeline stage holds several micro batches' forwards at once; "
+            "drop it with --pipeline-model-parallel-size")
     return TrainConfig(
         model=model,
-        activation_checkpointing=activation.activation_checkpointing(
-            raw, settled.checkpoint_activations, settled.ds_config.activation_checkpointing,
-            model.num_layers, parallel.model_parallel_size),
+        activation_checkpointing=recompute,
         data=_data(raw),
         optimizer=_optimizer(raw, settled.clip_grad),
         precision=PrecisionConfig(fp16=settled.fp16, bf16=settled.bf16),

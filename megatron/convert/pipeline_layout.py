@@ -8,7 +8,8 @@ model (`stage_layers`: as the trainer cuts them, interleaved model chunks includ
 orders the parameters as the model does, which gives exactly the file a single-stage run
 saves; splitting is the inverse. Everything else
 in a file (iteration, args, schedule, loss scale) is the same on every stage; the RNG states
-of stage 0 are kept, and every stage of a split gets them. Quantised optimizer states
+of stage 0 are kept, and every stage of a split gets them (a --load that converts reseeds the
+later stages' dropout streams). Quantised optimizer states
 (--optimizer adam8bit / adam4bit) move as their decoded moments.
 """
 

@@ -249,8 +249,14 @@ def get_pipeline_model_parallel_stage_rank(stage):
 
 
 def get_pipeline_model_parallel_next_rank():
-    return get_pipeline_model_parallel_stage_rank(get_pipeline_model_parallel_rank() + 1)
+    """Global rank of the next stage (the first one after the last, as Megatron's ring)."""
+    stages = get_pipeline_model_parallel_world_size()
+    return get_pipeline_model_parallel_stage_rank((get_pipeline_model_parallel_rank() + 1)
+                                                  % stages)
 
 
 def get_pipeline_model_parallel_prev_rank():
-    return get_pipeline_model_parallel_stage_rank(get_pipeline_model_parallel_rank() - 1)
+    """Global rank of the previous stage (the last one before the first)."""
+    stages = get_pipeline_model_parallel_world_size()
+    return get_pipeline_model_parallel_stage_rank((get_pipeline_model_parallel_rank() - 1)
+                                                  % stages)

@@ -4,8 +4,9 @@ Every message is one [micro batch, sequence, hidden] tensor in the model's dtype
 sides know its shape in advance and nothing but the tensor travels. The sends and receives
 of one exchange go out as one batch of point-to-point operations, so two stages exchanging
 in both directions cannot wait on each other (gloo and NCCL). Within a batch activations come
-before gradients, and each kind has its own tag: with two stages the previous and the next
-stage are the same process, and the messages still pair up in order.
+before gradients on both sides, so with two stages, where the previous and the next stage are
+the same process, the messages pair up by their order (NCCL ignores tags; the per-kind tags
+are a second guard under gloo).
 
 With the interleaved schedule the stages form a ring: the last stage's next is the first
 (its model chunk c feeds chunk c + 1 there).

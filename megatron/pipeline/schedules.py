@@ -74,11 +74,12 @@ class PipelineStage:
         out) that a stage did not spend in its forward and backward passes, mean over the
         stages. It counts the waits for the other stages and the transfers, as the formula
         (P - 1) / (m + P - 1) counts the waits."""
-        busy = torch.tensor([self._compute], dtype=torch.float64)
-        span = torch.tensor([self._span], dtype=torch.float64)
+        device = self.ctx.runtime.device  # NCCL reduces device tensors only
+        span = torch.tensor([self._span], dtype=torch.float64, device=device)
         group = mpu.get_pipeline_model_parallel_group()
         dist.all_reduce(span, op=dist.ReduceOp.MAX, group=group)
-        idle = torch.tensor([1.0 - busy.item() / max(span.item(), 1e-9)], dtype=torch.float64)
+        idle = torch.tensor([1.0 - self._compute / max(span.item(), 1e-9)],
+                            dtype=torch.float64, device=device)
         dist.all_reduce(idle, group=group)
         self._compute = self._span = 0.0
         return idle.item() / self.stages
@@ -261,13 +262,21 @@ class PipelineStage:
         if self.tied.involved:
             self.tied.sync_weights()
         total = torch.zeros((), dtype=torch.float32, device=self.ctx.runtime.device)
+        compute = self._compute  # evaluation stays out of the training bubble
+        try:
+            self._forward_only(forward_step, batches, count, total)
+        finally:
+            self._compute = compute
+        return self._from_last_stage(total)
+
+    def _forward_only(self, forward_step, batches, count, total):
         if self.chunks == 1:
             for _ in range(count):
                 output = self._forward(forward_step, next(batches), self.links.recv_forward(),
                                        total)
                 if not self.last:
                     self.links.send_forward(output)
-            return self._from_last_stage(total)
+            return
         batches = [next(batches) for _ in range(count)]
         # micro batches go in groups of P: a short last evaluation batch is padded with
         # repeats whose losses are not counted
@@ -293,7 +302,6 @@ class PipelineStage:
                     inputs[self._chunk(k + 1, True)].append(received)
         finally:
             mpu.set_virtual_pipeline_model_parallel_rank(None)
-        return self._from_last_stage(total)
 
     def _from_last_stage(self, total):
         dist.broadcast(total, src=mpu.get_pipeline_model_parallel_stage_rank(self.stages - 1),

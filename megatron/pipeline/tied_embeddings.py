@@ -5,9 +5,9 @@ parallelism those live on the first stage (a parameter: optimizer, checkpoint), 
 stage holds a plain copy (`GPT2Model.tied_head_weight`). The copy's gradient, summed over the
 step's micro batches, is added to the parameter's gradient before the first stage's last
 backward, so the data-parallel reduction, the global norm and the optimizer see one gradient
-of one parameter, as in a single process; the copy receives the parameter's values before
-each forward pass. (Megatron keeps a second parameter and all-reduces the two gradients; the
-traffic is the same, one matrix each way per step.)
+of one parameter, as in a single process; the copy receives the parameter's values at the
+start of every step and every evaluation. (Megatron keeps a second parameter and all-reduces
+the two gradients; the traffic is the same, one matrix each way per step.)
 """
 
 import torch
@@ -15,7 +15,9 @@ import torch.distributed as dist
 
 from megatron import mpu
 
-_TAG = 7  # keeps these messages apart from the activations between the same two ranks
+# Under gloo, keeps these messages apart from the activations between the same two ranks;
+# under NCCL (no tags) they cannot meet them: they are sent when no activation is in flight.
+_TAG = 7
 
 
 class TiedEmbeddings:

@@ -48,8 +48,9 @@ def single_process(corpus, tmp_path_factory):
 ])
 def test_pipeline_matches_single_process(corpus, single_process, tmp_path, name, world_size,
                                          flags):
-    metrics, _ = train(corpus, tmp_path, world_size, ITERS, *flags)
+    metrics, results = train(corpus, tmp_path, world_size, ITERS, *flags)
     assert_same_training(single_process, metrics, ITERS)
+    assert "pipeline bubble:" in results[0][1]  # rank 0, on the first stage, logs the loss
 
 
 def test_pipeline_zero2_data_parallel_matches_single_process(corpus, single_process, tmp_path):

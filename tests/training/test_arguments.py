@@ -184,3 +184,10 @@ def test_interleaved_chunks_per_stage():
                    "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "8",
                    world_size=2)
     assert config.parallel.virtual_pipeline_model_parallel_size == 2
+
+
+def test_pipeline_refuses_contiguous_activation_checkpoints():
+    """One forward's checkpoints in one buffer cannot hold a stage's micro batches in flight."""
+    with pytest.raises(ConfigError, match="a pipeline stage holds several micro batches"):
+        parse("--pipeline-model-parallel-size", "2", "--checkpoint-activations",
+              "--contiguous-checkpointing", world_size=2)
