@@ -88,3 +88,32 @@ def trainer_backend(flags, vocab_size, world_size=1):
     tokenizer = SimpleNamespace(eod=0, vocab_size=vocab_size)
     ctx = TrainContext(config, tokenizer, runtime, model_config(config, vocab_size))
     return build_backend(ctx, model_provider), ctx
+
+
+def run_ranks(worker, args, procs, label):
+    """Start `procs` spawned processes of `worker(rank, *args, queue)`, each putting
+    (rank, result) on the queue; the results in rank order. A worker that dies stops them all
+    (its peers would wait in a collective forever)."""
+    import queue as queue_module
+
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    workers = [ctx.Process(target=worker, args=(r, *args, queue)) for r in range(procs)]
+    for process in workers:
+        process.start()
+    results = {}
+    while len(results) < procs:
+        try:
+            rank, result = queue.get(timeout=1.0)
+            results[rank] = result
+        except queue_module.Empty:
+            dead = [w for w in workers if w.exitcode not in (None, 0)]
+            if dead:
+                for process in workers:
+                    process.kill()
+                raise RuntimeError(f"{label}: a worker exited with code {dead[0].exitcode} "
+                                   "(its traceback is above)")
+    for process in workers:
+        process.join()
+    return [results[r] for r in range(procs)]

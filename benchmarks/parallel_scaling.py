@@ -29,15 +29,13 @@ import argparse
 import base64
 import json
 import os
-import queue as queue_module
 import statistics
 import time
 
-from common import machine_description, markdown_table, update_docs_section
+from common import machine_description, markdown_table, run_ranks, update_docs_section
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 FULL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128,
             vocab_size=8192, global_batch=8, warmup=2, steps=6, rounds=2)
@@ -166,29 +164,7 @@ def _measure(tp, impl, bucket_mb, extra, config, world_size):
 
 def run_layout(layout, config, port):
     label, procs = layout[:2]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    workers = [ctx.Process(target=_worker,
-                           args=(r, procs, layout, config, port, queue))
-               for r in range(procs)]
-    for worker in workers:
-        worker.start()
-    results = {}
-    while len(results) < procs:
-        try:
-            rank, result = queue.get(timeout=1.0)
-            results[rank] = result
-        except queue_module.Empty:
-            # a worker that died leaves its peers blocked in a collective: stop them all
-            dead = [w for w in workers if w.exitcode not in (None, 0)]
-            if dead:
-                for worker in workers:
-                    worker.kill()
-                raise RuntimeError(f"{label}: a worker exited with code {dead[0].exitcode} "
-                                   "(its traceback is above)")
-    for worker in workers:
-        worker.join()
-    return [results[r] for r in range(procs)]
+    return run_ranks(_worker, (procs, layout, config, port), procs, label)
 
 
 def _ring(payload, n):

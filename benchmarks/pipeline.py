@@ -23,16 +23,14 @@ and, at m = 8, tokens/s of the same global batch at PP = 2, TP = 2 and DP = 2.
 import argparse
 import json
 import os
-import queue as queue_module
 import statistics
 import sys
 import time
 
-from common import machine_description, markdown_table, update_docs_section
+from common import machine_description, markdown_table, run_ranks, update_docs_section
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -171,28 +169,7 @@ def _worker(rank, runner, args, port, queue):
 
 def _run(runner, args):
     from tests.dist_utils import free_port
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    workers = [ctx.Process(target=_worker, args=(r, runner, args, port, queue))
-               for r in range(2)]
-    for worker in workers:
-        worker.start()
-    results = {}
-    while len(results) < 2:
-        try:
-            rank, result = queue.get(timeout=1.0)
-            results[rank] = result
-        except queue_module.Empty:
-            dead = [w for w in workers if w.exitcode not in (None, 0)]
-            if dead:
-                for worker in workers:
-                    worker.kill()
-                raise RuntimeError(f"{runner} {args[1:]}: a worker exited with code "
-                                   f"{dead[0].exitcode} (its traceback is above)")
-    for worker in workers:
-        worker.join()
-    return results[0]
+    return run_ranks(_worker, (runner, args, free_port()), 2, f"{runner} {args[1:]}")[0]
 
 
 def _deepspeed(config, m):

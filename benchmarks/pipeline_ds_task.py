@@ -14,24 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-class Block(nn.Module):
-    """The plain-PyTorch GPT block of benchmarks/train_throughput.py."""
-
-    def __init__(self, hidden, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln_1, self.ln_2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-        self.fc, self.fc_out = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).split(h, dim=2)
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc_out(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
+from train_throughput import _Block as Block  # the plain-PyTorch GPT block (torch only)
 
 
 class Embed(nn.Module):
