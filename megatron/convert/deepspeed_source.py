@@ -31,6 +31,7 @@ from megatron.checkpointing.megatron_layout import CHECKPOINT_VERSION, to_nested
 from megatron.convert.checkpoint_files import ShardedCheckpoint
 from megatron.convert.pipeline_layout import join_stages, stage_layer_numbers
 from megatron.errors import CheckpointError
+from megatron.model.gpt2_model import pipeline_layer_slots
 from megatron.model.tiling import join_tiled_weights
 
 _CLIENT_KEYS = ("iteration", "consumed_train_samples", "train_state", "random_rng_state",
@@ -114,17 +115,11 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
 
 def _stage_module(tag_dir, args, stages, stage, tp_rank):
     """A pipeline stage's module state (its names, layers numbered from 0) from DeepSpeed's
-    layer files: layer 0 the embeddings, 1 + n transformer layer n, num_layers + 1 the final
-    LayerNorm (megatron.model.GPT2Model.layer_state_dicts)."""
-    num_layers = args["num_layers"]
-    parts = [(1 + number, f"language_model.transformer.layers.{local}.")
-             for local, number in enumerate(stage_layer_numbers(args, stages, stage))]
-    if stage == 0:
-        parts.insert(0, (0, "language_model.embedding."))
-    if stage == stages - 1:
-        parts.append((1 + num_layers, "language_model.transformer.final_layernorm."))
+    layer files (megatron.model.gpt2_model.pipeline_layer_slots)."""
     module = {}
-    for layer, prefix in parts:
+    for layer, prefix in pipeline_layer_slots(args["num_layers"],
+                                              stage_layer_numbers(args, stages, stage),
+                                              stage == 0, stage == stages - 1):
         path = os.path.join(tag_dir, f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt")
         if not os.path.isfile(path):
             raise CheckpointError(f"{tag_dir} has no {os.path.basename(path)}: the pipeline "

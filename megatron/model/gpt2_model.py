@@ -111,6 +111,19 @@ def check_shape(model, model_parallel_size):
             raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
 
 
+def pipeline_layer_slots(num_layers, layer_numbers, first_stage, last_stage):
+    """[(layer index, state-dict prefix)] of a pipeline stage's layers in DeepSpeed's pipeline
+    checkpoint (`layer_XX-model_YY-model_states.pt`): 0 the embeddings, 1 + n transformer
+    layer n, num_layers + 1 the final LayerNorm; the prefix names the layer in the stage's
+    model, whose transformer layers `layer_numbers` are numbered from 0."""
+    slots = [(0, "language_model.embedding.")] if first_stage else []
+    slots += [(1 + number, f"language_model.transformer.layers.{local}.")
+              for local, number in enumerate(layer_numbers)]
+    if last_stage:
+        slots.append((1 + num_layers, "language_model.transformer.final_layernorm."))
+    return slots
+
+
 def check_pipeline_split(num_layers, pipeline_size):
     """ConfigError unless every one of `pipeline_size` stages gets at least one layer."""
     if isinstance(pipeline_size, bool) or not isinstance(pipeline_size, int) \
@@ -191,16 +204,11 @@ class GPT2Model(nn.Module):
         self._input_tensor = tensor
 
     def _pipeline_layers(self):
-        """{DeepSpeed pipeline layer index: module}: 0 the embeddings, 1 + n transformer layer
-        n, num_layers + 1 the final LayerNorm; the ones this stage holds."""
-        language_model = self.language_model
-        transformer = language_model.transformer
-        layers = {} if language_model.embedding is None else {0: language_model.embedding}
-        layers.update({1 + number: layer
-                       for number, layer in zip(transformer.layer_numbers, transformer.layers)})
-        if transformer.final_layernorm is not None:
-            layers[1 + self.config.num_layers] = transformer.final_layernorm
-        return layers
+        """{DeepSpeed pipeline layer index: module} of the layers this stage holds."""
+        slots = pipeline_layer_slots(self.config.num_layers,
+                                     self.language_model.transformer.layer_numbers,
+                                     self.pre_process, self.post_process)
+        return {index: self.get_submodule(prefix.rstrip(".")) for index, prefix in slots}
 
     def layer_state_dicts(self):
         """This stage's weights layer by layer, for DeepSpeed's pipeline checkpoint layout
