@@ -65,6 +65,7 @@ def test_pipeline_zero2_data_parallel_matches_single_process(corpus, single_proc
     assert_same_training(single_process, metrics, ITERS)
 
 
+@pytest.mark.slow
 def test_pipeline_fp16_with_recompute_follows_single_process(corpus, single_process, tmp_path):
     """fp16 (the loss scale travels back with the gradients; one overflow decision) and
     --checkpoint-activations inside each stage, against fp32 in one process."""
@@ -125,9 +126,10 @@ def test_pipeline_resume_is_exact(corpus, pp2_tp2_with_checkpoints, tmp_path):
 
 @pytest.mark.parametrize("world_size, flags", [
     (2, ["--batch-size", 4]),  # TP 1 x PP 1 x DP 2
-    (4, ["--pipeline-model-parallel-size", 4, "--batch-size", 2]),  # PP 4
-    (2, ["--pipeline-model-parallel-size", 2, "--batch-size", 2,  # interleaved
-         "--num-layers-per-virtual-pipeline-stage", 1]),
+    pytest.param(4, ["--pipeline-model-parallel-size", 4, "--batch-size", 2],  # PP 4
+                 marks=pytest.mark.slow),
+    pytest.param(2, ["--pipeline-model-parallel-size", 2, "--batch-size", 2,  # interleaved
+                     "--num-layers-per-virtual-pipeline-stage", 1], marks=pytest.mark.slow),
 ])
 def test_resume_at_another_layout_continues_the_loss_curve(corpus, pp2_tp2_with_checkpoints,
                                                            tmp_path, world_size, flags):
