@@ -115,9 +115,11 @@ class NanGuard:
                 f"--bf16 instead of --fp16")
 
 
-# gloo raises plain RuntimeErrors; NCCL raises torch.distributed.DistError subclasses.
-_PEER_FAILURE = re.compile(r"gloo|nccl|Timed out|Connection (reset|closed|refused)|"
-                           r"Broken pipe|Socket", re.IGNORECASE)
+# gloo raises plain RuntimeErrors; NCCL raises torch.distributed.DistError subclasses. A gloo
+# wait that times out says "Timed out ..." or, when the pair is torn down first, "Application
+# timeout caused pair closure".
+_PEER_FAILURE = re.compile(r"gloo|nccl|Timed out|timeout caused pair closure|"
+                           r"Connection (reset|closed|refused)|Broken pipe|Socket", re.IGNORECASE)
 
 
 @contextlib.contextmanager

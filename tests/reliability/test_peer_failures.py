@@ -153,3 +153,18 @@ def test_two_nodes_on_this_machine_train_and_resume(corpus, tmp_path):
     assert "loaded checkpoint from" in (tmp_path / "resume0.out").read_text()
     reference = _reference(corpus, tmp_path, 4)
     _assert_same_losses(reference, read_metrics(tmp_path / "log"), [1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("message", [
+    "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms",
+    "Application timeout caused pair closure",
+    "Connection closed by peer [127.0.0.1]:5000",
+])
+def test_the_messages_of_a_dead_or_hanging_peer_become_one_error(message):
+    """gloo's wordings of a peer that died or hangs (the second appears when the pair is torn
+    down before the wait times out) all become the one TrainingError line."""
+    from megatron.errors import TrainingError
+    from megatron.runtime.fault_tolerance import explain_collective_failures
+    with pytest.raises(TrainingError, match="a collective failed during iteration 3"):
+        with explain_collective_failures(0.05, {"iteration": 2}, 0, lambda: "restart"):
+            raise RuntimeError(message)
