@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron import mpu
+from megatron.model import causal_attention
 from megatron.model.dropout import drop_unscaled, dropout
 from megatron.model.tiling import column_parallel_linear, row_parallel_linear
 
@@ -86,8 +87,11 @@ def attention(query, key, value, allowed_mask, is_causal, dropout_p):
     megatron.model.dropout's cheap mask and its 1 / (1 - p) scales the [s, hn] context instead
     of the probabilities. It keeps 5 bytes per score for backward in 16-bit (softmax output,
     mask, dropped probabilities), the 5·a·s²·b of the activation formula. About 4x faster than
-    SDPA's math path here (docs/design/cpu-dropout-attention.md).
+    SDPA's math path here (docs/design/cpu-dropout-attention.md). Causal bf16 attention in
+    a compiled layer on the CPU takes megatron.model.causal_attention (a faster backward).
     """
+    if causal_attention.applies(query, is_causal, dropout_p):
+        return causal_attention.causal_attention(query, key, value)
     if dropout_p == 0.0 or query.device.type != "cpu":
         return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed_mask,
                                               dropout_p=dropout_p, is_causal=is_causal)
