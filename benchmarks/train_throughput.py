@@ -3,8 +3,9 @@ each eager and under torch.compile.
 
 The same model (6 layers, hidden 384, 6 heads, seq 256, micro batch 8, vocab 8192, AdamW,
 dropout 0, grad clipping 1.0) is trained for a few steps by each, in fp32 and in bf16, in one
-run; the runners take turns (round robin) so drift of the machine hits all of them alike.
-Compiled means: ours with --compile (each transformer layer), the peers with
+run. Each trainer runs in its own process, as its users run it (ours with the allocator
+settings pretrain applies on the CPU; one more row shows ours without them), and the trainers
+take turns (round robin) so drift of the machine hits all of them alike. Compiled means: ours with --compile (each transformer layer), the peers with
 torch.compile of the whole model, as their users would; compiling happens in the warm-up.
 Prints a markdown table (tokens/s, MFU against the matmul peak measured in the same run,
 ratios); with --write-docs it also rewrites its section of docs/benchmarks.md.
@@ -17,6 +18,7 @@ use `torch.autocast(dtype=torch.bfloat16)` over fp32 parameters, their usual rec
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 
@@ -158,23 +160,61 @@ def ours_runner(precision, compiled):
 RUNNERS = {"ours": ours_runner, "plain PyTorch": plain_runner,
            "HF GPT2LMHeadModel": hf_runner}
 OURS_COMPILED = "ours, compiled"
+# A user's own MALLOC_* setting turns off the trainer's allocator settings
+# (megatron/runtime/host_allocator.py): this row shows what they are worth.
+GLIBC_DEFAULTS = {"MALLOC_MMAP_MAX_": "65536"}
+TRAINERS = {  # row label -> (runner, compiled, environment)
+    **{f"{name}, compiled" if compiled else name: (name, compiled, {})
+       for name in RUNNERS for compiled in (False, True)},
+    "ours, compiled, glibc malloc defaults": ("ours", True, GLIBC_DEFAULTS),
+}
 
 
-def measure(precision, warmup, steps, rounds):
-    steppers = {f"{name}, compiled" if compiled else name: make(precision, compiled)
-                for name, make in RUNNERS.items() for compiled in (False, True)}
-    steppers = {name: s for name, s in steppers.items() if s is not None}
-    for step in steppers.values():
-        for _ in range(warmup):
+def _trainer_process(conn, runner, precision, compiled, environ, threads):
+    """One trainer in its own process (as its users run it: its allocator settings are its
+    own): builds its step, says whether it could, then runs steps when told to."""
+    os.environ.update(environ)
+    torch.set_num_threads(threads)
+    step = RUNNERS[runner](precision, compiled)
+    conn.send(step is not None)
+    for count in iter(conn.recv, None):
+        times = []
+        for _ in range(count):
+            start = time.perf_counter()
             step()
-    times = {name: [] for name in steppers}
-    for _ in range(rounds):
-        for name, step in steppers.items():
-            for _ in range(steps):
-                start = time.perf_counter()
-                step()
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+            times.append(time.perf_counter() - start)
+        conn.send(times)
+
+
+def measure(precision, warmup, steps, rounds, threads):
+    """{row label: median seconds per step}. Each trainer lives in its own process; they are
+    built and warmed up (compiled) one at a time, then take turns, `steps` steps each per
+    round, so drift of the machine hits all of them alike."""
+    import multiprocessing
+    context = multiprocessing.get_context("spawn")
+    trainers = {}
+    try:
+        for label, (runner, compiled, environ) in TRAINERS.items():
+            conn, child_conn = context.Pipe()
+            process = context.Process(target=_trainer_process, daemon=True, args=(
+                child_conn, runner, precision, compiled, environ, threads))
+            process.start()
+            trainers[label] = (process, conn)
+            if not conn.recv():  # a peer that is not installed
+                del trainers[label]
+                continue
+            conn.send(warmup)
+            conn.recv()
+        times = {label: [] for label in trainers}
+        for _ in range(rounds):
+            for label, (_, conn) in trainers.items():
+                conn.send(steps)
+                times[label] += conn.recv()
+    finally:
+        for process, conn in trainers.values():
+            conn.send(None)
+            process.join(timeout=30)
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def main():
@@ -184,8 +224,8 @@ def main():
                         help="rewrite its section of docs/benchmarks.md (default: print only)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
     warmup, steps, rounds = (1, 2, 1) if args.quick else (3, 5, 3)
 
     from megatron.runtime.device import measure_matmul_flops
@@ -201,7 +241,7 @@ def main():
     for precision in ("fp32", "bf16"):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         peak = measure_matmul_flops(torch.device("cpu"), dtype, size=2048)
-        seconds = measure(precision, warmup, steps, rounds)
+        seconds = measure(precision, warmup, steps, rounds, threads)
         ours = tokens_per_step / seconds[OURS_COMPILED]
         for name, s in seconds.items():
             tps = tokens_per_step / s
@@ -218,7 +258,9 @@ def main():
             f"{c['num_attention_heads']} heads, seq {c['seq_length']}, micro batch "
             f"{c['micro_batch']}, vocab {c['vocab_size']}, AdamW, clip 1.0, dropout 0. "
             f"Median step time of {steps * rounds} steps per trainer after {warmup} warm-up "
-            f"steps (compiling happens there), trainers taking turns. Compiled: ours with "
+            f"steps (compiling happens there), each trainer in its own process, taking turns. "
+            f"Ours keeps freed host memory for reuse (megatron/runtime/host_allocator.py); "
+            f"the 'glibc malloc defaults' row is ours without that. Compiled: ours with "
             f"--compile, the peers with torch.compile of the whole model. MFU = "
             f"(6N + 12·L·h·s)·tokens / time / the matmul peak measured in the same run.\n\n"
             f"{table}\n")
