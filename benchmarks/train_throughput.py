@@ -3,10 +3,11 @@ each eager and under torch.compile.
 
 The same model (6 layers, hidden 384, 6 heads, seq 256, micro batch 8, vocab 8192, AdamW,
 dropout 0, grad clipping 1.0) is trained for a few steps by each, in fp32 and in bf16, in one
-run. Each trainer runs in its own process, as its users run it (ours with the allocator
-settings pretrain applies on the CPU; one more row shows ours without them), and the trainers
-take turns (round robin) so drift of the machine hits all of them alike. Compiled means: ours with --compile (each transformer layer), the peers with
-torch.compile of the whole model, as their users would; compiling happens in the warm-up.
+run. Each trainer runs in its own process, as its users run it (ours with the malloc policy
+its engine sets on the CPU; one more row shows ours without it), and the trainers take turns
+(round robin) so drift of the machine hits all of them alike. Compiled means: ours with
+--compile (each transformer layer), the peers with torch.compile of the whole model, as their
+users would; compiling happens in the warm-up.
 Prints a markdown table (tokens/s, MFU against the matmul peak measured in the same run,
 ratios); with --write-docs it also rewrites its section of docs/benchmarks.md.
 
@@ -160,9 +161,10 @@ def ours_runner(precision, compiled):
 RUNNERS = {"ours": ours_runner, "plain PyTorch": plain_runner,
            "HF GPT2LMHeadModel": hf_runner}
 OURS_COMPILED = "ours, compiled"
-# A user's own MALLOC_* setting turns off the trainer's allocator settings
-# (megatron/runtime/host_allocator.py): this row shows what they are worth.
-GLIBC_DEFAULTS = {"MALLOC_MMAP_MAX_": "65536"}
+# A user's own malloc threshold turns off the engine's (zero/host_memory.py): this row shows
+# what keeping freed memory is worth. Set after the interpreter started, glibc itself never
+# reads it, so its defaults stay.
+GLIBC_DEFAULTS = {"MALLOC_TRIM_THRESHOLD_": "131072"}
 TRAINERS = {  # row label -> (runner, compiled, environment)
     **{f"{name}, compiled" if compiled else name: (name, compiled, {})
        for name in RUNNERS for compiled in (False, True)},
@@ -259,7 +261,7 @@ def main():
             f"{c['micro_batch']}, vocab {c['vocab_size']}, AdamW, clip 1.0, dropout 0. "
             f"Median step time of {steps * rounds} steps per trainer after {warmup} warm-up "
             f"steps (compiling happens there), each trainer in its own process, taking turns. "
-            f"Ours keeps freed host memory for reuse (megatron/runtime/host_allocator.py); "
+            f"Ours keeps freed host memory for reuse (zero/host_memory.py); "
             f"the 'glibc malloc defaults' row is ours without that. Compiled: ours with "
             f"--compile, the peers with torch.compile of the whole model. MFU = "
             f"(6N + 12·L·h·s)·tokens / time / the matmul peak measured in the same run.\n\n"

@@ -159,15 +159,15 @@ class DeepSpeedEngine(torch.nn.Module):
                         "through contiguous bucket buffers here; results are the same")
 
     def _tune_host_allocator(self):
-        """Stage 3 on CPU: reuse freed tensor memory across steps (zero/host_memory.py), since
-        every gathered parameter and every gradient is allocated afresh each step. Stages 0-2
-        keep their gradients in persistent buffers and stay with glibc's defaults (reuse
-        costs resident memory); offload keeps its own policy."""
+        """On CPU without offload: reuse freed tensor memory across steps (zero/host_memory.py).
+        Every step allocates and frees the same large tensors (logits, activations, and under
+        ZeRO-3 every gathered parameter and gradient); with glibc's defaults each step
+        page-faults them in anew. Offload keeps its own policy."""
         zero = self.config.zero_optimization
-        if self.device.type == "cpu" and zero.stage == 3 and zero.offload_optimizer is None \
+        if self.device.type == "cpu" and zero.offload_optimizer is None \
                 and zero.offload_param is None:
             keep_freed_buffers()
-            warning = small_block_cache_warning()
+            warning = small_block_cache_warning() if zero.stage == 3 else None
             if warning and self.global_rank == 0:
                 logger.warning(warning)
 

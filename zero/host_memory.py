@@ -2,10 +2,11 @@
 
 Two policies, one per process (glibc only; elsewhere both are no-ops):
 
-- `keep_freed_buffers()` (ZeRO-3 on CPU without offload): blocks up to 1 GiB come from the
-  heap and freed memory is never trimmed, so each step reuses the last step's memory instead
-  of faulting fresh pages in (ZeRO-3 allocates every gathered parameter and gradient afresh
-  each step).
+- `keep_freed_buffers()` (training on CPU without offload): blocks up to 1 GiB come from
+  the heap and freed memory is never trimmed, so each step reuses the last step's memory
+  instead of faulting fresh pages in (a step allocates its logits and activations, and under
+  ZeRO-3 every gathered parameter and gradient, afresh). A user's own MALLOC_MMAP_THRESHOLD_ /
+  MALLOC_TRIM_THRESHOLD_ (or the glibc.malloc tunables of the same names) wins.
 - `return_freed_buffers_to_os()` (offload): every freed buffer over 256 KiB leaves the
   resident set; offload's memory budget wins over reuse.
 
@@ -43,7 +44,7 @@ def _mallopt(*settings):
 def keep_freed_buffers():
     """Reuse freed host memory instead of faulting fresh pages in every step."""
     global _policy
-    if _policy is not None:
+    if _policy is not None or user_set_thresholds():
         return
     _policy = "keep"
     _mallopt((M_MMAP_THRESHOLD, KEEP_MMAP_THRESHOLD), (M_TRIM_THRESHOLD, NEVER_TRIM))
@@ -56,6 +57,15 @@ def return_freed_buffers_to_os():
         return
     _policy = "return"
     _mallopt((M_MMAP_THRESHOLD, RETURN_MMAP_THRESHOLD), (M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD))
+
+
+def user_set_thresholds(environ=None):
+    """Whether the process was started with its own mmap or trim threshold for glibc."""
+    environ = os.environ if environ is None else environ
+    tunables = environ.get("GLIBC_TUNABLES", "").split(":")
+    return any(name in environ for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")) \
+        or any(t.startswith(("glibc.malloc.mmap_threshold=", "glibc.malloc.trim_threshold="))
+               for t in tunables)
 
 
 def policy():

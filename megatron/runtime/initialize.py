@@ -16,7 +16,6 @@ import torch.distributed as dist
 from megatron import mpu
 from megatron.errors import ConfigError
 from megatron.runtime import device as device_mod
-from megatron.runtime.host_allocator import reuse_freed_memory
 from megatron.runtime.activation_checkpointing import (setup_activation_checkpointing,
                                                        teardown_activation_checkpointing)
 from megatron.runtime.launch import discover_launch_environment
@@ -62,7 +61,6 @@ def initialize_megatron(parallel, recompute=None, notes=()):
     device = device_mod.resolve_device(parallel.device, local_rank)
     if device.type == "cpu":
         torch.set_num_threads(parallel.threads or device_mod.default_num_threads())
-        reuse_freed_memory()  # the tensors live in host memory: keep their pages
     timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
     _init_process_group(parallel, device, launch, timeout)
     mpu.initialize_model_parallel(

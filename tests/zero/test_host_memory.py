@@ -53,7 +53,7 @@ def test_kept_buffers_are_reused_without_page_faults_and_returned_ones_are_not(p
         assert faults > PAGES_PER_STEP // 2
 
 
-def test_stage3_on_cpu_keeps_freed_buffers_unless_offloading(tmp_path):
+def test_training_on_cpu_keeps_freed_buffers_unless_offloading(tmp_path):
     result = _run(f"""
         import zero
         from zero import host_memory
@@ -70,9 +70,30 @@ def test_stage3_on_cpu_keeps_freed_buffers_unless_offloading(tmp_path):
             policies.append(host_memory.policy())
         print(json.dumps(policies))
     """)
-    # stages 0-2 and offload to host memory leave glibc's defaults; NVMe offload returns
-    # freed swap-ins
-    assert result == ["keep", None, None, "return"]
+    # offload to host memory leaves glibc's defaults; NVMe offload returns freed swap-ins
+    assert result == ["keep", "keep", None, "return"]
+
+
+@pytest.mark.skipif(not _glibc(), reason="the policies tune glibc's malloc")
+def test_the_users_own_thresholds_win():
+    faults = _run("""
+        import os
+        from zero import host_memory
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = "131072"  # glibc's default, as a user's choice
+        host_memory.keep_freed_buffers()
+        print(json.dumps([host_memory.policy(), faults_of_a_step_after_warmup()]))
+    """)
+    assert faults[0] is None and faults[1] > PAGES_PER_STEP // 2
+
+
+@pytest.mark.parametrize("environ, own", [
+    ({}, False), ({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}, False),
+    ({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0:glibc.malloc.mmap_threshold=4096"}, True),
+    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, True),
+    ({"MALLOC_MMAP_THRESHOLD_": "65536"}, True), ({"MALLOC_ARENA_MAX": "2"}, False)])
+def test_what_counts_as_the_users_own_thresholds(environ, own):
+    from zero.host_memory import user_set_thresholds
+    assert user_set_thresholds(environ) is own
 
 
 @pytest.mark.parametrize("tunables, expected", [
