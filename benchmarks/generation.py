@@ -9,7 +9,8 @@ One randomly initialised GPT-2 124M (vocab 50257, 1024 positions) is converted t
 Face folder with tools' own converter, so both sides hold the very same weights.  Greedy,
 batch 1, a 16-token prompt, the same number of new tokens (eos disabled on the HF side).
 Tokens/s = new tokens / wall time of the whole call (prefill included), median of --repeats
-runs after one warm-up.  "same tokens" is the share of greedy tokens equal to our fp32 run's.
+runs after one warm-up (which compiles the --compile rows' decode step).  "same tokens" is
+the share of greedy tokens equal to our fp32 run's.
 
 Decoding reads every matmul weight once per step, for the whole batch, so the floor is
 batch x (copy bandwidth measured in the same run) / (weight bytes per step).  A random-init
@@ -106,11 +107,11 @@ def main(argv=None):
     params = SamplingParams(greedy=True, out_seq_length=new_tokens)
     no_eod = -1  # never produced: every run makes exactly new_tokens tokens
 
-    def ours(dtype=torch.float32, scheme=None, use_cache=True, batch=1):
+    def ours(dtype=torch.float32, scheme=None, use_cache=True, batch=1, compile=False):
         model = build_model_from_weights(weights, dtype)
         if scheme:
             quantize_model(model, QuantizationConfig(scheme, group_size=128))
-        generator = TextGenerator(model, no_eod, vocab, use_cache=use_cache)
+        generator = TextGenerator(model, no_eod, vocab, use_cache=use_cache, compile=compile)
         return ((lambda: generator.generate(prompts[batch], params)[0]),
                 _weight_bytes_per_token(model), batch)
 
@@ -126,6 +127,7 @@ def main(argv=None):
                          if p.dim() == 2 and "wpe" not in n)
     runs = {  # name -> (generate(), weight bytes per step, batch)
         "ours fp32, KV cache": ours(),
+        "ours fp32, --compile (decode step)": ours(compile=True),
         "ours bf16": ours(torch.bfloat16),
         "ours --quantize int8": ours(scheme="int8"),
         "ours --quantize int8-dynamic": ours(scheme="int8-dynamic"),
@@ -135,6 +137,8 @@ def main(argv=None):
         "ours fp32 --recompute": ours(use_cache=False),
         "ours fp32, batch 8": ours(batch=8),
         "ours bf16, batch 8": ours(torch.bfloat16, batch=8),
+        "ours fp32, batch 8, --compile": ours(batch=8, compile=True),
+        "ours bf16, batch 8, --compile": ours(torch.bfloat16, batch=8, compile=True),
         "transformers generate() fp32, batch 8": (hf_generate(hf, batch=8), fp32_bytes, 8),
     }
     del state
@@ -171,6 +175,8 @@ def main(argv=None):
         "int8 and int4 run their matmuls in bf16 "
         "(torch's CPU kernels); int8-dynamic in int8 (fbgemm).  The transformers int8 row "
         "quantises only its nn.Linear (the LM head): GPT-2's Conv1D layers stay fp32.  "
+        "--compile rows: the one-token decode step compiled over the fixed-shape cache (256 "
+        "positions here, masked beyond the tokens so far).  "
         f"`python benchmarks/generation.py{' --quick' if args.quick else ''}`",
         "",
         markdown_table(["implementation", "tokens/s", "vs transformers fp32",

@@ -51,6 +51,9 @@ def get_args(argv=None):
                         "--max-position-embeddings (prompt + new tokens are bounded by that)")
     g.add_argument("--recompute", action="store_true",
                    help="no KV cache: recompute the whole prefix every step")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the one-token decode step (a fixed-shape KV cache of "
+                        "256-position multiples: one compile per size, cached on disk)")
     g.add_argument("--sample-input-file", default=None, help="one prompt per line")
     g.add_argument("--sample-output-file", default=None,
                    help="JSON lines out (default: <input>.out.jsonl)")
@@ -75,6 +78,8 @@ def _validate(args):
         raise ConfigError("--top_k and --top_p are alternatives; give one of them")
     if args.out_seq_length < 1 or args.batch_size < 1 or args.num_samples < 0:
         raise ConfigError("--out-seq-length and --batch-size must be >= 1, --num-samples >= 0")
+    if args.compile and args.recompute:
+        raise ConfigError("--compile compiles the KV-cached decode step; drop --recompute")
     if args.num_samples > 0 and not args.genfile:
         raise ConfigError("--num-samples needs --genfile (the JSON lines file to write)")
     if args.sample_input_file and not os.path.isfile(args.sample_input_file):
@@ -155,7 +160,7 @@ def run(args):
         model, tokenizer, _ = load_inference_model(args, runtime.device)
         quantize_for_inference(args, model)
         generator = TextGenerator(model, tokenizer.eod, tokenizer.vocab_size,
-                                  use_cache=not args.recompute)
+                                  use_cache=not args.recompute, compile=args.compile)
         params = SamplingParams(args.greedy, args.temperature, args.top_k, args.top_p,
                                 args.out_seq_length)
         if args.num_samples > 0:

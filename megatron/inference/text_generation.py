@@ -57,15 +57,36 @@ def choose_tokens(logits, params):
     return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
 
 
+_CACHE_QUANTUM = 256  # compiled decoding: cache sizes are multiples of this
+
+
 class TextGenerator:
     """Generates continuations for a GPT2Model built with parallel_output=False."""
 
-    def __init__(self, model, eod, vocab_size, use_cache=True):
+    def __init__(self, model, eod, vocab_size, use_cache=True, compile=False):
+        """compile: torch.compile the one-token decode step over a fixed-shape KV cache (the
+        cache holds a multiple of 256 positions, so a few sizes cover every prompt)."""
+        if compile and not use_cache:
+            raise ValueError("compiling the decode step needs the KV cache (drop --recompute)")
         self.model = model
         self.eod = eod
         self.vocab_size = vocab_size  # logits of padding rows are never sampled
         self.use_cache = use_cache
         self.max_positions = model.config.max_position_embeddings
+        self._decode_step = torch.compile(self._last_logits, dynamic=False) if compile \
+            else None
+        self._kept_cache = None  # compiled: reused by the next call of the same size
+
+    def _cache_for(self, batch, positions):
+        if self._decode_step is None:
+            return KVCache.for_model(self.model, batch, positions)
+        capacity = min(self.max_positions, -(-positions // _CACHE_QUANTUM) * _CACHE_QUANTUM)
+        kept = self._kept_cache
+        if kept is None or (kept.batch_size, kept.max_len) != (batch, capacity):
+            # a new cache is a new input to the compiled step: one compile per size
+            kept = self._kept_cache = KVCache.for_model(self.model, batch, capacity)
+        kept.reset()
+        return kept
 
     def _last_logits(self, tokens, positions):
         # tokens, positions [b, s] -> fp32 logits [b, vocab] of the last position only
@@ -89,8 +110,7 @@ class TextGenerator:
         if max_new == 0:
             return generated[:, :0], finished
         # With the cache each step feeds only the newest token; without it, the whole prefix.
-        cache = KVCache.for_model(self.model, batch, length + max_new) if self.use_cache \
-            else None
+        cache = self._cache_for(batch, length + max_new) if self.use_cache else None
         attached = contextlib.nullcontext() if cache is None \
             else attach_kv_cache(self.model, cache)
         # Position ids of every step, made once: [b, length + max_new].
@@ -106,11 +126,20 @@ class TextGenerator:
                     break
                 if cache is not None:
                     position = positions[:, length + step:length + step + 1]
-                    logits = self._last_logits(tokens.unsqueeze(1), position)
+                    logits = self._decode(cache, tokens.unsqueeze(1), position)
                 else:
                     prefix = torch.cat([context_tokens, generated[:, :step + 1]], dim=1)
                     logits = self._last_logits(prefix, positions[:, :prefix.shape[1]])
         return generated[:, :step + 1], finished
+
+    def _decode(self, cache, tokens, position):
+        """Logits after one new token per row, through the cache."""
+        if self._decode_step is None:
+            return self._last_logits(tokens, position)
+        cache.at_slot()
+        logits = self._decode_step(tokens, position.clone())  # same storage offset each step
+        cache.advance()
+        return logits
 
     def _broadcast(self, tokens):
         if mpu.get_model_parallel_world_size() > 1:

@@ -15,6 +15,12 @@ forward pass over the whole sequence.
 The caller passes position ids that continue from `cache.length` (GPT-2's learned position
 embeddings need them) and no attention mask: causality over cached + new tokens is the
 cache's job (`LayerKVCache.update`).
+
+Fixed-shape decoding (`cache.at_slot()`, then `cache.advance()` after each one-token step):
+the new key and value go to the position held in a tensor, and attention spans the whole
+buffer with the positions not yet written masked out. Every step then has the same shapes and
+no Python-side length, so torch.compile compiles the decode step once per cache size instead
+of once per length.
 """
 
 import contextlib
@@ -27,13 +33,19 @@ from megatron import mpu
 class LayerKVCache:
     """One layer's keys and values: [b, np, max_len, hn] each, filled up to `length`."""
 
-    def __init__(self, keys, values):
+    def __init__(self, keys, values, slot, slots):
         self.keys, self.values = keys, values
         self.length = 0
+        # Fixed-shape decoding: the [1] position the next token is written at (shared by every
+        # layer), and 0..max_len-1 to mask the positions after it.
+        self.slot, self.slots = slot, slots
+        self.fixed_shape = False
 
     def update(self, key, value):
         """Append key/value [b, np, s, hn]; returns (keys, values, allowed_mask, is_causal)
         over every cached position, for scaled_dot_product_attention."""
+        if self.fixed_shape:
+            return self._update_at_slot(key, value)
         start, new = self.length, key.shape[2]
         end = start + new
         if end > self.keys.shape[2]:
@@ -52,6 +64,13 @@ class LayerKVCache:
         allowed = torch.arange(end, device=key.device).unsqueeze(0) <= query_positions
         return keys, values, allowed, False     # allowed: [s, start + s], True = attend
 
+    def _update_at_slot(self, key, value):
+        # one new token [b, np, 1, hn] at position `slot`; it sees every position up to it
+        self.keys.index_copy_(2, self.slot, key)
+        self.values.index_copy_(2, self.slot, value)
+        allowed = (self.slots <= self.slot).view(1, 1, 1, -1)
+        return self.keys, self.values, allowed, False
+
 
 class KVCache:
     """The LayerKVCache of every layer of a model, advanced together."""
@@ -59,10 +78,15 @@ class KVCache:
     def __init__(self, num_layers, batch_size, num_heads, max_len, head_dim,
                  dtype=torch.float32, device="cpu"):
         shape = (batch_size, num_heads, max_len, head_dim)
-        self.layers = [LayerKVCache(torch.empty(shape, dtype=dtype, device=device),
-                                    torch.empty(shape, dtype=dtype, device=device))
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        slots = torch.arange(max_len, device=device)
+        # zeros, not empty: fixed-shape steps read masked positions too, and 0 x NaN is NaN
+        self.layers = [LayerKVCache(torch.zeros(shape, dtype=dtype, device=device),
+                                    torch.zeros(shape, dtype=dtype, device=device),
+                                    self.slot, slots)
                        for _ in range(num_layers)]
         self.max_len = max_len
+        self.batch_size = batch_size
 
     @classmethod
     def for_model(cls, model, batch_size, max_len):
@@ -80,6 +104,21 @@ class KVCache:
     def reset(self):
         for layer in self.layers:
             layer.length = 0
+            layer.fixed_shape = False
+
+    def at_slot(self):
+        """Switch to fixed-shape one-token steps, writing at the current length."""
+        if self.length >= self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; all are filled")
+        self.slot.fill_(self.length)
+        for layer in self.layers:
+            layer.fixed_shape = True
+
+    def advance(self):
+        """After a fixed-shape step: the token at `slot` is cached; the next goes after it."""
+        for layer in self.layers:
+            layer.length += 1
+        self.slot.add_(1)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ import io
 import json
 import os
 
+import pytest
 import torch
 
 from megatron import mpu
@@ -62,6 +63,36 @@ def test_precision_is_the_dtype_of_the_weights():
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     new, _ = _generate(model, True)
     assert new.shape == (2, 25)
+
+
+def test_a_compiled_decode_step_gives_the_same_tokens_and_compiles_once(monkeypatch):
+    """TextGenerator(compile=True): one-token steps over the fixed-shape cache (written at a
+    position tensor, the rest masked) give the eager cache's tokens, and the step is compiled
+    once for every step of both calls (prompts of 7 and 4 tokens share a cache size)."""
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(
+        fn, **kwargs, backend=counting_backend))
+    torch._dynamo.reset()
+    model = build_model_from_weights(random_weights(positions=300))
+    compiled = TextGenerator(model, eod=300, vocab_size=301, compile=True)
+    for context in (_context(), _context()[:, 3:]):
+        eager, _ = TextGenerator(model, eod=300, vocab_size=301).generate(context, GREEDY)
+        new, _ = compiled.generate(context, GREEDY)
+        assert torch.equal(new, eager)
+    assert len(graphs) == 1
+    assert compiled._kept_cache.max_len == 256
+
+
+def test_compiling_needs_the_cache():
+    model = build_model_from_weights(random_weights())
+    with pytest.raises(ValueError, match="needs the KV cache"):
+        TextGenerator(model, eod=300, vocab_size=301, use_cache=False, compile=True)
 
 
 def test_generation_stops_at_the_model_length():
