@@ -4,11 +4,14 @@ The model and step of benchmarks/train_throughput.py (6 layers, hidden 384, seq 
 batch 8, AdamW), eager and with --compile, in fp32 and bf16. For each, the share of the step
 by kind of work (matmuls, attention, compiled kernels, elementwise, copies, optimizer, ...)
 and the top ops by self time. Compiled kernels are named by inductor after the ops they fuse.
+It runs as the launch scripts start training (glibc's small-block cache off).
 
     python benchmarks/step_profile.py [--quick] [--write-docs]
 """
 
 import argparse
+import os
+import sys
 
 from common import machine_description, markdown_table, update_docs_section
 
@@ -71,7 +74,16 @@ def _short(name):
     return name if len(name) <= 70 else name[:67] + "..."
 
 
+def _as_the_launch_scripts_start_training():
+    """Re-run this process with glibc's small-block cache off, as scripts/launch_env.sh starts
+    training (the engine's host-memory policy depends on it: zero/host_memory.py)."""
+    from zero.host_memory import is_glibc, small_block_cache_off, small_block_cache_off_environ
+    if is_glibc() and not small_block_cache_off():
+        os.execve(sys.executable, [sys.executable] + sys.argv, small_block_cache_off_environ())
+
+
 def main():
+    _as_the_launch_scripts_start_training()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one step, for a smoke test")
     parser.add_argument("--write-docs", action="store_true",

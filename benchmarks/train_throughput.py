@@ -3,8 +3,9 @@ each eager and under torch.compile.
 
 The same model (6 layers, hidden 384, 6 heads, seq 256, micro batch 8, vocab 8192, AdamW,
 dropout 0, grad clipping 1.0) is trained for a few steps by each, in fp32 and in bf16, in one
-run. Each trainer runs in its own process, as its users run it (ours with the malloc policy
-its engine sets on the CPU; one more row shows ours without it), and the trainers take turns
+run. Each trainer runs in its own process, as its users run it (ours started as the launch
+scripts start training, so its engine keeps freed host memory; one more row shows ours started
+without that), and the trainers take turns
 (round robin) so drift of the machine hits all of them alike. Compiled means: ours with
 --compile (each transformer layer), the peers with torch.compile of the whole model, as their
 users would; compiling happens in the warm-up.
@@ -161,21 +162,19 @@ def ours_runner(precision, compiled):
 RUNNERS = {"ours": ours_runner, "plain PyTorch": plain_runner,
            "HF GPT2LMHeadModel": hf_runner}
 OURS_COMPILED = "ours, compiled"
-# A user's own malloc threshold turns off the engine's (zero/host_memory.py): this row shows
-# what keeping freed memory is worth. Set after the interpreter started, glibc itself never
-# reads it, so its defaults stay.
-GLIBC_DEFAULTS = {"MALLOC_TRIM_THRESHOLD_": "131072"}
-TRAINERS = {  # row label -> (runner, compiled, environment)
-    **{f"{name}, compiled" if compiled else name: (name, compiled, {})
+# Ours starts as scripts/launch_env.sh starts training (glibc's small-block cache off, which
+# lets the engine keep freed buffers for reuse: zero/host_memory.py); the last row starts
+# without it, so the engine leaves glibc's defaults: what keeping freed memory is worth.
+TRAINERS = {  # row label -> (runner, compiled, started as the launch scripts start training)
+    **{f"{name}, compiled" if compiled else name: (name, compiled, name == "ours")
        for name in RUNNERS for compiled in (False, True)},
-    "ours, compiled, glibc malloc defaults": ("ours", True, GLIBC_DEFAULTS),
+    "ours, compiled, glibc malloc defaults": ("ours", True, False),
 }
 
 
-def _trainer_process(conn, runner, precision, compiled, environ, threads):
-    """One trainer in its own process (as its users run it: its allocator settings are its
-    own): builds its step, says whether it could, then runs steps when told to."""
-    os.environ.update(environ)
+def _trainer_process(conn, runner, precision, compiled, threads):
+    """One trainer in its own process: builds its step, says whether it could, then runs
+    steps when told to, until told None."""
     torch.set_num_threads(threads)
     step = RUNNERS[runner](precision, compiled)
     conn.send(step is not None)
@@ -188,34 +187,63 @@ def _trainer_process(conn, runner, precision, compiled, environ, threads):
         conn.send(times)
 
 
+def _start_trainer(context, args, launch_env):
+    """The process (started with the launch scripts' environment or this one's) and our end
+    of its pipe."""
+    from zero.host_memory import small_block_cache_off_environ
+    conn, child_conn = context.Pipe()
+    process = context.Process(target=_trainer_process, daemon=True, args=(child_conn, *args))
+    saved = dict(os.environ)
+    if launch_env:  # a spawned child inherits os.environ as it is when it starts
+        os.environ.update(small_block_cache_off_environ())
+    try:
+        process.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    child_conn.close()  # so a child that dies ends our recv() with EOFError
+    return process, conn
+
+
+def _receive(label, process, conn):
+    try:
+        return conn.recv()
+    except EOFError:
+        raise RuntimeError(f"{label}: its process exited with code {process.exitcode} "
+                           "(its traceback is above)") from None
+
+
 def measure(precision, warmup, steps, rounds, threads):
     """{row label: median seconds per step}. Each trainer lives in its own process; they are
     built and warmed up (compiled) one at a time, then take turns, `steps` steps each per
     round, so drift of the machine hits all of them alike."""
     import multiprocessing
     context = multiprocessing.get_context("spawn")
-    trainers = {}
+    trainers, times = {}, {}
     try:
-        for label, (runner, compiled, environ) in TRAINERS.items():
-            conn, child_conn = context.Pipe()
-            process = context.Process(target=_trainer_process, daemon=True, args=(
-                child_conn, runner, precision, compiled, environ, threads))
-            process.start()
+        for label, (runner, compiled, launch_env) in TRAINERS.items():
+            process, conn = _start_trainer(context, (runner, precision, compiled, threads),
+                                           launch_env)
             trainers[label] = (process, conn)
-            if not conn.recv():  # a peer that is not installed
-                del trainers[label]
+            if not _receive(label, process, conn):  # a peer that is not installed
                 continue
             conn.send(warmup)
-            conn.recv()
-        times = {label: [] for label in trainers}
+            _receive(label, process, conn)
+            times[label] = []
         for _ in range(rounds):
-            for label, (_, conn) in trainers.items():
+            for label in times:
+                process, conn = trainers[label]
                 conn.send(steps)
-                times[label] += conn.recv()
+                times[label] += _receive(label, process, conn)
     finally:
         for process, conn in trainers.values():
-            conn.send(None)
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
             process.join(timeout=30)
+            if process.is_alive():
+                process.terminate()
     return {label: statistics.median(t) for label, t in times.items()}
 
 
@@ -261,8 +289,10 @@ def main():
             f"{c['micro_batch']}, vocab {c['vocab_size']}, AdamW, clip 1.0, dropout 0. "
             f"Median step time of {steps * rounds} steps per trainer after {warmup} warm-up "
             f"steps (compiling happens there), each trainer in its own process, taking turns. "
-            f"Ours keeps freed host memory for reuse (zero/host_memory.py); "
-            f"the 'glibc malloc defaults' row is ours without that. Compiled: ours with "
+            f"Ours starts as scripts/launch_env.sh starts training (glibc's small-block "
+            f"cache off), so its engine keeps freed host memory for reuse "
+            f"(zero/host_memory.py); the 'glibc malloc defaults' row is ours started "
+            f"without that. Compiled: ours with "
             f"--compile, the peers with torch.compile of the whole model. MFU = "
             f"(6N + 12·L·h·s)·tokens / time / the matmul peak measured in the same run.\n\n"
             f"{table}\n")

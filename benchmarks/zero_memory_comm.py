@@ -29,10 +29,10 @@ processes, run one after another) is rough; the comparison with the fastest peer
 paired runs: each of our stages and
 torch DDP built in the same processes and stepped alternately (`--paired-steps`). DP=4
 oversubscribes the 2 cores (4 ranks x 1 thread), so compare within a column. Every runner
-runs as shipped: our stage 3 sets glibc to reuse freed host memory by itself
-(zero/host_memory.py), which in the paired run applies to the DDP beside it too, and our
-runners start with GLIBC_TUNABLES=glibc.malloc.tcache_count=0 as scripts/launch_env.sh starts
-training (the peers with the environment as it is).
+runs as shipped: our runners start with GLIBC_TUNABLES=glibc.malloc.tcache_count=0 as
+scripts/launch_env.sh starts training (the peers with the environment as it is), and then our
+engine sets glibc to reuse freed host memory at every stage (zero/host_memory.py), which in the
+paired run applies to the DDP beside it too.
 """
 
 import argparse
@@ -89,16 +89,18 @@ NOTES = {
         "makes stage 2 hold about one bucket of spare buffers. Single-runner step times swing "
         "with the machine's speed; the paired tables (each stage and DDP stepped alternately in"
         " the same processes) are the comparison."
-        " Our stage 3 reuses freed host memory by itself, and our runners start with "
-        "glibc's tcache off as scripts/launch_env.sh starts training (see the gpt-91m notes)."),
+        " Our runners start with glibc's tcache off as scripts/launch_env.sh starts training,"
+        " and then our engine reuses freed host memory at every stage (see the gpt-91m "
+        "notes)."),
     "gpt-91m": (
         "Run on the idle box. This PlainGPT counts Ψ = 110.3M (untied position embedding "
         "and biases included). `reduce_bucket_size` is 25 MB of fp32 (DDP's default bucket) "
         "for ours and DeepSpeed. DeepSpeed's ZeRO-3 is left out: it hung on this model over "
         "gloo (both ranks at ~7% CPU for 7.5 minutes). Every runner runs as shipped; our "
-        "stage 3 on CPU makes glibc reuse freed host memory (zero/host_memory.py): it "
-        "allocates every gathered parameter and gradient afresh each step, which with "
-        "glibc's defaults cost ~185k page faults (~0.3 s) per step. The single-runner step "
+        "engine on CPU makes glibc reuse freed host memory (zero/host_memory.py; at stages "
+        "0-2 since 2026-11-26, when started with the tcache off): stage 3 allocates every "
+        "gathered parameter and gradient afresh each step, which with glibc's defaults cost "
+        "~185k page faults (~0.3 s) per step. The single-runner step "
         "times (each runner in its own processes, one after another) swing by 10-30% with "
         "the machine's speed (DDP alone: 2.9-4.3 s across runs), so the verdict on \"no "
         "slower than the fastest peer\" comes from the paired table at the end: each of our "

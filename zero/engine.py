@@ -43,7 +43,8 @@ from zero.comm.communicator import Communicator
 from zero.compiler import compile_module
 from zero.config.deepspeed_config import DeepSpeedConfig
 from zero.errors import ConfigError, ZeroError
-from zero.host_memory import keep_freed_buffers, small_block_cache_warning
+from zero.host_memory import (keep_freed_buffers, small_block_cache_off,
+                              small_block_cache_warning)
 from zero.monitor import Monitor
 from zero.optim.lr_schedules import build_lr_scheduler
 from zero.optim.optimizers import build_optimizer, check_zero_supported
@@ -162,14 +163,21 @@ class DeepSpeedEngine(torch.nn.Module):
         """On CPU without offload: reuse freed tensor memory across steps (zero/host_memory.py).
         Every step allocates and frees the same large tensors (logits, activations, and under
         ZeRO-3 every gathered parameter and gradient); with glibc's defaults each step
-        page-faults them in anew. Offload keeps its own policy."""
+        page-faults them in anew. At stages 0-2 only when the process started with glibc's
+        small-block cache off (the launch scripts start it so): with the cache on, kept memory
+        can creep up step after step, and below stage 3 glibc's defaults are the safe
+        choice; stage 3 keeps regardless and warns. Offload keeps its own policy."""
         zero = self.config.zero_optimization
-        if self.device.type == "cpu" and zero.offload_optimizer is None \
-                and zero.offload_param is None:
+        if self.device.type != "cpu" or zero.offload_optimizer is not None \
+                or zero.offload_param is not None:
+            return
+        if zero.stage == 3:
             keep_freed_buffers()
-            warning = small_block_cache_warning() if zero.stage == 3 else None
+            warning = small_block_cache_warning()
             if warning and self.global_rank == 0:
                 logger.warning(warning)
+        elif small_block_cache_off():
+            keep_freed_buffers()
 
     def _place_module(self):
         """Move to this rank's GPU (if any) and cast to fp16/bf16, as DeepSpeed does."""

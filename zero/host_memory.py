@@ -2,11 +2,13 @@
 
 Two policies, one per process (glibc only; elsewhere both are no-ops):
 
-- `keep_freed_buffers()` (training on CPU without offload): blocks up to 1 GiB come from
-  the heap and freed memory is never trimmed, so each step reuses the last step's memory
-  instead of faulting fresh pages in (a step allocates its logits and activations, and under
-  ZeRO-3 every gathered parameter and gradient, afresh). A user's own MALLOC_MMAP_THRESHOLD_ /
-  MALLOC_TRIM_THRESHOLD_ (or the glibc.malloc tunables of the same names) wins.
+- `keep_freed_buffers()` (training on CPU without offload: at ZeRO-3 always, at stages 0-2
+  when the process started with the tcache off, as the launch scripts start it): blocks up to
+  1 GiB come from the heap and freed memory is never trimmed, so each step reuses the last
+  step's memory instead of faulting fresh pages in (a step allocates its logits and
+  activations, and under ZeRO-3 every gathered parameter and gradient, afresh). A user's own
+  MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ (or the glibc.malloc tunables of the same
+  names) at process start wins.
 - `return_freed_buffers_to_os()` (offload): every freed buffer over 256 KiB leaves the
   resident set; offload's memory budget wins over reuse.
 
@@ -59,9 +61,21 @@ def return_freed_buffers_to_os():
     _mallopt((M_MMAP_THRESHOLD, RETURN_MMAP_THRESHOLD), (M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD))
 
 
+def start_environ():
+    """The environment this process was started with, which is what glibc read (a variable
+    set in os.environ later changes nothing for malloc); os.environ where /proc is missing."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return dict(os.environ)
+    return dict(entry.decode(errors="replace").split("=", 1)
+                for entry in entries if b"=" in entry)
+
+
 def user_set_thresholds(environ=None):
     """Whether the process was started with its own mmap or trim threshold for glibc."""
-    environ = os.environ if environ is None else environ
+    environ = start_environ() if environ is None else environ
     tunables = environ.get("GLIBC_TUNABLES", "").split(":")
     return any(name in environ for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")) \
         or any(t.startswith(("glibc.malloc.mmap_threshold=", "glibc.malloc.trim_threshold="))
@@ -80,7 +94,7 @@ def is_glibc():
 def small_block_cache_off(environ=None):
     """Whether the process was started with glibc's tcache off (GLIBC_TUNABLES is read once,
     at start-up: setting it later changes nothing)."""
-    tunables = (os.environ if environ is None else environ).get("GLIBC_TUNABLES", "")
+    tunables = (start_environ() if environ is None else environ).get("GLIBC_TUNABLES", "")
     return SMALL_BLOCK_CACHE_OFF in tunables.split(":")
 
 

@@ -12,11 +12,12 @@ from megatron.model import GPT2Model, causal_attention
 from tests.model.cases import tiny_config
 
 
-def _forward_backward(function, dtype, seq=40, heads=3, head_dim=16):
+def _forward_backward(function, dtype, scale=1.0, seq=40, heads=3, head_dim=16):
     """Output and the gradient of q, k and v (as the layer's one [b, s, np, 3, hn] tensor
-    of strided views), for a fixed upstream gradient; both in fp32."""
+    of strided views), for a fixed upstream gradient; both in fp32. `scale` multiplies the
+    inputs: scores grow with its square, and so does their bf16 rounding."""
     generator = torch.Generator().manual_seed(0)
-    mixed = torch.randn(2, seq, heads, 3, head_dim, generator=generator).to(dtype)
+    mixed = (scale * torch.randn(2, seq, heads, 3, head_dim, generator=generator)).to(dtype)
     mixed.requires_grad_()
     query, key, value = (t.transpose(1, 2) for t in mixed.unbind(3))
     output = function(query, key, value)
@@ -35,16 +36,28 @@ def _compiled_causal_attention(query, key, value):
     return causal_attention.causal_attention(query, key, value)
 
 
-def test_it_is_causal_attention_as_accurate_as_sdpa_in_bf16():
-    reference = _forward_backward(_sdpa, torch.float32)
-    sdpa_bf16 = _forward_backward(_sdpa, torch.bfloat16)
-    ours = _forward_backward(_compiled_causal_attention, torch.bfloat16)
+@torch.compile(backend="inductor", dynamic=False)
+def _inductor_causal_attention(query, key, value):
+    return causal_attention.causal_attention(query, key, value)
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0])  # scaled scores ~1 and ~10 (peaked rows)
+def test_it_is_causal_attention_as_accurate_as_sdpa_in_bf16(scale):
+    reference = _forward_backward(_sdpa, torch.float32, scale)
+    sdpa_bf16 = _forward_backward(_sdpa, torch.bfloat16, scale)
+    ours = _forward_backward(_compiled_causal_attention, torch.bfloat16, scale)
     for name, ref, theirs, mine in zip(("output", "gradient"), reference, sdpa_bf16, ours):
         sdpa_error = (theirs - ref).abs().max().item()
         our_error = (mine - ref).abs().max().item()
         assert our_error <= 1.5 * sdpa_error + 1e-3, (name, our_error, sdpa_error)
     # the forward is SDPA's own kernel
     assert torch.equal(ours[0], sdpa_bf16[0])
+
+
+def test_inductors_fused_backward_computes_what_the_traced_ops_do():
+    traced = _forward_backward(_compiled_causal_attention, torch.bfloat16, 3.0)
+    fused = _forward_backward(_inductor_causal_attention, torch.bfloat16, 3.0)
+    torch.testing.assert_close(fused[1], traced[1], rtol=0.02, atol=0.02 * traced[1].abs().max().item())
 
 
 @pytest.mark.parametrize("dtype, causal, dropout_p", [

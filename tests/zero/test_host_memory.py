@@ -27,9 +27,13 @@ PAGE_FAULTS = textwrap.dedent(f"""
 PAGES_PER_STEP = sum(SIZES) * 4 // 4096
 
 
-def _run(body):
+def _run(body, **environ):
+    """Run `body` in a fresh interpreter started with glibc's defaults plus `environ`."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env.update(environ)
     out = subprocess.run([sys.executable, "-c", PAGE_FAULTS + textwrap.dedent(body)],
-                         capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+                         capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env=env)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -53,12 +57,14 @@ def test_kept_buffers_are_reused_without_page_faults_and_returned_ones_are_not(p
         assert faults > PAGES_PER_STEP // 2
 
 
-def test_training_on_cpu_keeps_freed_buffers_unless_offloading(tmp_path):
+@pytest.mark.parametrize("cache_off", [True, False])
+def test_training_on_cpu_keeps_freed_buffers_unless_offloading(tmp_path, cache_off):
     result = _run(f"""
         import zero
         from zero import host_memory
         policies = []
-        for stage, offload in ((3, None), (2, None), (3, {{"device": "cpu"}}),
+        for stage, offload in ((0, None), (1, None), (2, None), (3, None),
+                               (3, {{"device": "cpu"}}),
                                (3, {{"device": "nvme", "nvme_path": "{tmp_path}"}})):
             host_memory._policy = None
             cfg = {{"train_micro_batch_size_per_gpu": 1,
@@ -69,28 +75,41 @@ def test_training_on_cpu_keeps_freed_buffers_unless_offloading(tmp_path):
             zero.initialize(model=torch.nn.Linear(4, 4), config=cfg)
             policies.append(host_memory.policy())
         print(json.dumps(policies))
-    """)
-    # offload to host memory leaves glibc's defaults; NVMe offload returns freed swap-ins
-    assert result == ["keep", "keep", None, "return"]
+    """, **({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"} if cache_off else {}))
+    # Stages 0-2 keep only when started with the small-block cache off (as the launch scripts
+    # start training), stage 3 always; offload to host memory leaves glibc's defaults, NVMe
+    # offload returns freed swap-ins.
+    kept = "keep" if cache_off else None
+    assert result == [kept, kept, kept, "keep", None, "return"]
 
 
 @pytest.mark.skipif(not _glibc(), reason="the policies tune glibc's malloc")
 def test_the_users_own_thresholds_win():
-    faults = _run("""
-        import os
+    """Started with glibc's default trim threshold named by the user: no keep policy, and a
+    step maps its large tensors anew. Set in os.environ only after start, it is not the
+    user's (glibc never read it), and the policy applies."""
+    at_start = _run("""
         from zero import host_memory
-        os.environ["MALLOC_TRIM_THRESHOLD_"] = "131072"  # glibc's default, as a user's choice
         host_memory.keep_freed_buffers()
         print(json.dumps([host_memory.policy(), faults_of_a_step_after_warmup()]))
+    """, MALLOC_TRIM_THRESHOLD_="131072")
+    assert at_start[0] is None and at_start[1] > PAGES_PER_STEP // 2
+    later = _run("""
+        import os
+        from zero import host_memory
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = "131072"
+        host_memory.keep_freed_buffers()
+        print(json.dumps(host_memory.policy()))
     """)
-    assert faults[0] is None and faults[1] > PAGES_PER_STEP // 2
+    assert later == "keep"
 
 
 @pytest.mark.parametrize("environ, own", [
     ({}, False), ({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}, False),
     ({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0:glibc.malloc.mmap_threshold=4096"}, True),
     ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, True),
-    ({"MALLOC_MMAP_THRESHOLD_": "65536"}, True), ({"MALLOC_ARENA_MAX": "2"}, False)])
+    ({"MALLOC_MMAP_THRESHOLD_": "65536"}, True), ({"MALLOC_TRIM_THRESHOLD_": "0"}, True),
+    ({"MALLOC_ARENA_MAX": "2"}, False)])
 def test_what_counts_as_the_users_own_thresholds(environ, own):
     from zero.host_memory import user_set_thresholds
     assert user_set_thresholds(environ) is own
