@@ -1,5 +1,6 @@
 """Shared pieces of the benchmarks: machine facts, timing, markdown tables, docs update."""
 
+import contextlib
 import os
 import platform
 import re
@@ -90,18 +91,34 @@ def trainer_backend(flags, vocab_size, world_size=1):
     return build_backend(ctx, model_provider), ctx
 
 
+@contextlib.contextmanager
+def launch_scripts_environment():
+    """While inside, os.environ is what scripts/launch_env.sh gives training processes
+    (glibc's small-block cache off, on which the engine's host-memory policy depends:
+    zero/host_memory.py); processes spawned inside inherit it."""
+    from zero.host_memory import small_block_cache_off_environ
+    saved = dict(os.environ)
+    os.environ.update(small_block_cache_off_environ())
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def run_ranks(worker, args, procs, label):
-    """Start `procs` spawned processes of `worker(rank, *args, queue)`, each putting
-    (rank, result) on the queue; the results in rank order. A worker that dies stops them all
-    (its peers would wait in a collective forever)."""
+    """Start `procs` spawned processes of `worker(rank, *args, queue)`, as the launch scripts
+    start training, each putting (rank, result) on the queue; the results in rank order. A
+    worker that dies stops them all (its peers would wait in a collective forever)."""
     import queue as queue_module
 
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     workers = [ctx.Process(target=worker, args=(r, *args, queue)) for r in range(procs)]
-    for process in workers:
-        process.start()
+    with launch_scripts_environment():
+        for process in workers:
+            process.start()
     results = {}
     while len(results) < procs:
         try:

@@ -20,7 +20,6 @@ use `torch.autocast(dtype=torch.bfloat16)` over fp32 parameters, their usual rec
 
 import argparse
 import contextlib
-import os
 import statistics
 import time
 
@@ -188,19 +187,13 @@ def _trainer_process(conn, runner, precision, compiled, threads):
 
 
 def _start_trainer(context, args, launch_env):
-    """The process (started with the launch scripts' environment or this one's) and our end
-    of its pipe."""
-    from zero.host_memory import small_block_cache_off_environ
+    """The process (started as the launch scripts start training, or with this process's
+    environment) and our end of its pipe."""
+    from common import launch_scripts_environment
     conn, child_conn = context.Pipe()
     process = context.Process(target=_trainer_process, daemon=True, args=(child_conn, *args))
-    saved = dict(os.environ)
-    if launch_env:  # a spawned child inherits os.environ as it is when it starts
-        os.environ.update(small_block_cache_off_environ())
-    try:
+    with launch_scripts_environment() if launch_env else contextlib.nullcontext():
         process.start()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     child_conn.close()  # so a child that dies ends our recv() with EOFError
     return process, conn
 

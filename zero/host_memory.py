@@ -8,7 +8,7 @@ Two policies, one per process (glibc only; elsewhere both are no-ops):
   step's memory instead of faulting fresh pages in (a step allocates its logits and
   activations, and under ZeRO-3 every gathered parameter and gradient, afresh). A user's own
   MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ (or the glibc.malloc tunables of the same
-  names) at process start wins.
+  names) at process start wins, over this policy and the next.
 - `return_freed_buffers_to_os()` (offload): every freed buffer over 256 KiB leaves the
   resident set; offload's memory budget wins over reuse.
 
@@ -55,7 +55,7 @@ def keep_freed_buffers():
 def return_freed_buffers_to_os():
     """Give every freed buffer over 256 KiB back to the OS (offload's resident-set budget)."""
     global _policy
-    if _policy == "return":
+    if _policy == "return" or user_set_thresholds():
         return
     _policy = "return"
     _mallopt((M_MMAP_THRESHOLD, RETURN_MMAP_THRESHOLD), (M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD))
