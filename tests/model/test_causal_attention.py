@@ -70,8 +70,19 @@ def test_it_applies_only_to_compiled_causal_bf16_without_dropout(dtype, causal, 
     torch.compile(lambda q: seen.append(causal_attention.applies(q, causal, dropout_p)) or q,
                   backend="eager")(query)
     assert seen == [False]
-    assert not causal_attention.applies(torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16), True,
-                                        0.0)  # eager: SDPA's backward is the faster there
+
+
+def test_it_leaves_eager_calls_and_problems_over_the_cap_to_sdpa(monkeypatch):
+    query = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16)  # 2 x 4 x 4 = 32 scores
+    assert not causal_attention.applies(query, True, 0.0)  # eager: SDPA's backward is faster
+    seen = []
+    compiled = torch.compile(lambda q: seen.append(causal_attention.applies(q, True, 0.0)) or q,
+                             backend="eager", dynamic=False)
+    compiled(query)
+    monkeypatch.setattr(causal_attention, "MAX_SCORES", 31)
+    torch._dynamo.reset()
+    compiled(query)
+    assert seen == [True, False]
 
 
 def test_a_compiled_bf16_model_takes_it_and_trains_as_eager_does(monkeypatch):
