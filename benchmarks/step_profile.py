@@ -45,7 +45,7 @@ def kind_of(name):
 
 def profile_step(precision, compiled, warmup, steps):
     """{op name: self ms per step}, and the measured ms per step with the profiler on."""
-    step = train_throughput.ours_runner(precision, compiled)
+    step = train_throughput.ours_runner(precision, compiled, dropout=0.0)
     for _ in range(warmup):
         step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -2,17 +2,20 @@
 each eager and under torch.compile.
 
 The same model (6 layers, hidden 384, 6 heads, seq 256, micro batch 8, vocab 8192, AdamW,
-dropout 0, grad clipping 1.0) is trained for a few steps by each, in fp32 and in bf16, in one
-run. Each trainer runs in its own process, as its users run it (ours started as the launch
-scripts start training, so its engine keeps freed host memory; one more row shows ours started
-without that), and the trainers take turns
-(round robin) so drift of the machine hits all of them alike. Compiled means: ours with
+dropout 0 unless --dropout says otherwise, grad clipping 1.0) is trained for a few steps by
+each, in fp32 and in bf16, in one run. Each trainer runs in its own process, as its users
+run it (ours started as the launch scripts start training, so its engine keeps freed host
+memory; one more row shows ours started without that), and the trainers take turns (round
+robin) so drift of the machine hits all of them alike. Compiled means: ours with
 --compile (each transformer layer), the peers with torch.compile of the whole model, as their
 users would; compiling happens in the warm-up.
 Prints a markdown table (tokens/s, MFU against the matmul peak measured in the same run,
 ratios); with --write-docs it also rewrites its section of docs/benchmarks.md.
 
-    python benchmarks/train_throughput.py [--quick] [--write-docs]
+    python benchmarks/train_throughput.py [--quick] [--write-docs] [--dropout P]
+
+--dropout P trains every model with dropout P on the embeddings, the attention probabilities
+and the residual branches (GPT-2's and Megatron's default is 0.1) and writes its own section.
 
 bf16 means: ours keeps bf16 parameters with fp32 master weights in the optimizer; the peers
 use `torch.autocast(dtype=torch.bfloat16)` over fp32 parameters, their usual recipe.
@@ -36,9 +39,9 @@ CONFIG = dict(num_layers=6, hidden_size=384, num_attention_heads=6, seq_length=2
 # ------------------------------------------------------------------ plain PyTorch reference
 
 class _Block(nn.Module):
-    def __init__(self, hidden, heads):
+    def __init__(self, hidden, heads, dropout):
         super().__init__()
-        self.heads = heads
+        self.heads, self.dropout = heads, dropout
         self.ln_1, self.ln_2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
         self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
         self.fc, self.fc_out = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
@@ -47,18 +50,19 @@ class _Block(nn.Module):
         b, s, h = x.shape
         q, k, v = self.qkv(self.ln_1(x)).split(h, dim=2)
         q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, nh, s, hn]
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc_out(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # [b, nh, s, hn]
+        x = x + F.dropout(self.proj(y.transpose(1, 2).reshape(b, s, h)), p)
+        return x + F.dropout(self.fc_out(F.gelu(self.fc(self.ln_2(x)), approximate="tanh")), p)
 
 
 class PlainGPT(nn.Module):
-    def __init__(self, c):
+    def __init__(self, c, dropout):
         super().__init__()
-        h = c["hidden_size"]
+        h, self.dropout = c["hidden_size"], dropout
         self.wte = nn.Embedding(c["vocab_size"], h)
         self.wpe = nn.Embedding(c["seq_length"], h)
-        self.blocks = nn.ModuleList(_Block(h, c["num_attention_heads"])
+        self.blocks = nn.ModuleList(_Block(h, c["num_attention_heads"], dropout)
                                     for _ in range(c["num_layers"]))
         self.ln_f = nn.LayerNorm(h)
         self.apply(self._init_weights)
@@ -74,7 +78,7 @@ class PlainGPT(nn.Module):
 
     def forward(self, tokens, labels):
         pos = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.wte(tokens) + self.wpe(pos)
+        x = F.dropout(self.wte(tokens) + self.wpe(pos), self.dropout, self.training)
         for block in self.blocks:
             x = block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)               # tied head
@@ -102,15 +106,15 @@ def _peer_step(model, optimizer, autocast_dtype, compiled):
     return step
 
 
-def plain_runner(precision, compiled):
+def plain_runner(precision, compiled, dropout):
     torch.manual_seed(0)
-    model = PlainGPT(CONFIG)
+    model = PlainGPT(CONFIG, dropout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     return _peer_step(model, optimizer, torch.bfloat16 if precision == "bf16" else None,
                       compiled)
 
 
-def hf_runner(precision, compiled):
+def hf_runner(precision, compiled, dropout):
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
@@ -118,8 +122,8 @@ def hf_runner(precision, compiled):
     c = CONFIG
     config = GPT2Config(vocab_size=c["vocab_size"], n_positions=c["seq_length"],
                         n_embd=c["hidden_size"], n_layer=c["num_layers"],
-                        n_head=c["num_attention_heads"], resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                        n_head=c["num_attention_heads"], resid_pdrop=dropout,
+                        embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
     config._attn_implementation = "sdpa"  # the fused attention kernel, as ours uses
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
@@ -137,7 +141,7 @@ def hf_runner(precision, compiled):
                       compiled)
 
 
-def ours_runner(precision, compiled):
+def ours_runner(precision, compiled, dropout):
     """pretrain_gpt2.py's training step: the backend and zero engine pretrain() builds."""
     from common import trainer_backend
     from megatron.gpt2 import forward_step
@@ -146,7 +150,7 @@ def ours_runner(precision, compiled):
              "--num-attention-heads", c["num_attention_heads"], "--seq-length", c["seq_length"],
              "--batch-size", c["micro_batch"], "--train-iters", 10 ** 6, "--lr", 1e-4,
              "--lr-decay-style", "constant", "--warmup-iters", 0, "--weight-decay", 0.01,
-             "--clip-grad", 1.0, "--attention-dropout", 0, "--hidden-dropout", 0,
+             "--clip-grad", 1.0, "--attention-dropout", dropout, "--hidden-dropout", dropout,
              "--threads", torch.get_num_threads()] + (["--bf16"] if precision == "bf16" else []) \
         + (["--compile"] if compiled else [])
     backend, _ = trainer_backend([str(f) for f in flags], c["vocab_size"])
@@ -157,6 +161,10 @@ def ours_runner(precision, compiled):
         backend.train_step(forward_step, batches)
     return step
 
+
+DROPOUT_NOTE = (" (on the embeddings, the attention probabilities and the residual branches, "
+                "for every trainer; ours compiled hashes its masks inside the compiled layers, "
+                "megatron/model/dropout.py)")
 
 RUNNERS = {"ours": ours_runner, "plain PyTorch": plain_runner,
            "HF GPT2LMHeadModel": hf_runner}
@@ -171,11 +179,11 @@ TRAINERS = {  # row label -> (runner, compiled, started as the launch scripts st
 }
 
 
-def _trainer_process(conn, runner, precision, compiled, threads):
+def _trainer_process(conn, runner, precision, compiled, dropout, threads):
     """One trainer in its own process: builds its step, says whether it could, then runs
     steps when told to, until told None."""
     torch.set_num_threads(threads)
-    step = RUNNERS[runner](precision, compiled)
+    step = RUNNERS[runner](precision, compiled, dropout)
     conn.send(step is not None)
     for count in iter(conn.recv, None):
         times = []
@@ -206,7 +214,7 @@ def _receive(label, process, conn):
                            "(its traceback is above)") from None
 
 
-def measure(precision, warmup, steps, rounds, threads):
+def measure(precision, dropout, warmup, steps, rounds, threads):
     """{row label: median seconds per step}. Each trainer lives in its own process; they are
     built and warmed up (compiled) one at a time, then take turns, `steps` steps each per
     round, so drift of the machine hits all of them alike."""
@@ -215,8 +223,8 @@ def measure(precision, warmup, steps, rounds, threads):
     trainers, times = {}, {}
     try:
         for label, (runner, compiled, launch_env) in TRAINERS.items():
-            process, conn = _start_trainer(context, (runner, precision, compiled, threads),
-                                           launch_env)
+            process, conn = _start_trainer(
+                context, (runner, precision, compiled, dropout, threads), launch_env)
             trainers[label] = (process, conn)
             if not _receive(label, process, conn):  # a peer that is not installed
                 continue
@@ -246,6 +254,8 @@ def main():
     parser.add_argument("--write-docs", action="store_true",
                         help="rewrite its section of docs/benchmarks.md (default: print only)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="dropout of every model (embeddings, attention, residuals)")
     args = parser.parse_args()
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -264,7 +274,7 @@ def main():
     for precision in ("fp32", "bf16"):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         peak = measure_matmul_flops(torch.device("cpu"), dtype, size=2048)
-        seconds = measure(precision, warmup, steps, rounds, threads)
+        seconds = measure(precision, args.dropout, warmup, steps, rounds, threads)
         ours = tokens_per_step / seconds[OURS_COMPILED]
         for name, s in seconds.items():
             tps = tokens_per_step / s
@@ -275,11 +285,14 @@ def main():
                                           for n, s in seconds.items()), flush=True)
     table = markdown_table(["precision", "trainer", "ms/step", "tokens/s", "MFU",
                             "matmul peak (GFLOP/s)", "ours compiled / this"], rows)
-    body = (f"## Training throughput (`benchmarks/train_throughput.py`)\n\n"
+    with_dropout = f", dropout {args.dropout:g}" if args.dropout else ""
+    body = (f"## Training throughput{with_dropout} (`benchmarks/train_throughput.py"
+            f"{f' --dropout {args.dropout:g}' if args.dropout else ''}`)\n\n"
             f"Machine: {machine_description()}.\n\n"
             f"Model: {c['num_layers']} layers, hidden {c['hidden_size']}, "
             f"{c['num_attention_heads']} heads, seq {c['seq_length']}, micro batch "
-            f"{c['micro_batch']}, vocab {c['vocab_size']}, AdamW, clip 1.0, dropout 0. "
+            f"{c['micro_batch']}, vocab {c['vocab_size']}, AdamW, clip 1.0, dropout "
+            f"{args.dropout:g}{DROPOUT_NOTE if args.dropout else ''}. "
             f"Median step time of {steps * rounds} steps per trainer after {warmup} warm-up "
             f"steps (compiling happens there), each trainer in its own process, taking turns. "
             f"Ours starts as scripts/launch_env.sh starts training (glibc's small-block "
@@ -291,7 +304,8 @@ def main():
             f"{table}\n")
     print("\n" + body)
     if args.write_docs and not args.quick:
-        update_docs_section("train_throughput", body)
+        update_docs_section("train_throughput_dropout" if args.dropout else "train_throughput",
+                            body)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,18 @@ the default CPU generator, so `torch.manual_seed`, the model-parallel RNG tracke
 checkpoint recompute (which restore that generator's state) replay the same masks.
 Measurements: docs/design/cpu-dropout-attention.md.
 
-On other devices (CUDA's dropout is a fused Philox kernel), for p outside (0, 1) and inside a
-torch.compile'd region this is `torch.nn.functional.dropout`. Compiled, inductor draws the mask
-inside the kernel that consumes it, from seeds it takes off the default generator at each
-call, so seeding, resume and checkpoint recompute (which restores that generator) replay the
-same masks there too; they are other masks than eager's.
+On other devices (CUDA's dropout is a fused Philox kernel) and for p outside (0, 1) this is
+`torch.nn.functional.dropout`. Inside a torch.compile'd region on the CPU, where inductor's
+own random numbers cost ~10 ns an element, the mask is a counter-based hash instead
+(`hashed_keep_mask`): one seed drawn from the default generator per mask, hashed with each
+element's index, in integer ops inductor fuses into the kernel that consumes the mask. So
+seeding, resume and checkpoint recompute (which restore that generator) replay the same masks
+there too; they are other masks than eager's. A `stream` keeps per-rank masks apart without
+swapping generators: attention dropout hashes in its tensor-parallel rank, as the tracker's
+per-rank generator gives each rank its own masks in eager.
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +33,17 @@ _INT64_MIN = -2 ** 63
 def dropout(tensor, p, training=True):
     if not training or p == 0.0:
         return tensor
-    if tensor.device.type != "cpu" or not 0.0 < p < 1.0 or torch.compiler.is_compiling():
+    if tensor.device.type != "cpu" or not 0.0 < p < 1.0:
         return F.dropout(tensor, p, training=True)
+    if masks_in_graph(tensor):
+        return _hashed_dropout(tensor, p, 1.0 / (1.0 - p), stream=0)
     return _MaskedScale.apply(tensor, keep_mask(tensor.shape, p), 1.0 / (1.0 - p))
+
+
+def masks_in_graph(tensor):
+    """Whether dropout masks on `tensor` are hashed inside the graph being compiled (CPU)
+    rather than drawn from a generator."""
+    return torch.compiler.is_compiling() and tensor.device.type == "cpu"
 
 
 def keep_mask(shape, p):
@@ -44,11 +58,69 @@ def keep_mask(shape, p):
     return (lanes >= threshold)[:numel].view(shape)
 
 
-def drop_unscaled(tensor, p):
+_MASK32 = 0xFFFFFFFF
+# A 32-bit xorshift-multiply hash (one of those found by Chris Wellons' "hash prospector"):
+# a bijection of [0, 2**32). Both multipliers are below 2**31, so on int64 tensors holding
+# 32-bit values no product overflows.
+_HASH_ROUNDS = ((15, 0x2C1B3C6D), (12, 0x297A2D39))
+_HASH_LAST_SHIFT = 15
+
+
+def _hash32(x):
+    """The hash of x in [0, 2**32): an int64 tensor elementwise, or a Python int."""
+    for shift, multiplier in _HASH_ROUNDS:
+        x = ((x ^ (x >> shift)) * multiplier) & _MASK32
+    return x ^ (x >> _HASH_LAST_SHIFT)
+
+
+def hashed_keep_mask(shape, p, key):
+    """A bool tensor of `shape`, True with probability 1 - p (p in multiples of 1/65536):
+    element i is kept when the top 16 bits of hash(hash(i) ^ key) reach round(p · 65536).
+    Indices repeat past 2**32 elements."""
+    index = torch.arange(math.prod(shape), device=key.device).view(shape) & _MASK32
+    return (_hash32(_hash32(index) ^ key) >> 16) >= round(p * 65536)
+
+
+def _hashed_dropout(tensor, p, scale, stream):
+    """Compiled code's dropout (`masks_in_graph`): key = hash(seed ^ hash(stream)), the seed
+    one 31-bit draw from the default generator."""
+    seed = torch.randint(0, 2 ** 31, (), device=tensor.device)
+    return _HashedMaskedScale.apply(tensor, _hash32(seed ^ _hash32(stream)), p, scale)
+
+
+def drop_unscaled(tensor, p, stream):
     """CPU: `tensor` with elements dropped with probability p, the kept ones NOT scaled by
     1 / (1 - p): the caller scales something smaller instead (attention scales its [s, hn]
-    context rather than its [s, s] probabilities). Backward keeps the 1-byte mask only."""
+    context rather than its [s, s] probabilities). Backward keeps the 1-byte mask only (in a
+    compiled graph, the mask's key). `stream`: the hashed masks' stream inside a compiled
+    graph (see the module docstring); eager draws from whichever generator is current."""
+    if masks_in_graph(tensor):
+        return _hashed_dropout(tensor, p, 1.0, stream)
     return _MaskedScale.apply(tensor, keep_mask(tensor.shape, p), 1.0)
+
+
+class _HashedMaskedScale(torch.autograd.Function):
+    """where(keep, tensor · scale, 0) with keep = hashed_keep_mask(key). Backward keeps only
+    the key and hashes the mask again, inside the kernel that takes the gradient: inductor
+    writes a bool mask out of its 64-bit hash lanes slowly (3-4x the hash itself), and a
+    saved mask would also cost a byte per element. `key ^ 0` makes backward's hash a node of
+    its own; otherwise the joint graph's common-subexpression pass merges it with forward's
+    and the partitioner saves the mask after all."""
+
+    @staticmethod
+    def forward(ctx, tensor, key, p, scale):
+        ctx.save_for_backward(key)
+        ctx.p, ctx.scale = p, scale
+        return _where_kept(tensor, key, p, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        key, = ctx.saved_tensors
+        return _where_kept(grad, key ^ 0, ctx.p, ctx.scale), None, None, None
+
+
+def _where_kept(tensor, key, p, scale):
+    return torch.where(hashed_keep_mask(tensor.shape, p, key), tensor * scale, 0.0)
 
 
 class _MaskedScale(torch.autograd.Function):

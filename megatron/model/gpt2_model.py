@@ -233,14 +233,16 @@ class GPT2Model(nn.Module):
         """Regional compilation (torch.compile's arguments pass through), in place, so the
         state-dict keys stay: each transformer layer is compiled on its own, and since every
         layer runs the same code with its parameters as inputs, the compiled graphs serve them
-        all (compile time does not grow with depth). That is one graph per layer, or two
-        around the eager attention of a layer with attention dropout. Embeddings, the output
+        all (compile time does not grow with depth). That is one graph per layer; off the
+        CPU, two around the eager attention of a layer with attention dropout (on the CPU its
+        masks are hashed in the graph: megatron.model.dropout). Embeddings, the output
         layer and the loss stay eager: a lookup, one matmul and mpu's cross entropy, which
         already walks the logits in cache-sized chunks."""
         if kwargs.get("fullgraph"):
             breaks = [why for why, present in (
-                ("attention dropout runs eagerly under the model-parallel RNG tracker",
-                 self.config.attention_dropout > 0),
+                ("attention dropout off the CPU runs eagerly under the model-parallel RNG "
+                 "tracker", self.config.attention_dropout > 0 and
+                 next(self.parameters()).device.type != "cpu"),
                 ("the tensor-parallel all-reduces run between the compiled graphs",
                  mpu.get_model_parallel_world_size() > 1)) if present]
             if breaks:

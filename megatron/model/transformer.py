@@ -15,7 +15,7 @@ from torch import nn
 
 from megatron import mpu
 from megatron.model import causal_attention
-from megatron.model.dropout import drop_unscaled, dropout
+from megatron.model.dropout import drop_unscaled, dropout, masks_in_graph
 from megatron.model.tiling import column_parallel_linear, row_parallel_linear
 
 
@@ -56,11 +56,11 @@ class ParallelSelfAttention(nn.Module):
             # CPU SDPA takes ~2x longer with a strided query; a decode step's is tiny.
             query = query.contiguous()
         dropout_p = self.attention_dropout if self.training else 0.0
-        if dropout_p > 0:
+        if dropout_p > 0 and not masks_in_graph(query):
             context = _attention_with_dropout(query, key, value, allowed_mask, is_causal,
                                               dropout_p)
         else:
-            context = attention(query, key, value, allowed_mask, is_causal, 0.0)
+            context = attention(query, key, value, allowed_mask, is_causal, dropout_p)
         # context: [b, np, s, hn]
         context = context.transpose(1, 2).reshape(batch, seq, -1)  # [b, s, np * hn]
         output, _ = self.dense(context)  # [b, s, h]
@@ -71,7 +71,9 @@ class ParallelSelfAttention(nn.Module):
 def _attention_with_dropout(query, key, value, allowed_mask, is_causal, dropout_p):
     """attention() under the model-parallel RNG tracker: each rank drops out its own heads,
     so it draws from a per-rank stream, not the replicated one. Eager even inside a compiled
-    layer, since torch.compile cannot trace the tracker's swap of the generator state."""
+    layer off the CPU, since torch.compile cannot trace the tracker's swap of the generator
+    state (on the CPU a compiled layer hashes its masks in the graph instead, with a per-rank
+    stream: megatron.model.dropout)."""
     with mpu.get_cuda_rng_tracker().fork():
         return attention(query, key, value, allowed_mask, is_causal, dropout_p)
 
@@ -108,7 +110,8 @@ def attention(query, key, value, allowed_mask, is_causal, dropout_p):
         if bias is not None:
             scores.add_(bias)
     probs = torch.softmax(scores, dim=-1)
-    context = torch.matmul(drop_unscaled(probs, dropout_p), value)
+    dropped = drop_unscaled(probs, dropout_p, stream=1 + mpu.get_model_parallel_rank())
+    context = torch.matmul(dropped, value)
     return context.mul_(1.0 / (1.0 - dropout_p))
 
 
@@ -117,12 +120,15 @@ _CAUSAL_BIASES = {}
 
 def _causal_bias(queries, keys, dtype):
     """[queries, keys]: 0 where a query may attend (SDPA's causal mask, aligned to the top
-    left), -inf elsewhere; cached, since every layer and step uses the same one."""
-    bias = _CAUSAL_BIASES.get((queries, keys, dtype))
+    left), -inf elsewhere; cached, since every layer and step uses the same one. A compiled
+    graph builds its own instead (in the kernel that takes it): reading the cache would make
+    the graph depend on what the cache holds, and recompile when it changes."""
+    cached = not torch.compiler.is_compiling()
+    bias = _CAUSAL_BIASES.get((queries, keys, dtype)) if cached else None
     if bias is None:
-        allowed = torch.ones(queries, keys, dtype=torch.bool).tril()
-        bias = _mask_bias(allowed, dtype)
-        _CAUSAL_BIASES[(queries, keys, dtype)] = bias
+        bias = _mask_bias(torch.ones(queries, keys, dtype=torch.bool).tril(), dtype)
+        if cached:
+            _CAUSAL_BIASES[(queries, keys, dtype)] = bias
     return bias
 
 

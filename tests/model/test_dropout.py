@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.model.dropout import dropout, keep_mask
+from megatron.model.dropout import drop_unscaled, dropout, hashed_keep_mask, keep_mask
 from megatron.model.transformer import attention
 
 
@@ -115,3 +115,59 @@ def test_bf16_attention_with_dropout_tracks_the_fp32_math():
     expected = (scores.softmax(-1) * keep / 0.9) @ v
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=0.05, atol=0.05)
+
+
+# Compiled code on the CPU hashes its masks (megatron.model.dropout.hashed_keep_mask).
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_hashed_mask_drops_with_probability_p(p):
+    n = 300_001
+    dropped = 1.0 - hashed_keep_mask((n,), p, torch.tensor(12345)).float().mean().item()
+    assert abs(dropped - round(p * 65536) / 65536) < 4 * (p * (1 - p) / n) ** 0.5
+
+
+def test_hashed_masks_are_independent_of_neighbours_and_of_other_keys():
+    n = 400_000
+    masks = [hashed_keep_mask((n,), 0.5, torch.tensor(key)).float() for key in (7, 8, 2 ** 31)]
+    tolerance = 4 * (0.25 * 0.75 / n) ** 0.5
+    for mask in masks:
+        assert abs(mask.mean().item() - 0.5) < tolerance
+        for lag in (1, 2, 16, 384):  # both kept: 1/4 when independent
+            assert abs((mask[lag:] * mask[:-lag]).mean().item() - 0.25) < tolerance, lag
+    for a, b in ((0, 1), (0, 2), (1, 2)):  # keys one bit apart included
+        assert abs((masks[a] * masks[b]).mean().item() - 0.25) < tolerance
+
+
+def test_compiled_dropout_replays_under_the_same_seed_and_keeps_only_the_key():
+    compiled = torch.compile(lambda t: dropout(t, 0.2))
+    x = torch.randn(64, 96, requires_grad=True)
+    torch.manual_seed(5)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = compiled(x)
+    kept = out != 0
+    assert abs(kept.float().mean().item() - 0.8) < 0.02
+    assert torch.equal(out[kept], (x * 1.25)[kept].detach())
+    out.backward(torch.ones_like(out))
+    assert torch.equal(x.grad, kept.float() * 1.25)
+    assert all(t.numel() <= 1 for t in saved), [t.shape for t in saved]  # no mask kept
+    torch.manual_seed(5)
+    assert torch.equal(compiled(x), out)
+    assert not torch.equal(compiled(x), out)  # the generator moved on: a new mask
+
+
+def test_compiled_attention_masks_are_their_own_per_stream():
+    """Attention dropout hashes its tensor-parallel rank in as the stream: ranks given the
+    same seed still drop different probabilities, as the RNG tracker's per-rank generators
+    do in eager."""
+    compiled = torch.compile(drop_unscaled, dynamic=False)  # in a model, p and the stream
+    # are constants of the graph, never symbols
+    probs = torch.rand(4, 2, 32, 32)
+    masks = []
+    for stream in (1, 2):
+        torch.manual_seed(3)
+        masks.append(compiled(probs, 0.5, stream) != 0)
+    torch.manual_seed(3)
+    assert torch.equal(compiled(probs, 0.5, 1) != 0, masks[0])
+    agreement = (masks[0] == masks[1]).float().mean().item()
+    assert abs(agreement - 0.5) < 0.05  # independent masks agree half the time at p = 0.5
