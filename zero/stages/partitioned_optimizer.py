@@ -21,11 +21,21 @@ _NORM_PIECE = 1 << 14
 
 
 def sum_of_squares(tensors, device):
-    """Float64 sum of the squares of the elements of `tensors` (flat tensors), on `device`."""
-    pieces = [piece for tensor in tensors for piece in tensor.split(_NORM_PIECE)]
-    if not pieces:
+    """Float64 sum of the squares of the elements of `tensors` (flat tensors), on `device`.
+    A tensor's whole pieces are the rows of one [pieces, _NORM_PIECE] view, normed in one
+    call (on CPU, a list of pieces through torch._foreach_norm costs a call per piece: 8x
+    longer for 14M elements)."""
+    norms = []
+    for tensor in tensors:
+        rows = tensor.numel() // _NORM_PIECE
+        if rows:
+            whole = tensor[:rows * _NORM_PIECE].view(rows, _NORM_PIECE)
+            norms.append(torch.linalg.vector_norm(whole, dim=1))
+        if tensor.numel() > rows * _NORM_PIECE:
+            norms.append(torch.linalg.vector_norm(tensor[rows * _NORM_PIECE:]).reshape(1))
+    if not norms:
         return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack(torch._foreach_norm(pieces)).double().pow(2).sum().to(device)
+    return torch.cat(norms).double().pow(2).sum().to(device)
 
 
 class PartitionedOptimizer:
