@@ -89,8 +89,10 @@ def attention(query, key, value, allowed_mask, is_causal, dropout_p):
     megatron.model.dropout's cheap mask and its 1 / (1 - p) scales the [s, hn] context instead
     of the probabilities. It keeps 5 bytes per score for backward in 16-bit (softmax output,
     mask, dropped probabilities), the 5·a·s²·b of the activation formula. About 4x faster than
-    SDPA's math path here (docs/design/cpu-dropout-attention.md). Causal bf16 attention in
-    a compiled layer on the CPU takes megatron.model.causal_attention (a faster backward).
+    SDPA's math path here (docs/design/cpu-dropout-attention.md); in a compiled layer the
+    mask is hashed inside the graph instead, and only its key is kept. Causal bf16 attention
+    without dropout in a compiled layer on the CPU takes megatron.model.causal_attention (a
+    faster backward).
     """
     if causal_attention.applies(query, is_causal, dropout_p):
         return causal_attention.causal_attention(query, key, value)
