@@ -31,7 +31,8 @@ _KEY_HOMES = collect_key_homes(TopLevelConfig)
 
 
 class DeepSpeedConfig:
-    """Parsed DeepSpeed config; `raw` keeps the user's dict for checkpoints (`ds_config`)."""
+    """Parsed DeepSpeed config, frozen once parsed (its sections too); `raw` keeps the user's
+    dict for checkpoints (`ds_config`)."""
 
     def __init__(self, config, dp_world_size=1):
         if isinstance(dp_world_size, bool) or not isinstance(dp_world_size, int) \
@@ -52,6 +53,13 @@ class DeepSpeedConfig:
             check_optimizer_section(self.optimizer, source)
         if self.scheduler is not None:
             check_scheduler_section(self.scheduler, source)
+        self._frozen = True
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"a DeepSpeedConfig is frozen once parsed; cannot set "
+                                 f"'{name}' (build a new one from the changed dict instead)")
+        super().__setattr__(name, value)
 
     def __repr__(self):
         return (f"DeepSpeedConfig(source={self.source!r}, dp_world_size={self.dp_world_size}, "

@@ -5,6 +5,9 @@ zero/config.py), except where its docs and code disagree; those choices are note
 field. Every section parses
 completely here; the engine and its parts (offload, activation checkpointing, aio) decide what a
 combination of values may not do.
+
+Sections are frozen: `check` runs once, while `parse_section` builds a section, and is the
+only place that settles a value (`_settle`); after that nothing writes to a config.
 """
 
 import logging
@@ -20,7 +23,13 @@ logger = logging.getLogger("zero.config.deepspeed_config")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
-@dataclass
+def _settle(section, **values):
+    """Sets fields of a frozen section from its own `check` (still being built)."""
+    for name, value in values.items():
+        object.__setattr__(section, name, value)
+
+
+@dataclass(frozen=True)
 class FP16Config:
     enabled: bool = option(False)
     loss_scale: float = option(0.0, minimum=0.0)  # 0 = dynamic scaling
@@ -47,7 +56,7 @@ class FP16Config:
                              f" is below min_loss_scale = {self.min_loss_scale:g}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class BF16Config:
     enabled: bool = option(False)
 
@@ -56,7 +65,7 @@ class BF16Config:
                     "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerSection:
     type: Optional[str] = option(None)  # as given; compared case-insensitively
     params: dict = option({})
@@ -68,7 +77,7 @@ class OptimizerSection:
             fail(source, f"'{path}' needs a \"type\" (e.g. \"AdamW\")")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerSection:
     type: Optional[str] = option(None)
     params: dict = option({})
@@ -78,7 +87,7 @@ class SchedulerSection:
             fail(source, f"'{path}' needs a \"type\" (e.g. \"WarmupDecayLR\")")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OffloadOptimizerConfig:
     device: str = option("none", choices=OFFLOAD_DEVICES)
     nvme_path: Optional[str] = option(None)
@@ -95,7 +104,7 @@ class OffloadOptimizerConfig:
         _check_nvme_path(self.device, self.nvme_path, source, path)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OffloadParamConfig:
     device: str = option("none", choices=OFFLOAD_DEVICES)
     nvme_path: Optional[str] = option(None)
@@ -114,7 +123,7 @@ def _check_nvme_path(device, nvme_path, source, path):
                      "give the directory on the NVMe drive to swap to")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ZeroConfig:
     stage: int = option(0, minimum=0, maximum=3)
     contiguous_gradients: bool = option(True)
@@ -190,12 +199,12 @@ class ZeroConfig:
 
     def check(self, source, path):
         if self.overlap_comm is None:
-            self.overlap_comm = self.stage == 3
+            _settle(self, overlap_comm=self.stage == 3)
         # device "none" means no offload: normalise so the engine tests `is None` only
         if self.offload_optimizer is not None and self.offload_optimizer.device == "none":
-            self.offload_optimizer = None
+            _settle(self, offload_optimizer=None)
         if self.offload_param is not None and self.offload_param.device == "none":
-            self.offload_param = None
+            _settle(self, offload_param=None)
         if self.offload_param is not None and self.stage != 3:
             fail(source, f"'{path}.offload_param' needs ZeRO stage 3 (only stage 3 partitions "
                          f"parameters), but '{path}.stage' is {self.stage}")
@@ -219,7 +228,7 @@ def _warn_deprecated(path, old, new):
                    key_path(path, old), key_path(path, new))
 
 
-@dataclass
+@dataclass(frozen=True)
 class ActivationCheckpointingConfig:
     partition_activations: bool = option(False)
     cpu_checkpointing: bool = option(False)
@@ -229,7 +238,7 @@ class ActivationCheckpointingConfig:
     profile: bool = option(False)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AioConfig:
     block_size: int = option(1_048_576, minimum=1)
     queue_depth: int = option(8, minimum=1)
@@ -240,7 +249,7 @@ class AioConfig:
     DEFAULT_ONLY = {"use_gds": False}
 
 
-@dataclass
+@dataclass(frozen=True)
 class TensorboardConfig:
     enabled: bool = option(False)
     output_path: Optional[str] = option("")
@@ -248,7 +257,7 @@ class TensorboardConfig:
 
     def check(self, source, path):
         if self.output_path is None:  # the docs show null; the code default is ""
-            self.output_path = ""
+            _settle(self, output_path="")
 
 
 # torch.compile's keyword arguments that 'compile.kwargs' may set, with the JSON types
@@ -256,7 +265,7 @@ COMPILE_KWARGS = {"fullgraph": (bool,), "dynamic": (bool, type(None)), "mode": (
                   "options": (dict,), "disable": (bool,)}
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompileConfig:
     """torch.compile of the engine's module (DeepSpeed v0.14's keys; the keys of its later
     DeepCompile only at their defaults)."""
@@ -316,7 +325,7 @@ UNIMPLEMENTED_TOP_LEVEL = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class TopLevelConfig:
     train_batch_size: Optional[int] = option(None)
     train_micro_batch_size_per_gpu: Optional[int] = option(None)
