@@ -39,7 +39,7 @@ CONFIG = dict(num_layers=6, hidden_size=384, num_attention_heads=6, seq_length=2
 # ------------------------------------------------------------------ plain PyTorch reference
 
 class _Block(nn.Module):
-    def __init__(self, hidden, heads, dropout):
+    def __init__(self, hidden, heads, dropout=0.0):
         super().__init__()
         self.heads, self.dropout = heads, dropout
         self.ln_1, self.ln_2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
@@ -57,7 +57,7 @@ class _Block(nn.Module):
 
 
 class PlainGPT(nn.Module):
-    def __init__(self, c, dropout):
+    def __init__(self, c, dropout=0.0):
         super().__init__()
         h, self.dropout = c["hidden_size"], dropout
         self.wte = nn.Embedding(c["vocab_size"], h)
