@@ -52,8 +52,12 @@ class _Block(nn.Module):
         q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # [b, nh, s, hn]
-        x = x + F.dropout(self.proj(y.transpose(1, 2).reshape(b, s, h)), p)
-        return x + F.dropout(self.fc_out(F.gelu(self.fc(self.ln_2(x)), approximate="tanh")), p)
+        x = x + _dropout(self.proj(y.transpose(1, 2).reshape(b, s, h)), p)
+        return x + _dropout(self.fc_out(F.gelu(self.fc(self.ln_2(x)), approximate="tanh")), p)
+
+
+def _dropout(x, p):
+    return F.dropout(x, p) if p else x  # dropout 0: the model as it was, no dropout call
 
 
 class PlainGPT(nn.Module):
@@ -78,7 +82,7 @@ class PlainGPT(nn.Module):
 
     def forward(self, tokens, labels):
         pos = torch.arange(tokens.shape[1], device=tokens.device)
-        x = F.dropout(self.wte(tokens) + self.wpe(pos), self.dropout, self.training)
+        x = _dropout(self.wte(tokens) + self.wpe(pos), self.dropout if self.training else 0.0)
         for block in self.blocks:
             x = block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)               # tied head
@@ -257,6 +261,8 @@ def main():
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="dropout of every model (embeddings, attention, residuals)")
     args = parser.parse_args()
+    if not 0.0 <= args.dropout < 1.0:
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     warmup, steps, rounds = (1, 2, 1) if args.quick else (3, 5, 3)

@@ -60,7 +60,7 @@ def keep_mask(shape, p):
 
 _MASK32 = 0xFFFFFFFF
 # A 32-bit xorshift-multiply hash (one of those found by Chris Wellons' "hash prospector"):
-# a bijection of [0, 2**32). Both multipliers are below 2**31, so on int64 tensors holding
+# a bijection of [0, 2**32). Both multipliers are below 2**30, so on int64 tensors holding
 # 32-bit values no product overflows.
 _HASH_ROUNDS = ((15, 0x2C1B3C6D), (12, 0x297A2D39))
 _HASH_LAST_SHIFT = 15
@@ -75,10 +75,14 @@ def _hash32(x):
 
 def hashed_keep_mask(shape, p, key):
     """A bool tensor of `shape`, True with probability 1 - p (p in multiples of 1/65536):
-    element i is kept when the top 16 bits of hash(hash(i) ^ key) reach round(p · 65536).
-    Indices repeat past 2**32 elements."""
-    index = torch.arange(math.prod(shape), device=key.device).view(shape) & _MASK32
-    return (_hash32(_hash32(index) ^ key) >> 16) >= round(p * 65536)
+    element i is kept when the top 16 bits of hash(hash(i) ^ key) reach round(p · 65536),
+    with i's high 32 bits, past 2**32 elements, hashed in as well."""
+    numel = math.prod(shape)
+    index = torch.arange(numel, device=key.device).view(shape)
+    mixed = _hash32(index & _MASK32) ^ key
+    if numel > _MASK32 + 1:
+        mixed = mixed ^ _hash32(index >> 32)
+    return (_hash32(mixed) >> 16) >= round(p * 65536)
 
 
 def _hashed_dropout(tensor, p, scale, stream):

@@ -123,8 +123,8 @@ _CAUSAL_BIASES = {}
 def _causal_bias(queries, keys, dtype):
     """[queries, keys]: 0 where a query may attend (SDPA's causal mask, aligned to the top
     left), -inf elsewhere; cached, since every layer and step uses the same one. A compiled
-    graph builds its own instead (in the kernel that takes it): reading the cache would make
-    the graph depend on what the cache holds, and recompile when it changes."""
+    graph builds its own inside the graph instead: reading the cache would make the graph
+    depend on what the cache holds, and recompile when it changes."""
     cached = not torch.compiler.is_compiling()
     bias = _CAUSAL_BIASES.get((queries, keys, dtype)) if cached else None
     if bias is None:

@@ -4,7 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.model.dropout import drop_unscaled, dropout, hashed_keep_mask, keep_mask
+from megatron import mpu
+from megatron.model.dropout import (_where_kept, drop_unscaled, dropout, hashed_keep_mask,
+                                   keep_mask)
 from megatron.model.transformer import attention
 
 
@@ -128,13 +130,14 @@ def test_hashed_mask_drops_with_probability_p(p):
 
 def test_hashed_masks_are_independent_of_neighbours_and_of_other_keys():
     n = 400_000
-    masks = [hashed_keep_mask((n,), 0.5, torch.tensor(key)).float() for key in (7, 8, 2 ** 31)]
+    masks = [hashed_keep_mask((n,), 0.5, torch.tensor(key)).float()
+             for key in (7, 6, 7 | 2 ** 31)]
     tolerance = 4 * (0.25 * 0.75 / n) ** 0.5
     for mask in masks:
         assert abs(mask.mean().item() - 0.5) < tolerance
         for lag in (1, 2, 16, 384):  # both kept: 1/4 when independent
             assert abs((mask[lag:] * mask[:-lag]).mean().item() - 0.25) < tolerance, lag
-    for a, b in ((0, 1), (0, 2), (1, 2)):  # keys one bit apart included
+    for a, b in ((0, 1), (0, 2), (1, 2)):  # keys one bit apart: 7 and 6, 7 and 7 | 2**31
         assert abs((masks[a] * masks[b]).mean().item() - 0.25) < tolerance
 
 
@@ -171,3 +174,31 @@ def test_compiled_attention_masks_are_their_own_per_stream():
     assert torch.equal(compiled(probs, 0.5, 1) != 0, masks[0])
     agreement = (masks[0] == masks[1]).float().mean().item()
     assert abs(agreement - 0.5) < 0.05  # independent masks agree half the time at p = 0.5
+
+
+def test_compiled_hash_is_the_eager_hash():
+    """Inductor's vectorised int64 code (and its scalar tail) computes eager torch's masks."""
+    key = torch.tensor(0x5EED1234)
+    ones = torch.ones(3, 1001)  # rows not a multiple of the vector width
+    compiled = torch.compile(_where_kept, dynamic=False)
+    assert torch.equal(compiled(ones, key, 0.3, 1.0) != 0, hashed_keep_mask(ones.shape, 0.3, key))
+
+
+def test_compiled_masks_follow_tensor_parallelism(monkeypatch):
+    """In one compiled graph on two tensor-parallel ranks with the same seed: the hidden
+    dropout masks are the same (the hidden states are replicated), the attention masks are
+    not (each rank's heads are its own)."""
+    q, k, v = (t.detach() for t in _qkv())
+    hidden = torch.randn(16, 24)
+
+    def layer_dropouts():
+        return attention(q, k, v, None, True, 0.5), dropout(hidden, 0.5)
+    results = []
+    for rank in (0, 1):
+        monkeypatch.setattr(mpu, "get_model_parallel_rank", lambda: rank)
+        torch._dynamo.reset()
+        torch.manual_seed(2)
+        results.append(torch.compile(layer_dropouts, dynamic=False)())
+    (attention_0, hidden_0), (attention_1, hidden_1) = results
+    assert torch.equal(hidden_0, hidden_1)
+    assert not torch.equal(attention_0, attention_1)

@@ -95,7 +95,8 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 def test_compiled_dropout_resumes_exactly_and_replays_masks_on_recompute(corpus, tmp_path):
     """Compiled with dropout: 2N iterations == N, save, resume N (bit for bit); and the same
     run with --checkpoint-activations gives the same losses (the recompute draws the masks
-    of the forward)."""
+    of the forward), with mpu's checkpointing and with zero's (whose first forward runs
+    without grad: another compiled graph, which must draw the same seeds)."""
     whole, _ = train(corpus, tmp_path / "whole", 1, ITERS, "--batch-size", 8, "--compile",
                      *DROPOUT, "--save", tmp_path / "ckpt", "--save-interval", ITERS // 2)
     resume = tmp_path / "resume"
@@ -107,6 +108,7 @@ def test_compiled_dropout_resumes_exactly_and_replays_masks_on_recompute(corpus,
     assert sorted(resumed) == list(range(ITERS // 2 + 1, ITERS + 1))
     for it in resumed:
         assert resumed[it] == whole[it], it
-    recomputed, _ = train(corpus, tmp_path / "recomputed", 1, ITERS, "--batch-size", 8,
-                          "--compile", *DROPOUT, "--checkpoint-activations")
-    assert_same_training(whole, recomputed, ITERS)
+    for name, recompute in (("mpu", []), ("zero", ["--deepspeed-activation-checkpointing"])):
+        recomputed, _ = train(corpus, tmp_path / name, 1, ITERS, "--batch-size", 8, "--compile",
+                              *DROPOUT, "--checkpoint-activations", *recompute)
+        assert_same_training(whole, recomputed, ITERS)

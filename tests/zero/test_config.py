@@ -1,5 +1,6 @@
 import ast
 import base64
+import dataclasses
 import json
 import logging
 import pathlib
@@ -107,6 +108,15 @@ def test_zero_offload_maps_cpu_offload(caplog):
     assert config.zero_optimization.reduce_bucket_size == 50_000_000
     assert config.train_batch_size == 12 * 5 * 2
     assert "cpu_offload' is deprecated" in caplog.text
+
+
+def test_a_parsed_config_and_its_sections_are_frozen():
+    config = load({"train_batch_size": 8, "zero_optimization": {"stage": 2}})
+    with pytest.raises(AttributeError, match="frozen once parsed"):
+        config.train_batch_size = 16
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.zero_optimization.stage = 3
+    assert config.train_batch_size == 8 and config.zero_optimization.stage == 2
 
 
 def test_release_config_old_offload_spellings():

@@ -7,7 +7,9 @@ completely here; the engine and its parts (offload, activation checkpointing, ai
 combination of values may not do.
 
 Sections are frozen: `check` runs once, while `parse_section` builds a section, and is the
-only place that settles a value (`_settle`); after that nothing writes to a config.
+only place that settles a value (`_settle`); after that nothing writes to a config. (The
+freeze is per attribute: a dict-valued key, such as an optimizer's params, is a plain dict
+that nothing here changes.)
 """
 
 import logging
