@@ -23,8 +23,8 @@ _NORM_PIECE = 1 << 14
 def sum_of_squares(tensors, device):
     """Float64 sum of the squares of the elements of `tensors` (flat tensors), on `device`.
     A tensor's whole pieces are the rows of one [pieces, _NORM_PIECE] view, normed in one
-    call (on CPU, a list of pieces through torch._foreach_norm costs a call per piece: 8x
-    longer for 14M elements)."""
+    call (on CPU, torch._foreach_norm over a list of pieces costs a call per piece:
+    docs/design/grad-norm.md)."""
     norms = []
     for tensor in tensors:
         rows = tensor.numel() // _NORM_PIECE
