@@ -193,3 +193,21 @@ def test_offload_with_a_non_adam_optimizer_is_refused():
         cases.zero.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                               config={**cases.ds_config(2, **_offload("cpu")),
                                       "zero_allow_untested_optimizer": True})
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_cpu_offload_resumes_exactly_under_a_warmup_schedule(stage, tmp_path):
+    """Loading the optimizer state replaces torch's param-group dicts; the host Adam must step
+    with the current ones (the schedule's learning rate), not those of before the load, whose
+    warm-up lr of 0 would leave the weights where the checkpoint left them."""
+    config = cases.ds_config(stage, **_offload("cpu"))
+    config["scheduler"] = {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": cases.LR, "warmup_num_steps": 6}}
+    straight = cases.make_engine(config)
+    expected = cases.train_steps(straight, 8)
+    first = cases.make_engine(config)
+    cases.train_steps(first, 4)
+    first.save_checkpoint(str(tmp_path))
+    second = cases.make_engine(config, model=cases.make_model(seed=99))  # other weights
+    second.load_checkpoint(str(tmp_path))
+    assert cases.train_steps(second, 4, start=4) == expected[4:]

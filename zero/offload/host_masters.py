@@ -111,9 +111,6 @@ class HostMasters:
                 self.store = self._swapped(names=("master",))
             return optimizer
         self.optimizer = as_cpu_adam(optimizer)
-        group_of = {id(p): group for group in self.optimizer.param_groups
-                    for p in group["params"]}
-        self._hyper = [group_of[id(master)] for master in self.masters]
         self.store = self._resident() if self.offload.device != "nvme" else self._swapped()
         return self.optimizer
 
@@ -170,13 +167,17 @@ class HostMasters:
                     master.data = empty
             self.optimizer.finish_step(pending)
             return
+        # looked up at every step: loading an optimizer state dict replaces the group dicts,
+        # and the learning-rate schedule writes to the current ones
+        group_of = {id(p): group for group in self.optimizer.param_groups
+                    for p in group["params"]}
         for key, master in enumerate(self.masters):
             step = self.store.step_tensor(key)
             step += 1
             grad = master.grad
             for sub in self.store.sub_groups(key):
                 CPUAdam.update(sub.master, grad[sub.lo:sub.hi], sub.state(step),
-                               self._hyper[key],
+                               group_of[id(master)],
                                on_tile=lambda lo, hi, updated, key=key, base=sub.lo:
                                write_back(key, base + lo, updated))
 
