@@ -106,8 +106,8 @@ def train_steps(engine, steps, start=0):
     for step in range(start, start + steps):
         tokens, labels = global_batch(step, engine.train_batch_size())
         mine = slice(dp_rank * micro * gas, (dp_rank + 1) * micro * gas)
-        tokens, labels = tokens[mine], labels[mine]
-        total = torch.zeros(())
+        tokens, labels = tokens[mine].to(engine.device), labels[mine].to(engine.device)
+        total = torch.zeros((), device=engine.device)
         for i in range(gas):
             part = slice(i * micro, (i + 1) * micro)
             loss = engine(tokens[part], labels[part])

@@ -300,7 +300,7 @@ class ZeroOptimizer(PartitionedOptimizer):
         def accumulate():
             if mine:
                 target = group.partition_slice(group.master.grad, k)
-                target.copy_(source) if fresh else target.add_(source)
+                _accumulate_into(target, source, fresh)
             self._release_buffer(g, k)
         return pending, accumulate
 
@@ -325,7 +325,7 @@ class ZeroOptimizer(PartitionedOptimizer):
         fresh = self._fresh_partition_grads
 
         def accumulate():
-            target.copy_(out) if fresh else target.add_(out)
+            _accumulate_into(target, out, fresh)
             release()
         return pending, accumulate
 
@@ -443,3 +443,12 @@ class ZeroOptimizer(PartitionedOptimizer):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def _accumulate_into(target, reduced, fresh):
+    """target <- reduced (first micro-batch since the step) or += reduced; offloaded masters'
+    gradients live in host memory, the reduced gradients on the compute device."""
+    if fresh:
+        target.copy_(reduced)
+    else:
+        target.add_(reduced.to(target.device))

@@ -309,9 +309,11 @@ class Stage3Optimizer(PartitionedOptimizer):
         offset, kept = 0, None
         for param, size in zip(params, sizes):
             sub_group, start = self.location[param]
-            piece = reduced.narrow(0, offset, size)
-            if sub_group.master.grad is not None:
-                sub_group.master.grad.narrow(0, start, size).add_(piece, alpha=scale)
+            grad = sub_group.master.grad
+            if grad is not None:
+                if reduced.device != grad.device:  # offloaded masters: one copy per bucket
+                    reduced = reduced.to(grad.device)
+                grad.narrow(0, start, size).add_(reduced.narrow(0, offset, size), alpha=scale)
             else:  # first backward since the step: keep the piece (its own memory, scaled)
                 if kept is None:
                     kept = reduced.clone() if scale == 1.0 else reduced.mul(scale)

@@ -1,0 +1,100 @@
+"""The CUDA paths, checked against the CPU results: the ZeRO engine's stages and offload
+(host masters fed from device gradients), and the GPT model compiled, recomputed and with
+dropout under the model-parallel RNG tracker. Skipped without a CUDA device (CI has none);
+run them where one is: `python -m pytest tests/test_cuda.py`."""
+
+import pytest
+import torch
+
+from megatron import mpu
+from megatron.model import GPT2Model
+from tests.model.cases import tiny_config
+from tests.zero import engine_cases as cases
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+STEPS = 6
+NVME = {"device": "nvme", "pipeline_read": True, "pipeline_write": True}
+ZERO_VARIANTS = {  # name -> (stage, zero_optimization keys; "NVME" gets the test's folder)
+    "stage 1": (1, {}),
+    "stage 1, optimizer on cpu": (1, {"offload_optimizer": {"device": "cpu",
+                                                            "pin_memory": True}}),
+    "stage 2": (2, {}),
+    "stage 2, optimizer on cpu": (2, {"offload_optimizer": {"device": "cpu",
+                                                            "pin_memory": True}}),
+    "stage 3": (3, {}),
+    "stage 3, optimizer on cpu": (3, {"offload_optimizer": {"device": "cpu",
+                                                            "pin_memory": True}}),
+    "stage 3, optimizer and parameters on cpu": (3, {
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True}}),
+    "stage 3, optimizer and parameters on nvme": (3, {
+        "sub_group_size": 500, "offload_optimizer": NVME,
+        "offload_param": {"device": "nvme", "max_in_cpu": 0, "buffer_count": 3}}),
+}
+
+
+@pytest.mark.parametrize("variant", list(ZERO_VARIANTS))
+def test_zero_on_cuda_matches_the_cpu_reference(variant, tmp_path):
+    stage, options = ZERO_VARIANTS[variant]
+    for section in ("offload_optimizer", "offload_param"):
+        if options.get(section, {}).get("device") == "nvme":
+            options = {**options, section: {**options[section], "nvme_path": str(tmp_path)}}
+    engine = cases.make_engine(cases.ds_config(stage, **options))
+    assert engine.device.type == "cuda"
+    losses = cases.train_steps(engine, STEPS)
+    engine.destroy()
+    reference = cases.train_reference(STEPS)[0]
+    assert max(abs(a - b) / b for a, b in zip(losses, reference)) < 1e-4, (losses, reference)
+
+
+def _loss_and_grads(model, tokens, positions, seed=None):
+    if seed is not None:
+        mpu.model_parallel_cuda_manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens, positions, labels=tokens.roll(-1, dims=1)).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _cuda_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return GPT2Model(tiny_config(**overrides)).cuda()
+
+
+def _inputs():
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    return tokens, torch.arange(8, device="cuda").expand(2, 8)
+
+
+def test_compiled_layers_on_cuda_match_eager():
+    eager, compiled = _cuda_model(), _cuda_model()
+    compiled.compile()
+    tokens, positions = _inputs()
+    (loss_e, grads_e), (loss_c, grads_c) = (_loss_and_grads(m, tokens, positions)
+                                            for m in (eager, compiled))
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=0)
+    for name, grad in grads_e.items():
+        torch.testing.assert_close(grads_c[name], grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_dropout_on_cuda_replays_under_recompute(compiled):
+    """With dropout, recomputed layers draw the masks of the first forward (the tracker's
+    CUDA states replayed), so gradients equal those without recompute."""
+    dropout = dict(hidden_dropout=0.2, attention_dropout=0.2)
+    plain = _cuda_model(**dropout)
+    recomputed = _cuda_model(**dropout, checkpoint_activations=True)
+    if compiled:
+        plain.compile()
+        recomputed.compile()
+    tokens, positions = _inputs()
+    loss_p, grads_p = _loss_and_grads(plain, tokens, positions, seed=7)
+    loss_r, grads_r = _loss_and_grads(recomputed, tokens, positions, seed=7)
+    plain.eval()
+    with torch.no_grad():
+        no_dropout = plain(tokens, positions, labels=tokens.roll(-1, dims=1)).mean()
+    assert not torch.equal(no_dropout, loss_p)  # dropout did act
+    torch.testing.assert_close(loss_r, loss_p, rtol=0, atol=0)
+    for name, grad in grads_p.items():
+        torch.testing.assert_close(grads_r[name], grad, rtol=1e-5, atol=1e-7, msg=name)
