@@ -196,6 +196,7 @@ class GPT2Model(nn.Module):
         # on the last stage a copy of the first stage's word embeddings for the tied output
         # layer (megatron/pipeline/tied_embeddings.py keeps it in step; not a parameter).
         self._input_tensor = None
+        self._compiled_loss = None  # compile(): the loss as one compiled graph, where it pays
         self.tied_head_weight = None
 
     def set_input_tensor(self, tensor):
@@ -236,8 +237,11 @@ class GPT2Model(nn.Module):
         all (compile time does not grow with depth). That is one graph per layer; off the
         CPU, two around the eager attention of a layer with attention dropout (on the CPU its
         masks are hashed in the graph: megatron.model.dropout). Embeddings, the output
-        layer and the loss stay eager: a lookup, one matmul and mpu's cross entropy, which
-        already walks the logits in cache-sized chunks."""
+        layer stay eager (a lookup, one matmul). Off the CPU the loss is compiled too at
+        tensor-parallel size 1, where the logits hold the whole vocabulary: fused, its
+        passes over the [b, s, vocab] logits go from about eight to two (docs/benchmarks.md).
+        On the CPU mpu's cross entropy, which walks 16-bit logits in cache-sized chunks, is
+        as fast."""
         if kwargs.get("fullgraph"):
             breaks = [why for why, present in (
                 ("attention dropout off the CPU runs eagerly under the model-parallel RNG "
@@ -251,6 +255,9 @@ class GPT2Model(nn.Module):
                                   "compile kwargs")
         for layer in self.language_model.transformer.layers:
             layer.compile(*args, **kwargs)
+        if mpu.get_model_parallel_world_size() == 1 and \
+                next(self.parameters()).device.type != "cpu":
+            self._compiled_loss = torch.compile(_full_vocabulary_cross_entropy, *args, **kwargs)
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
         """Under pipeline parallelism a stage before the last returns its hidden states
@@ -273,5 +280,13 @@ class GPT2Model(nn.Module):
         word_embeddings_weight = self.output_layer_weight()
         if labels is not None:
             logits = parallel_lm_logits(hidden_states, word_embeddings_weight, True)
-            return mpu.vocab_parallel_cross_entropy(logits, labels)  # [b, s] fp32
+            loss = self._compiled_loss or mpu.vocab_parallel_cross_entropy
+            return loss(logits, labels)  # [b, s] fp32
         return parallel_lm_logits(hidden_states, word_embeddings_weight, self.parallel_output)
+
+
+def _full_vocabulary_cross_entropy(logits, labels):
+    """Per-token loss in fp32, shaped like `labels`, from logits over the whole vocabulary
+    (tensor-parallel size 1): what mpu.vocab_parallel_cross_entropy computes there."""
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), labels.flatten(),
+                                             reduction="none").view(labels.shape)

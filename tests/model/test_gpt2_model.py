@@ -231,3 +231,26 @@ def test_every_layer_call_goes_through_the_compiled_code(split_transformers):
     traced = [node.target for graph in graphs for node in graph.graph.nodes]
     layer_norms = sum(target is torch.nn.functional.layer_norm for target in traced)
     assert layer_norms == 2, traced  # the two LayerNorms of a layer, traced once for all layers
+
+
+def test_compiled_loss_is_mpus_cross_entropy():
+    """Off the CPU at tensor-parallel size 1, compile() compiles the loss too (on the CPU
+    mpu's chunked loss is as fast); it gives mpu's per-token losses and logit gradients."""
+    on_cpu = GPT2Model(tiny_config())
+    on_cpu.compile()
+    assert on_cpu._compiled_loss is None
+    model = GPT2Model(tiny_config()).to("meta")  # a device other than the CPU
+    model.compile()
+    assert model._compiled_loss is not None
+    generator = torch.Generator().manual_seed(3)
+    logits = (4 * torch.randn(2, 8, 64, generator=generator)).bfloat16()
+    labels = torch.randint(0, 64, (2, 8), generator=generator)
+    results = []
+    for loss_fn in (mpu.vocab_parallel_cross_entropy, model._compiled_loss):
+        x = logits.clone().requires_grad_()
+        loss = loss_fn(x, labels)
+        (loss * torch.linspace(0.5, 1.5, 16).view(2, 8)).sum().backward()
+        results.append((loss, x.grad))
+    assert results[1][0].dtype == torch.float32 and results[1][0].shape == labels.shape
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-2, atol=1e-3)
