@@ -7,14 +7,21 @@ and the top ops by self time. Compiled kernels are named by inductor after the o
 It runs as the launch scripts start training (glibc's small-block cache off).
 
     python benchmarks/step_profile.py [--quick] [--write-docs]
+    python benchmarks/step_profile.py --device cuda --size gpt2-124m --precisions bf16
+
+On a GPU the tables are of GPU kernel time, beside the step's wall time (the rest is the GPU
+waiting for the host), and one line counts the host's waits for the GPU (synchronizations).
 """
 
 import argparse
 import os
 import sys
+import time
 
 from common import machine_description, markdown_table, update_docs_section
 
+import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import train_throughput
@@ -36,37 +43,81 @@ KINDS = (
 )
 
 
-def kind_of(name):
+# GPU kernels: kind of work -> substrings of the kernel's name (first match wins)
+CUDA_KINDS = (
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
+    ("attention (SDPA)", ("flash", "fmha", "attention")),
+    ("compiled kernels", ("triton_",)),
+    ("copies and casts", ("memcpy", "memset", "copy", "fill")),
+    ("optimizer and grad norm", ("adam", "multi_tensor", "foreach", "norm_kernel")),
+)
+# host calls that wait for the GPU
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+         "aten::_local_scalar_dense")
+
+
+def kind_of(name, device_type="cpu"):
+    if device_type == "cuda":
+        lowered = name.lower()
+        for kind, parts in CUDA_KINDS:
+            if any(part in lowered for part in parts):
+                return kind
+        return "elementwise and reductions"
     for kind, prefixes in KINDS:
         if name.startswith(prefixes):
             return kind
     return "other (host overhead, autograd, small ops)"
 
 
-def profile_step(precision, compiled, warmup, steps):
-    """{op name: self ms per step}, and the measured ms per step with the profiler on."""
-    step = train_throughput.ours_runner(precision, compiled, dropout=0.0)
+def profile_step(c, device, precision, compiled, warmup, steps):
+    """({op or GPU kernel name: self ms per step}, {host wait name: (calls, ms) per step},
+    wall ms per step without the profiler)."""
+    step = train_throughput.ours_runner(c, device, precision, compiled, dropout=0.0)
     for _ in range(warmup):
         step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    from megatron.runtime.device import synchronize
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    wall_ms = (time.perf_counter() - start) * 1000 / steps
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
-    return {event.key: event.self_cpu_time_total / 1000.0 / steps
-            for event in prof.key_averages()}
+        synchronize(device)
+    events = prof.key_averages()
+    if not on_gpu:
+        return ({e.key: e.self_cpu_time_total / 1000.0 / steps for e in events}, {}, wall_ms)
+    kernels = {e.key: e.self_device_time_total / 1000.0 / steps for e in events
+               if e.device_type == DeviceType.CUDA}
+    waits = {e.key: (e.count / steps, e.cpu_time_total / 1000.0 / steps) for e in events
+             if e.key in SYNCS}
+    return kernels, waits, wall_ms
 
 
-def tables(label, op_ms, top):
+def tables(label, profiled, top, device_type):
+    op_ms, waits, wall_ms = profiled
     total = sum(op_ms.values())
     by_kind = {}
     for name, ms in op_ms.items():
-        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + ms
+        kind = kind_of(name, device_type)
+        by_kind[kind] = by_kind.get(kind, 0.0) + ms
     kinds = markdown_table(["kind of work", "ms/step", "share"],
                            [[kind, f"{ms:.1f}", f"{100 * ms / total:.1f}%"]
                             for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1])])
-    ops = markdown_table(["op (self time)", "ms/step", "share"],
-                         [[_short(name), f"{ms:.1f}", f"{100 * ms / total:.1f}%"]
+    what = "GPU kernel" if device_type == "cuda" else "op (self time)"
+    ops = markdown_table([what, "ms/step", "share"],
+                         [[_short(name), f"{ms:.2f}", f"{100 * ms / total:.1f}%"]
                           for name, ms in sorted(op_ms.items(), key=lambda kv: -kv[1])[:top]])
-    return f"### {label}: {total:.0f} ms of op time per step\n\n{kinds}\n\n{ops}\n"
+    if device_type != "cuda":
+        return f"### {label}: {total:.0f} ms of op time per step\n\n{kinds}\n\n{ops}\n"
+    waited = "; ".join(f"{name} {calls:g}x, {ms:.2f} ms" for name, (calls, ms) in waits.items())
+    return (f"### {label}: {wall_ms:.1f} ms per step, the GPU busy {total:.1f} ms of it "
+            f"({100 * total / wall_ms:.0f}%)\n\nHost waits for the GPU per step: "
+            f"{waited or 'none'}.\n\n{kinds}\n\n{ops}\n")
 
 
 def _short(name):
@@ -89,20 +140,28 @@ def main():
     parser.add_argument("--write-docs", action="store_true",
                         help="rewrite its section of docs/benchmarks.md (default: print only)")
     parser.add_argument("--top", type=int, default=10, help="ops listed per configuration")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--size", choices=sorted(train_throughput.SIZES), default="small")
+    parser.add_argument("--precisions", default="bf16,fp32", help="comma-separated")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    c = train_throughput.SIZES[args.size]
     # inductor then records each compiled kernel under its own name
-    import torch._inductor.config
-    torch._inductor.config.cpp.enable_kernel_profile = True
+    import torch._inductor.config as inductor_config
+    inductor_config.cpp.enable_kernel_profile = True
     warmup, steps = (2, 1) if args.quick else (4, 5)
     sections = []
-    for precision in ("bf16", "fp32"):
+    for precision in args.precisions.split(","):
         for compiled in (False, True):
             label = f"{precision}, {'--compile' if compiled else 'eager'}"
-            sections.append(tables(label, profile_step(precision, compiled, warmup, steps),
-                                   args.top))
+            profiled = profile_step(c, device, precision, compiled, warmup, steps)
+            sections.append(tables(label, profiled, args.top, device.type))
             print(sections[-1], flush=True)
-    c = train_throughput.CONFIG
-    body = (f"## Where a training step's time goes (`benchmarks/step_profile.py`)\n\n"
+    on_gpu = device.type == "cuda"
+    flags = " --device cuda" if on_gpu else ""
+    flags += f" --size {args.size}" if args.size != "small" else ""
+    body = (f"## Where a training step's time goes{', GPU' if on_gpu else ''} "
+            f"(`benchmarks/step_profile.py{flags}`)\n\n"
             f"Machine: {machine_description()}.\n\n"
             f"torch.profiler over {steps} steps of our trainer (after {warmup} warm-up steps) "
             f"on the model of the training-throughput table ({c['num_layers']} layers, hidden "
@@ -111,7 +170,7 @@ def main():
             f"percent of its own. Compiled kernels (`graph_*_cpp_fused_...`) are named after "
             f"the ops inductor fused into them.\n\n" + "\n".join(sections))
     if args.write_docs and not args.quick:
-        update_docs_section("step_profile", body)
+        update_docs_section("step_profile_cuda" if on_gpu else "step_profile", body)
 
 
 if __name__ == "__main__":

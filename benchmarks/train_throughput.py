@@ -32,8 +32,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-CONFIG = dict(num_layers=6, hidden_size=384, num_attention_heads=6, seq_length=256,
-              micro_batch=8, vocab_size=8192)
+SIZES = {  # --size: the CPU default, and GPT-2 124M at its full context for a GPU
+    "small": dict(num_layers=6, hidden_size=384, num_attention_heads=6, seq_length=256,
+                  micro_batch=8, vocab_size=8192),
+    "gpt2-124m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024,
+                      micro_batch=8, vocab_size=50304),
+}
 
 
 # ------------------------------------------------------------------ plain PyTorch reference
@@ -91,13 +95,15 @@ class PlainGPT(nn.Module):
 
 # ------------------------------------------------------------------------------ runners
 
-def _peer_step(model, optimizer, autocast_dtype, compiled):
-    c = CONFIG
+def _peer_step(c, device, model, autocast_dtype, compiled):
+    model = model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     if compiled:
         model = torch.compile(model)
-    data = torch.randint(0, c["vocab_size"], (c["micro_batch"], c["seq_length"] + 1))
+    data = torch.randint(0, c["vocab_size"], (c["micro_batch"], c["seq_length"] + 1),
+                         device=device)
     tokens, labels = data[:, :-1], data[:, 1:]
-    amp = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype
+    amp = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype
            else contextlib.nullcontext())
 
     def step():
@@ -110,20 +116,17 @@ def _peer_step(model, optimizer, autocast_dtype, compiled):
     return step
 
 
-def plain_runner(precision, compiled, dropout):
+def plain_runner(c, device, precision, compiled, dropout):
     torch.manual_seed(0)
-    model = PlainGPT(CONFIG, dropout)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    return _peer_step(model, optimizer, torch.bfloat16 if precision == "bf16" else None,
-                      compiled)
+    return _peer_step(c, device, PlainGPT(c, dropout),
+                      torch.bfloat16 if precision == "bf16" else None, compiled)
 
 
-def hf_runner(precision, compiled, dropout):
+def hf_runner(c, device, precision, compiled, dropout):
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
         return None
-    c = CONFIG
     config = GPT2Config(vocab_size=c["vocab_size"], n_positions=c["seq_length"],
                         n_embd=c["hidden_size"], n_layer=c["num_layers"],
                         n_head=c["num_attention_heads"], resid_pdrop=dropout,
@@ -131,7 +134,6 @@ def hf_runner(precision, compiled, dropout):
     config._attn_implementation = "sdpa"  # the fused attention kernel, as ours uses
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
 
     class Wrapped(nn.Module):
         def __init__(self):
@@ -141,25 +143,24 @@ def hf_runner(precision, compiled, dropout):
         def forward(self, tokens, labels):
             # HF shifts labels itself; pass tokens as labels so the work matches ours.
             return self.inner(input_ids=tokens, labels=tokens).loss
-    return _peer_step(Wrapped(), optimizer, torch.bfloat16 if precision == "bf16" else None,
+    return _peer_step(c, device, Wrapped(), torch.bfloat16 if precision == "bf16" else None,
                       compiled)
 
 
-def ours_runner(precision, compiled, dropout):
+def ours_runner(c, device, precision, compiled, dropout):
     """pretrain_gpt2.py's training step: the backend and zero engine pretrain() builds."""
     from common import trainer_backend
     from megatron.gpt2 import forward_step
-    c = CONFIG
     flags = ["--num-layers", c["num_layers"], "--hidden-size", c["hidden_size"],
              "--num-attention-heads", c["num_attention_heads"], "--seq-length", c["seq_length"],
              "--batch-size", c["micro_batch"], "--train-iters", 10 ** 6, "--lr", 1e-4,
              "--lr-decay-style", "constant", "--warmup-iters", 0, "--weight-decay", 0.01,
              "--clip-grad", 1.0, "--attention-dropout", dropout, "--hidden-dropout", dropout,
-             "--threads", torch.get_num_threads()] + (["--bf16"] if precision == "bf16" else []) \
-        + (["--compile"] if compiled else [])
+             "--threads", torch.get_num_threads(), "--device", device.type] \
+        + (["--bf16"] if precision == "bf16" else []) + (["--compile"] if compiled else [])
     backend, _ = trainer_backend([str(f) for f in flags], c["vocab_size"])
     data = torch.randint(0, c["vocab_size"], (c["micro_batch"], c["seq_length"] + 1))
-    batches = iter(lambda: {"text": data}, None)
+    batches = iter(lambda: {"text": data}, None)  # host tokens, as the data loader gives
 
     def step():
         backend.train_step(forward_step, batches)
@@ -176,24 +177,34 @@ OURS_COMPILED = "ours, compiled"
 # Ours starts as scripts/launch_env.sh starts training (glibc's small-block cache off, which
 # lets the engine keep freed buffers for reuse: zero/host_memory.py); the last row starts
 # without it, so the engine leaves glibc's defaults: what keeping freed memory is worth.
-TRAINERS = {  # row label -> (runner, compiled, started as the launch scripts start training)
-    **{f"{name}, compiled" if compiled else name: (name, compiled, name == "ours")
-       for name in RUNNERS for compiled in (False, True)},
-    "ours, compiled, glibc malloc defaults": ("ours", True, False),
-}
+GLIBC_DEFAULTS = "ours, compiled, glibc malloc defaults"
 
 
-def _trainer_process(conn, runner, precision, compiled, dropout, threads):
+def trainer_rows(device, only_compiled=False):
+    """{row label: (runner, compiled, started as the launch scripts start training)}; the
+    glibc row only where host memory is the working memory (CPU)."""
+    rows = {f"{name}, compiled" if compiled else name: (name, compiled, name == "ours")
+            for name in RUNNERS for compiled in (False, True)
+            if compiled or not only_compiled}
+    if device.type == "cpu":
+        rows[GLIBC_DEFAULTS] = ("ours", True, False)
+    return rows
+
+
+def _trainer_process(conn, runner, c, device, precision, compiled, dropout, threads):
     """One trainer in its own process: builds its step, says whether it could, then runs
     steps when told to, until told None."""
+    from megatron.runtime.device import synchronize
     torch.set_num_threads(threads)
-    step = RUNNERS[runner](precision, compiled, dropout)
+    device = torch.device(device)
+    step = RUNNERS[runner](c, device, precision, compiled, dropout)
     conn.send(step is not None)
     for count in iter(conn.recv, None):
         times = []
         for _ in range(count):
             start = time.perf_counter()
             step()
+            synchronize(device)
             times.append(time.perf_counter() - start)
         conn.send(times)
 
@@ -218,7 +229,7 @@ def _receive(label, process, conn):
                            "(its traceback is above)") from None
 
 
-def measure(precision, dropout, warmup, steps, rounds, threads):
+def measure(c, device, precision, dropout, warmup, steps, rounds, threads, only_compiled):
     """{row label: median seconds per step}. Each trainer lives in its own process; they are
     built and warmed up (compiled) one at a time, then take turns, `steps` steps each per
     round, so drift of the machine hits all of them alike."""
@@ -226,9 +237,10 @@ def measure(precision, dropout, warmup, steps, rounds, threads):
     context = multiprocessing.get_context("spawn")
     trainers, times = {}, {}
     try:
-        for label, (runner, compiled, launch_env) in TRAINERS.items():
+        for label, (runner, compiled, launch_env) in trainer_rows(device, only_compiled).items():
             process, conn = _start_trainer(
-                context, (runner, precision, compiled, dropout, threads), launch_env)
+                context, (runner, c, str(device), precision, compiled, dropout, threads),
+                launch_env)
             trainers[label] = (process, conn)
             if not _receive(label, process, conn):  # a peer that is not installed
                 continue
@@ -260,16 +272,30 @@ def main():
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="dropout of every model (embeddings, attention, residuals)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--size", choices=sorted(SIZES), default="small",
+                        help="small: the CPU model above; gpt2-124m: 12 layers, hidden 768, "
+                             "seq 1024, vocab 50304, for a GPU")
+    parser.add_argument("--only-compiled", action="store_true",
+                        help="only the compiled trainers (a quicker comparison; not for docs)")
+    parser.add_argument("--precisions", default="fp32,bf16",
+                        help="comma-separated, of fp32 and bf16")
     args = parser.parse_args()
     if not 0.0 <= args.dropout < 1.0:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    precisions = args.precisions.split(",")
+    if not precisions or not set(precisions) <= {"fp32", "bf16"}:
+        parser.error(f"--precisions takes fp32 and/or bf16, got {args.precisions!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    device = torch.device(args.device)
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     warmup, steps, rounds = (1, 2, 1) if args.quick else (3, 5, 3)
 
     from megatron.runtime.device import measure_matmul_flops
     from megatron.model import GPTConfig, flops_per_token
-    c = CONFIG
+    c = SIZES[args.size]
     tokens_per_step = c["micro_batch"] * c["seq_length"]
     flops_per_step = flops_per_token(GPTConfig(
         num_layers=c["num_layers"], hidden_size=c["hidden_size"],
@@ -277,41 +303,54 @@ def main():
         max_position_embeddings=c["seq_length"]), c["seq_length"]) * tokens_per_step
 
     rows = []
-    for precision in ("fp32", "bf16"):
+    for precision in precisions:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        peak = measure_matmul_flops(torch.device("cpu"), dtype, size=2048)
-        seconds = measure(precision, args.dropout, warmup, steps, rounds, threads)
+        # A GPU needs large products to reach its peak; 2048 is already the CPU's.
+        peak = measure_matmul_flops(device, dtype, size=2048 if device.type == "cpu" else 8192)
+        seconds = measure(c, device, precision, args.dropout, warmup, steps, rounds, threads,
+                          args.only_compiled)
         ours = tokens_per_step / seconds[OURS_COMPILED]
         for name, s in seconds.items():
             tps = tokens_per_step / s
-            rows.append([precision, name, f"{s * 1000:.0f}", f"{tps:,.0f}",
-                         f"{100 * flops_per_step / s / peak:.1f}%", f"{peak / 1e9:.0f}",
+            rows.append([precision, name, f"{s * 1000:.1f}", f"{tps:,.0f}",
+                         f"{100 * flops_per_step / s / peak:.1f}%", f"{peak / 1e9:,.0f}",
                          "1.00" if name == OURS_COMPILED else f"{ours / tps:.2f}x"])
         print(f"{precision}: " + ", ".join(f"{n} {tokens_per_step / s:,.0f} tok/s"
                                           for n, s in seconds.items()), flush=True)
     table = markdown_table(["precision", "trainer", "ms/step", "tokens/s", "MFU",
                             "matmul peak (GFLOP/s)", "ours compiled / this"], rows)
+    print("\n" + docs_body(args, c, device, warmup, steps * rounds, table))
+    if args.write_docs and not (args.quick or args.only_compiled):
+        section = "train_throughput" + ("_dropout" if args.dropout else "") \
+            + ("_cuda" if device.type == "cuda" else "")
+        update_docs_section(section, docs_body(args, c, device, warmup, steps * rounds, table))
+
+
+def docs_body(args, c, device, warmup, steps, table):
+    flags = "".join(f" {flag}" for flag, given in (
+        (f"--dropout {args.dropout:g}", args.dropout), ("--device cuda", device.type == "cuda"),
+        (f"--size {args.size}", args.size != "small")) if given)
     with_dropout = f", dropout {args.dropout:g}" if args.dropout else ""
-    body = (f"## Training throughput{with_dropout} (`benchmarks/train_throughput.py"
-            f"{f' --dropout {args.dropout:g}' if args.dropout else ''}`)\n\n"
+    on_gpu = ", GPU" if device.type == "cuda" else ""
+    glibc = (" Ours starts as scripts/launch_env.sh starts training (glibc's small-block "
+             "cache off), so its engine keeps freed host memory for reuse "
+             "(zero/host_memory.py); the 'glibc malloc defaults' row is ours started "
+             "without that." if device.type == "cpu" else
+             " Ours is given host tokens each step, as its data loader gives them; the peers "
+             "keep theirs on the GPU.")
+    return (f"## Training throughput{with_dropout}{on_gpu} (`benchmarks/train_throughput.py"
+            f"{flags}`)\n\n"
             f"Machine: {machine_description()}.\n\n"
             f"Model: {c['num_layers']} layers, hidden {c['hidden_size']}, "
             f"{c['num_attention_heads']} heads, seq {c['seq_length']}, micro batch "
             f"{c['micro_batch']}, vocab {c['vocab_size']}, AdamW, clip 1.0, dropout "
             f"{args.dropout:g}{DROPOUT_NOTE if args.dropout else ''}. "
-            f"Median step time of {steps * rounds} steps per trainer after {warmup} warm-up "
-            f"steps (compiling happens there), each trainer in its own process, taking turns. "
-            f"Ours starts as scripts/launch_env.sh starts training (glibc's small-block "
-            f"cache off), so its engine keeps freed host memory for reuse "
-            f"(zero/host_memory.py); the 'glibc malloc defaults' row is ours started "
-            f"without that. Compiled: ours with "
+            f"Median step time of {steps} steps per trainer after {warmup} warm-up "
+            f"steps (compiling happens there), each trainer in its own process, taking "
+            f"turns.{glibc} Compiled: ours with "
             f"--compile, the peers with torch.compile of the whole model. MFU = "
             f"(6N + 12·L·h·s)·tokens / time / the matmul peak measured in the same run.\n\n"
             f"{table}\n")
-    print("\n" + body)
-    if args.write_docs and not args.quick:
-        update_docs_section("train_throughput_dropout" if args.dropout else "train_throughput",
-                            body)
 
 
 if __name__ == "__main__":
