@@ -211,3 +211,16 @@ def test_cpu_offload_resumes_exactly_under_a_warmup_schedule(stage, tmp_path):
     second = cases.make_engine(config, model=cases.make_model(seed=99))  # other weights
     second.load_checkpoint(str(tmp_path))
     assert cases.train_steps(second, 4, start=4) == expected[4:]
+
+
+def test_a_checkpoint_saved_without_offload_resumes_with_it(tmp_path):
+    """torch AdamW's saved groups lack CPUAdam's flags (adamw_mode, bias_correction): the
+    offloaded run keeps its own and trains on as the run without offload would."""
+    plain = cases.ds_config(2)
+    expected = cases.train_steps(cases.make_engine(plain), 8)
+    first = cases.make_engine(plain)
+    cases.train_steps(first, 4)
+    first.save_checkpoint(str(tmp_path))
+    offloaded = cases.make_engine(cases.ds_config(2, **_offload("cpu")))
+    offloaded.load_checkpoint(str(tmp_path))
+    assert _relative_error(cases.train_steps(offloaded, 4, start=4), expected[4:]) < 1e-4

@@ -108,6 +108,16 @@ class CPUAdam(torch.optim.Optimizer):
         converted.fp32_optimizer_states = True
         return converted
 
+    def load_state_dict(self, state_dict):
+        """torch's load replaces the group dicts by the saved ones; a state saved by torch's
+        Adam/AdamW (a run without offload) lacks CPUAdam's own flags, which then keep this
+        optimizer's values."""
+        saved = state_dict["param_groups"]
+        if len(saved) == len(self.param_groups):  # else torch's load says what differs
+            saved = [{**{flag: current[flag] for flag in ("adamw_mode", "bias_correction")},
+                      **group} for group, current in zip(saved, self.param_groups)]
+        super().load_state_dict({**state_dict, "param_groups": saved})
+
     def state_for(self, param):
         """The (lazily created) state of `param`: step and fp32 (or param-dtype) moments."""
         state = self.state[param]
