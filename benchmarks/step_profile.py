@@ -20,7 +20,6 @@ import time
 
 from common import machine_description, markdown_table, update_docs_section
 
-import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -75,6 +74,12 @@ def profile_step(c, device, precision, compiled, warmup, steps):
     step = train_throughput.ours_runner(c, device, precision, compiled, dropout=0.0)
     for _ in range(warmup):
         step()
+    if device.type == "cpu":
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+        return ({e.key: e.self_cpu_time_total / 1000.0 / steps for e in prof.key_averages()},
+                {}, None)
     from megatron.runtime.device import synchronize
     synchronize(device)
     start = time.perf_counter()
@@ -82,15 +87,11 @@ def profile_step(c, device, precision, compiled, warmup, steps):
         step()
     synchronize(device)
     wall_ms = (time.perf_counter() - start) * 1000 / steps
-    on_gpu = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         synchronize(device)
     events = prof.key_averages()
-    if not on_gpu:
-        return ({e.key: e.self_cpu_time_total / 1000.0 / steps for e in events}, {}, wall_ms)
     kernels = {e.key: e.self_device_time_total / 1000.0 / steps for e in events
                if e.device_type == DeviceType.CUDA}
     waits = {e.key: (e.count / steps, e.cpu_time_total / 1000.0 / steps) for e in events
@@ -110,7 +111,8 @@ def tables(label, profiled, top, device_type):
                             for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1])])
     what = "GPU kernel" if device_type == "cuda" else "op (self time)"
     ops = markdown_table([what, "ms/step", "share"],
-                         [[_short(name), f"{ms:.2f}", f"{100 * ms / total:.1f}%"]
+                         [[_short(name), f"{ms:.{2 if device_type == 'cuda' else 1}f}",
+                           f"{100 * ms / total:.1f}%"]
                           for name, ms in sorted(op_ms.items(), key=lambda kv: -kv[1])[:top]])
     if device_type != "cuda":
         return f"### {label}: {total:.0f} ms of op time per step\n\n{kinds}\n\n{ops}\n"
@@ -140,18 +142,15 @@ def main():
     parser.add_argument("--write-docs", action="store_true",
                         help="rewrite its section of docs/benchmarks.md (default: print only)")
     parser.add_argument("--top", type=int, default=10, help="ops listed per configuration")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--size", choices=sorted(train_throughput.SIZES), default="small")
-    parser.add_argument("--precisions", default="bf16,fp32", help="comma-separated")
+    train_throughput.add_model_arguments(parser)
     args = parser.parse_args()
-    device = torch.device(args.device)
-    c = train_throughput.SIZES[args.size]
+    device, c, precisions = train_throughput.model_arguments(parser, args)
     # inductor then records each compiled kernel under its own name
     import torch._inductor.config as inductor_config
     inductor_config.cpp.enable_kernel_profile = True
     warmup, steps = (2, 1) if args.quick else (4, 5)
     sections = []
-    for precision in args.precisions.split(","):
+    for precision in sorted(precisions):  # bf16 first, as the docs tables are
         for compiled in (False, True):
             label = f"{precision}, {'--compile' if compiled else 'eager'}"
             profiled = profile_step(c, device, precision, compiled, warmup, steps)
@@ -159,16 +158,18 @@ def main():
             print(sections[-1], flush=True)
     on_gpu = device.type == "cuda"
     flags = " --device cuda" if on_gpu else ""
-    flags += f" --size {args.size}" if args.size != "small" else ""
+    flags += f" --size {args.size}" if args.size is not None else ""
+    what = ("GPU kernel time per step, beside the step's wall time measured without the "
+            "profiler; compiled kernels are inductor's `triton_...`" if on_gpu else
+            "self time per op per step; the profiler adds a few percent of its own. Compiled "
+            "kernels (`graph_*_cpp_fused_...`) are named after the ops inductor fused into them")
     body = (f"## Where a training step's time goes{', GPU' if on_gpu else ''} "
             f"(`benchmarks/step_profile.py{flags}`)\n\n"
             f"Machine: {machine_description()}.\n\n"
             f"torch.profiler over {steps} steps of our trainer (after {warmup} warm-up steps) "
             f"on the model of the training-throughput table ({c['num_layers']} layers, hidden "
             f"{c['hidden_size']}, seq {c['seq_length']}, micro batch {c['micro_batch']}, vocab "
-            f"{c['vocab_size']}, AdamW), self time per op per step; the profiler adds a few "
-            f"percent of its own. Compiled kernels (`graph_*_cpp_fused_...`) are named after "
-            f"the ops inductor fused into them.\n\n" + "\n".join(sections))
+            f"{c['vocab_size']}, AdamW), {what}.\n\n" + "\n".join(sections))
     if args.write_docs and not args.quick:
         update_docs_section("step_profile_cuda" if on_gpu else "step_profile", body)
 

@@ -38,6 +38,36 @@ SIZES = {  # --size: the CPU default, and GPT-2 124M at its full context for a G
     "gpt2-124m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024,
                       micro_batch=8, vocab_size=50304),
 }
+DOCUMENTED_SIZE = {"cpu": "small", "cuda": "gpt2-124m"}  # each device's docs tables
+PRECISIONS = ("fp32", "bf16")
+
+
+def add_model_arguments(parser):
+    """--device, --size and --precisions (this script's and step_profile.py's)."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--size", choices=sorted(SIZES), default=None,
+                        help="small: 6 layers, hidden 384, seq 256, vocab 8192 (the CPU's); "
+                             "gpt2-124m: 12 layers, hidden 768, seq 1024, vocab 50304 (the "
+                             "GPU's). Default: the device's")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS),
+                        help="comma-separated, of fp32 and bf16")
+
+
+def model_arguments(parser, args):
+    """(device, model sizes, precisions) from add_model_arguments' flags, checked; a docs
+    table is only rewritten from its own configuration (the device's size, both precisions)."""
+    precisions = args.precisions.split(",")
+    if not set(precisions) <= set(PRECISIONS) or len(set(precisions)) != len(precisions):
+        parser.error(f"--precisions takes fp32 and/or bf16, got {args.precisions!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    size = args.size or DOCUMENTED_SIZE[args.device]
+    if args.write_docs and (size != DOCUMENTED_SIZE[args.device]
+                            or set(precisions) != set(PRECISIONS)):
+        parser.error(f"--write-docs rewrites the {args.device} table, which is of --size "
+                     f"{DOCUMENTED_SIZE[args.device]} in both precisions; drop --write-docs or "
+                     "--size/--precisions")
+    return torch.device(args.device), SIZES[size], precisions
 
 
 # ------------------------------------------------------------------ plain PyTorch reference
@@ -272,30 +302,21 @@ def main():
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="dropout of every model (embeddings, attention, residuals)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--size", choices=sorted(SIZES), default="small",
-                        help="small: the CPU model above; gpt2-124m: 12 layers, hidden 768, "
-                             "seq 1024, vocab 50304, for a GPU")
     parser.add_argument("--only-compiled", action="store_true",
                         help="only the compiled trainers (a quicker comparison; not for docs)")
-    parser.add_argument("--precisions", default="fp32,bf16",
-                        help="comma-separated, of fp32 and bf16")
+    add_model_arguments(parser)
     args = parser.parse_args()
     if not 0.0 <= args.dropout < 1.0:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
-    precisions = args.precisions.split(",")
-    if not precisions or not set(precisions) <= {"fp32", "bf16"}:
-        parser.error(f"--precisions takes fp32 and/or bf16, got {args.precisions!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA device")
-    device = torch.device(args.device)
+    if args.write_docs and args.only_compiled:
+        parser.error("--write-docs needs every trainer; drop --only-compiled")
+    device, c, precisions = model_arguments(parser, args)
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     warmup, steps, rounds = (1, 2, 1) if args.quick else (3, 5, 3)
 
     from megatron.runtime.device import measure_matmul_flops
     from megatron.model import GPTConfig, flops_per_token
-    c = SIZES[args.size]
     tokens_per_step = c["micro_batch"] * c["seq_length"]
     flops_per_step = flops_per_token(GPTConfig(
         num_layers=c["num_layers"], hidden_size=c["hidden_size"],
@@ -320,7 +341,7 @@ def main():
     table = markdown_table(["precision", "trainer", "ms/step", "tokens/s", "MFU",
                             "matmul peak (GFLOP/s)", "ours compiled / this"], rows)
     print("\n" + docs_body(args, c, device, warmup, steps * rounds, table))
-    if args.write_docs and not (args.quick or args.only_compiled):
+    if args.write_docs and not args.quick:
         section = "train_throughput" + ("_dropout" if args.dropout else "") \
             + ("_cuda" if device.type == "cuda" else "")
         update_docs_section(section, docs_body(args, c, device, warmup, steps * rounds, table))
@@ -329,7 +350,7 @@ def main():
 def docs_body(args, c, device, warmup, steps, table):
     flags = "".join(f" {flag}" for flag, given in (
         (f"--dropout {args.dropout:g}", args.dropout), ("--device cuda", device.type == "cuda"),
-        (f"--size {args.size}", args.size != "small")) if given)
+        (f"--size {args.size}", args.size is not None)) if given)
     with_dropout = f", dropout {args.dropout:g}" if args.dropout else ""
     on_gpu = ", GPU" if device.type == "cuda" else ""
     glibc = (" Ours starts as scripts/launch_env.sh starts training (glibc's small-block "

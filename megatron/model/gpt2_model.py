@@ -236,7 +236,7 @@ class GPT2Model(nn.Module):
         layer runs the same code with its parameters as inputs, the compiled graphs serve them
         all (compile time does not grow with depth). That is one graph per layer; off the
         CPU, two around the eager attention of a layer with attention dropout (on the CPU its
-        masks are hashed in the graph: megatron.model.dropout). Embeddings, the output
+        masks are hashed in the graph: megatron.model.dropout). Embeddings and the output
         layer stay eager (a lookup, one matmul). Off the CPU the loss is compiled too at
         tensor-parallel size 1, where the logits hold the whole vocabulary: fused, its
         passes over the [b, s, vocab] logits go from about eight to two (docs/benchmarks.md).
@@ -287,6 +287,8 @@ class GPT2Model(nn.Module):
 
 def _full_vocabulary_cross_entropy(logits, labels):
     """Per-token loss in fp32, shaped like `labels`, from logits over the whole vocabulary
-    (tensor-parallel size 1): what mpu.vocab_parallel_cross_entropy computes there."""
+    (tensor-parallel size 1): what mpu.vocab_parallel_cross_entropy computes there for
+    labels in [0, vocab), the only ones the data pipeline makes (F.cross_entropy gives -100
+    a zero loss and fails on other labels outside the vocabulary)."""
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), labels.flatten(),
                                              reduction="none").view(labels.shape)
