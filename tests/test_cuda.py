@@ -22,6 +22,7 @@ ZERO_VARIANTS = {  # name -> (stage, zero_optimization keys; "NVME" gets the tes
     "stage 2": (2, {}),
     "stage 2, optimizer on cpu": (2, {"offload_optimizer": {"device": "cpu",
                                                             "pin_memory": True}}),
+    "stage 2, optimizer on nvme": (2, {"sub_group_size": 500, "offload_optimizer": NVME}),
     "stage 3": (3, {}),
     "stage 3, optimizer on cpu": (3, {"offload_optimizer": {"device": "cpu",
                                                             "pin_memory": True}}),

@@ -88,6 +88,12 @@ class HostMasters:
     def pinned(self):
         return self.offload.pin_memory and torch.cuda.is_available()
 
+    @property
+    def copies_back_async(self):
+        """Whether write_back's values may be copied to the device without waiting: pinned,
+        and still there after write_back returns (NVMe's swap buffers are reused at once)."""
+        return self.pinned and self.offload.device != "nvme"
+
     def new_master(self, numel, device, alias=None):
         assert alias is None, "offloaded masters are never the model's buffer"
         master = torch.nn.Parameter(torch.empty(numel, dtype=torch.float32,

@@ -32,7 +32,7 @@ import torch
 class DeviceMasters:
     can_alias = True
     frees_grads = True  # stage 3 frees partition gradients between steps
-    pinned = False
+    copies_back_async = False  # write_back's values are device tensors already
 
     def __init__(self):
         self.masters, self.aliased, self.optimizer = [], [], None

@@ -403,7 +403,7 @@ class ZeroOptimizer(PartitionedOptimizer):
             return  # the master is the buffer itself
         lay = group.layout
         own = group.own_chunks(group.flat)  # [K, C]
-        non_blocking = self.masters.pinned
+        non_blocking = self.masters.copies_back_async
         if lo == 0 and values.numel() == lay.partition_numel:
             own.copy_(values.view(lay.num_buckets, lay.chunk), non_blocking=non_blocking)
             return
@@ -416,7 +416,7 @@ class ZeroOptimizer(PartitionedOptimizer):
             start, done = start + length, done + length
 
     def _all_gather_own_chunks(self):
-        if self.masters.pinned:
+        if self.masters.copies_back_async:
             torch.cuda.current_stream().synchronize()  # the non-blocking copies
         pendings = []
         for group in self.groups:
