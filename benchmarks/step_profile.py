@@ -8,6 +8,7 @@ It runs as the launch scripts start training (glibc's small-block cache off).
 
     python benchmarks/step_profile.py [--quick] [--write-docs]
     python benchmarks/step_profile.py --device cuda --size gpt2-124m --precisions bf16
+    python benchmarks/step_profile.py --quick --trace-dir /tmp/traces   # timelines to read
 
 On a GPU the tables are of GPU kernel time, beside the step's wall time (the rest is the GPU
 waiting for the host), and one line counts the host's waits for the GPU (synchronizations).
@@ -68,9 +69,10 @@ def kind_of(name, device_type="cpu"):
     return "other (host overhead, autograd, small ops)"
 
 
-def profile_step(c, device, precision, compiled, warmup, steps):
+def profile_step(c, device, precision, compiled, warmup, steps, trace=None):
     """({op or GPU kernel name: self ms per step}, {host wait name: (calls, ms) per step},
-    wall ms per step without the profiler)."""
+    wall ms per step without the profiler); with `trace` (a path), the profiled steps' Chrome
+    trace is written there."""
     step = train_throughput.ours_runner(c, device, precision, compiled, dropout=0.0)
     for _ in range(warmup):
         step()
@@ -78,6 +80,7 @@ def profile_step(c, device, precision, compiled, warmup, steps):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 step()
+        _export(prof, trace)
         return ({e.key: e.self_cpu_time_total / 1000.0 / steps for e in prof.key_averages()},
                 {}, None)
     from megatron.runtime.device import synchronize
@@ -91,12 +94,19 @@ def profile_step(c, device, precision, compiled, warmup, steps):
         for _ in range(steps):
             step()
         synchronize(device)
+    _export(prof, trace)
     events = prof.key_averages()
     kernels = {e.key: e.self_device_time_total / 1000.0 / steps for e in events
                if e.device_type == DeviceType.CUDA}
     waits = {e.key: (e.count / steps, e.cpu_time_total / 1000.0 / steps) for e in events
              if e.key in SYNCS}
     return kernels, waits, wall_ms
+
+
+def _export(prof, trace):
+    if trace is not None:
+        prof.export_chrome_trace(trace)
+        print(f"wrote {trace} (open it in chrome://tracing or https://ui.perfetto.dev)")
 
 
 def tables(label, profiled, top, device_type):
@@ -142,6 +152,9 @@ def main():
     parser.add_argument("--write-docs", action="store_true",
                         help="rewrite its section of docs/benchmarks.md (default: print only)")
     parser.add_argument("--top", type=int, default=10, help="ops listed per configuration")
+    parser.add_argument("--trace-dir", default=None,
+                        help="also write each configuration's Chrome trace (the profiled "
+                             "steps' timeline) into this folder")
     train_throughput.add_model_arguments(parser)
     args = parser.parse_args()
     device, c, precisions = train_throughput.model_arguments(parser, args)
@@ -153,7 +166,12 @@ def main():
     for precision in sorted(precisions):  # bf16 first, as the docs tables are
         for compiled in (False, True):
             label = f"{precision}, {'--compile' if compiled else 'eager'}"
-            profiled = profile_step(c, device, precision, compiled, warmup, steps)
+            trace = None
+            if args.trace_dir is not None:
+                os.makedirs(args.trace_dir, exist_ok=True)
+                trace = os.path.join(args.trace_dir, f"{device.type}_{precision}_"
+                                     f"{'compiled' if compiled else 'eager'}.json")
+            profiled = profile_step(c, device, precision, compiled, warmup, steps, trace)
             sections.append(tables(label, profiled, args.top, device.type))
             print(sections[-1], flush=True)
     on_gpu = device.type == "cuda"

@@ -68,9 +68,12 @@ def _inputs():
     return tokens, torch.arange(8, device="cuda").expand(2, 8)
 
 
-def test_compiled_layers_on_cuda_match_eager():
+def test_compiled_model_on_cuda_matches_eager():
+    """On one GPU compile() makes the stack of layers one region (and compiles the loss)."""
     eager, compiled = _cuda_model(), _cuda_model()
     compiled.compile()
+    assert [name for name, m in compiled.named_modules()
+            if m._compiled_call_impl is not None] == ["language_model.transformer"]
     tokens, positions = _inputs()
     (loss_e, grads_e), (loss_c, grads_c) = (_loss_and_grads(m, tokens, positions)
                                             for m in (eager, compiled))
@@ -86,9 +89,10 @@ def test_dropout_on_cuda_replays_under_recompute(compiled):
     dropout = dict(hidden_dropout=0.2, attention_dropout=0.2)
     plain = _cuda_model(**dropout)
     recomputed = _cuda_model(**dropout, checkpoint_activations=True)
-    if compiled:
-        plain.compile()
-        recomputed.compile()
+    if compiled:  # the same regions, each layer, for both (recompute runs per layer)
+        for model in (plain, recomputed):
+            for layer in model.language_model.transformer.layers:
+                layer.compile()
     tokens, positions = _inputs()
     loss_p, grads_p = _loss_and_grads(plain, tokens, positions, seed=7)
     loss_r, grads_r = _loss_and_grads(recomputed, tokens, positions, seed=7)
@@ -99,3 +103,15 @@ def test_dropout_on_cuda_replays_under_recompute(compiled):
     torch.testing.assert_close(loss_r, loss_p, rtol=0, atol=0)
     for name, grad in grads_p.items():
         torch.testing.assert_close(grads_r[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_compiled_stack_with_dropout_is_one_graph_and_reseeds():
+    """At tensor-parallel size 1 attention dropout is SDPA's own inside the graph (no break:
+    fullgraph), drawn from the default generator, so the same seed gives the same masks."""
+    model = _cuda_model(hidden_dropout=0.2, attention_dropout=0.2)
+    model.compile(fullgraph=True)
+    tokens, positions = _inputs()
+    first, second = (_loss_and_grads(model, tokens, positions, seed=7) for _ in range(2))
+    other = _loss_and_grads(model, tokens, positions, seed=8)
+    torch.testing.assert_close(second[0], first[0], rtol=0, atol=0)
+    assert not torch.equal(other[0], first[0])

@@ -234,30 +234,50 @@ class GPT2Model(nn.Module):
         """Regional compilation (torch.compile's arguments pass through), in place, so the
         state-dict keys stay: each transformer layer is compiled on its own, and since every
         layer runs the same code with its parameters as inputs, the compiled graphs serve them
-        all (compile time does not grow with depth). That is one graph per layer; off the
-        CPU, two around the eager attention of a layer with attention dropout (on the CPU its
-        masks are hashed in the graph: megatron.model.dropout). Embeddings and the output
-        layer stay eager (a lookup, one matmul). Off the CPU the loss is compiled too at
-        tensor-parallel size 1, where the logits hold the whole vocabulary: fused, its
-        passes over the [b, s, vocab] logits go from about eight to two (docs/benchmarks.md).
-        On the CPU mpu's cross entropy, which walks 16-bit logits in cache-sized chunks, is
-        as fast."""
+        all (compile time does not grow with depth). That is one graph per layer; two around
+        the eager attention of a layer with attention dropout at tensor-parallel size > 1 off
+        the CPU (the RNG tracker). Embeddings and the output layer stay eager (a lookup, one
+        matmul).
+
+        Off the CPU at tensor-parallel size 1 the loss is compiled too: fused, its passes over
+        the [b, s, vocab] logits go from about eight to two. On the CPU mpu's cross entropy,
+        which walks 16-bit logits in cache-sized chunks, is as fast. And on a lone GPU
+        (`compiles_whole_stack`) the stack of layers is one region instead: there a layer's
+        kernels take less time than the host spends entering a compiled region and launching
+        them, so per-layer regions leave the GPU waiting (docs/benchmarks.md)."""
+        on_cpu = next(self.parameters()).device.type == "cpu"
         if kwargs.get("fullgraph"):
             breaks = [why for why, present in (
                 ("attention dropout off the CPU runs eagerly under the model-parallel RNG "
-                 "tracker", self.config.attention_dropout > 0 and
-                 next(self.parameters()).device.type != "cpu"),
+                 "tracker", self.config.attention_dropout > 0 and not on_cpu and
+                 mpu.get_model_parallel_world_size() > 1),
                 ("the tensor-parallel all-reduces run between the compiled graphs",
                  mpu.get_model_parallel_world_size() > 1)) if present]
             if breaks:
                 raise ConfigError(f"torch.compile's fullgraph=True cannot compile this model's "
                                   f"layers whole: {'; '.join(breaks)}. Drop fullgraph from the "
                                   "compile kwargs")
-        for layer in self.language_model.transformer.layers:
-            layer.compile(*args, **kwargs)
-        if mpu.get_model_parallel_world_size() == 1 and \
-                next(self.parameters()).device.type != "cpu":
+        transformer = self.language_model.transformer
+        if self.compiles_whole_stack():
+            transformer.compile(*args, **kwargs)
+        else:
+            for layer in transformer.layers:
+                layer.compile(*args, **kwargs)
+        if mpu.get_model_parallel_world_size() == 1 and not on_cpu:
             self._compiled_loss = torch.compile(_full_vocabulary_cross_entropy, *args, **kwargs)
+
+    def compiles_whole_stack(self):
+        """Whether compile() makes the whole stack of layers one region (traced layer by
+        layer, so compile time grows with depth): off the CPU, with a single GPU's worth of
+        parallelism, where the model is one graph without breaks and no data-parallel
+        reduction waits on the backward of each layer (per-layer regions let buckets go while
+        earlier layers still run backward), and without activation checkpointing (whose
+        recompute runs per layer, outside the graph)."""
+        return (next(self.parameters()).device.type != "cpu"
+                and mpu.get_model_parallel_world_size() == 1
+                and mpu.get_pipeline_model_parallel_world_size() == 1
+                and mpu.get_data_parallel_world_size() == 1
+                and not self.config.checkpoint_activations)
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
         """Under pipeline parallelism a stage before the last returns its hidden states

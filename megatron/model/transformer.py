@@ -56,7 +56,7 @@ class ParallelSelfAttention(nn.Module):
             # CPU SDPA takes ~2x longer with a strided query; a decode step's is tiny.
             query = query.contiguous()
         dropout_p = self.attention_dropout if self.training else 0.0
-        if dropout_p > 0 and not masks_in_graph(query):
+        if dropout_p > 0 and not _attention_masks_in_graph(query):
             context = _attention_with_dropout(query, key, value, allowed_mask, is_causal,
                                               dropout_p)
         else:
@@ -67,13 +67,23 @@ class ParallelSelfAttention(nn.Module):
         return output
 
 
+def _attention_masks_in_graph(query):
+    """Whether attention dropout draws its masks inside the graph being compiled: on the CPU
+    hashed with a per-rank stream (megatron.model.dropout); off it at tensor-parallel size 1,
+    SDPA's own dropout from the default generator, which seeding, resume and recompute
+    restore. With one rank there are no per-rank streams to keep apart, so the tracker's
+    generator swap, which torch.compile cannot trace, is not needed."""
+    return masks_in_graph(query) or (torch.compiler.is_compiling()
+                                     and mpu.get_model_parallel_world_size() == 1)
+
+
 @torch.compiler.disable
 def _attention_with_dropout(query, key, value, allowed_mask, is_causal, dropout_p):
     """attention() under the model-parallel RNG tracker: each rank drops out its own heads,
     so it draws from a per-rank stream, not the replicated one. Eager even inside a compiled
-    layer off the CPU, since torch.compile cannot trace the tracker's swap of the generator
-    state (on the CPU a compiled layer hashes its masks in the graph instead, with a per-rank
-    stream: megatron.model.dropout)."""
+    layer off the CPU at tensor-parallel size > 1, since torch.compile cannot trace the
+    tracker's swap of the generator state (`_attention_masks_in_graph` says where it is not
+    needed)."""
     with mpu.get_cuda_rng_tracker().fork():
         return attention(query, key, value, allowed_mask, is_causal, dropout_p)
 

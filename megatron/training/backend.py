@@ -49,6 +49,14 @@ class Backend:
         return self.engine.compiled
 
     @property
+    def compiled_regions(self):
+        """What --compile made compiled regions of, in words (the log line's)."""
+        whole_stack = getattr(self.module, "compiles_whole_stack", None)
+        if whole_stack is None:
+            return "the whole module"
+        return "the stack of layers as one region" if whole_stack() else "each layer"
+
+    @property
     def compile_backend(self):
         return self.engine.config.compile.backend
 

@@ -36,7 +36,8 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
     window = {"loss": 0.0, "iters": 0, "start": time.perf_counter(), "grad_norm": None,
               "peak": peak}
     saved_at = None
-    compiling = _CompileWatch(backend.compile_backend) if backend.compiled else None
+    compiling = _CompileWatch(backend.compile_backend, backend.compiled_regions) \
+        if backend.compiled else None
     while state["iteration"] < training.train_iters:
         guards.before_iteration(state["iteration"] + 1)
         total, updated, grad_norm = backend.train_step(train_forward_step, iterator)
@@ -122,9 +123,9 @@ class _CompileWatch:
     and that time is kept out of the first log line's ms/iteration, as evaluation is. (The
     count is this rank's: a peer that compiles slower shows up here as waiting.)"""
 
-    def __init__(self, compile_backend):
+    def __init__(self, compile_backend, regions):
         from zero.compiler import compile_seconds
-        self.compile_backend = compile_backend
+        self.compile_backend, self.regions = compile_backend, regions
         self.start, self.compiled_before = time.perf_counter(), compile_seconds()
 
     def report(self, window, runtime):
@@ -135,11 +136,11 @@ class _CompileWatch:
                  "loads it") if self.compile_backend == "inductor" else ""
         if now is None or self.compiled_before is None:
             runtime.print0(f" compile: the first step took {step:.1f} s, compiling included"
-                           f"{where}")
+                           f" ({self.regions}){where}")
             return
         compiling = min(now - self.compiled_before, step)
         runtime.print0(f" compile: the first step took {step:.1f} s, {compiling:.1f} s of it "
-                       f"compiling ({self.compile_backend}{where})")
+                       f"compiling ({self.compile_backend}, {self.regions}{where})")
         window["start"] += compiling
 
 

@@ -185,12 +185,65 @@ def test_compile_keeps_the_state_dict_and_the_function():
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_fullgraph_compile_of_layers_that_must_break_is_a_config_error():
-    """Attention dropout breaks a compiled layer only off the CPU (there it runs eagerly
-    under the RNG tracker); on the CPU its masks are hashed inside the layer's one graph."""
+def test_fullgraph_compile_of_layers_that_must_break_is_a_config_error(monkeypatch):
+    """Attention dropout breaks a compiled layer only off the CPU at tensor-parallel size > 1
+    (there it runs eagerly under the RNG tracker); on the CPU its masks are hashed inside the
+    layer's one graph, at size 1 off the CPU they are SDPA's own."""
+    GPT2Model(tiny_config(attention_dropout=0.1)).to("meta").compile(fullgraph=True)
     model = GPT2Model(tiny_config(attention_dropout=0.1)).to("meta")
+    monkeypatch.setattr(mpu, "get_model_parallel_world_size", lambda: 2)
     with pytest.raises(ConfigError, match="attention dropout off the CPU runs eagerly"):
         model.compile(fullgraph=True)
+
+
+def _compiled_regions(model):
+    """The modules of `model` that nn.Module.compile compiled."""
+    return [name for name, module in model.named_modules()
+            if module._compiled_call_impl is not None]
+
+
+@pytest.mark.parametrize("where, regions", [
+    ("cpu", ["language_model.transformer.layers.0", "language_model.transformer.layers.1"]),
+    ("meta", ["language_model.transformer"]),  # a device other than the CPU
+    ("meta, two data-parallel ranks", ["language_model.transformer.layers.0",
+                                       "language_model.transformer.layers.1"]),
+    ("meta, activation checkpointing", ["language_model.transformer.layers.0",
+                                        "language_model.transformer.layers.1"]),
+])
+def test_the_stack_is_one_region_on_a_lone_gpu(where, regions, monkeypatch):
+    """compile() makes each layer a region, except off the CPU with one rank of every kind
+    and no recompute: there the stack of layers is one."""
+    config = tiny_config(checkpoint_activations="checkpointing" in where)
+    model = GPT2Model(config).to(where.split(",")[0])
+    if "data-parallel" in where:
+        monkeypatch.setattr(mpu, "get_data_parallel_world_size", lambda: 2)
+    model.compile()
+    assert _compiled_regions(model) == regions
+
+
+def test_the_stack_compiles_as_one_graph_with_dropout():
+    """The stack as one region traces whole, dropout included (fullgraph: no break), with
+    each layer's code traced once per layer; without dropout it computes what eager does."""
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    model = GPT2Model(tiny_config(attention_dropout=0.1, hidden_dropout=0.1))
+    model.language_model.transformer.compile(backend=recording_backend, fullgraph=True)
+    tokens, positions = _inputs()
+    model(tokens, positions, labels=tokens).mean().backward()
+    assert len(graphs) == 1
+    traced = [node.target for node in graphs[0].graph.nodes]
+    assert sum(target is torch.nn.functional.layer_norm for target in traced) == 2 * 2 + 1
+    torch.manual_seed(0)
+    eager = GPT2Model(tiny_config())
+    compiled = GPT2Model(tiny_config())
+    compiled.load_state_dict(eager.state_dict())
+    compiled.language_model.transformer.compile()
+    losses = [m(tokens, positions, labels=tokens).mean() for m in (eager, compiled)]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
 
 
 def test_cpu_layers_with_dropout_compile_whole():
