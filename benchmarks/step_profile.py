@@ -96,8 +96,11 @@ def profile_step(c, device, precision, compiled, warmup, steps, trace=None):
         synchronize(device)
     _export(prof, trace)
     events = prof.key_averages()
+    # a record_function range (Optimizer.step#AdamW.step) shows on the GPU's timeline too,
+    # spanning the kernels it launched: not GPU work of its own
     kernels = {e.key: e.self_device_time_total / 1000.0 / steps for e in events
-               if e.device_type == DeviceType.CUDA}
+               if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation",
+                                                                   False)}
     waits = {e.key: (e.count / steps, e.cpu_time_total / 1000.0 / steps) for e in events
              if e.key in SYNCS}
     return kernels, waits, wall_ms

@@ -115,3 +115,13 @@ def test_the_compiled_stack_with_dropout_is_one_graph_and_reseeds():
     other = _loss_and_grads(model, tokens, positions, seed=8)
     torch.testing.assert_close(second[0], first[0], rtol=0, atol=0)
     assert not torch.equal(other[0], first[0])
+
+
+def test_read_later_gives_the_value_of_queued_work():
+    from megatron.runtime.device import read_later
+    x = torch.randn(1024, 1024, device="cuda")
+    total = (x @ x).sum()
+    read = read_later(total)
+    for _ in range(3):
+        x = x @ x / 1024  # queued after the copy
+    assert read() == total.item()

@@ -36,6 +36,25 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def read_later(tensor):
+    """A function that returns `tensor`'s value (a Python number). On a GPU the copy to the
+    host starts now, queued after the work that computes it, and the function waits for that
+    copy only: unlike `.item()`, which waits for everything queued so far, it leaves the GPU
+    busy with the work queued after `tensor` while the host reads."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cuda":
+        return tensor.item
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read():
+        copied.synchronize()
+        return host.item()
+    return read
+
+
 def get_rng_state(device):
     """The device RNG state (None on CPU, whose state is torch.get_rng_state())."""
     if device.type == "cuda":

@@ -67,11 +67,12 @@ class ExitConditions:
         """None, or why every rank stops now (agreed by all ranks: one small all-reduce)."""
         minutes = (time.monotonic() - self.start_time) / 60.0
         # [Ctrl-C, SIGTERM received anywhere, longest run time]: MAX over all ranks.
-        flags = torch.tensor([float(self.interrupted), float(self.signal_received), minutes],
-                             dtype=torch.float64, device=self.device)
+        flags = [float(self.interrupted), float(self.signal_received), minutes]
         if dist.is_initialized() and dist.get_world_size() > 1:
+            flags = torch.tensor(flags, dtype=torch.float64, device=self.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        interrupted, terminated, longest = flags.tolist()  # one device sync
+            flags = flags.tolist()  # one device sync (alone, nothing to agree on: none)
+        interrupted, terminated, longest = flags
         if interrupted:
             if not self.interrupted:  # a rank the Ctrl-C did not reach
                 self.interrupted, self._interrupted_at = True, time.monotonic()

@@ -69,8 +69,9 @@ class Backend:
         """One global batch: per micro batch forward, backward (gradients reduced over data
         parallelism at the last one), then the optimizer step (unscale, skip on inf/nan,
         clip, step, loss-scale update) and the learning-rate schedule, in the engine.
-        Returns (summed micro-batch losses on this rank, update done, grad norm or None when
-        the step was skipped).
+        Returns (summed micro-batch losses on this rank, a device tensor: reading it waits
+        for the step, so the caller reads it when it needs the number; update done, grad norm
+        or None when the step was skipped).
 
         fp16 with a dynamic scale, before the run's first clean step: an overflow retries the
         same batches at the lowered scale instead of skipping them, so the run trains from
@@ -94,7 +95,7 @@ class Backend:
                        f"still overflowing after {retries} retries: the step was skipped")
             self.ctx.runtime.print0(f" fp16: the initial loss scale {_power_of_two(first_scale)} "
                                     f"overflowed on the first batch; {outcome}")
-        return total.item(), updated, engine.get_global_grad_norm() if updated else None
+        return total, updated, engine.get_global_grad_norm() if updated else None
 
     def _run_micro_batches(self, forward_step, batches, count):
         """Forward and backward of `count` micro batches and the step after the last; their

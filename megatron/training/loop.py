@@ -6,6 +6,10 @@ Data flow of one iteration (global batch G = micro batch b x data-parallel size 
         one also reduces the gradients over data parallelism) -> engine.step (acts at the
         last: unscale, skip on inf/nan, clip, Adam, learning-rate schedule)
     loss averaged over data parallelism for the log line
+
+The loss is read from the device one iteration late (`_LossReads`), so the host never waits for
+the GPU to finish a step before it starts the next; where the loop needs the number at once (a
+log line, evaluation, a checkpoint, the end) it reads it then.
 """
 
 import itertools
@@ -38,33 +42,41 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
     saved_at = None
     compiling = _CompileWatch(backend.compile_backend, backend.compiled_regions) \
         if backend.compiled else None
+    losses = _LossReads(guards)
     while state["iteration"] < training.train_iters:
         guards.before_iteration(state["iteration"] + 1)
         total, updated, grad_norm = backend.train_step(train_forward_step, iterator)
         if compiling is not None:  # this run's first step: it compiled the model
             compiling.report(window, runtime)
             compiling = None
-        loss = _average_over_data_parallel(total / training.num_micro_batches, runtime.device)
         state["iteration"] += 1
         state["consumed_train_samples"] += training.global_batch_size
         state["skipped_iters"] += 0 if updated else 1
-        window["loss"] += loss
         window["iters"] += 1
         window["grad_norm"] = grad_norm
         iteration = state["iteration"]
-        if iteration % config.logging.log_interval == 0 or iteration == training.train_iters:
+        losses.add(iteration, _mean_over_data_parallel(total / training.num_micro_batches))
+        logging = iteration % config.logging.log_interval == 0 or \
+            iteration == training.train_iters
+        evaluating = datasets[1] is not None and training.eval_iters > 0 and \
+            iteration % training.eval_interval == 0 and iteration != training.train_iters
+        exiting = training.exit_interval and iteration % training.exit_interval == 0
+        saving = checkpoint.save and (iteration % checkpoint.save_interval == 0 or exiting)
+        window["loss"] += losses.read(keep_newest=not (logging or evaluating or exiting
+                                                       or saving))
+        if logging:
             _log_window(window, state, backend, flops_per_sample, ctx, logger)
-        guards.after_iteration(iteration, loss)  # counts NaN losses; stops a long streak
-        if datasets[1] is not None and training.eval_iters > 0 and \
-                iteration % training.eval_interval == 0 and iteration != training.train_iters:
+        losses.observe()  # the NaN guard: counts NaN losses, stops a long streak
+        if evaluating:
             eval_start = time.perf_counter()
             logger.log_eval(iteration, "valid",
                             evaluate(forward_step_func, backend, datasets[1], ctx))
             window["start"] += time.perf_counter() - eval_start  # keep eval out of ms/iter
-        exiting = training.exit_interval and iteration % training.exit_interval == 0
         stop_reason = guards.stop_reason()  # SIGTERM or time limit, agreed by all ranks
-        if checkpoint.save and (iteration % checkpoint.save_interval == 0 or exiting
-                                or stop_reason):
+        if stop_reason:
+            window["loss"] += losses.read(keep_newest=False)
+            losses.observe()
+        if saving or (checkpoint.save and stop_reason):
             backend.save(iteration, state)
             saved_at = iteration
         if exiting:
@@ -104,11 +116,45 @@ def _data_iterator(dataset, consumed_samples, ctx):
 
 
 def _average_over_data_parallel(value, device):
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    return _mean_over_data_parallel(torch.tensor(value, dtype=torch.float64,
+                                                 device=device)).item()
+
+
+def _mean_over_data_parallel(tensor):
+    """The mean of a 0-dim tensor over the data-parallel ranks, in fp64, on its device."""
+    tensor = tensor.double()
     if mpu.get_data_parallel_world_size() > 1:
         dist.all_reduce(tensor, group=mpu.get_data_parallel_group())
         tensor /= mpu.get_data_parallel_world_size()
-    return tensor.item()
+    return tensor
+
+
+class _LossReads:
+    """Each iteration's loss (the data-parallel mean) on its way from the device: `add` starts
+    its copy to the host, `read` takes the numbers of the iterations added so far (all but the
+    newest, with keep_newest: that one is still being computed, and waiting for it would leave
+    the GPU idle while the host starts the next iteration), `observe` shows the numbers read
+    to the NaN guard, in order. Every rank reads the same iterations, so every rank's guard
+    stops at the same one."""
+
+    def __init__(self, guards):
+        self.guards, self.pending, self.read_ = guards, [], []
+
+    def add(self, iteration, loss):
+        self.pending.append((iteration, device_mod.read_later(loss)))
+
+    def read(self, keep_newest):
+        """The sum of the losses read now."""
+        ready = self.pending[:-1] if keep_newest else self.pending
+        self.pending = self.pending[len(ready):]
+        values = [(iteration, read()) for iteration, read in ready]
+        self.read_ += values
+        return sum(value for _, value in values)
+
+    def observe(self):
+        read, self.read_ = self.read_, []
+        for iteration, value in read:
+            self.guards.after_iteration(iteration, value)
 
 
 def _flops_per_sample(ctx):
