@@ -7,8 +7,8 @@ each, in fp32 and in bf16, in one run. Each trainer runs in its own process, as 
 run it (ours started as the launch scripts start training, so its engine keeps freed host
 memory; one more row shows ours started without that), and the trainers take turns (round
 robin) so drift of the machine hits all of them alike. Compiled means: ours with
---compile (each transformer layer), the peers with torch.compile of the whole model, as their
-users would; compiling happens in the warm-up.
+--compile (each transformer layer; on a lone GPU the stack of layers), the peers with
+torch.compile of the whole model, as their users would; compiling happens in the warm-up.
 Prints a markdown table (tokens/s, MFU against the matmul peak measured in the same run,
 ratios); with --write-docs it also rewrites its section of docs/benchmarks.md.
 
@@ -198,8 +198,8 @@ def ours_runner(c, device, precision, compiled, dropout):
 
 
 DROPOUT_NOTE = (" (on the embeddings, the attention probabilities and the residual branches, "
-                "for every trainer; ours compiled hashes its masks inside the compiled layers, "
-                "megatron/model/dropout.py)")
+                "for every trainer; ours compiled draws its masks inside the compiled graphs: "
+                "hashed on the CPU, megatron/model/dropout.py)")
 
 RUNNERS = {"ours": ours_runner, "plain PyTorch": plain_runner,
            "HF GPT2LMHeadModel": hf_runner}

@@ -272,7 +272,9 @@ class GPT2Model(nn.Module):
         parallelism, where the model is one graph without breaks and no data-parallel
         reduction waits on the backward of each layer (per-layer regions let buckets go while
         earlier layers still run backward), and without activation checkpointing (whose
-        recompute runs per layer, outside the graph)."""
+        recompute runs per layer, outside the graph). One trade-off remains: ZeRO's gradient
+        hooks (and with optimizer offload their copies to the host) then run after the whole
+        stack's backward instead of layer by layer."""
         return (next(self.parameters()).device.type != "cpu"
                 and mpu.get_model_parallel_world_size() == 1
                 and mpu.get_pipeline_model_parallel_world_size() == 1

@@ -10,7 +10,10 @@
   clock is read, the maximum wins), so no rank waits in a collective for one that already left.
 - `--max-nan-iterations N`: an iteration whose loss is NaN/inf is skipped (the optimizer skips
   non-finite gradients) and counted; N in a row stop training with a clear message instead of
-  burning the allocation.
+  burning the allocation. The count sees each loss when the loop reads it: at once on an
+  iteration that logs, evaluates, saves or exits, otherwise after the next iteration's step
+  (megatron/training/loop.py), so between those the stop comes one (skipped) step later; no
+  checkpoint is written in between.
 - A collective that fails (a rank died, or hung past --distributed-timeout-minutes) becomes
   a TrainingError naming the iteration, the timeout and the checkpoint to resume from.
 """

@@ -7,9 +7,11 @@ Data flow of one iteration (global batch G = micro batch b x data-parallel size 
         last: unscale, skip on inf/nan, clip, Adam, learning-rate schedule)
     loss averaged over data parallelism for the log line
 
-The loss is read from the device one iteration late (`_LossReads`), so the host never waits for
-the GPU to finish a step before it starts the next; where the loop needs the number at once (a
-log line, evaluation, a checkpoint, the end) it reads it then.
+The loss is read from the device one iteration late (`_LossReads`), so the host does not wait
+for a step's optimizer kernels before it starts the next step (the grad-norm read before the
+optimizer still waits for backward, and with several ranks so does the exit check's
+all-reduce); where the loop needs the number at once (a log line, evaluation, a checkpoint,
+the end) it reads it then.
 """
 
 import itertools
@@ -55,7 +57,8 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
         window["iters"] += 1
         window["grad_norm"] = grad_norm
         iteration = state["iteration"]
-        losses.add(iteration, _mean_over_data_parallel(total / training.num_micro_batches))
+        losses.add(iteration,
+                   _mean_over_data_parallel(total.double() / training.num_micro_batches))
         logging = iteration % config.logging.log_interval == 0 or \
             iteration == training.train_iters
         evaluating = datasets[1] is not None and training.eval_iters > 0 and \
