@@ -50,6 +50,9 @@ class GPTConfig:
     # the transformer's linears as tile grids (megatron/model/tiling.py)
     memory_centric_tiled_linear: bool = False
     tile_factor: int = 1
+    # the training engine takes each layer's gradients as backward produces them (ZeRO
+    # stages 1-3 partition, reduce or offload them), so compile() keeps a region per layer
+    gradients_per_layer: bool = False
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -269,16 +272,17 @@ class GPT2Model(nn.Module):
     def compiles_whole_stack(self):
         """Whether compile() makes the whole stack of layers one region (traced layer by
         layer, so compile time grows with depth): off the CPU, with a single GPU's worth of
-        parallelism, where the model is one graph without breaks and no data-parallel
-        reduction waits on the backward of each layer (per-layer regions let buckets go while
-        earlier layers still run backward), and without activation checkpointing (whose
-        recompute runs per layer, outside the graph). One trade-off remains: ZeRO's gradient
-        hooks (and with optimizer offload their copies to the host) then run after the whole
-        stack's backward instead of layer by layer."""
+        parallelism, where the model is one graph without breaks; when nothing takes the
+        gradients layer by layer (data-parallel buckets that go while earlier layers still
+        run backward; ZeRO's partitioned or offloaded gradients, `gradients_per_layer`: one
+        region would hold every layer's gradients at once at the end of its backward); and
+        without activation checkpointing (whose recompute runs per layer, outside the
+        graph)."""
         return (next(self.parameters()).device.type != "cpu"
                 and mpu.get_model_parallel_world_size() == 1
                 and mpu.get_pipeline_model_parallel_world_size() == 1
                 and mpu.get_data_parallel_world_size() == 1
+                and not self.config.gradients_per_layer
                 and not self.config.checkpoint_activations)
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None):

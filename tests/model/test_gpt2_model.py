@@ -209,11 +209,15 @@ def _compiled_regions(model):
                                        "language_model.transformer.layers.1"]),
     ("meta, activation checkpointing", ["language_model.transformer.layers.0",
                                         "language_model.transformer.layers.1"]),
+    ("meta, gradients per layer", ["language_model.transformer.layers.0",
+                                   "language_model.transformer.layers.1"]),
 ])
 def test_the_stack_is_one_region_on_a_lone_gpu(where, regions, monkeypatch):
-    """compile() makes each layer a region, except off the CPU with one rank of every kind
-    and no recompute: there the stack of layers is one."""
-    config = tiny_config(checkpoint_activations="checkpointing" in where)
+    """compile() makes each layer a region, except off the CPU with one rank of every kind,
+    no recompute and no engine taking gradients layer by layer (ZeRO stages 1-3): there the
+    stack of layers is one."""
+    config = tiny_config(checkpoint_activations="checkpointing" in where,
+                         gradients_per_layer="gradients" in where)
     model = GPT2Model(config).to(where.split(",")[0])
     if "data-parallel" in where:
         monkeypatch.setattr(mpu, "get_data_parallel_world_size", lambda: 2)

@@ -235,6 +235,17 @@ def test_flags_override_the_config_and_fill_its_batch_sizes(tmp_path):
     assert spelled.engine.ds_config.zero_optimization.contiguous_gradients is True
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_the_model_knows_when_the_engine_takes_gradients_per_layer(tmp_path, stage):
+    """ZeRO stages 1-3 take each layer's gradients as backward produces them, so --compile
+    keeps a region per layer (GPT2Model.compiles_whole_stack)."""
+    from megatron.training.pretrain import model_config
+    config = write_config(tmp_path, zero_optimization={"stage": stage})
+    parsed = parse("--deepspeed", "--deepspeed_config", config)
+    assert model_config(parsed, 1000).gradients_per_layer == (stage > 0)
+    assert model_config(parse(), 1000).gradients_per_layer is False  # the Megatron flags
+
+
 def test_global_batch_comes_from_the_config_when_not_given(tmp_path):
     config = write_config(tmp_path, train_batch_size=24, train_micro_batch_size_per_gpu=4)
     parsed = parse("--deepspeed", "--deepspeed_config", config, world_size=2)
