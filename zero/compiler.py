@@ -1,7 +1,8 @@
 """The DeepSpeed JSON's "compile" section: torch.compile of the engine's module, in place.
 
 A module with a `compile` method of its own decides what is compiled (the GPT-2 model
-compiles each transformer layer, or on a lone GPU its stack of layers as one region); any
+compiles each transformer layer, or on a lone GPU at stage 0 or 1 without offload its stack
+of layers as one region); any
 other module is compiled whole by
 nn.Module.compile. Either way parameter names and state-dict keys do not change. Compiling
 happens at the first forward and backward; inductor caches what it builds on disk

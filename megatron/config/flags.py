@@ -95,7 +95,8 @@ def _training(parser):
     g.add_argument("--checkpoint-num-layers", type=int, default=1)
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer layer (the layers share the "
-                        "compiled code; on a lone GPU the stack of layers as one region); "
+                        "compiled code; on a lone GPU at ZeRO stage 0 or 1 without "
+                        "offload or recompute, the stack of layers as one region); "
                         "under --deepspeed the same as the config's "
                         "\"compile\": {\"enabled\": true}")
     g.add_argument("--seed", type=int, default=1234)

@@ -50,8 +50,8 @@ class GPTConfig:
     # the transformer's linears as tile grids (megatron/model/tiling.py)
     memory_centric_tiled_linear: bool = False
     tile_factor: int = 1
-    # the training engine takes each layer's gradients as backward produces them (ZeRO
-    # stages 1-3 partition, reduce or offload them), so compile() keeps a region per layer
+    # the training engine frees or offloads each layer's gradients during backward (ZeRO
+    # stage 2, optimizer offload), so compile() keeps a region per layer
     gradients_per_layer: bool = False
 
     def __post_init__(self):
@@ -244,10 +244,11 @@ class GPT2Model(nn.Module):
 
         Off the CPU at tensor-parallel size 1 the loss is compiled too: fused, its passes over
         the [b, s, vocab] logits go from about eight to two. On the CPU mpu's cross entropy,
-        which walks 16-bit logits in cache-sized chunks, is as fast. And on a lone GPU
-        (`compiles_whole_stack`) the stack of layers is one region instead: there a layer's
-        kernels take less time than the host spends entering a compiled region and launching
-        them, so per-layer regions leave the GPU waiting (docs/benchmarks.md)."""
+        which walks 16-bit logits in cache-sized chunks, is as fast. And on a lone GPU without
+        recompute or ZeRO's per-layer gradient handling (`compiles_whole_stack`) the stack of
+        layers is one region instead: there a layer's kernels take less time than the host
+        spends entering a compiled region and launching them, so per-layer regions leave the
+        GPU waiting (docs/benchmarks.md)."""
         on_cpu = next(self.parameters()).device.type == "cpu"
         if kwargs.get("fullgraph"):
             breaks = [why for why, present in (
@@ -271,13 +272,16 @@ class GPT2Model(nn.Module):
 
     def compiles_whole_stack(self):
         """Whether compile() makes the whole stack of layers one region (traced layer by
-        layer, so compile time grows with depth): off the CPU, with a single GPU's worth of
-        parallelism, where the model is one graph without breaks; when nothing takes the
-        gradients layer by layer (data-parallel buckets that go while earlier layers still
-        run backward; ZeRO's partitioned or offloaded gradients, `gradients_per_layer`: one
-        region would hold every layer's gradients at once at the end of its backward); and
-        without activation checkpointing (whose recompute runs per layer, outside the
-        graph)."""
+        layer, so compile time grows with depth). It does when all of these hold:
+
+        - off the CPU (there a layer's work takes far longer than entering its region, so
+          regions per layer, sharing one compile, cost nothing);
+        - tensor-, pipeline- and data-parallel size 1: the model is one graph without
+          breaks, and no data-parallel bucket waits to go while earlier layers still run
+          backward;
+        - not `gradients_per_layer`: the engine frees or offloads each layer's gradients
+          during backward, where one region hands them all out at its end;
+        - no activation checkpointing, whose recompute runs per layer, outside the graph."""
         return (next(self.parameters()).device.type != "cpu"
                 and mpu.get_model_parallel_world_size() == 1
                 and mpu.get_pipeline_model_parallel_world_size() == 1

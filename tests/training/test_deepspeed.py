@@ -235,14 +235,17 @@ def test_flags_override_the_config_and_fill_its_batch_sizes(tmp_path):
     assert spelled.engine.ds_config.zero_optimization.contiguous_gradients is True
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_the_model_knows_when_the_engine_takes_gradients_per_layer(tmp_path, stage):
-    """ZeRO stages 1-3 take each layer's gradients as backward produces them, so --compile
-    keeps a region per layer (GPT2Model.compiles_whole_stack)."""
+@pytest.mark.parametrize("stage, offload, per_layer", [
+    (0, False, False), (1, False, False), (1, True, True), (2, False, True), (3, False, True)])
+def test_the_model_knows_when_the_engine_takes_gradients_per_layer(tmp_path, stage, offload,
+                                                                   per_layer):
+    """ZeRO stage 2 and optimizer offload free or move each layer's gradients during
+    backward, so --compile keeps a region per layer (GPT2Model.compiles_whole_stack)."""
     from megatron.training.pretrain import model_config
-    config = write_config(tmp_path, zero_optimization={"stage": stage})
+    zero = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+    config = write_config(tmp_path, zero_optimization=zero)
     parsed = parse("--deepspeed", "--deepspeed_config", config)
-    assert model_config(parsed, 1000).gradients_per_layer == (stage > 0)
+    assert model_config(parsed, 1000).gradients_per_layer is per_layer
     assert model_config(parse(), 1000).gradients_per_layer is False  # the Megatron flags
 
 
