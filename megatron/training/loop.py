@@ -141,7 +141,7 @@ class _LossReads:
     stops at the same one."""
 
     def __init__(self, guards):
-        self.guards, self.pending, self.read_ = guards, [], []
+        self.guards, self.pending, self.unobserved = guards, [], []
 
     def add(self, iteration, loss):
         self.pending.append((iteration, device_mod.read_later(loss)))
@@ -151,12 +151,12 @@ class _LossReads:
         ready = self.pending[:-1] if keep_newest else self.pending
         self.pending = self.pending[len(ready):]
         values = [(iteration, read()) for iteration, read in ready]
-        self.read_ += values
+        self.unobserved += values
         return sum(value for _, value in values)
 
     def observe(self):
-        read, self.read_ = self.read_, []
-        for iteration, value in read:
+        values, self.unobserved = self.unobserved, []
+        for iteration, value in values:
             self.guards.after_iteration(iteration, value)
 
 

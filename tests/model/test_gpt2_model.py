@@ -214,8 +214,8 @@ def _compiled_regions(model):
 ])
 def test_the_stack_is_one_region_on_a_lone_gpu(where, regions, monkeypatch):
     """compile() makes each layer a region, except off the CPU with one rank of every kind,
-    no recompute and no engine taking gradients layer by layer (ZeRO stages 1-3): there the
-    stack of layers is one."""
+    no recompute and no engine freeing or offloading gradients layer by layer (ZeRO stage
+    2-3, optimizer offload): there the stack of layers is one."""
     config = tiny_config(checkpoint_activations="checkpointing" in where,
                          gradients_per_layer="gradients" in where)
     model = GPT2Model(config).to(where.split(",")[0])
