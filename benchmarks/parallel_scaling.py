@@ -8,7 +8,8 @@ pretrain() builds) in several layouts (gloo, one torch thread per process unless
     stage 2 (--deepspeed); TP=1 DP=1, TP=2, DP=2 and ZeRO-2 DP=2 again with --compile
 
 For each layout: median ms per iteration and tokens/s after warm-up; the time split into
-compute, tensor-parallel all-reduces (synchronous, timed around each call) and the wait for
+compute, tensor-parallel all-reduces (synchronous, timed around each call of an eager layer;
+a compiled layer holds them in its graph) and the wait for
 the data-parallel gradient all-reduce (local only: torch's DDP waits inside backward);
 the bytes each rank sent per iteration, measured from the kernel's count of bytes the process
 wrote (/proc/self/io `wchar`: gloo sends with writev on TCP sockets), against the analytic
@@ -76,16 +77,20 @@ def _bytes_written():
 
 
 class _TensorParallelTimer:
-    """Wraps dist.all_reduce to time and count the synchronous tensor-parallel calls."""
+    """Wraps dist.all_reduce to time and count the synchronous tensor-parallel calls of eager
+    layers. Compiled layers trace their all-reduces into the graph (dynamo turns them into
+    functional collectives), where no Python wrapper runs, and a wrapper dynamo cannot trace
+    would break the graph the user gets: those layouts are not wrapped (`active` False)."""
 
     def __init__(self, group, active):
         self.group, self.active = group, active
         self.seconds, self.payload_bytes = 0.0, 0
-        self._all_reduce = dist.all_reduce
-        dist.all_reduce = self._timed  # mpu looks dist.all_reduce up at call time
+        if active:
+            self._all_reduce = dist.all_reduce
+            dist.all_reduce = self._timed  # mpu looks dist.all_reduce up at call time
 
     def _timed(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if not (self.active and group is self.group and not async_op):
+        if not (group is self.group and not async_op):
             return self._all_reduce(tensor, op=op, group=group, async_op=async_op)
         start = time.perf_counter()
         result = self._all_reduce(tensor, op=op, group=group, async_op=async_op)
@@ -142,7 +147,8 @@ def _measure(tp, impl, bucket_mb, extra, config, world_size):
     backend, batches, numel, micro_batch = _build(config, tp, impl, bucket_mb, extra,
                                                   world_size)
     dp_stats = backend.engine.optimizer.dp_comm.stats
-    tp_timer = _TensorParallelTimer(mpu.get_model_parallel_group(), active=tp > 1)
+    tp_timer = _TensorParallelTimer(mpu.get_model_parallel_group(),
+                                    active=tp > 1 and not _compiled(extra))
     records = []
     for step in range(config["warmup"] + config["steps"]):
         dp_stats.reset()
@@ -160,6 +166,10 @@ def _measure(tp, impl, bucket_mb, extra, config, world_size):
                                 dp_payload=dp_payload, tp_payload=tp_timer.payload_bytes))
     return dict(records=records, numel=numel, micro_batch=micro_batch,
                 dp=mpu.get_data_parallel_world_size())
+
+
+def _compiled(extra):
+    return "--compile" in extra
 
 
 def run_layout(layout, config, port):
@@ -185,7 +195,7 @@ def analytic_bytes(config, tp, dp, numel, micro_batch):
 
 def summarize(layout, config, per_rank):
     """Medians over the measured steps of every round; bytes from the rank sending most."""
-    label, procs, tp, impl, _, threads, _ = layout
+    label, procs, tp, impl, _, threads, extra = layout
     records = [r for rank in per_rank for r in rank["records"]]
     rank0 = per_rank[0]["records"]
 
@@ -200,7 +210,8 @@ def summarize(layout, config, per_rank):
                 tokens_per_s=config["global_batch"] * config["seq_length"] / seconds,
                 compute=seconds - med("tp_seconds") - med("dp_wait"),
                 tp_seconds=med("tp_seconds"), dp_wait=med("dp_wait"),
-                dp_wait_known=impl == "local", sent=sent,
+                dp_wait_known=impl == "local", tp_timed=tp == 1 or not _compiled(extra),
+                sent=sent,
                 dp_counted=med("dp_payload", records), tp_counted=med("tp_payload", records),
                 dp_payload=dp_payload, tp_payload=tp_payload, ring=ring)
 
@@ -218,12 +229,14 @@ def table_rows(summaries):
             s["label"], f"{s['procs']} x {s['threads']}", f"{s['seconds'] * 1000:.0f}",
             f"{s['tokens_per_s']:,.0f}", f"{s['tokens_per_s'] / base:.2f}x",
             f"{s['cpu'] * 1000:.0f}",
-            f"{s['compute'] * 1000:.0f}", f"{s['tp_seconds'] * 1000:.1f}",
+            f"{s['compute'] * 1000:.0f}",
+            f"{s['tp_seconds'] * 1000:.1f}" if s["tp_timed"] else "in graph",
             f"{s['dp_wait'] * 1000:.1f}" if s["dp_wait_known"] else "in backward",
             # torch DDP reduces in its own hooks: the engine counts nothing there
             f"{_mib(s['dp_counted']) if s['dp_wait_known'] else 'in DDP'} / "
             f"{_mib(s['dp_payload'])}",
-            f"{_mib(s['tp_counted'])} / {_mib(s['tp_payload'])}",
+            f"{_mib(s['tp_counted']) if s['tp_timed'] else 'in graph'} / "
+            f"{_mib(s['tp_payload'])}",
             _mib(s["sent"]), _mib(s["ring"]), ratio])
     return rows
 
@@ -284,8 +297,10 @@ def main():
             "around each call on the tensor-parallel group); the DP wait is the time the zero "
             "engine blocks on its gradient reduction after backward (stage 0: all-reduces; "
             "ZeRO-2: each partition reduced to its owner), i.e. the part backward did not hide. "
-            "--compile layouts compile each transformer layer; the TP all-reduces "
-            "stay outside the compiled graphs (graph breaks), so they are timed the same way. "
+            "--compile layouts compile each transformer layer as one graph, its TP "
+            "all-reduces included (dynamo traces them as functional collectives), so at TP=2 "
+            "they are neither timed nor counted ('in graph': their time is in the compute "
+            "column, their bytes in the measured column). "
             "Payloads: counted by the engine's data-parallel "
             "`Communicator` (DP; its flat buckets include a little alignment padding) and a "
             "wrapper around `dist.all_reduce` (TP) "

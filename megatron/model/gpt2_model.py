@@ -239,8 +239,9 @@ class GPT2Model(nn.Module):
         layer runs the same code with its parameters as inputs, the compiled graphs serve them
         all (compile time does not grow with depth). That is one graph per layer; two around
         the eager attention of a layer with attention dropout at tensor-parallel size > 1 off
-        the CPU (the RNG tracker). Embeddings and the output layer stay eager (a lookup, one
-        matmul).
+        the CPU (the RNG tracker). The tensor-parallel all-reduces are in the graph: dynamo
+        traces them as functional collectives. Embeddings and the output layer stay eager (a
+        lookup, one matmul).
 
         Off the CPU at tensor-parallel size 1 the loss is compiled too: fused, its passes over
         the [b, s, vocab] logits go from about eight to two. On the CPU mpu's cross entropy,
@@ -250,17 +251,12 @@ class GPT2Model(nn.Module):
         spends entering a compiled region and launching them, so per-layer regions leave the
         GPU waiting (docs/benchmarks.md)."""
         on_cpu = next(self.parameters()).device.type == "cpu"
-        if kwargs.get("fullgraph"):
-            breaks = [why for why, present in (
-                ("attention dropout off the CPU runs eagerly under the model-parallel RNG "
-                 "tracker", self.config.attention_dropout > 0 and not on_cpu and
-                 mpu.get_model_parallel_world_size() > 1),
-                ("the tensor-parallel all-reduces run between the compiled graphs",
-                 mpu.get_model_parallel_world_size() > 1)) if present]
-            if breaks:
-                raise ConfigError(f"torch.compile's fullgraph=True cannot compile this model's "
-                                  f"layers whole: {'; '.join(breaks)}. Drop fullgraph from the "
-                                  "compile kwargs")
+        if kwargs.get("fullgraph") and self.config.attention_dropout > 0 and not on_cpu \
+                and mpu.get_model_parallel_world_size() > 1:
+            raise ConfigError("torch.compile's fullgraph=True cannot compile this model's layers "
+                              "whole: attention dropout off the CPU at tensor-parallel size > 1 "
+                              "runs eagerly under the model-parallel RNG tracker. Drop fullgraph "
+                              "from the compile kwargs")
         transformer = self.language_model.transformer
         if self.compiles_whole_stack():
             transformer.compile(*args, **kwargs)

@@ -100,6 +100,10 @@ def reduce_from_model_parallel_region(input_):
     """All-reduce over the tensor-parallel group.  Reduces `input_` in place (mark_dirty)."""
     if get_model_parallel_world_size() == 1:
         return input_
+    if not torch.is_grad_enabled():
+        # No graph to record (evaluation, generation). Also the only way torch.compile traces
+        # it there: dynamo handles mark_dirty only when apply() records a backward.
+        return _all_reduce_(input_)
     return _ReduceFromModelParallelRegion.apply(input_)
 
 
