@@ -124,6 +124,19 @@ def test_single_process_without_accumulation_matches():
         assert _relative_error(cases.train_steps(engine, 8), reference) < 1e-5
 
 
+def test_stage_0_on_one_rank_reduces_after_backward_without_hooks(reference_losses):
+    """One data-parallel rank at stage 0 has no reduction to overlap with backward: no hook
+    per parameter, and the gradients still accumulate over the micro-steps (gas 2) into the
+    flat buffer, in bf16 as in fp32. Stages 1 and 2 keep theirs."""
+    engine = cases.make_engine(cases.ds_config(0))
+    assert engine.optimizer._hooks == []
+    assert _relative_error(cases.train_steps(engine, STEPS), reference_losses) < 1e-5
+    engine = cases.make_engine(cases.ds_config(0, precision="bf16"))
+    assert _relative_error(cases.train_steps(engine, 10), reference_losses[:10]) < 1e-2
+    for stage in (1, 2):
+        assert cases.make_engine(cases.ds_config(stage)).optimizer._hooks
+
+
 def test_bf16_and_fp16_track_fp32_training(reference_losses):
     for precision in ("bf16", "fp16"):
         engine = cases.make_engine(cases.ds_config(2, precision=precision))

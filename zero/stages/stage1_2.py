@@ -5,7 +5,8 @@ Each param group lives in one flat buffer cut into buckets whose chunk n belongs
 optimizer state of its partition only.
 
 - stage 0: one partition. Gradients accumulate in a flat gradient buffer (`param.grad` are
-  views of it) and are all-reduced bucket by bucket during the last micro-step's backward.
+  views of it) and are all-reduced bucket by bucket during the last micro-step's backward
+  (with one data-parallel rank: after it, without per-parameter hooks).
 - stage 1: gradients accumulate locally in the flat gradient buffer; during the last
   micro-step's backward each bucket is reduce-scattered as soon as all its params are done.
 - stage 2: no full gradient buffer. Every micro-step each finished gradient is copied into its
@@ -79,11 +80,20 @@ class ZeroOptimizer(PartitionedOptimizer):
         self._launch_order = self._bucket_launch_order(param_order)
         self._hooks = [param.register_post_accumulate_grad_hook(partial(self._grad_ready, g, i))
                        for g, group in enumerate(self.groups)
-                       for i, param in enumerate(group.params)]
+                       for i, param in enumerate(group.params)] if self._reduces_in_backward() \
+            else []
         self._reducing, self._fresh_partition_grads = False, True
         self._reset_micro_step()
 
     # ----- construction -----
+
+    def _reduces_in_backward(self):
+        """Whether a hook on every parameter follows backward. Stage 0 with one data-parallel
+        rank has no reduction to overlap with it: the gradients accumulate in place in the
+        flat buffer (`param.grad` are views of it) and _finish_reduction handles the buckets
+        after backward, which spares a Python call per parameter (host time a fast GPU waits
+        for)."""
+        return self.settings.stage > 0 or self.dp_comm.world_size > 1
 
     def _averaging_factors(self):
         """(pre, post): grads are multiplied by `pre` before the sum over ranks, `post` after."""
@@ -173,18 +183,23 @@ class ZeroOptimizer(PartitionedOptimizer):
         self._reducing = (reduce_gradients and not self.settings.external_reduction) \
             or self.settings.stage == 2
         if self.settings.stage < 2:
-            for group in self.groups:  # the user may have set grads to None (zero_grad)
-                for i in range(len(group.params)):
-                    group.adopt_grad(i)
+            self._adopt_grads()  # the user may have set grads to None (zero_grad)
         scaled = loss * self.cur_scale if self.loss_scaler is not None and grad is None \
             else loss
         try:
             scaled.backward(grad)
+            if not self._hooks:
+                self._adopt_grads()  # what the hooks would have done
             if self._reducing:
                 self._finish_reduction()
         finally:
             self._reducing = False
             self._reset_micro_step()
+
+    def _adopt_grads(self):
+        for group in self.groups:
+            for i in range(len(group.params)):
+                group.adopt_grad(i)
 
     def _grad_ready(self, g, i, param):
         group = self.groups[g]
