@@ -113,8 +113,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._check_supported_features()
         self.global_steps = self.global_samples = self.skipped_steps = self.micro_steps = 0
         self.device = self._place_module()
-        self.compiled = compile_module(self.module, self.config.compile,
-                                       self.config.zero_optimization.stage, self.global_rank)
+        self.compiled = compile_module(self.module, self.config, self.global_rank)
         self._tune_host_allocator()
         self.optimizer = build_zero_optimizer(self, self._base_optimizer(optimizer,
                                                                          model_parameters),

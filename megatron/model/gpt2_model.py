@@ -50,9 +50,6 @@ class GPTConfig:
     # the transformer's linears as tile grids (megatron/model/tiling.py)
     memory_centric_tiled_linear: bool = False
     tile_factor: int = 1
-    # the training engine frees or offloads each layer's gradients during backward (ZeRO
-    # stage 2, optimizer offload), so compile() keeps a region per layer
-    gradients_per_layer: bool = False
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -200,6 +197,7 @@ class GPT2Model(nn.Module):
         # layer (megatron/pipeline/tied_embeddings.py keeps it in step; not a parameter).
         self._input_tensor = None
         self._compiled_loss = None  # compile(): the loss as one compiled graph, where it pays
+        self.compiled_regions = None  # compile(): what it made compiled regions of, in words
         self.tied_head_weight = None
 
     def set_input_tensor(self, tensor):
@@ -233,7 +231,7 @@ class GPT2Model(nn.Module):
                                "megatron.pipeline.tied_embeddings must set it up first")
         return self.tied_head_weight
 
-    def compile(self, *args, **kwargs):
+    def compile(self, *args, gradients_per_layer=False, **kwargs):
         """Regional compilation (torch.compile's arguments pass through), in place, so the
         state-dict keys stay: each transformer layer is compiled on its own, and since every
         layer runs the same code with its parameters as inputs, the compiled graphs serve them
@@ -246,10 +244,11 @@ class GPT2Model(nn.Module):
         Off the CPU at tensor-parallel size 1 the loss is compiled too: fused, its passes over
         the [b, s, vocab] logits go from about eight to two. On the CPU mpu's cross entropy,
         which walks 16-bit logits in cache-sized chunks, is as fast. And on a lone GPU without
-        recompute or ZeRO's per-layer gradient handling (`compiles_whole_stack`) the stack of
-        layers is one region instead: there a layer's kernels take less time than the host
-        spends entering a compiled region and launching them, so per-layer regions leave the
-        GPU waiting (docs/benchmarks.md)."""
+        recompute, where the training engine does not take `gradients_per_layer`
+        (`compiles_whole_stack`), the stack of layers is one region instead: there a layer's
+        kernels take less time than the host spends entering a compiled region and launching
+        them, so per-layer regions leave the GPU waiting (docs/benchmarks.md). The zero
+        engine passes `gradients_per_layer` (zero/compiler.py)."""
         on_cpu = next(self.parameters()).device.type == "cpu"
         if kwargs.get("fullgraph") and self.config.attention_dropout > 0 and not on_cpu \
                 and mpu.get_model_parallel_world_size() > 1:
@@ -258,15 +257,17 @@ class GPT2Model(nn.Module):
                               "runs eagerly under the model-parallel RNG tracker. Drop fullgraph "
                               "from the compile kwargs")
         transformer = self.language_model.transformer
-        if self.compiles_whole_stack():
+        if self.compiles_whole_stack(gradients_per_layer):
             transformer.compile(*args, **kwargs)
+            self.compiled_regions = "the stack of layers as one region"
         else:
             for layer in transformer.layers:
                 layer.compile(*args, **kwargs)
+            self.compiled_regions = "each layer"
         if mpu.get_model_parallel_world_size() == 1 and not on_cpu:
             self._compiled_loss = torch.compile(_full_vocabulary_cross_entropy, *args, **kwargs)
 
-    def compiles_whole_stack(self):
+    def compiles_whole_stack(self, gradients_per_layer=False):
         """Whether compile() makes the whole stack of layers one region (traced layer by
         layer, so compile time grows with depth). It does when all of these hold:
 
@@ -275,14 +276,15 @@ class GPT2Model(nn.Module):
         - tensor-, pipeline- and data-parallel size 1: the model is one graph without
           breaks, and no data-parallel bucket waits to go while earlier layers still run
           backward;
-        - not `gradients_per_layer`: the engine frees or offloads each layer's gradients
-          during backward, where one region hands them all out at its end;
+        - not `gradients_per_layer`: the training engine frees or offloads each layer's
+          gradients during backward (ZeRO stage 2, optimizer offload), where one region hands
+          them all out at its end;
         - no activation checkpointing, whose recompute runs per layer, outside the graph."""
         return (next(self.parameters()).device.type != "cpu"
                 and mpu.get_model_parallel_world_size() == 1
                 and mpu.get_pipeline_model_parallel_world_size() == 1
                 and mpu.get_data_parallel_world_size() == 1
-                and not self.config.gradients_per_layer
+                and not gradients_per_layer
                 and not self.config.checkpoint_activations)
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None):

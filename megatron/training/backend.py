@@ -51,10 +51,7 @@ class Backend:
     @property
     def compiled_regions(self):
         """What --compile made compiled regions of, in words (the log line's)."""
-        whole_stack = getattr(self.module, "compiles_whole_stack", None)
-        if whole_stack is None:
-            return "the whole module"
-        return "the stack of layers as one region" if whole_stack() else "each layer"
+        return getattr(self.module, "compiled_regions", None) or "the whole module"
 
     @property
     def compile_backend(self):

@@ -110,11 +110,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
 
 def model_config(config, vocab_size):
     """The GPTConfig of this run: the config's model section, the vocabulary padded to a
-    multiple of --make-vocab-size-divisible-by x --model-parallel-size, the recompute, and
-    whether the engine frees or offloads gradients layer by layer (ZeRO stage 2 and 3,
-    optimizer offload)."""
+    multiple of --make-vocab-size-divisible-by x --model-parallel-size, and the recompute."""
     model, recompute = config.model, config.activation_checkpointing
-    zero = config.engine.ds_config.zero_optimization
     return GPTConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -129,8 +126,7 @@ def model_config(config, vocab_size):
         split_transformers=recompute.split_transformers,
         checkpoint_function=checkpoint_function(recompute.deepspeed_activation_checkpointing),
         memory_centric_tiled_linear=model.memory_centric_tiled_linear,
-        tile_factor=model.tile_factor,
-        gradients_per_layer=zero.stage >= 2 or zero.offload_optimizer is not None)
+        tile_factor=model.tile_factor)
 
 
 def num_samples_per_split(config):

@@ -216,13 +216,14 @@ def test_the_stack_is_one_region_on_a_lone_gpu(where, regions, monkeypatch):
     """compile() makes each layer a region, except off the CPU with one rank of every kind,
     no recompute and no engine freeing or offloading gradients layer by layer (ZeRO stage
     2-3, optimizer offload): there the stack of layers is one."""
-    config = tiny_config(checkpoint_activations="checkpointing" in where,
-                         gradients_per_layer="gradients" in where)
+    config = tiny_config(checkpoint_activations="checkpointing" in where)
     model = GPT2Model(config).to(where.split(",")[0])
     if "data-parallel" in where:
         monkeypatch.setattr(mpu, "get_data_parallel_world_size", lambda: 2)
-    model.compile()
+    model.compile(gradients_per_layer="gradients" in where)
     assert _compiled_regions(model) == regions
+    assert model.compiled_regions == ("each layer" if len(regions) > 1 else
+                                      "the stack of layers as one region")
 
 
 def test_the_stack_compiles_as_one_graph_with_dropout():

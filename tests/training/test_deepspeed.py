@@ -235,20 +235,6 @@ def test_flags_override_the_config_and_fill_its_batch_sizes(tmp_path):
     assert spelled.engine.ds_config.zero_optimization.contiguous_gradients is True
 
 
-@pytest.mark.parametrize("stage, offload, per_layer", [
-    (0, False, False), (1, False, False), (1, True, True), (2, False, True), (3, False, True)])
-def test_the_model_knows_when_the_engine_takes_gradients_per_layer(tmp_path, stage, offload,
-                                                                   per_layer):
-    """ZeRO stage 2 and optimizer offload free or move each layer's gradients during
-    backward, so --compile keeps a region per layer (GPT2Model.compiles_whole_stack)."""
-    from megatron.training.pretrain import model_config
-    zero = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
-    config = write_config(tmp_path, zero_optimization=zero)
-    parsed = parse("--deepspeed", "--deepspeed_config", config)
-    assert model_config(parsed, 1000).gradients_per_layer is per_layer
-    assert model_config(parse(), 1000).gradients_per_layer is False  # the Megatron flags
-
-
 def test_global_batch_comes_from_the_config_when_not_given(tmp_path):
     config = write_config(tmp_path, train_batch_size=24, train_micro_batch_size_per_gpu=4)
     parsed = parse("--deepspeed", "--deepspeed_config", config, world_size=2)
