@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 STEPS = 6
 NVME = {"device": "nvme", "pipeline_read": True, "pipeline_write": True}
 ZERO_VARIANTS = {  # name -> (stage, zero_optimization keys; "NVME" gets the test's folder)
+    "stage 0": (0, {}),  # one rank: no gradient hooks, buckets handled after backward
     "stage 1": (1, {}),
     "stage 1, optimizer on cpu": (1, {"offload_optimizer": {"device": "cpu",
                                                             "pin_memory": True}}),
@@ -80,6 +81,23 @@ def test_compiled_model_on_cuda_matches_eager():
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=0)
     for name, grad in grads_e.items():
         torch.testing.assert_close(grads_c[name], grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("stage, regions", [(0, "the stack of layers as one region"),
+                                           (1, "the stack of layers as one region"),
+                                           (2, "each layer")])
+def test_the_engine_keeps_a_region_per_layer_where_it_takes_gradients_per_layer(stage,
+                                                                                 regions):
+    """ZeRO stage 2 frees each gradient during backward: the engine's compile tells the model,
+    which keeps a region per layer; at stages 0 and 1 the stack is one region."""
+    model = _cuda_model()
+    engine = cases.make_engine({**cases.ds_config(stage), "compile": {"enabled": True}},
+                               model=model)
+    assert model.compiled_regions == regions
+    tokens, positions = _inputs()
+    engine.backward(engine(tokens, positions, labels=tokens.roll(-1, dims=1)).mean())
+    engine.step()
+    engine.destroy()
 
 
 @pytest.mark.parametrize("compiled", [False, True])
