@@ -248,13 +248,14 @@ class ZeroOptimizer(PartitionedOptimizer):
             self._next_launch += 1
 
     def _finish_reduction(self):
-        """Launch what backward left (buckets with unused params), then wait for everything."""
-        unused = [(g, i) for g, ready in enumerate(self._ready)
-                  for i, is_ready in enumerate(ready) if not is_ready]
-        if unused and self.settings.stage == 2 and not self.settings.ignore_unused_parameters:
-            raise ZeroError(f"{len(unused)} parameter(s) received no gradient in this backward "
-                            "pass; set zero_optimization.ignore_unused_parameters to true if "
-                            "that is intended")
+        """Launch what backward left (buckets with unused params, or every bucket without
+        hooks), then wait for everything."""
+        if self.settings.stage == 2 and not self.settings.ignore_unused_parameters:
+            unused = sum(not is_ready for ready in self._ready for is_ready in ready)
+            if unused:
+                raise ZeroError(f"{unused} parameter(s) received no gradient in this backward "
+                                "pass; set zero_optimization.ignore_unused_parameters to true "
+                                "if that is intended")
         for g, k in self._launch_order[self._next_launch:]:
             self._launch(g, k)
         self._next_launch = len(self._launch_order)
