@@ -148,7 +148,7 @@ def _measure(tp, impl, bucket_mb, extra, config, world_size):
                                                   world_size)
     dp_stats = backend.engine.optimizer.dp_comm.stats
     tp_timer = _TensorParallelTimer(mpu.get_model_parallel_group(),
-                                    active=tp > 1 and not _compiled(extra))
+                                    active=tp > 1 and "--compile" not in extra)
     records = []
     for step in range(config["warmup"] + config["steps"]):
         dp_stats.reset()
@@ -165,11 +165,7 @@ def _measure(tp, impl, bucket_mb, extra, config, world_size):
                                 tp_seconds=tp_timer.seconds, sent=_bytes_written() - written,
                                 dp_payload=dp_payload, tp_payload=tp_timer.payload_bytes))
     return dict(records=records, numel=numel, micro_batch=micro_batch,
-                dp=mpu.get_data_parallel_world_size())
-
-
-def _compiled(extra):
-    return "--compile" in extra
+                dp=mpu.get_data_parallel_world_size(), tp_timed=tp_timer.active or tp == 1)
 
 
 def run_layout(layout, config, port):
@@ -195,7 +191,7 @@ def analytic_bytes(config, tp, dp, numel, micro_batch):
 
 def summarize(layout, config, per_rank):
     """Medians over the measured steps of every round; bytes from the rank sending most."""
-    label, procs, tp, impl, _, threads, extra = layout
+    label, procs, tp, impl, _, threads, _ = layout
     records = [r for rank in per_rank for r in rank["records"]]
     rank0 = per_rank[0]["records"]
 
@@ -210,8 +206,7 @@ def summarize(layout, config, per_rank):
                 tokens_per_s=config["global_batch"] * config["seq_length"] / seconds,
                 compute=seconds - med("tp_seconds") - med("dp_wait"),
                 tp_seconds=med("tp_seconds"), dp_wait=med("dp_wait"),
-                dp_wait_known=impl == "local", tp_timed=tp == 1 or not _compiled(extra),
-                sent=sent,
+                dp_wait_known=impl == "local", tp_timed=info["tp_timed"], sent=sent,
                 dp_counted=med("dp_payload", records), tp_counted=med("tp_payload", records),
                 dp_payload=dp_payload, tp_payload=tp_payload, ring=ring)
 

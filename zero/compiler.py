@@ -40,9 +40,16 @@ def compile_module(module, config, rank):
         return False
     kwargs = dict(section.kwargs)
     if "gradients_per_layer" in inspect.signature(module.compile).parameters:
-        kwargs["gradients_per_layer"] = zero.stage == 2 or zero.offload_optimizer is not None
+        kwargs["gradients_per_layer"] = takes_gradients_per_layer(zero)
     module.compile(backend=section.backend, **kwargs)
     return True
+
+
+def takes_gradients_per_layer(zero):
+    """Whether the engine moves each gradient out of the model during backward, given the
+    "zero_optimization" section: stage 2 copies it into a bucket and frees it; optimizer
+    offload (stages 1-2 here, since stage 3 does not compile) copies each bucket to the host."""
+    return zero.stage == 2 or zero.offload_optimizer is not None
 
 
 def compile_seconds():

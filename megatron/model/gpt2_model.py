@@ -273,9 +273,9 @@ class GPT2Model(nn.Module):
 
         - off the CPU (there a layer's work takes far longer than entering its region, so
           regions per layer, sharing one compile, cost nothing);
-        - tensor-, pipeline- and data-parallel size 1: the model is one graph without
-          breaks, and no data-parallel bucket waits to go while earlier layers still run
-          backward;
+        - tensor-, pipeline- and data-parallel size 1: no data-parallel bucket waits to go
+          while earlier layers still run backward, and no stage or tensor-parallel rank
+          (whose attention dropout off the CPU breaks the graph) is left unmeasured;
         - not `gradients_per_layer`: the training engine frees or offloads each layer's
           gradients during backward (ZeRO stage 2, optimizer offload), where one region hands
           them all out at its end;

@@ -1,4 +1,5 @@
-"""Communication at the edges of a tensor-parallel region, as paired autograd functions.
+"""Communication at the edges of a tensor-parallel region, as paired autograd functions
+(with grad mode off, where there is no backward, reduce_from is the bare all-reduce).
 
 Each op's backward is the conjugate of its forward:
 
@@ -97,7 +98,8 @@ def copy_to_model_parallel_region(input_):
 
 
 def reduce_from_model_parallel_region(input_):
-    """All-reduce over the tensor-parallel group.  Reduces `input_` in place (mark_dirty)."""
+    """All-reduce over the tensor-parallel group.  Reduces `input_` in place (under grad
+    mode through mark_dirty)."""
     if get_model_parallel_world_size() == 1:
         return input_
     if not torch.is_grad_enabled():

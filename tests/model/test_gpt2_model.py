@@ -215,7 +215,7 @@ def _compiled_regions(model):
 def test_the_stack_is_one_region_on_a_lone_gpu(where, regions, monkeypatch):
     """compile() makes each layer a region, except off the CPU with one rank of every kind,
     no recompute and no engine freeing or offloading gradients layer by layer (ZeRO stage
-    2-3, optimizer offload): there the stack of layers is one."""
+    2, optimizer offload; the engine says so): there the stack of layers is one."""
     config = tiny_config(checkpoint_activations="checkpointing" in where)
     model = GPT2Model(config).to(where.split(",")[0])
     if "data-parallel" in where:

@@ -57,14 +57,15 @@ def test_compiled_fp16_with_split_halves_matches_eager(corpus, eager, tmp_path):
 
 
 def test_compiled_tensor_parallel_matches_eager(corpus, eager, tmp_path):
-    """TP=2 with fullgraph=True (DeepSpeed's "compile" kwargs): each layer is one graph, its
-    tensor-parallel all-reduces traced into it, or torch.compile would raise."""
+    """TP=2, --compile with fullgraph=True from DeepSpeed's "compile" kwargs: each layer is
+    one graph, its tensor-parallel all-reduces traced into it (in training and in the final
+    evaluation, without grad), or torch.compile would raise."""
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
-                                  "compile": {"enabled": True,
-                                              "kwargs": {"fullgraph": True}}}))
+                                  "compile": {"kwargs": {"fullgraph": True}}}))
     metrics, _ = train(corpus, tmp_path, 2, ITERS, "--batch-size", 8,
-                       "--model-parallel-size", 2, "--deepspeed", "--deepspeed_config", config)
+                       "--model-parallel-size", 2, "--compile", "--deepspeed",
+                       "--deepspeed_config", config)
     assert_same_training(eager, metrics, ITERS)
 
 

@@ -124,17 +124,24 @@ def test_single_process_without_accumulation_matches():
         assert _relative_error(cases.train_steps(engine, 8), reference) < 1e-5
 
 
-def test_stage_0_on_one_rank_reduces_after_backward_without_hooks(reference_losses):
-    """One data-parallel rank at stage 0 has no reduction to overlap with backward: no hook
-    per parameter, and the gradients still accumulate over the micro-steps (gas 2) into the
-    flat buffer, in bf16 as in fp32. Stages 1 and 2 keep theirs."""
-    engine = cases.make_engine(cases.ds_config(0))
-    assert engine.optimizer._hooks == []
-    assert _relative_error(cases.train_steps(engine, STEPS), reference_losses) < 1e-5
-    engine = cases.make_engine(cases.ds_config(0, precision="bf16"))
-    assert _relative_error(cases.train_steps(engine, 10), reference_losses[:10]) < 1e-2
-    for stage in (1, 2):
-        assert cases.make_engine(cases.ds_config(stage)).optimizer._hooks
+def test_stages_0_1_on_one_rank_handle_buckets_after_backward_without_hooks(reference_losses):
+    """One data-parallel rank at stage 0 or 1 has no reduction to overlap with backward: no
+    hook per parameter, and the gradients still accumulate over the micro-steps (gas 2) and
+    reach the fp32 masters: in fp32, in bf16 and fp16, and with --fp32-allreduce's fp32
+    communication (where handling a bucket is what copies it into the master's gradient).
+    Stage 2 (it frees each gradient) and offloaded masters keep their hooks."""
+    for stage, precision, extra in ((0, "fp32", {}), (1, "fp32", {}), (0, "bf16", {}),
+                                    (1, "bf16", {}), (0, "fp16", {}),
+                                    (0, "bf16", {"communication_data_type": "fp32"})):
+        engine = cases.make_engine({**cases.ds_config(stage, precision=precision), **extra})
+        assert engine.optimizer._hooks == [], (stage, precision, extra)
+        steps = STEPS if precision == "fp32" else 10
+        tolerance = 1e-5 if precision == "fp32" else 1e-2
+        assert _relative_error(cases.train_steps(engine, steps),
+                               reference_losses[:steps]) < tolerance, (stage, precision, extra)
+    offloaded = cases.ds_config(1, offload_optimizer={"device": "cpu"})
+    for config in (cases.ds_config(2), offloaded):
+        assert cases.make_engine(config).optimizer._hooks
 
 
 def test_bf16_and_fp16_track_fp32_training(reference_losses):

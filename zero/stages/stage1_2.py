@@ -5,8 +5,9 @@ Each param group lives in one flat buffer cut into buckets whose chunk n belongs
 optimizer state of its partition only.
 
 - stage 0: one partition. Gradients accumulate in a flat gradient buffer (`param.grad` are
-  views of it) and are all-reduced bucket by bucket during the last micro-step's backward
-  (with one data-parallel rank: after it, without per-parameter hooks).
+  views of it) and are all-reduced bucket by bucket during the last micro-step's backward.
+- stages 0 and 1 with one data-parallel rank and masters on the device: the buckets are
+  handled after backward, without per-parameter hooks (nothing to overlap).
 - stage 1: gradients accumulate locally in the flat gradient buffer; during the last
   micro-step's backward each bucket is reduce-scattered as soon as all its params are done.
 - stage 2: no full gradient buffer. Every micro-step each finished gradient is copied into its
@@ -78,22 +79,27 @@ class ZeroOptimizer(PartitionedOptimizer):
         self._describe_partitions()
         self.refresh_masters_from_model()
         self._launch_order = self._bucket_launch_order(param_order)
-        self._hooks = [param.register_post_accumulate_grad_hook(partial(self._grad_ready, g, i))
-                       for g, group in enumerate(self.groups)
-                       for i, param in enumerate(group.params)] if self._reduces_in_backward() \
-            else []
+        self._hooked = self._reduces_during_backward()
+        self._hooks = []
+        if self._hooked:
+            self._hooks = [
+                param.register_post_accumulate_grad_hook(partial(self._grad_ready, g, i))
+                for g, group in enumerate(self.groups) for i, param in enumerate(group.params)]
         self._reducing, self._fresh_partition_grads = False, True
         self._reset_micro_step()
 
     # ----- construction -----
 
-    def _reduces_in_backward(self):
-        """Whether a hook on every parameter follows backward. Stage 0 with one data-parallel
-        rank has no reduction to overlap with it: the gradients accumulate in place in the
-        flat buffer (`param.grad` are views of it) and _finish_reduction handles the buckets
-        after backward, which spares a Python call per parameter (host time a fast GPU waits
-        for)."""
-        return self.settings.stage > 0 or self.dp_comm.world_size > 1
+    def _reduces_during_backward(self):
+        """Whether each bucket is handled while backward runs, as soon as a hook on every
+        parameter says it is complete: with several data-parallel ranks (its reduction
+        overlaps backward), at stage 2 (each gradient is moved out and freed) and with
+        offloaded masters (each bucket's copy to the host overlaps backward). Otherwise, at
+        stage 0 or 1 on one rank, the gradients accumulate in place in the flat buffer
+        (`param.grad` are views of it) and _finish_reduction handles every bucket after
+        backward, sparing a Python call per parameter: host time a fast GPU waits for."""
+        return self.dp_comm.world_size > 1 or self.settings.stage == 2 \
+            or not isinstance(self.masters, DeviceMasters)
 
     def _averaging_factors(self):
         """(pre, post): grads are multiplied by `pre` before the sum over ranks, `post` after."""
@@ -188,8 +194,10 @@ class ZeroOptimizer(PartitionedOptimizer):
             else loss
         try:
             scaled.backward(grad)
-            if not self._hooks:
-                self._adopt_grads()  # what the hooks would have done
+            if not self._hooked:
+                # what the hooks would have caught: a gradient that something other than
+                # autograd's in-place accumulation put in place during backward
+                self._adopt_grads()
             if self._reducing:
                 self._finish_reduction()
         finally:
