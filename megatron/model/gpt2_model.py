@@ -274,8 +274,9 @@ class GPT2Model(nn.Module):
         - off the CPU (there a layer's work takes far longer than entering its region, so
           regions per layer, sharing one compile, cost nothing);
         - tensor-, pipeline- and data-parallel size 1: no data-parallel bucket waits to go
-          while earlier layers still run backward, and no stage or tensor-parallel rank
-          (whose attention dropout off the CPU breaks the graph) is left unmeasured;
+          while earlier layers still run backward; one region for several tensor-parallel
+          ranks or pipeline stages has not been measured (and at tensor-parallel size > 1
+          attention dropout off the CPU breaks the graph anyway);
         - not `gradients_per_layer`: the training engine frees or offloads each layer's
           gradients during backward (ZeRO stage 2, optimizer offload), where one region hands
           them all out at its end;
