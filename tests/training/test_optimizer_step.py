@@ -54,12 +54,12 @@ def _model(dtype=torch.float32, seed=0):
 
 
 def _set_grads(model, step):
-    """Deterministic gradients that differ per step and per parameter, written into the
-    engine's gradient buffers (param.grad is a view of them at stage 0)."""
+    """Deterministic gradients that differ per step and per parameter, set by hand as a user
+    would (the step adopts them into the engine's gradient buffers)."""
     grads = {}
     for index, (name, param) in enumerate(model.named_parameters()):
         g = torch.Generator().manual_seed(1000 * step + index)
-        param.grad.copy_(torch.randn(param.shape, generator=g))
+        param.grad = torch.randn(param.shape, generator=g).to(param.dtype)
         grads[name] = param.grad.double()
     return grads
 
@@ -109,7 +109,7 @@ def test_fp32_step_matches_reference_adamw(clip):
         assert engine.get_global_grad_norm() == pytest.approx(expected_norm, rel=1e-5)
     for name, param in engine.module.named_parameters():
         torch.testing.assert_close(param.double(), reference.params[name], atol=1e-6, rtol=0)
-    assert all(not p.grad.any() for p in engine.module.parameters())  # zeroed after the step
+    assert all(p.grad is None for p in engine.module.parameters())  # released by the step
 
 
 @pytest.mark.parametrize("precision", [None, "bf16"])
@@ -147,7 +147,7 @@ def test_bf16_masters_accumulate_updates_too_small_for_bf16():
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0),
         config={"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}})
     for _ in range(50):  # each update (1e-4) is below bf16's spacing at 1.0 (2**-7)
-        model.weight.grad.fill_(1.0)
+        model.weight.grad = torch.ones_like(model.weight)
         engine.step()
     master = _masters(engine)["weight"]
     assert master[0, 0].item() == pytest.approx(1 - 50e-4, abs=1e-6)

@@ -172,7 +172,7 @@ def test_train_eval_and_zero_grad_reach_the_module():
     engine.backward(engine(*_batch()))
     assert engine.module.fc1.weight.grad.abs().sum() > 0  # stage 0 keeps readable grads
     engine.zero_grad()
-    assert engine.module.fc1.weight.grad.abs().sum() == 0
+    assert engine.module.fc1.weight.grad is None  # released, as DeepSpeed's zero_grad does
 
 
 class _WideLinear(torch.nn.Module):

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import zero
 from tests.dist_utils import run_distributed
 from tests.zero import engine_cases as cases
 from zero.stages.flat_buffers import FlatLayout
@@ -74,6 +75,8 @@ def _dp_scenarios(rank, world_size, variant_names):
         results["memory", stage] = _partition_bytes(stage, world_size)
         results["traffic", stage] = _gradient_traffic(stage, world_size, gas=2)
     results["clip"] = _clipped_norms(rank, world_size)
+    for stage in (0, 1):
+        results["unused", stage] = _train_sometimes_unused(stage)
     return results
 
 
@@ -142,6 +145,59 @@ def test_stages_0_1_on_one_rank_handle_buckets_after_backward_without_hooks(refe
     offloaded = cases.ds_config(1, offload_optimizer={"device": "cpu"})
     for config in (cases.ds_config(2), offloaded):
         assert cases.make_engine(config).optimizer._hooks
+
+
+class _SometimesUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x, use_second):
+        x = self.first(x)
+        return (self.second(x) if use_second else x).square().mean()
+
+
+def _train_sometimes_unused(stage, precision="fp32"):
+    """Three steps in which `second` takes a gradient, then none, then one again; returns the
+    largest difference from torch's AdamW given zero gradients where the engine had none, and
+    `second`'s gradient after the backward that did not reach it."""
+    model = _SometimesUnused().to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    reference = _SometimesUnused()
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    dp = dist.get_world_size() if dist.is_initialized() else 1
+    engine, *_ = zero.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.05),
+        config={**cases.ds_config(stage, global_batch_size=2 * dp, gas=1, precision=precision,
+                                  reduce_bucket_size=20)})
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    grad_when_unused = None
+    for step, use_second in enumerate((True, False, True)):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x.to(model.first.weight.dtype), use_second))
+        if not use_second:
+            grad_when_unused = model.second.weight.grad.float().clone()
+        engine.step()
+        torch_adamw.zero_grad(set_to_none=False)  # zeros, as a flat buffer has
+        reference(x, use_second).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        torch_adamw.step()
+    difference = max((a.float() - b).abs().max().item()
+                     for a, b in zip(model.parameters(), reference.parameters()))
+    return difference, grad_when_unused
+
+
+def test_a_parameter_without_gradient_in_a_step_steps_on_zeros(dp2):
+    """The views released after a step (param.grad None) are filled again by the next
+    backward; a parameter that takes no gradient there gets zeros, never the last step's
+    gradient, on one rank (no hooks) and on two (a hook per parameter)."""
+    one_rank = {(stage, precision): _train_sometimes_unused(stage, precision)
+                for stage in (0, 1) for precision in ("fp32", "bf16")}
+    two_ranks = {(stage, "fp32"): dp2[rank]["unused", stage] for stage in (0, 1)
+                 for rank in (0, 1)}
+    for key, (difference, grad_when_unused) in {**one_rank, **two_ranks}.items():
+        assert grad_when_unused is not None and not grad_when_unused.any(), key
+        assert difference < (1e-6 if key[1] == "fp32" else 2e-2), (key, difference)
 
 
 def test_bf16_and_fp16_track_fp32_training(reference_losses):
@@ -263,7 +319,6 @@ class _ShardedAndReplicated(torch.nn.Module):
 
 
 def _clipped_norms(rank, world_size):
-    import zero
     mpu = _FakeMpu(rank, world_size)
     results = {}
     for stage in (0, 2):
