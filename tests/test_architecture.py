@@ -119,7 +119,9 @@ def test_zero_never_imports_megatron(graph):
 
 @pytest.mark.parametrize("package, allowed", [
     ("megatron.model", ("megatron.model", "megatron.mpu", "megatron.errors", "zero")),
-    ("megatron.mpu", ("megatron.mpu", "megatron.errors")),
+    # the one RNG tracker class lives in zero (mpu keeps its process-wide instance)
+    ("megatron.mpu", ("megatron.mpu", "megatron.errors",
+                      "zero.activation_checkpointing.rng_tracker")),
 ])
 def test_model_and_mpu_import_no_trainer_code(graph, package, allowed):
     offenders = {m: sorted(t for t in targets if not t.startswith(allowed))

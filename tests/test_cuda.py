@@ -143,3 +143,29 @@ def test_read_later_gives_the_value_of_queued_work():
     read = read_later(total)
     x = x @ x / 1024  # queued after the copy
     assert read() == total.item()
+
+
+_SEEDED_BEFORE_CUDA = """
+import torch
+from zero.activation_checkpointing.rng_tracker import RNGStatesTracker, seed_model_parallel
+tracker = RNGStatesTracker()
+seed_model_parallel(tracker, 7, tensor_parallel_rank=1)  # CUDA not initialised yet
+assert not torch.cuda.is_initialized()
+default = torch.rand(4, device="cuda")
+with tracker.fork():
+    forked = torch.rand(4, device="cuda")
+torch.cuda.manual_seed(7)
+assert torch.equal(default, torch.rand(4, device="cuda")), "the default stream kept its seed"
+torch.cuda.manual_seed(7 + 2718 + 1)
+assert torch.equal(forked, torch.rand(4, device="cuda")), "the tracked stream has its own"
+"""
+
+
+def test_a_stream_added_before_cuda_starts_gets_its_cuda_state_later():
+    """Seeding before CUDA is initialised (as a CPU-first script does) neither initialises
+    CUDA nor hands the tracked stream's seed to the default CUDA generator."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    subprocess.run([sys.executable, "-c", _SEEDED_BEFORE_CUDA], check=True,
+                   cwd=Path(__file__).resolve().parents[1])

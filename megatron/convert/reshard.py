@@ -31,11 +31,11 @@ from megatron.convert.optimizer_state import (FullOptimizerState, map_optimizer_
 from megatron.convert.tp_layout import (WORD_EMBEDDINGS, merge_shards, parameter_layout,
                                         resize_vocab_rows, split_full)
 from megatron.errors import CheckpointError, ConfigError
-from megatron.mpu.random import RNGStatesTracker
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
+from zero.activation_checkpointing.rng_tracker import (
+    MODEL_PARALLEL_RNG_TRACKER_NAME, TENSOR_PARALLEL_SEED_OFFSET, RNGStatesTracker)
 
-_TP_RNG_STREAM = "model-parallel-rng"
-_TP_RNG_SEED_OFFSET = 2718  # mpu.model_parallel_cuda_manual_seed: seed + 2718 + tp_rank
+_TP_RNG_STREAM = MODEL_PARALLEL_RNG_TRACKER_NAME
 _PER_RANK_KEYS = ("model", "optimizer", "rng_tracker_states")
 
 
@@ -121,8 +121,10 @@ def _tracker_states_for_rank(full, rank):
     if rank < len(full.rng_tracker_states):
         return full.rng_tracker_states[rank]
     base = full.rng_tracker_states[0]
+    if torch.cuda.is_available():
+        torch.cuda.init()  # the tracker seeds a CUDA stream only once CUDA is in use
     derived = RNGStatesTracker()
-    derived.add(_TP_RNG_STREAM, full.args.get("seed", 1234) + _TP_RNG_SEED_OFFSET + rank)
+    derived.add(_TP_RNG_STREAM, full.args.get("seed", 1234) + TENSOR_PARALLEL_SEED_OFFSET + rank)
     states = {name: dict(per_device) for name, per_device in base.items()}
     fresh = derived.get_states()[_TP_RNG_STREAM]
     # A CUDA stream cannot be seeded on a machine without CUDA: keep rank 0's there.

@@ -1,12 +1,15 @@
-"""Named RNG streams for tensor-parallel dropout (DeepSpeed's `CudaRNGStatesTracker`).
+"""Named RNG streams for tensor-parallel dropout (Megatron's and DeepSpeed's
+`CudaRNGStatesTracker`); the one tracker class both mpu and zero.checkpointing use.
 
 Dropout on activations replicated across tensor-parallel ranks must draw the same mask on every
 rank (the default generators, seeded identically), while dropout inside a tensor-parallel
 region (attention probabilities of this rank's heads) must differ per rank: it runs under
-`get_cuda_rng_tracker().fork()`, which swaps a per-rank stream into the default generators.
+`tracker.fork()`, which swaps a per-rank stream into the default generators.
 
-The tracker swaps the CPU generator and, where CUDA is in use, the current CUDA device's
-generator, so it works on either device. States are plain tensors
+The tracker swaps the CPU generator and, once CUDA is initialised, the current CUDA device's
+generator, so it works on either device and never initialises CUDA itself (a CPU run on a GPU
+machine keeps its GPUs untouched). A stream added before CUDA is initialised gets its CUDA
+state from its seed at its first fork after. States are plain tensors
 ({name: {"cpu": ByteTensor[, "cuda": ByteTensor]}}), the layout Megatron's tracker uses, so
 they go into checkpoints that `torch.load(weights_only=True)` reads.
 """
@@ -19,30 +22,33 @@ MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 TENSOR_PARALLEL_SEED_OFFSET = 2718  # Megatron's and DeepSpeed's constant
 
 
+def _cuda_in_use():
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def get_rng_states():
     """{"cpu": state[, "cuda": state]} of the default generators."""
     states = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _cuda_in_use():
         states["cuda"] = torch.cuda.get_rng_state()
     return states
 
 
 def set_rng_states(states):
     torch.set_rng_state(states["cpu"])
-    if "cuda" in states and torch.cuda.is_available():
+    if "cuda" in states and _cuda_in_use():
         torch.cuda.set_rng_state(states["cuda"])
 
 
-class CudaRNGStatesTracker:
+class RNGStatesTracker:
     """Named generator states that `fork(name)` swaps in for the duration of a block."""
 
     def __init__(self):
-        self.states_ = {}
-        self.seeds_ = set()
+        self.reset()
 
     def reset(self):
         self.states_ = {}
-        self.seeds_ = set()
+        self.seeds_ = {}  # name -> seed
 
     def get_states(self):
         """A copy of every named state."""
@@ -55,17 +61,26 @@ class CudaRNGStatesTracker:
 
     def add(self, name, seed):
         """Create stream `name` seeded with `seed`, leaving the default generators untouched."""
-        if seed in self.seeds_:
+        if seed in self.seeds_.values():
             raise ValueError(f"seed {seed} already exists in the RNG tracker")
         if name in self.states_:
             raise ValueError(f"RNG state {name!r} already exists in the RNG tracker")
-        self.seeds_.add(seed)
-        saved = get_rng_states()
+        self.seeds_[name] = seed
+        default = torch.get_rng_state()
         torch.default_generator.manual_seed(seed)
-        if torch.cuda.is_available():
-            torch.cuda.manual_seed(seed)  # this process's device only
-        self.states_[name] = get_rng_states()
-        set_rng_states(saved)
+        self.states_[name] = {"cpu": torch.get_rng_state()}
+        torch.set_rng_state(default)
+        self._add_cuda_state(name)
+
+    def _add_cuda_state(self, name):
+        """Stream `name`'s CUDA state, from its seed, once CUDA is in use. (Seeding CUDA before
+        it is initialised would queue the seed for the default generator itself.)"""
+        if "cuda" in self.states_[name] or name not in self.seeds_ or not _cuda_in_use():
+            return
+        default = torch.cuda.get_rng_state()
+        torch.cuda.manual_seed(self.seeds_[name])  # this process's device only
+        self.states_[name]["cuda"] = torch.cuda.get_rng_state()
+        torch.cuda.set_rng_state(default)
 
     @contextlib.contextmanager
     def fork(self, name=MODEL_PARALLEL_RNG_TRACKER_NAME):
@@ -73,6 +88,7 @@ class CudaRNGStatesTracker:
         if name not in self.states_:
             raise ValueError(f"RNG state {name!r} is not in the tracker; call "
                              f"model_parallel_cuda_manual_seed (or add) first")
+        self._add_cuda_state(name)
         saved = get_rng_states()
         set_rng_states(self.states_[name])
         try:
@@ -82,7 +98,7 @@ class CudaRNGStatesTracker:
             set_rng_states(saved)
 
 
-RNGStatesTracker = CudaRNGStatesTracker  # the name says CUDA; it tracks the CPU generator too
+CudaRNGStatesTracker = RNGStatesTracker  # Megatron's name; it tracks the CPU generator too
 
 
 def seed_model_parallel(tracker, seed, tensor_parallel_rank):
