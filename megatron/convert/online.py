@@ -1,7 +1,8 @@
 """`--load` of a Megatron-layout checkpoint saved at other tensor-parallel or pipeline sizes.
 
 Every rank reads all of the checkpoint's files, joins and merges them into the full model and
-optimizer state, and keeps the part its own tensor-parallel rank and pipeline stage hold
+optimizer state (the files' contents are dropped then), and cuts out only the part its own
+tensor-parallel rank and pipeline stage hold
 (megatron/convert/reshard.py, pipeline_layout.py): the same conversion as
 tools/merge_mp_partitions.py, in memory. The data-parallel size is free in this layout.
 """
@@ -12,7 +13,7 @@ from megatron import mpu
 from megatron.checkpointing.megatron_layout import first_rank_checkpoint_name, read_tracker
 from megatron.convert.checkpoint_files import read_sharded_checkpoint
 from megatron.convert.pipeline_layout import split_stages
-from megatron.convert.reshard import check_target_stages, resharded, split_checkpoint
+from megatron.convert.reshard import check_target_stages, checkpoint_of_rank, resharded
 
 
 def saved_layout(load_dir):
@@ -42,7 +43,9 @@ def convert_for_this_rank(load_dir, layers_per_virtual_stage=None):
     sharded = read_sharded_checkpoint(load_dir)
     check_target_stages(sharded.args, stages)
     full, _ = resharded(sharded, tp)
-    mine = split_checkpoint(full, tp)[mpu.get_model_parallel_rank()]
+    del sharded  # the files' contents: the full form holds what is needed from here on
+    mine = checkpoint_of_rank(full, tp, mpu.get_model_parallel_rank())
+    del full
     files = split_stages(mine, stages, ours[2])
     note = (f"--load {load_dir} was saved at {_describe(saved)}; converted to "
             f"{_describe(ours)} as it loaded (weights, optimizer state, schedule)")

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from megatron.convert.tp_layout import REPLICATED, merge_shards, parameter_layout, split_full
+from megatron.convert.tp_layout import REPLICATED, merge_shards, parameter_layout, shard_of
 from megatron.errors import CheckpointError
 from zero.optim.quantized_state import decode_parameter_entry, is_quantized
 
@@ -126,40 +126,31 @@ def map_optimizer_tensors(full, name, function):
 
 def split_optimizer_state(full, num_partitions):
     """One saved optimizer state dict per target rank."""
-    moment_shards, master_shards = {}, {}
-    for names in full.group_names:
-        for name in names:
+    return [optimizer_state_of(full, num_partitions, rank) for rank in range(num_partitions)]
+
+
+def optimizer_state_of(full, num_partitions, rank):
+    """The saved optimizer state dict of target rank `rank` among `num_partitions`."""
+    adam_state, masters = {}, []
+    for group, names in zip(full.param_groups, full.group_names):
+        for index, name in zip(group["params"], names):
             split = parameter_layout(name).split
-            moment_shards[name] = _split_moments(full.moments[name], split, num_partitions)
-            master = full.masters[name]
-            master_shards[name] = [None] * num_partitions if master is None else \
-                split_full(master, split, num_partitions)
-    states = []
-    for rank in range(num_partitions):
-        adam_state = {}
-        for group, names in zip(full.param_groups, full.group_names):
-            for index, name in zip(group["params"], names):
-                if moment_shards[name] is not None:
-                    adam_state[index] = moment_shards[name][rank]
-        states.append({
-            "optimizer": {"state": adam_state, "param_groups": copy.deepcopy(full.param_groups)},
-            "fp32_from_fp16_params": [[master_shards[name][rank] for name in names]
-                                      for names in full.group_names],
-            "grad_scaler": copy.deepcopy(full.grad_scaler),
-        })
-    return states
+            moments = _moments_of(full.moments[name], split, num_partitions, rank)
+            if moments is not None:
+                adam_state[index] = moments
+        masters.append([None if full.masters[name] is None else
+                        shard_of(full.masters[name], parameter_layout(name).split,
+                                 num_partitions, rank) for name in names])
+    return {"optimizer": {"state": adam_state, "param_groups": copy.deepcopy(full.param_groups)},
+            "fp32_from_fp16_params": masters,
+            "grad_scaler": copy.deepcopy(full.grad_scaler)}
 
 
-def _split_moments(moments, split, num_partitions):
-    """[{"step": ..., "exp_avg": shard, ...} per rank], or None if never stepped."""
+def _moments_of(moments, split, num_partitions, rank):
+    """{"step": ..., "exp_avg": shard, ...} of one rank, or None if never stepped."""
     if moments is None:
         return None
-    per_rank = [{} for _ in range(num_partitions)]
-    for key, value in moments.items():
-        if torch.is_tensor(value) and value.dim() > 0:
-            parts = split_full(value, split, num_partitions)
-        else:
-            parts = [value.clone() if torch.is_tensor(value) else value] * num_partitions
-        for rank, part in enumerate(parts):
-            per_rank[rank][key] = part
-    return per_rank
+    return {key: shard_of(value, split, num_partitions, rank)
+            if torch.is_tensor(value) and value.dim() > 0 else
+            (value.clone() if torch.is_tensor(value) else value)
+            for key, value in moments.items()}

@@ -27,9 +27,9 @@ import torch
 from megatron.checkpointing.megatron_layout import to_flat_state_dict, to_nested_state_dict
 from megatron.convert.checkpoint_files import read_sharded_checkpoint, write_sharded_checkpoint
 from megatron.convert.optimizer_state import (FullOptimizerState, map_optimizer_tensors,
-                                              merge_optimizer_states, split_optimizer_state)
+                                              merge_optimizer_states, optimizer_state_of)
 from megatron.convert.tp_layout import (WORD_EMBEDDINGS, merge_shards, parameter_layout,
-                                        resize_vocab_rows, split_full)
+                                        resize_vocab_rows, shard_of)
 from megatron.errors import CheckpointError, ConfigError
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 from zero.activation_checkpointing.rng_tracker import (
@@ -99,22 +99,22 @@ def resize_vocab(full, padded_vocab_size):
 
 def split_checkpoint(full, target_tp):
     """The model_optim_rng.pt contents of each of `target_tp` ranks."""
-    model_shards = {name: split_full(tensor, parameter_layout(name).split, target_tp)
-                    for name, tensor in full.model.items()}
-    optimizer_shards = None
+    return [checkpoint_of_rank(full, target_tp, rank) for rank in range(target_tp)]
+
+
+def checkpoint_of_rank(full, target_tp, rank):
+    """The model_optim_rng.pt contents of rank `rank` of `target_tp` (only its shards are
+    made: a rank converting as it loads holds the full form and its own part, not every
+    rank's)."""
+    shard = dict(full.common, args=dict(full.args, model_parallel_size=target_tp))
+    shard["model"] = to_nested_state_dict({
+        name: shard_of(tensor, parameter_layout(name).split, target_tp, rank)
+        for name, tensor in full.model.items()})
     if full.optimizer is not None:
-        optimizer_shards = split_optimizer_state(full.optimizer, target_tp)
-    shards = []
-    for rank in range(target_tp):
-        shard = dict(full.common, args=dict(full.args, model_parallel_size=target_tp))
-        shard["model"] = to_nested_state_dict({n: parts[rank] for n, parts in
-                                               model_shards.items()})
-        if optimizer_shards is not None:
-            shard["optimizer"] = optimizer_shards[rank]
-        if full.rng_tracker_states:
-            shard["rng_tracker_states"] = _tracker_states_for_rank(full, rank)
-        shards.append(shard)
-    return shards
+        shard["optimizer"] = optimizer_state_of(full.optimizer, target_tp, rank)
+    if full.rng_tracker_states:
+        shard["rng_tracker_states"] = _tracker_states_for_rank(full, rank)
+    return shard
 
 
 def _tracker_states_for_rank(full, rank):

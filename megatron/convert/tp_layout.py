@@ -73,14 +73,20 @@ def merge_shards(name, shards, split, check_replicas=True):
 
 def split_full(full, split, num_partitions):
     """The shards of `full` for `num_partitions` ranks, each its own storage."""
-    if split == REPLICATED:
-        return [full] * num_partitions
+    return [shard_of(full, split, num_partitions, rank) for rank in range(num_partitions)]
+
+
+def shard_of(full, split, num_partitions, rank):
+    """Rank `rank`'s shard of `full` among `num_partitions`, its own storage (a replicated
+    tensor, or the one shard of one, is `full` itself)."""
+    if split == REPLICATED or num_partitions == 1:
+        return full
     dim = SPLIT_DIM[split]
     if full.shape[dim] % num_partitions != 0:
         raise CheckpointError(f"a tensor of shape {tuple(full.shape)} cannot be split into "
                               f"{num_partitions} equal parts along dim {dim}")
     # clone: torch.save of a view would write the whole full tensor into every rank's file.
-    return [part.clone() for part in torch.chunk(full, num_partitions, dim=dim)]
+    return torch.chunk(full, num_partitions, dim=dim)[rank].clone()
 
 
 def resize_vocab_rows(weight, padded_vocab_size):

@@ -18,7 +18,7 @@ import torch
 from megatron import mpu
 from megatron.convert.loaders import FORMATS, load_model_weights
 from megatron.convert.tp_layout import (WORD_EMBEDDINGS, parameter_layout, resize_vocab_rows,
-                                        split_full)
+                                        shard_of)
 from megatron.errors import ConfigError
 from megatron.inference.quantization import (add_quantization_arguments, quantization_config,
                                              quantize_model)
@@ -146,7 +146,7 @@ def build_model_from_weights(weights, dtype=torch.float32, device=torch.device("
     for name, tensor in weights.state_dict.items():
         if name == WORD_EMBEDDINGS:
             tensor = resize_vocab_rows(tensor, padded)
-        state[name] = split_full(tensor, parameter_layout(name).split, tp)[rank].to(dtype)
+        state[name] = shard_of(tensor, parameter_layout(name).split, tp, rank).to(dtype)
     model.load_state_dict(state)
     return model.to(device=device, dtype=dtype).eval()  # load_state_dict keeps fp32
 

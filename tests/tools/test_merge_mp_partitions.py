@@ -382,6 +382,28 @@ def test_loading_at_another_tp_size_converts_as_it_loads(corpus, tp2_run, tmp_pa
             "tensor-parallel size 1 x 1 pipeline stage(s)") in out
 
 
+def test_a_rank_converting_as_it_loads_cuts_only_its_own_shards(tp2_run, tmp_path,
+                                                                 monkeypatch):
+    """--load at TP=4 on rank 1: the tool's mp_rank_01 file, and no other rank's shard made
+    (each rank holding every rank's part was memory a large model does not have)."""
+    from megatron.convert import online, optimizer_state, reshard, tp_layout
+    cut_for = set()
+
+    def recording_shard_of(full, split, num_partitions, rank):
+        cut_for.add(rank)
+        return tp_layout.shard_of(full, split, num_partitions, rank)
+    for module in (reshard, optimizer_state):  # the model's tensors, the optimizer's
+        monkeypatch.setattr(module, "shard_of", recording_shard_of)
+    mpu.set_model_parallel_world_size(4)
+    mpu.set_model_parallel_rank(1)
+    try:
+        mine, note = online.convert_for_this_rank(tp2_run["save"])
+    finally:
+        mpu.destroy_model_parallel()
+    assert cut_for == {1} and "converted to tensor-parallel size 4" in note
+    _assert_same(_flatten(mine), _shards(_convert(tp2_run["save"], str(tmp_path / "t"), 4))[1])
+
+
 def test_tp1_checkpoint_loaded_by_tp_rank_1_names_the_tool(tp2_run, tmp_path):
     merged = _convert(tp2_run["save"], str(tmp_path / "m"), 1)
     checkpoint = SimpleNamespace(load=merged, save=None)
