@@ -140,8 +140,10 @@ def faster_precision_note(device, dtype):
 _measured_peaks = {}
 
 
-def measure_matmul_flops(device, dtype, size=2048, repeats=5, min_seconds=0.05):
-    """Best-of-`repeats` FLOP/s of a square matmul: the practical peak of this device.
+def measure_matmul_flops(device, dtype, size=2048, repeats=5, min_seconds=0.05,
+                         remeasure=False):
+    """Best-of-`repeats` FLOP/s of a square matmul: the practical peak of this device
+    (measured once per device and dtype; `remeasure` measures again and keeps the higher).
 
     The matrices grow from 256 up to `size` until one product takes `min_seconds`, so a
     dtype the device only emulates (fp16 on most CPUs: ~1 GFLOP/s) is measured in a fraction
@@ -149,7 +151,7 @@ def measure_matmul_flops(device, dtype, size=2048, repeats=5, min_seconds=0.05):
     """
     import time
     key = (str(device), dtype)
-    if key in _measured_peaks:
+    if key in _measured_peaks and not remeasure:
         return _measured_peaks[key]
     # A private generator: measuring must not consume the training RNG streams.
     generator = torch.Generator().manual_seed(0)
@@ -169,5 +171,5 @@ def measure_matmul_flops(device, dtype, size=2048, repeats=5, min_seconds=0.05):
         if n >= size or best >= min_seconds:
             break
         n = min(2 * n, size)
-    _measured_peaks[key] = 2 * n ** 3 / best
+    _measured_peaks[key] = max(2 * n ** 3 / best, _measured_peaks.get(key, 0.0))
     return _measured_peaks[key]
