@@ -161,11 +161,27 @@ assert torch.equal(forked, torch.rand(4, device="cuda")), "the tracked stream ha
 """
 
 
-def test_a_stream_added_before_cuda_starts_gets_its_cuda_state_later():
+_CUDA_STARTED_IN_A_FORK = """
+import torch
+from zero.activation_checkpointing.rng_tracker import RNGStatesTracker, seed_model_parallel
+tracker = RNGStatesTracker()
+seed_model_parallel(tracker, 7, tensor_parallel_rank=1)
+with tracker.fork():
+    torch.rand(4, device="cuda")  # CUDA starts here, drawing from the default generator
+with tracker.fork():
+    forked = torch.rand(4, device="cuda")
+torch.cuda.manual_seed(7 + 2718 + 1)
+assert torch.equal(forked, torch.rand(4, device="cuda")), "the stream is not the default's"
+"""
+
+
+@pytest.mark.parametrize("script", [_SEEDED_BEFORE_CUDA, _CUDA_STARTED_IN_A_FORK])
+def test_a_stream_added_before_cuda_starts_gets_its_cuda_state_later(script):
     """Seeding before CUDA is initialised (as a CPU-first script does) neither initialises
-    CUDA nor hands the tracked stream's seed to the default CUDA generator."""
+    CUDA nor hands the tracked stream's seed to the default CUDA generator; CUDA started
+    inside a fork does not make the stream a copy of the default generator."""
     import subprocess
     import sys
     from pathlib import Path
-    subprocess.run([sys.executable, "-c", _SEEDED_BEFORE_CUDA], check=True,
+    subprocess.run([sys.executable, "-c", script], check=True,
                    cwd=Path(__file__).resolve().parents[1])

@@ -72,7 +72,7 @@ def merge_shards(name, shards, split, check_replicas=True):
 
 
 def split_full(full, split, num_partitions):
-    """The shards of `full` for `num_partitions` ranks, each its own storage."""
+    """The shards of `full` for `num_partitions` ranks (see shard_of)."""
     return [shard_of(full, split, num_partitions, rank) for rank in range(num_partitions)]
 
 

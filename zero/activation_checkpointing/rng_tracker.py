@@ -94,7 +94,10 @@ class RNGStatesTracker:
         try:
             yield
         finally:
-            self.states_[name] = get_rng_states()
+            after = get_rng_states()
+            if "cuda" not in saved:  # CUDA started inside the block, on the default
+                after.pop("cuda", None)  # generator: the stream gets its own at its next fork
+            self.states_[name] = after
             set_rng_states(saved)
 
 

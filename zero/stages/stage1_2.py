@@ -388,7 +388,10 @@ class ZeroOptimizer(PartitionedOptimizer):
 
     def step(self):
         """Unscale, check overflow, clip, step the partition, all-gather. False if skipped."""
-        if self.settings.stage < 2:  # gradients set by hand since backward (or none at all)
+        if self.settings.stage < 2:
+            # the buffer holds what param.grad holds (zeros where None): gradients set by
+            # hand after backward reach the masters where they read the buffer here (stage 0,
+            # fp32 masters that are views of it)
             self._adopt_grads()
             self._grads_released = False
         self._stage_master_grads()
