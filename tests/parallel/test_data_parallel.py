@@ -23,6 +23,7 @@ from megatron.model import GPT2Model, GPTConfig, get_ltor_masks_and_position_ids
 from megatron.training.torch_ddp import wrap_torch_ddp
 from tests.dist_utils import free_port, run_distributed
 from tests.training.conftest import corpus  # noqa: F401  (the fixture)
+from zero.stages.bucket_reduction import reduces_in_masters
 
 SEQ, GLOBAL_BATCH, EOD = 8, 8, 0
 
@@ -98,7 +99,7 @@ def _reduced_grads(engine):
     grads = {}
     names = {p: n for n, p in engine.module.named_parameters()}
     for group in engine.optimizer.groups:
-        in_masters = engine.optimizer._reduces_in_masters(group)
+        in_masters = reduces_in_masters(engine.optimizer.settings, group)
         for param, offset, numel in zip(group.params, group.layout.offsets,
                                         group.layout.numels):
             grad = group.master.grad[offset:offset + numel].view_as(param) if in_masters \
@@ -129,7 +130,7 @@ def _ddp_step(impl, num_micro, dtype=torch.float32, bucket_mb=25.0, fp32_allredu
                   launched_before_last_grad=launched[-1],
                   buckets=sum(g.layout.num_buckets for g in groups),
                   # the flat buffers: the gradients plus alignment padding (zeros)
-                  flat_bytes=sum(g.layout.total * (4 if engine.optimizer._reduces_in_masters(g)
+                  flat_bytes=sum(g.layout.total * (4 if reduces_in_masters(engine.optimizer.settings, g)
                                                    else g.full_grads.element_size())
                                  for g in groups))
     grads = _reduced_grads(engine)

@@ -22,10 +22,9 @@ optimizer state of its partition only.
   Backward then cuts each partition into `reduce_bucket_size` units and sends every unit to
   its owner (a reduce: the volume of a reduce-scatter in all) as soon as its params are done.
 
-After the optimizer steps its partition, each bucket is all-gathered back into the flat
-buffer. Buckets are launched in one fixed order on every rank (latest-registered params first,
-the order backward produces them), so collectives match across ranks whatever order hooks fire
-in.
+Backward's reduction, bucket by bucket in one fixed order on every rank, is
+`zero/stages/bucket_reduction.py`. After the optimizer steps its partition, each bucket is
+all-gathered back into the flat buffer.
 """
 
 from dataclasses import dataclass
@@ -33,8 +32,8 @@ from functools import partial
 
 import torch
 
-from zero.comm.communicator import Pending
 from zero.errors import ZeroError
+from zero.stages.bucket_reduction import BucketReduction, reduces_in_masters
 from zero.stages.flat_buffers import FlatGroup, FlatLayout
 from zero.stages.masters import DeviceMasters
 from zero.stages.partitioned_optimizer import PartitionedOptimizer
@@ -81,17 +80,18 @@ class ZeroOptimizer(PartitionedOptimizer):
         self.optimizer = self.masters.finish(optimizer)
         self._describe_partitions()
         self.refresh_masters_from_model()
-        self._launch_order = self._bucket_launch_order(param_order)
+        self._reduction = BucketReduction(self.groups, settings, dp_comm, param_order,
+                                          self._pre_factor, self._post_factor,
+                                          self.partition_rank)
         self._hooked = self._reduces_during_backward()
         self._hooks = []
         if self._hooked:
             self._hooks = [
                 param.register_post_accumulate_grad_hook(partial(self._grad_ready, g, i))
                 for g, group in enumerate(self.groups) for i, param in enumerate(group.params)]
-        self._reducing, self._fresh_partition_grads = False, True
+        self._reducing = False
         self._releases_grads = self._releases_grads_after_step()
         self._grads_released = False
-        self._reset_micro_step()
 
     # ----- construction -----
 
@@ -101,7 +101,7 @@ class ZeroOptimizer(PartitionedOptimizer):
         overlaps backward), at stage 2 (each gradient is moved out and freed) and with
         offloaded masters (each bucket's copy to the host overlaps backward). Otherwise, at
         stage 0 or 1 on one rank, the gradients accumulate in place in the flat buffer
-        (`param.grad` are views of it) and _finish_reduction handles every bucket after
+        (`param.grad` are views of it) and the reduction handles every bucket after
         backward, sparing a Python call per parameter: host time a fast GPU waits for."""
         return self.dp_comm.world_size > 1 or self.settings.stage == 2 \
             or not isinstance(self.masters, DeviceMasters)
@@ -181,23 +181,7 @@ class ZeroOptimizer(PartitionedOptimizer):
         return self.settings.stage in (1, 2) and dtype == torch.float32 \
             and self.partition_count > 1 and self.masters.can_alias
 
-    def _bucket_launch_order(self, param_order):
-        """All (group, bucket) pairs, the one whose earliest param is latest in the model first."""
-        keyed = []
-        for g, group in enumerate(self.groups):
-            for k, pieces in enumerate(group.pieces):
-                first = min((param_order[group.params[i]] for i, *_ in pieces), default=-1)
-                keyed.append((-first, g, -k))
-        return [(g, -neg_k) for _, g, neg_k in sorted(keyed)]
-
     # ----- backward: bucketed reduction -----
-
-    def _reset_micro_step(self):
-        self._ready = [[False] * len(g.params) for g in self.groups]
-        self._pending = [[len(p) for p in g.pieces] for g in self.groups]
-        self._buffers = {}  # (g, k) -> [bucket] buffer, stage 2
-        self._in_flight = []  # Pending collectives with their post-processing
-        self._next_launch = 0
 
     def backward(self, loss, reduce_gradients, grad=None):
         """loss.backward() with loss scaling (or loss.backward(grad), `grad` already scaled);
@@ -218,10 +202,10 @@ class ZeroOptimizer(PartitionedOptimizer):
                 self._adopt_grads()
                 self._grads_released = False
             if self._reducing:
-                self._finish_reduction()
+                self._reduction.finish()
         finally:
             self._reducing = False
-            self._reset_micro_step()
+            self._reduction.reset()
 
     def _adopt_grads(self):
         for group in self.groups:
@@ -229,148 +213,11 @@ class ZeroOptimizer(PartitionedOptimizer):
                 group.adopt_grad(i)
 
     def _grad_ready(self, g, i, param):
-        group = self.groups[g]
         if self.settings.stage < 2:
-            group.adopt_grad(i)
+            self.groups[g].adopt_grad(i)
             if not self._reducing:
                 return
-        if self._ready[g][i]:
-            raise ZeroError("a gradient was produced twice for one parameter in one backward "
-                            "pass; call engine.backward once per micro-batch")
-        self._ready[g][i] = True
-        if self.settings.stage == 2:
-            self._copy_into_buckets(g, i, param)
-        for k, *_ in group.param_pieces[i]:
-            self._pending[g][k] -= 1
-        self._launch_ready_buckets()
-
-    def _copy_into_buckets(self, g, i, param):
-        grad = param.grad.reshape(-1)
-        for k, param_offset, bucket_offset, length in self.groups[g].param_pieces[i]:
-            buffer = self._bucket_buffer(g, k)
-            buffer.narrow(0, bucket_offset, length).copy_(grad.narrow(0, param_offset, length))
-        param.grad = None  # the full gradient is not kept (stage 2)
-
-    def _bucket_buffer(self, g, k):
-        """Stage 2's buffer for reduction k (a bucket, or an owner unit)."""
-        if (g, k) not in self._buffers:
-            group = self.groups[g]
-            capacity = group.reduce_numel(0)  # the first unit or bucket is a largest one
-            spare = group.spare_buffers.pop() if group.spare_buffers else \
-                torch.empty(capacity, dtype=group.dtype, device=group.device)
-            self._buffers[(g, k)] = (spare, spare.narrow(0, 0, group.reduce_numel(k)))
-        return self._buffers[(g, k)][1]
-
-    def _release_buffer(self, g, k):
-        spare, _ = self._buffers.pop((g, k), (None, None))
-        if spare is not None and len(self.groups[g].spare_buffers) < 3:
-            self.groups[g].spare_buffers.append(spare)
-
-    def _launch_ready_buckets(self):
-        while self._next_launch < len(self._launch_order):
-            g, k = self._launch_order[self._next_launch]
-            if self._pending[g][k] > 0:
-                return
-            self._launch(g, k)
-            self._next_launch += 1
-
-    def _finish_reduction(self):
-        """Launch what backward left (buckets with unused params, or every bucket without
-        hooks), then wait for everything."""
-        if self.settings.stage == 2 and not self.settings.ignore_unused_parameters:
-            unused = sum(not is_ready for ready in self._ready for is_ready in ready)
-            if unused:
-                raise ZeroError(f"{unused} parameter(s) received no gradient in this backward "
-                                "pass; set zero_optimization.ignore_unused_parameters to true "
-                                "if that is intended")
-        for g, k in self._launch_order[self._next_launch:]:
-            self._launch(g, k)
-        self._next_launch = len(self._launch_order)
-        while self._in_flight:
-            self._in_flight.pop(0).wait()
-        self._fresh_partition_grads = False
-
-    def _launch(self, g, k):
-        group, async_op = self.groups[g], self.settings.overlap_comm
-        if self.settings.stage == 2:
-            source = self._bucket_buffer(g, k)
-            self._zero_unfilled(g, k, source)
-        elif group.units is not None:
-            source = group.unit(group.full_grads, k)
-        else:
-            source = group.flat_bucket(group.full_grads, k)
-            if self._reduces_in_masters(group):  # reduce the fp32 copy: the master's grad
-                source = group.flat_bucket(group.master.grad, k).copy_(source)
-        if async_op and (self.settings.stage == 2 or group.units is not None):
-            while len(self._in_flight) >= 2:  # bound the buffers in flight
-                self._in_flight.pop(0).wait()
-        if self._pre_factor != 1.0:
-            source.mul_(self._pre_factor)
-        if self.settings.stage == 0:
-            pending = self.dp_comm.all_reduce(source, async_op=async_op)
-            post = self._post_factor
-            then = (lambda: source.mul_(post)) if post != 1.0 else None
-        elif group.units is not None:
-            pending, then = self._reduce_to_owner(g, k, source, async_op)
-        else:
-            pending, then = self._reduce_to_partition(g, k, source, async_op)
-        self._in_flight.append(Pending(pending, then))
-        if not async_op:
-            self._in_flight.pop().wait()
-
-    def _zero_unfilled(self, g, k, buffer):
-        group = self.groups[g]
-        for i, _, bucket_offset, length in group.pieces[k]:
-            if not self._ready[g][i]:
-                buffer.narrow(0, bucket_offset, length).zero_()
-        covered = sum(length for *_, length in group.pieces[k])  # pieces start at 0, in order
-        if covered < buffer.numel():  # the padding at the end of the last bucket or unit
-            buffer.narrow(0, covered, buffer.numel() - covered).zero_()
-
-    def _reduce_to_owner(self, g, k, source, async_op):
-        """Sum unit k over ranks into the rank that owns it. Stage 1: the sum lands in place
-        (the owner's master grad is this range of its full gradients); stage 2: the owner
-        accumulates it into its partition gradient, every rank frees the buffer."""
-        group, owner = self.groups[g], self.groups[g].units[k][2]
-        if self.settings.reduce_scatter:
-            pending = self.dp_comm.reduce(source, owner, async_op=async_op)
-        else:
-            pending = self.dp_comm.all_reduce(source, async_op=async_op)
-        if self.settings.stage == 1:
-            return pending, None
-        fresh, mine = self._fresh_partition_grads, owner == group.rank
-
-        def accumulate():
-            if mine:
-                target = group.partition_slice(group.master.grad, k)
-                _accumulate_into(target, source, fresh)
-            self._release_buffer(g, k)
-        return pending, accumulate
-
-    def _reduce_to_partition(self, g, k, source, async_op):
-        group = self.groups[g]
-        target = group.master_chunk(group.master.grad, k)
-        # an aliased master's gradient is this rank's chunk of `source`: reduce in place
-        direct = group.master_aliases_flat or (
-            source.dtype == target.dtype and source.device == target.device
-            and self._fresh_partition_grads)
-        out = target if direct else torch.empty(group.layout.chunk, dtype=source.dtype,
-                                                 device=source.device)
-        if not self.settings.reduce_scatter:
-            pending = self.dp_comm.all_reduce(source, async_op=async_op)
-            own = source.narrow(0, self.partition_rank * group.layout.chunk, group.layout.chunk)
-            pending = Pending(pending, partial(out.copy_, own))
-        else:
-            pending = self.dp_comm.reduce_scatter(out, source, async_op=async_op)
-        release = partial(self._release_buffer, g, k)
-        if direct:
-            return pending, release
-        fresh = self._fresh_partition_grads
-
-        def accumulate():
-            _accumulate_into(target, out, fresh)
-            release()
-        return pending, accumulate
+        self._reduction.grad_ready(g, i, param)
 
     # ----- step -----
 
@@ -384,7 +231,7 @@ class ZeroOptimizer(PartitionedOptimizer):
                 for param in group.params:
                     param.grad = None
         self._grads_released = self._releases_grads
-        self._fresh_partition_grads = True
+        self._reduction.fresh_partition_grads = True
 
     def step(self):
         """Unscale, check overflow, clip, step the partition, all-gather. False if skipped."""
@@ -406,18 +253,12 @@ class ZeroOptimizer(PartitionedOptimizer):
         self.masters.step(self._write_own_chunks)
         self._all_gather_own_chunks()
 
-    def _reduces_in_masters(self, group):
-        """Stage 0 with fp32 communication of 16-bit gradients: each bucket is copied into
-        the fp32 master's gradient and all-reduced there."""
-        return self.settings.stage == 0 and self.settings.fp32_communication \
-            and not self.settings.external_reduction and not group.master_is_flat
-
     def _stage_master_grads(self):
         """Stage 0 with 16-bit params: the fp32 master's grad is a copy of the reduced grads
         (already there when they were reduced in fp32)."""
         for group in self.groups:
             if self.settings.stage == 0 and not group.master_is_flat \
-                    and not self._reduces_in_masters(group):
+                    and not reduces_in_masters(self.settings, group):
                 group.master.grad.copy_(group.full_grads)
 
     def _reduced_grad_norm_sq(self):
@@ -495,12 +336,3 @@ class ZeroOptimizer(PartitionedOptimizer):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-
-
-def _accumulate_into(target, reduced, fresh):
-    """target <- reduced (first micro-batch since the step) or += reduced; offloaded masters'
-    gradients live in host memory, the reduced gradients on the compute device."""
-    if fresh:
-        target.copy_(reduced)
-    else:
-        target.add_(reduced.to(target.device))
