@@ -110,8 +110,8 @@ class ZeroOptimizer(PartitionedOptimizer):
         """Whether zero_grad leaves `param.grad` None at stage 0 or 1, so that the first
         backward after a step hands autograd's fresh gradients over (each then copied into its
         view) instead of adding them into a buffer zeroed for it: one pass over the gradients
-        instead of a fill and an add, 3% of a bf16 step on the CPU (docs/benchmarks.md). With
-        hooks each is copied as it arrives. Without hooks they are all copied after backward,
+        instead of a fill and an add (measured in docs/benchmarks.md). With hooks each is
+        copied as it arrives. Without hooks they are all copied after backward,
         so its end holds a second copy of the gradients: taken on the CPU, not on a GPU, where
         the fill and the add are a fraction of a percent and device memory is what runs out."""
         if self.settings.stage == 2 or not self.groups:
