@@ -24,8 +24,12 @@ WEBTEXT_PACKAGES=(ftfy langdetect datasketch)
 TEST_PACKAGES=(pytest ruff hypothesis tokenizers "${WEBTEXT_PACKAGES[@]}")
 CONVERT_PACKAGES=(transformers safetensors)
 
+# Whether an interpreter can find torch (looked up, not imported: importing takes a second or
+# more, and every training script runs this check).
+has_torch() { "$1" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null; }
+
 if [ ! -x "$VENV/bin/python" ]; then
-    if "$PYTHON" -c "import torch" 2>/dev/null; then
+    if has_torch "$PYTHON"; then
         echo "[setup] $PYTHON already has torch $("$PYTHON" -c 'import torch; print(torch.__version__)'); the venv will reuse it"
         "$PYTHON" -m venv --system-site-packages "$VENV"
     else
@@ -43,13 +47,13 @@ all_installed() {
     [ -f "$stamp" ] || return 1
     for pkg in "${wanted[@]}"; do grep -qx "$pkg" "$stamp" || return 1; done
 }
-if all_installed && "$PY" -c "import torch" 2>/dev/null; then
+if all_installed && has_torch "$PY"; then
     exit 0
 fi
 
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
 
-if ! "$PY" -c "import torch" 2>/dev/null; then
+if ! has_torch "$PY"; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
         echo "[setup] NVIDIA driver found: installing torch==$TORCH_VERSION (CUDA build)"
         pip_install "torch==$TORCH_VERSION"
