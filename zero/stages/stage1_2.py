@@ -255,9 +255,14 @@ class ZeroOptimizer(PartitionedOptimizer):
 
     def _stage_master_grads(self):
         """Stage 0 with 16-bit params: the fp32 master's grad is a copy of the reduced grads
-        (already there when they were reduced in fp32)."""
+        (already there when they were reduced in fp32). Stages 1 and 2 after a step with no
+        backward since the last one: zeros, as stage 0 then has (what param.grad held, None
+        counting as zeros), not the partition gradients the last step used."""
+        nothing_reduced = self.settings.stage > 0 and self._reduction.fresh_partition_grads
         for group in self.groups:
-            if self.settings.stage == 0 and not group.master_is_flat \
+            if nothing_reduced:
+                group.master.grad.zero_()
+            elif self.settings.stage == 0 and not group.master_is_flat \
                     and not reduces_in_masters(self.settings, group):
                 group.master.grad.copy_(group.full_grads)
 
