@@ -7,6 +7,7 @@ leaves either the old file or the new one, never a partial one.
 
 import contextlib
 import os
+import zipfile
 
 import torch
 import torch.distributed as dist
@@ -73,10 +74,15 @@ def _fsync_dir(directory):
         os.close(fd)
 
 
-def safe_load(path):
-    """Load a checkpoint file without executing pickled code."""
+def safe_load(path, mmap=False):
+    """Load a checkpoint file without executing pickled code. With `mmap` its tensors are
+    mapped from the file (privately: writing to them never reaches it) and read from it as
+    they are used: pages the kernel can drop again, where a read copies every tensor into
+    memory of the process's own. Files in torch's legacy (pre-1.6, not zip) format cannot be
+    mapped and are read."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        mmap = mmap and zipfile.is_zipfile(path)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} does not exist") from None
     except Exception as exc:  # corrupt file or a pickle with code in it

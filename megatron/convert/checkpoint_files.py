@@ -54,7 +54,7 @@ def read_sharded_checkpoint(load_dir, iteration=None):
         return _read_staged(load_dir, iteration, release, directory, stages)
     first_path = get_checkpoint_name(load_dir, iteration, mp_rank=0, release=release,
                                      pipeline_parallel=False)
-    first = safe_load(first_path)
+    first = safe_load(first_path, mmap=True)
     if not isinstance(first, dict) or not isinstance(first.get("args"), dict) \
             or "model" not in first:
         raise CheckpointError(f"{first_path} has no 'model' and 'args' entries: it was not "
@@ -65,7 +65,7 @@ def read_sharded_checkpoint(load_dir, iteration=None):
     for rank in range(1, size):
         path = get_checkpoint_name(load_dir, iteration, mp_rank=rank, release=release,
                                    pipeline_parallel=False)
-        shard = safe_load(path)
+        shard = safe_load(path, mmap=True)
         saved_size = shard.get("args", {}).get("model_parallel_size")
         if saved_size != size or shard.get("iteration") != first.get("iteration"):
             raise CheckpointError(
@@ -86,7 +86,7 @@ def _read_staged(load_dir, iteration, release, directory, stages):
     """Every mp_rank_TT_PPP file, each tensor-parallel rank's stages joined into one."""
     first_path = get_checkpoint_name(load_dir, iteration, 0, release, pp_rank=0,
                                      pipeline_parallel=True)
-    first = safe_load(first_path)
+    first = safe_load(first_path, mmap=True)
     if not isinstance(first, dict) or not isinstance(first.get("args"), dict):
         raise CheckpointError(f"{first_path} has no 'args' entry: it was not saved by "
                               "pretrain_gpt2.py and cannot be converted")
@@ -106,7 +106,8 @@ def _read_staged(load_dir, iteration, release, directory, stages):
     for rank in range(size):
         files = [first if rank == 0 and stage == 0 else
                  safe_load(get_checkpoint_name(load_dir, iteration, rank, release,
-                                               pp_rank=stage, pipeline_parallel=True))
+                                               pp_rank=stage, pipeline_parallel=True),
+                           mmap=True)
                  for stage in range(saved_stages)]
         for stage, contents in enumerate(files):
             if contents.get("iteration") != first.get("iteration"):

@@ -1,8 +1,8 @@
 """`--load` of a Megatron-layout checkpoint saved at other tensor-parallel or pipeline sizes.
 
-Every rank reads all of the checkpoint's files, joins and merges them into the full model and
-optimizer state (the files' contents are dropped then), and cuts out only the part its own
-tensor-parallel rank and pipeline stage hold
+Every rank reads all of the checkpoint's files (memory-mapped: page cache, not memory of its
+own), joins and merges them into the full model and optimizer state (the files are dropped
+then), and cuts out only the part its own tensor-parallel rank and pipeline stage hold
 (megatron/convert/reshard.py, pipeline_layout.py): the same conversion as
 tools/merge_mp_partitions.py, in memory. The data-parallel size is free in this layout.
 """

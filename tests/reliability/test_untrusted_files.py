@@ -41,8 +41,9 @@ def test_megatron_layout_refuses_code(corpus, tmp_path, capsys):
     save = tmp_path / "ckpt"
     _booby_trapped(save / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", marker)
     (save / "latest_checkpointed_iteration.txt").write_text("1")
-    with pytest.raises(CheckpointError, match="not a plain-tensor checkpoint"):
-        safe_load(save / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")
+    for mmap in (False, True):  # conversion maps the files it reads
+        with pytest.raises(CheckpointError, match="not a plain-tensor checkpoint"):
+            safe_load(save / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", mmap=mmap)
     assert pretrain_gpt2.main(trainer_argv(corpus, tmp_path / "log", 2, "--load", save)) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: cannot read checkpoint ") and "model_optim_rng.pt" in err
@@ -97,3 +98,19 @@ def test_no_reader_unpickles_without_weights_only():
             if pattern.search(text):
                 problems.append(f"{path.relative_to(REPO)}: {what}")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_a_mapped_read_never_writes_the_file(tmp_path, zip_format):
+    """Conversion reads checkpoint files memory-mapped (safe_load(mmap=True)) and works on
+    what it read in place: the file stays as saved. A file in torch's legacy format (not zip,
+    which cannot be mapped) is read whole instead."""
+    path = tmp_path / "model_optim_rng.pt"
+    torch.save({"model": {"w": torch.arange(4.0)}}, path,
+               _use_new_zipfile_serialization=zip_format)
+    saved = path.read_bytes()
+    loaded = safe_load(path, mmap=True)
+    loaded["model"]["w"].mul_(-1).add_(7)
+    assert loaded["model"]["w"].tolist() == [7.0, 6.0, 5.0, 4.0]
+    assert path.read_bytes() == saved
+    assert safe_load(path)["model"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
