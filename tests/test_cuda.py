@@ -185,3 +185,33 @@ def test_a_stream_added_before_cuda_starts_gets_its_cuda_state_later(script):
     from pathlib import Path
     subprocess.run([sys.executable, "-c", script], check=True,
                    cwd=Path(__file__).resolve().parents[1])
+
+
+_CONVERTED_FOR_A_NEW_RANK = """
+import torch
+from megatron.convert.reshard import FullCheckpoint, _tracker_states_for_rank
+stream = "model-parallel-rng"
+cpu_saved = {stream: {"cpu": torch.get_rng_state()}}
+full = FullCheckpoint({}, 8, None, {"args": {"seed": 7}}, [cpu_saved])
+states = _tracker_states_for_rank(full, 1)
+assert set(states[stream]) == {"cpu"} and not torch.cuda.is_initialized(), \
+    "a checkpoint saved on the CPU opened a CUDA context"
+gpu_saved = {stream: {"cpu": torch.get_rng_state(), "cuda": torch.zeros(16, dtype=torch.uint8)}}
+full = FullCheckpoint({}, 8, None, {"args": {"seed": 7}}, [gpu_saved])
+states = _tracker_states_for_rank(full, 1)
+torch.cuda.set_rng_state(states[stream]["cuda"])
+drawn = torch.rand(4, device="cuda")
+torch.cuda.manual_seed(7 + 2718 + 1)
+assert torch.equal(drawn, torch.rand(4, device="cuda")), "the new rank's stream is not its own"
+"""
+
+
+def test_converting_to_a_new_tensor_parallel_rank_seeds_cuda_only_where_saved_on_a_gpu():
+    """A rank that did not exist in the checkpoint gets a fresh dropout stream: a CUDA state
+    seeded for that rank when the checkpoint was saved on a GPU, and none (and no CUDA
+    context opened) when it was saved on the CPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    subprocess.run([sys.executable, "-c", _CONVERTED_FOR_A_NEW_RANK], check=True,
+                   cwd=Path(__file__).resolve().parents[1])

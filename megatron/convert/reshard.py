@@ -121,8 +121,10 @@ def _tracker_states_for_rank(full, rank):
     if rank < len(full.rng_tracker_states):
         return full.rng_tracker_states[rank]
     base = full.rng_tracker_states[0]
-    if torch.cuda.is_available():
-        torch.cuda.init()  # the tracker seeds a CUDA stream only once CUDA is in use
+    if "cuda" in base.get(_TP_RNG_STREAM, {}) and torch.cuda.is_available():
+        # saved on a GPU: the new rank's stream needs a CUDA state, and the tracker seeds one
+        # only once CUDA is in use (a checkpoint saved on the CPU opens no CUDA context)
+        torch.cuda.init()
     derived = RNGStatesTracker()
     derived.add(_TP_RNG_STREAM, full.args.get("seed", 1234) + TENSOR_PARALLEL_SEED_OFFSET + rank)
     states = {name: dict(per_device) for name, per_device in base.items()}
