@@ -24,12 +24,13 @@ WEBTEXT_PACKAGES=(ftfy langdetect datasketch)
 TEST_PACKAGES=(pytest ruff hypothesis tokenizers "${WEBTEXT_PACKAGES[@]}")
 CONVERT_PACKAGES=(transformers safetensors)
 
-# Whether an interpreter can find torch (looked up, not imported: importing takes a second or
-# more, and every training script runs this check).
-has_torch() { "$1" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null; }
+# Whether the venv finds an installed torch package (looked up, not imported: importing takes
+# a second or more, and every training script runs this check; a folder left behind by an
+# uninstall, with no __init__.py, does not count).
+has_torch() { "$1" -c "import importlib.util as u, sys; s = u.find_spec('torch'); sys.exit(s is None or s.origin is None)" 2>/dev/null; }
 
 if [ ! -x "$VENV/bin/python" ]; then
-    if has_torch "$PYTHON"; then
+    if "$PYTHON" -c "import torch" 2>/dev/null; then  # once: reuse a torch that imports
         echo "[setup] $PYTHON already has torch $("$PYTHON" -c 'import torch; print(torch.__version__)'); the venv will reuse it"
         "$PYTHON" -m venv --system-site-packages "$VENV"
     else

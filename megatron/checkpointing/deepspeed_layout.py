@@ -10,8 +10,7 @@ The client state holds the iteration, the data position, the run's args and the 
 
 import os
 
-import torch
-from zero.checkpoint.files import load_failure_reason, model_states_name
+from zero.checkpoint.files import load_failure_reason, load_plain, model_states_name
 from zero.checkpoint.layout import read_latest
 from zero.checkpoint.stage3 import model_states_name as stage3_model_states_name
 
@@ -103,7 +102,7 @@ def _check_saved_args(model_states_path, run_args, fresh_optimizer):
     if not os.path.isfile(model_states_path):
         return  # the engine names what is missing
     try:
-        states = torch.load(model_states_path, map_location="cpu", weights_only=True, mmap=True)
+        states = load_plain(model_states_path, mmap=True)
     except Exception as exc:
         raise CheckpointError(f"cannot read checkpoint {model_states_path}: "
                               f"{load_failure_reason(exc)}. The file is corrupt or not a "

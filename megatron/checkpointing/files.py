@@ -7,12 +7,11 @@ leaves either the old file or the new one, never a partial one.
 
 import contextlib
 import os
-import zipfile
 
 import torch
 import torch.distributed as dist
 
-from zero.checkpoint.files import load_failure_reason
+from zero.checkpoint.files import load_failure_reason, load_plain
 
 from megatron.errors import CheckpointError
 from megatron.runtime.fault_injection import kill_point
@@ -75,14 +74,10 @@ def _fsync_dir(directory):
 
 
 def safe_load(path, mmap=False):
-    """Load a checkpoint file without executing pickled code. With `mmap` its tensors are
-    mapped from the file (privately: writing to them never reaches it) and read from it as
-    they are used: pages the kernel can drop again, where a read copies every tensor into
-    memory of the process's own. Files in torch's legacy (pre-1.6, not zip) format cannot be
-    mapped and are read."""
+    """Load a checkpoint file without executing pickled code; with `mmap`, mapped from the
+    file (privately; zero.checkpoint.files.load_plain)."""
     try:
-        mmap = mmap and zipfile.is_zipfile(path)
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return load_plain(path, mmap)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} does not exist") from None
     except Exception as exc:  # corrupt file or a pickle with code in it

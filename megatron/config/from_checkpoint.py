@@ -13,10 +13,9 @@ its value, and loading rejects it later when it disagrees with the checkpoint.
 
 import os
 
-import torch
-
 from megatron.checkpointing.megatron_layout import first_rank_checkpoint_name, read_tracker
 from megatron.errors import CheckpointError
+from zero.checkpoint.files import load_plain
 
 # Shape, vocab and tokenizer: what the model needs to be rebuilt as it was saved.
 FROM_CHECKPOINT = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -38,7 +37,7 @@ def saved_args_of(load_dir, deepspeed=False):
     if path is None or not os.path.isfile(path):
         return None  # a missing file is reported by the load itself, with its full context
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = load_plain(path, mmap=True)
     except Exception:  # noqa: BLE001 -- the load itself reports a damaged file properly
         return None
     saved = state.get("args") if isinstance(state, dict) else None

@@ -33,6 +33,7 @@ from megatron.convert.pipeline_layout import join_stages, stage_layer_numbers
 from megatron.errors import CheckpointError
 from megatron.model.gpt2_model import pipeline_layer_slots
 from megatron.model.tiling import join_tiled_weights
+from zero.checkpoint.files import load_plain
 
 _CLIENT_KEYS = ("iteration", "consumed_train_samples", "train_state", "random_rng_state",
                 "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states")
@@ -150,7 +151,7 @@ def _model_states(tag_dir, mp_rank, size=None):
                               "--deepspeed, or a rank's files are missing). Copy the missing "
                               "rank files, or convert another step")
     try:
-        states = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        states = load_plain(path, mmap=True)
     except Exception as e:  # noqa: BLE001 -- damaged file or not ours
         raise CheckpointError(f"cannot read {path}: {e}") from None
     if not isinstance(states.get("args"), dict) or "module" not in states:

@@ -1,19 +1,19 @@
 """`--load` of a Megatron-layout checkpoint saved at other tensor-parallel or pipeline sizes.
 
-Every rank reads all of the checkpoint's files (memory-mapped: page cache, not memory of its
-own), joins and merges them into the full model and optimizer state (the files are dropped
-then), and cuts out only the part its own tensor-parallel rank and pipeline stage hold
-(megatron/convert/reshard.py, pipeline_layout.py): the same conversion as
-tools/merge_mp_partitions.py, in memory. The data-parallel size is free in this layout.
+Every rank reads all of the checkpoint's files memory-mapped (page cache, not memory of its
+own), joins and merges them into the full model and optimizer state, and cuts out only the
+part its own tensor-parallel rank and pipeline stage hold (megatron/convert/reshard.py,
+pipeline_layout.py); the load then copies that part into the model and optimizer, and no
+mapping outlives it. The same conversion as tools/merge_mp_partitions.py, in memory. The
+data-parallel size is free in this layout.
 """
-
-import torch
 
 from megatron import mpu
 from megatron.checkpointing.megatron_layout import first_rank_checkpoint_name, read_tracker
 from megatron.convert.checkpoint_files import read_sharded_checkpoint
 from megatron.convert.pipeline_layout import split_stages
 from megatron.convert.reshard import check_target_stages, checkpoint_of_rank, resharded
+from zero.checkpoint.files import load_plain
 
 
 def saved_layout(load_dir):
@@ -23,8 +23,8 @@ def saved_layout(load_dir):
     if iteration is None:
         return None
     try:
-        args = torch.load(first_rank_checkpoint_name(load_dir, iteration, release),
-                          map_location="cpu", weights_only=True, mmap=True)["args"]
+        args = load_plain(first_rank_checkpoint_name(load_dir, iteration, release),
+                          mmap=True)["args"]
     except Exception:  # noqa: BLE001 -- the load itself reports a missing or damaged file
         return None
     return (args.get("model_parallel_size", 1), args.get("pipeline_model_parallel_size", 1),

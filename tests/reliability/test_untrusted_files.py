@@ -2,6 +2,7 @@
 error (Megatron layout, DeepSpeed layout, zero_to_fp32), and no reader in megatron/, zero/ or
 tools/ unpickles without torch's weights_only guard."""
 
+import mmap
 import os
 import re
 from pathlib import Path
@@ -41,9 +42,10 @@ def test_megatron_layout_refuses_code(corpus, tmp_path, capsys):
     save = tmp_path / "ckpt"
     _booby_trapped(save / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", marker)
     (save / "latest_checkpointed_iteration.txt").write_text("1")
-    for mmap in (False, True):  # conversion maps the files it reads
+    for mapped in (False, True):  # conversion maps the files it reads
         with pytest.raises(CheckpointError, match="not a plain-tensor checkpoint"):
-            safe_load(save / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", mmap=mmap)
+            safe_load(save / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt",
+                      mmap=mapped)
     assert pretrain_gpt2.main(trainer_argv(corpus, tmp_path / "log", 2, "--load", save)) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: cannot read checkpoint ") and "model_optim_rng.pt" in err
@@ -100,16 +102,23 @@ def test_no_reader_unpickles_without_weights_only():
     assert not problems, "\n".join(problems)
 
 
+def _is_mapped(path):
+    return any(line.rstrip().endswith(str(path)) for line in open("/proc/self/maps"))
+
+
 @pytest.mark.parametrize("zip_format", [True, False])
 def test_a_mapped_read_never_writes_the_file(tmp_path, zip_format):
     """Conversion reads checkpoint files memory-mapped (safe_load(mmap=True)) and works on
-    what it read in place: the file stays as saved. A file in torch's legacy format (not zip,
-    which cannot be mapped) is read whole instead."""
+    what it read in place: the file stays as saved, even where the process-wide default of
+    torch.load's mappings is shared. A file in torch's legacy format (not zip, which cannot
+    be mapped) is read whole instead."""
     path = tmp_path / "model_optim_rng.pt"
     torch.save({"model": {"w": torch.arange(4.0)}}, path,
                _use_new_zipfile_serialization=zip_format)
     saved = path.read_bytes()
-    loaded = safe_load(path, mmap=True)
+    with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+        loaded = safe_load(path, mmap=True)
+    assert _is_mapped(path) == zip_format
     loaded["model"]["w"].mul_(-1).add_(7)
     assert loaded["model"]["w"].tolist() == [7.0, 6.0, 5.0, 4.0]
     assert path.read_bytes() == saved

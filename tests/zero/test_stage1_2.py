@@ -9,6 +9,7 @@ import torch.distributed as dist
 import zero
 from tests.dist_utils import run_distributed
 from tests.zero import engine_cases as cases
+from zero.errors import ZeroError
 from zero.stages.flat_buffers import FlatLayout
 
 STEPS = 20
@@ -213,6 +214,17 @@ def test_a_step_without_backward_steps_on_zeros(stage, precision):
     difference, _ = _train_sometimes_unused(stage, precision, skip_backward=True)
     # bf16: rounding gives ~1e-3; a step on the last gradients gives ~3.5e-2
     assert difference < (1e-6 if precision == "fp32" else 5e-3), difference
+
+
+def test_a_step_after_backward_that_reduced_nothing_is_an_error():
+    """Stage 1 takes its partition gradients from the reducing backward: a step after
+    backward passes that all had reduce_gradients=False would drop their gradients, so it
+    says so instead of stepping on zeros."""
+    engine = cases.make_engine(cases.ds_config(1, gas=1))
+    tokens, labels = cases.global_batch(0, engine.train_batch_size())
+    engine.backward(engine(tokens, labels), reduce_gradients=False)
+    with pytest.raises(ZeroError, match="reduced no gradients"):
+        engine.step()
 
 
 def test_bf16_and_fp16_track_fp32_training(reference_losses):

@@ -4,7 +4,9 @@ reads, and the agreement of all ranks on a file operation."""
 
 import os
 import re
+import zipfile
 from collections import OrderedDict
+from mmap import MAP_PRIVATE
 
 import torch
 import torch.distributed as dist
@@ -64,9 +66,21 @@ def shared_params(module):
     return shared
 
 
+def load_plain(path, mmap=False):
+    """torch.load of a checkpoint file onto the CPU, refusing pickled code (weights_only).
+    With `mmap` its tensors are mapped from the file, privately whatever the process-wide
+    default (writing to them never reaches the file), and read as they are used: pages the
+    kernel can drop again. Files in torch's legacy format (before 1.6, not zip) cannot be
+    mapped and are read whole. torch's own exceptions pass through."""
+    if mmap and zipfile.is_zipfile(path):
+        with torch.serialization.set_default_mmap_options(MAP_PRIVATE):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def torch_load(path, mmap=False):
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return load_plain(path, mmap)
     except Exception as e:  # noqa: BLE001 -- truncated files, pickled classes, ...
         raise CheckpointError(f"cannot read {path}: {load_failure_reason(e)}. The file is "
                               "damaged or was not written "

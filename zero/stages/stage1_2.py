@@ -92,6 +92,7 @@ class ZeroOptimizer(PartitionedOptimizer):
         self._reducing = False
         self._releases_grads = self._releases_grads_after_step()
         self._grads_released = False
+        self._backward_since_step = False  # since the last zero_grad
 
     # ----- construction -----
 
@@ -187,6 +188,7 @@ class ZeroOptimizer(PartitionedOptimizer):
         """loss.backward() with loss scaling (or loss.backward(grad), `grad` already scaled);
         reduce over data parallel if `reduce_gradients` (stage 2 always reduces: it keeps no
         full gradients between micro-steps)."""
+        self._backward_since_step = True
         self._reducing = (reduce_gradients and not self.settings.external_reduction) \
             or self.settings.stage == 2
         if self.settings.stage < 2 and not self._grads_released:
@@ -232,6 +234,7 @@ class ZeroOptimizer(PartitionedOptimizer):
                     param.grad = None
         self._grads_released = self._releases_grads
         self._reduction.fresh_partition_grads = True
+        self._backward_since_step = False
 
     def step(self):
         """Unscale, check overflow, clip, step the partition, all-gather. False if skipped."""
@@ -257,8 +260,14 @@ class ZeroOptimizer(PartitionedOptimizer):
         """Stage 0 with 16-bit params: the fp32 master's grad is a copy of the reduced grads
         (already there when they were reduced in fp32). Stages 1 and 2 after a step with no
         backward since the last one: zeros, as stage 0 then has (what param.grad held, None
-        counting as zeros), not the partition gradients the last step used."""
+        counting as zeros), not the partition gradients the last step used; after backward
+        passes none of which reduced: an error (their gradients would be lost)."""
         nothing_reduced = self.settings.stage > 0 and self._reduction.fresh_partition_grads
+        if nothing_reduced and self._backward_since_step and self.groups:
+            raise ZeroError("step() after backward passes that reduced no gradients (each had "
+                            "reduce_gradients=False): at ZeRO stages 1 and 2 the optimizer's "
+                            "partitions get their gradients from the reducing backward. Let "
+                            "the step's last backward reduce (reduce_gradients=True or None)")
         for group in self.groups:
             if nothing_reduced:
                 group.master.grad.zero_()
