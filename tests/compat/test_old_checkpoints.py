@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,24 @@ def test_generation_from_old_checkpoints(fixtures, tmp_path):
             "--out-seq-length", "12", "--sample-input-file", str(prompts),
             "--sample-output-file", str(out)]) == 0
         assert [json.loads(line) for line in out.read_text().splitlines()] == expected
+
+
+def test_a_checkpoint_in_torchs_legacy_format_is_read_for_conversion(fixtures):
+    """Files torch.save wrote before torch 1.6 (not zip) cannot be memory-mapped: conversion
+    reads them whole, so `--load` still sees the layout they were saved at and converts them
+    to the same tensors as the zip files."""
+    from megatron.convert.checkpoint_files import read_sharded_checkpoint
+    from megatron.convert.online import saved_layout
+    zipped = fixtures / "checkpoints" / "megatron_bf16_tp2"
+    legacy = fixtures / "checkpoints" / "legacy_bf16_tp2"
+    shutil.copytree(zipped, legacy)
+    for path in legacy.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        torch.save(torch.load(path, weights_only=True), path,
+                   _use_new_zipfile_serialization=False)
+        assert not zipfile.is_zipfile(path)
+    assert saved_layout(str(legacy)) == saved_layout(str(zipped)) == (2, 1, None)
+    old, new = read_sharded_checkpoint(str(legacy)), read_sharded_checkpoint(str(zipped))
+    for rank, (a, b) in enumerate(zip(old.shards, new.shards)):
+        assert a["model"].keys() == b["model"].keys(), rank
+        for key in a["model"]:
+            torch.testing.assert_close(a["model"][key], b["model"][key], rtol=0, atol=0)
