@@ -62,11 +62,15 @@ def parameter_layout(name):
 def merge_shards(name, shards, split, check_replicas=True):
     """The full tensor from its tensor-parallel shards (one per rank, in rank order).
 
-    A replicated tensor is taken from rank 0; with check_replicas the others must agree.
+    A replicated tensor is taken from rank 0; with check_replicas the others must agree. The
+    one shard of a tensor-parallel size 1 is the full tensor itself (not a copy: it may be
+    mapped from its file, which a copy would turn into memory of the process's own).
     """
     if split == REPLICATED:
         if check_replicas:
             _check_replicas_agree(name, shards)
+        return shards[0]
+    if len(shards) == 1:
         return shards[0]
     return torch.cat(shards, dim=SPLIT_DIM[split])
 
