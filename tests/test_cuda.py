@@ -180,6 +180,11 @@ def test_a_stream_added_before_cuda_starts_gets_its_cuda_state_later(script):
     """Seeding before CUDA is initialised (as a CPU-first script does) neither initialises
     CUDA nor hands the tracked stream's seed to the default CUDA generator; CUDA started
     inside a fork does not make the stream a copy of the default generator."""
+    _run_in_a_fresh_process(script)
+
+
+def _run_in_a_fresh_process(script):
+    """Runs `script` in a new Python (where CUDA has not started) from the repository root."""
     import subprocess
     import sys
     from pathlib import Path
@@ -210,8 +215,4 @@ def test_converting_to_a_new_tensor_parallel_rank_seeds_cuda_only_where_saved_on
     """A rank that did not exist in the checkpoint gets a fresh dropout stream: a CUDA state
     seeded for that rank when the checkpoint was saved on a GPU, and none (and no CUDA
     context opened) when it was saved on the CPU."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    subprocess.run([sys.executable, "-c", _CONVERTED_FOR_A_NEW_RANK], check=True,
-                   cwd=Path(__file__).resolve().parents[1])
+    _run_in_a_fresh_process(_CONVERTED_FOR_A_NEW_RANK)
