@@ -92,7 +92,7 @@ class ZeroOptimizer(PartitionedOptimizer):
         self._reducing = False
         self._releases_grads = self._releases_grads_after_step()
         self._grads_released = False
-        self._backward_since_step = False  # since the last zero_grad
+        self._backward_since_zero_grad = False
 
     # ----- construction -----
 
@@ -188,7 +188,7 @@ class ZeroOptimizer(PartitionedOptimizer):
         """loss.backward() with loss scaling (or loss.backward(grad), `grad` already scaled);
         reduce over data parallel if `reduce_gradients` (stage 2 always reduces: it keeps no
         full gradients between micro-steps)."""
-        self._backward_since_step = True
+        self._backward_since_zero_grad = True
         self._reducing = (reduce_gradients and not self.settings.external_reduction) \
             or self.settings.stage == 2
         if self.settings.stage < 2 and not self._grads_released:
@@ -234,10 +234,17 @@ class ZeroOptimizer(PartitionedOptimizer):
                     param.grad = None
         self._grads_released = self._releases_grads
         self._reduction.fresh_partition_grads = True
-        self._backward_since_step = False
+        self._backward_since_zero_grad = False
 
     def step(self):
         """Unscale, check overflow, clip, step the partition, all-gather. False if skipped."""
+        if self._nothing_reduced_since_zero_grad() and self._backward_since_zero_grad \
+                and self.groups:
+            raise ZeroError("step() after backward passes that reduced no gradients (each had "
+                            "reduce_gradients=False): at ZeRO stages 1 and 2 the optimizer's "
+                            "partitions get their gradients from the reducing backward, so "
+                            "theirs would be lost. Let the step's last backward reduce "
+                            "(reduce_gradients=True or None)")
         if self.settings.stage < 2:
             # the buffer holds what param.grad holds (zeros where None): gradients set by
             # hand after backward reach the masters where they read the buffer here (stage 0,
@@ -256,18 +263,16 @@ class ZeroOptimizer(PartitionedOptimizer):
         self.masters.step(self._write_own_chunks)
         self._all_gather_own_chunks()
 
+    def _nothing_reduced_since_zero_grad(self):
+        """Stages 1 and 2: no backward has reduced into the partition gradients this step."""
+        return self.settings.stage > 0 and self._reduction.fresh_partition_grads
+
     def _stage_master_grads(self):
         """Stage 0 with 16-bit params: the fp32 master's grad is a copy of the reduced grads
         (already there when they were reduced in fp32). Stages 1 and 2 after a step with no
         backward since the last one: zeros, as stage 0 then has (what param.grad held, None
-        counting as zeros), not the partition gradients the last step used; after backward
-        passes none of which reduced: an error (their gradients would be lost)."""
-        nothing_reduced = self.settings.stage > 0 and self._reduction.fresh_partition_grads
-        if nothing_reduced and self._backward_since_step and self.groups:
-            raise ZeroError("step() after backward passes that reduced no gradients (each had "
-                            "reduce_gradients=False): at ZeRO stages 1 and 2 the optimizer's "
-                            "partitions get their gradients from the reducing backward. Let "
-                            "the step's last backward reduce (reduce_gradients=True or None)")
+        counting as zeros), not the partition gradients the last step used."""
+        nothing_reduced = self._nothing_reduced_since_zero_grad()
         for group in self.groups:
             if nothing_reduced:
                 group.master.grad.zero_()
