@@ -33,6 +33,7 @@ from zero.offload.state_store import STATE_NAMES, NvmeStateStore, ResidentStateS
 from zero.offload.swap_dir import (agree_on_errors, check_nvme_path, fresh_swap_dir,
                                    remove_swap_dir, swap_dir_for)
 from zero.ops.cpu_adam import CPUAdam
+from zero.stages.masters import divide_grads
 
 logger = logging.getLogger("zero.offload")
 
@@ -155,7 +156,9 @@ class HostMasters:
             return
         self.store.write_range(key, "master", lo, values)
 
-    def step(self, write_back):
+    def step(self, write_back, grad_divisor=1.0):
+        if self._own_state:  # Adam8bit/4bit take no divisor
+            divide_grads(self.masters, grad_divisor)
         if self._own_state and self.store is None:
             self.optimizer.step()
             self.publish(write_back)
@@ -177,13 +180,14 @@ class HostMasters:
         # and the learning-rate schedule writes to the current ones
         group_of = {id(p): group for group in self.optimizer.param_groups
                     for p in group["params"]}
+        grad_scale = torch.tensor(grad_divisor) if grad_divisor != 1.0 else None
         for key, master in enumerate(self.masters):
             step = self.store.step_tensor(key)
             step += 1
             grad = master.grad
             for sub in self.store.sub_groups(key):
                 CPUAdam.update(sub.master, grad[sub.lo:sub.hi], sub.state(step),
-                               group_of[id(master)],
+                               group_of[id(master)], grad_scale=grad_scale,
                                on_tile=lambda lo, hi, updated, key=key, base=sub.lo:
                                write_back(key, base + lo, updated))
 

@@ -25,19 +25,22 @@ TILE_NUMEL = 1 << 20  # elements per tile when the update also writes a copy (4 
 
 def adam_update(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps,
                 weight_decay=0.0, adamw_mode=True, bias_correction=True, on_tile=None,
-                tile_numel=TILE_NUMEL):
+                tile_numel=TILE_NUMEL, grad_scale=None):
     """One Adam(W) update of same-shape CPU tensors, in place.
 
     `step` is a float32 scalar tensor that already counts this update (1 for the first).
     `on_tile(lo, hi, updated)` is called with each updated tile `param.view(-1)[lo:hi]` right
     after it is computed (for the 16-bit or device copy); tiles are `tile_numel` elements.
+    `grad_scale` (a float32 scalar tensor, or None): the kernel steps on grad / grad_scale,
+    leaving that in `grad` (how a loss scale and the clip are applied without a pass of
+    their own).
     """
     if not bias_correction:
         lr, eps, weight_decay = _uncorrected(float(step), lr, beta1, beta2, eps, weight_decay,
                                              adamw_mode)
     kernel = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
     options = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                   amsgrad=False, maximize=False)
+                   amsgrad=False, maximize=False, grad_scale=grad_scale)
     if on_tile is None:
         kernel([param], [grad], [exp_avg], [exp_avg_sq], [], [step], **options)
         return
@@ -148,8 +151,9 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
     @staticmethod
-    def update(param, grad, state, group, on_tile=None):
-        """Step `param` with `grad` under `group`'s hyperparameters (state["step"] counted)."""
+    def update(param, grad, state, group, on_tile=None, grad_scale=None):
+        """Step `param` with `grad` (/ `grad_scale`, a scalar tensor, if given) under
+        `group`'s hyperparameters (state["step"] counted)."""
         beta1, beta2 = group["betas"]
         options = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                        weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
@@ -157,7 +161,7 @@ class CPUAdam(torch.optim.Optimizer):
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         if param.dtype == exp_avg.dtype == grad.dtype:
             adam_update(param, grad, exp_avg, exp_avg_sq, state["step"], on_tile=on_tile,
-                        **options)
+                        grad_scale=grad_scale, **options)
             return
         # 16-bit params (or grads) with fp32 states: update fp32 tiles, write them back rounded
         flat_param = param.view(-1)
@@ -171,7 +175,7 @@ class CPUAdam(torch.optim.Optimizer):
             p32 = flat_param[lo:hi].to(exp_avg.dtype)
             g32 = grad.reshape(-1)[lo:hi].to(exp_avg.dtype)
             adam_update(p32, g32, exp_avg.view(-1)[lo:hi], exp_avg_sq.view(-1)[lo:hi],
-                        state["step"], **options)
+                        state["step"], grad_scale=grad_scale, **options)
             write_back(lo, hi, p32)
 
 

@@ -19,7 +19,11 @@ The protocol both follow, in the order a stage uses it:
     optimizer = store.finish(optimizer)                     once every master is in the torch
                  optimizer's param groups; returns the optimizer the stage steps through
     store.write(key, lo, values)       master elements [lo, lo + n) <- values (the partition)
-    store.step(write_back)             one optimizer step; write_back(key, lo, updated) gets
+    store.step(write_back, grad_divisor)
+                                       one optimizer step on the masters' gradients divided
+                                       by grad_divisor (the loss scale and the clip, inside
+                                       the Adam kernel where it takes it: one pass fewer over
+                                       the gradients); write_back(key, lo, updated) gets
                                        every updated range (not for aliased masters)
     store.publish(write_back)          write_back every master (after a checkpoint load)
     read_master / state_dict / restore_target / commit / load_state_dict   checkpoints
@@ -63,9 +67,25 @@ class DeviceMasters:
         if not self.aliased[key]:
             self.masters[key].narrow(0, lo, values.numel()).copy_(values.reshape(-1))
 
-    def step(self, write_back):
-        self.optimizer.step()
+    def step(self, write_back, grad_divisor=1.0):
+        if grad_divisor != 1.0 and self._fused_adam():
+            # what torch's GradScaler hands the fused kernel: grads / grad_scale as it reads them
+            device = self.masters[0].device
+            self.optimizer.grad_scale = torch.full((), grad_divisor, device=device)
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale
+        else:
+            divide_grads(self.masters, grad_divisor)
+            self.optimizer.step()
         self.publish(write_back)
+
+    def _fused_adam(self):
+        """Whether the optimizer is torch's fused Adam(W) in every group (checked at each step:
+        a checkpoint load replaces the group dicts)."""
+        return type(self.optimizer) in (torch.optim.Adam, torch.optim.AdamW) \
+            and all(group.get("fused") for group in self.optimizer.param_groups)
 
     @torch.no_grad()
     def publish(self, write_back):
@@ -101,3 +121,11 @@ class DeviceMasters:
 
     def close(self):
         pass
+
+
+@torch.no_grad()
+def divide_grads(masters, divisor):
+    """masters' gradients /= divisor, for an optimizer that cannot take the divisor itself."""
+    if divisor != 1.0:
+        for master in masters:
+            master.grad.mul_(1.0 / divisor)

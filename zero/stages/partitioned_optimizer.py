@@ -6,8 +6,8 @@ checkpoint hooks into their master store.
 A subclass sets `optimizer`, `masters` (its master store, zero/stages/masters.py),
 `loss_scaler` (None unless fp16), `settings.gradient_clipping`, `dp_comm` and `mp_comm`
 (zero.comm.communicator.Communicator; None without tensor parallelism), `pp_comm` (None
-without pipeline parallelism), `partition_count`,
-and provides `zero_grad()`, `_step_partitions()` and `_partition_pieces(rank)`.
+without pipeline parallelism), `partition_count`, and provides `zero_grad()`,
+`_step_partitions(grad_divisor)` and `_partition_pieces(rank)`.
 """
 
 import math
@@ -101,11 +101,12 @@ class PartitionedOptimizer:
         norm_sq, overflow = packed.tolist()
         return norm_sq, overflow > 0 or not math.isfinite(norm_sq)
 
-    def _finish_step(self, norm_sq, overflow, master_grads, fold=1.0):
-        """Skip the step on inf/nan gradients, else unscale and clip the fp32 gradients in one
-        multiply, step, and let the loss scaler know. `norm_sq` is the squared global norm of
-        the loss-scaled gradient (over DP and TP), `fold` a factor the gradients still carry
-        (stage 1/2 post-division). False if the step was skipped.
+    def _finish_step(self, norm_sq, overflow, fold=1.0):
+        """Skip the step on inf/nan gradients, else step on the fp32 gradients unscaled and
+        clipped (one divisor, which the masters' Adam kernel applies as it reads them) and let
+        the loss scaler know. `norm_sq` is the squared global norm of the loss-scaled gradient
+        (over DP and TP), `fold` a factor the gradients still carry (stage 1/2
+        post-division). False if the step was skipped.
 
         inf/nan gradients are skipped in every precision: with fp16 they mean "scale too high"
         (back off), in fp32/bf16 a NaN loss; stepping would poison the weights.
@@ -124,11 +125,7 @@ class PartitionedOptimizer:
             coefficient = (self.global_grad_norm + 1e-6) / clip
             if coefficient > 1:
                 combined = coefficient * scale
-        multiplier = fold / combined
-        if multiplier != 1.0:
-            for grad in master_grads:
-                grad.mul_(multiplier)
-        self._step_partitions()
+        self._step_partitions(combined / fold)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         return True

@@ -254,13 +254,12 @@ class ZeroOptimizer(PartitionedOptimizer):
         self._stage_master_grads()
         norm_sq, overflow = self._reduced_grad_norm_sq()
         fold = self._post_factor if self.settings.stage > 0 else 1.0
-        return self._finish_step(norm_sq, overflow, [group.master.grad for group in self.groups],
-                                 fold)
+        return self._finish_step(norm_sq, overflow, fold)
 
-    def _step_partitions(self):
-        """Step the fp32 partitions; each updated range goes into this rank's chunks of the
-        model's flat buffers, which are then all-gathered."""
-        self.masters.step(self._write_own_chunks)
+    def _step_partitions(self, grad_divisor):
+        """Step the fp32 partitions on their gradients / grad_divisor; each updated range goes
+        into this rank's chunks of the model's flat buffers, which are then all-gathered."""
+        self.masters.step(self._write_own_chunks, grad_divisor)
         self._all_gather_own_chunks()
 
     def _nothing_reduced_since_zero_grad(self):

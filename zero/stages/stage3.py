@@ -367,14 +367,14 @@ class Stage3Optimizer(PartitionedOptimizer):
         self.coordinator.end_step()
         self._ensure_gradients()
         norm_sq, overflow = self._grad_norm_sq()
-        return self._finish_step(norm_sq, overflow,
-                                 [sub_group.master.grad for sub_group in self.sub_groups])
+        return self._finish_step(norm_sq, overflow)
 
-    def _step_partitions(self):
-        """Step the fp32 masters; each updated range goes straight into the partitions (flat
-        buffer, or the shards' swap files, written in the background)."""
+    def _step_partitions(self, grad_divisor):
+        """Step the fp32 masters on their gradients / grad_divisor; each updated range goes
+        straight into the partitions (flat buffer, or the shards' swap files, written in the
+        background)."""
         pending = []
-        self.masters.step(partial(self._write_partition, pending))
+        self.masters.step(partial(self._write_partition, pending), grad_divisor)
         for p in pending:
             p.wait()
 
