@@ -216,3 +216,13 @@ def test_converting_to_a_new_tensor_parallel_rank_seeds_cuda_only_where_saved_on
     seeded for that rank when the checkpoint was saved on a GPU, and none (and no CUDA
     context opened) when it was saved on the CPU."""
     _run_in_a_fresh_process(_CONVERTED_FOR_A_NEW_RANK)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("stage,offload", [(0, None), (2, None), (3, None), (2, "cpu")])
+def test_the_optimizer_on_cuda_steps_on_the_unscaled_clipped_gradient(precision, stage,
+                                                                     offload):
+    """Fused Adam on the GPU (or CPUAdam on offloaded masters) divides the loss scale and
+    the clip out as it reads the gradients: the first moment is the clipped gradient's."""
+    engine = cases.check_first_step_moment(precision, stage, offload, "fused AdamW", clip=0.05)
+    assert engine.device.type == "cuda"

@@ -111,7 +111,7 @@ def _load_sharded(sharded, source_format, vocab_size, tokenizer_files):
     vocab_size = resolve_vocab_size(sharded.args, vocab_size, tokenizer_files)
     full = merge_checkpoint(sharded, vocab_size)
     resize_vocab(full, vocab_size)
-    return ModelWeights(full.model, _model_args(sharded.args, vocab_size), source_format,
+    return ModelWeights(dict(full.model), _model_args(sharded.args, vocab_size), source_format,
                         int(full.common.get("iteration", 0)))
 
 

@@ -1,8 +1,8 @@
 """`--load` of a Megatron-layout checkpoint saved at other tensor-parallel or pipeline sizes.
 
 Every rank reads all of the checkpoint's files memory-mapped (page cache, not memory of its
-own), joins and merges them into the full model and optimizer state, and cuts out only the
-part its own tensor-parallel rank and pipeline stage hold (megatron/convert/reshard.py,
+own) and, one tensor at a time, merges the full tensor and cuts out only the part its own
+tensor-parallel rank and pipeline stage hold (megatron/convert/reshard.py,
 pipeline_layout.py); the load then copies that part into the model and optimizer, and no
 mapping outlives it. The same conversion as tools/merge_mp_partitions.py, in memory. The
 data-parallel size is free in this layout.
@@ -42,10 +42,9 @@ def convert_for_this_rank(load_dir, layers_per_virtual_stage=None):
         return None
     sharded = read_sharded_checkpoint(load_dir)
     check_target_stages(sharded.args, stages)
-    full, _ = resharded(sharded, tp)
-    del sharded  # the files' contents: the full form holds what is needed from here on
+    full, _ = resharded(sharded, tp)  # merges nothing yet: each tensor as it is cut
     mine = checkpoint_of_rank(full, tp, mpu.get_model_parallel_rank())
-    del full
+    del full, sharded
     files = split_stages(mine, stages, ours[2])
     note = (f"--load {load_dir} was saved at {_describe(saved)}; converted to "
             f"{_describe(ours)} as it loaded (weights, optimizer state, schedule)")

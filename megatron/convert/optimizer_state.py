@@ -20,10 +20,11 @@ tensor-parallel size, so the param_groups (hyper-parameters and indices) carry o
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Mapping, Optional
 
 import torch
 
+from megatron.convert.deferred import Deferred
 from megatron.convert.tp_layout import REPLICATED, merge_shards, parameter_layout, shard_of
 from megatron.errors import CheckpointError
 from zero.optim.quantized_state import decode_parameter_entry, is_quantized
@@ -33,8 +34,9 @@ from zero.optim.quantized_state import decode_parameter_entry, is_quantized
 class FullOptimizerState:
     param_groups: List[dict]          # rank 0's AdamW param_groups, indices included
     group_names: List[List[str]]      # the parameter name behind each index, group by group
-    moments: Dict[str, Optional[dict]]  # name -> {"step": scalar, "exp_avg": full, ...} or None
-    masters: Dict[str, Optional[torch.Tensor]]  # name -> full fp32 master (None: fp32 param)
+    # merged as they are read (megatron/convert/deferred.py):
+    moments: Mapping[str, Optional[dict]]  # name -> {"step": scalar, "exp_avg": full, ...}/None
+    masters: Mapping[str, Optional[torch.Tensor]]  # name -> full fp32 master (None: fp32 param)
     grad_scaler: Any
 
 
@@ -50,19 +52,25 @@ def merge_optimizer_states(states, models):
     group_names = optimizer_group_names(list(models[0]))
     param_groups = states[0]["optimizer"]["param_groups"]
     _check_groups(group_names, param_groups)
-    moments, masters = {}, {}
-    for group_index, names in enumerate(group_names):
-        indices = param_groups[group_index]["params"]
-        for position, (name, index) in enumerate(zip(names, indices)):
-            shard_models = [model[name] for model in models]
-            per_rank = [state["optimizer"]["state"].get(index) for state in states]
-            moments[name] = _merge_moments(name, per_rank, shard_models)
-            saved = [state.get("fp32_from_fp16_params") for state in states]
-            per_rank_masters = [None if s is None else s[group_index][position] for s in saved]
-            masters[name] = _merge_tensors(name, "fp32 master", per_rank_masters, shard_models,
-                                           check_replicas=True)
-    return FullOptimizerState(param_groups, group_names, moments, masters,
-                              states[0].get("grad_scaler"))
+    # (group, position in it, state index) of each parameter
+    where = {name: (group_index, position, index)
+             for group_index, names in enumerate(group_names)
+             for position, (name, index) in enumerate(zip(names, param_groups[group_index]
+                                                          ["params"]))}
+    saved_masters = [state.get("fp32_from_fp16_params") for state in states]
+
+    def moments(name):
+        per_rank = [state["optimizer"]["state"].get(where[name][2]) for state in states]
+        return _merge_moments(name, per_rank, [model[name] for model in models])
+
+    def master(name):
+        group_index, position, _ = where[name]
+        per_rank = [None if saved is None else saved[group_index][position]
+                    for saved in saved_masters]
+        return _merge_tensors(name, "fp32 master", per_rank, [model[name] for model in models],
+                              check_replicas=True)
+    return FullOptimizerState(param_groups, group_names, Deferred(where, moments),
+                              Deferred(where, master), states[0].get("grad_scaler"))
 
 
 def _check_groups(group_names, param_groups):
@@ -115,41 +123,40 @@ def _merge_tensors(name, what, tensors, shard_models, check_replicas):
 
 def map_optimizer_tensors(full, name, function):
     """Apply `function` to every parameter-shaped tensor of `name` (e.g. a vocab resize)."""
-    if full.masters.get(name) is not None:
-        full.masters[name] = function(full.masters[name])
-    moments = full.moments.get(name)
-    if moments is not None:
-        for key, value in moments.items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                moments[key] = function(value)
+    full.masters.then(name, lambda master: None if master is None else function(master))
+    full.moments.then(name, lambda moments: None if moments is None else {
+        key: function(value) if torch.is_tensor(value) and value.dim() > 0 else value
+        for key, value in moments.items()})
 
 
-def split_optimizer_state(full, num_partitions):
-    """One saved optimizer state dict per target rank."""
-    return [optimizer_state_of(full, num_partitions, rank) for rank in range(num_partitions)]
-
-
-def optimizer_state_of(full, num_partitions, rank):
-    """The saved optimizer state dict of target rank `rank` among `num_partitions`."""
-    adam_state, masters = {}, []
+def optimizer_states_of(full, num_partitions, ranks):
+    """The saved optimizer state dict of each target rank in `ranks` among `num_partitions`;
+    each full tensor is merged once (and held only while it is cut)."""
+    ranks = list(ranks)
+    adam_states = [{} for _ in ranks]
+    masters = [[] for _ in ranks]
     for group, names in zip(full.param_groups, full.group_names):
+        for per_rank in masters:
+            per_rank.append([])
         for index, name in zip(group["params"], names):
             split = parameter_layout(name).split
-            moments = _moments_of(full.moments[name], split, num_partitions, rank)
+            moments = full.moments[name]
             if moments is not None:
-                adam_state[index] = moments
-        masters.append([None if full.masters[name] is None else
-                        shard_of(full.masters[name], parameter_layout(name).split,
-                                 num_partitions, rank) for name in names])
-    return {"optimizer": {"state": adam_state, "param_groups": copy.deepcopy(full.param_groups)},
-            "fp32_from_fp16_params": masters,
-            "grad_scaler": copy.deepcopy(full.grad_scaler)}
+                for state, rank in zip(adam_states, ranks):
+                    state[index] = _moments_of(moments, split, num_partitions, rank)
+            del moments
+            master = full.masters[name]
+            for per_rank, rank in zip(masters, ranks):
+                per_rank[-1].append(None if master is None else
+                                    shard_of(master, split, num_partitions, rank))
+            del master
+    return [{"optimizer": {"state": state, "param_groups": copy.deepcopy(full.param_groups)},
+             "fp32_from_fp16_params": per_rank, "grad_scaler": copy.deepcopy(full.grad_scaler)}
+            for state, per_rank in zip(adam_states, masters)]
 
 
 def _moments_of(moments, split, num_partitions, rank):
-    """{"step": ..., "exp_avg": shard, ...} of one rank, or None if never stepped."""
-    if moments is None:
-        return None
+    """{"step": ..., "exp_avg": shard, ...} of one rank."""
     return {key: shard_of(value, split, num_partitions, rank)
             if torch.is_tensor(value) and value.dim() > 0 else
             (value.clone() if torch.is_tensor(value) else value)

@@ -20,14 +20,15 @@ exist get a fresh stream seeded as `mpu.model_parallel_cuda_manual_seed` seeds t
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional
+from typing import List, Mapping, NamedTuple, Optional
 
 import torch
 
 from megatron.checkpointing.megatron_layout import to_flat_state_dict, to_nested_state_dict
 from megatron.convert.checkpoint_files import read_sharded_checkpoint, write_sharded_checkpoint
+from megatron.convert.deferred import Deferred
 from megatron.convert.optimizer_state import (FullOptimizerState, map_optimizer_tensors,
-                                              merge_optimizer_states, optimizer_state_of)
+                                              merge_optimizer_states, optimizer_states_of)
 from megatron.convert.tp_layout import (WORD_EMBEDDINGS, merge_shards, parameter_layout,
                                         resize_vocab_rows, shard_of)
 from megatron.errors import CheckpointError, ConfigError
@@ -41,8 +42,10 @@ _PER_RANK_KEYS = ("model", "optimizer", "rng_tracker_states")
 
 @dataclass
 class FullCheckpoint:
-    """A checkpoint with every tensor whole, independent of the TP size it was saved at."""
-    model: Dict[str, torch.Tensor]    # flat keys; word embeddings [padded vocab, h]
+    """A checkpoint with every tensor whole, independent of the TP size it was saved at. The
+    tensors are merged from the files' shards as they are read (megatron/convert/deferred.py),
+    so a rank converting as it loads holds one full tensor at a time."""
+    model: Mapping[str, torch.Tensor]  # flat keys; word embeddings [padded vocab, h]
     vocab_size: int                   # real tokens: the leading rows of the word embeddings
     optimizer: Optional[FullOptimizerState]
     common: dict                      # iteration, args, lr_scheduler, train_state, RNG, ...
@@ -54,7 +57,7 @@ class FullCheckpoint:
 
     @property
     def padded_vocab_size(self):
-        return self.model[WORD_EMBEDDINGS].shape[0]
+        return self.args["padded_vocab_size"]
 
 
 def merge_checkpoint(sharded, vocab_size):
@@ -64,8 +67,9 @@ def merge_checkpoint(sharded, vocab_size):
         if list(model) != list(models[0]):
             raise CheckpointError(f"mp_rank_{rank:02d} holds other parameters than mp_rank_00; "
                                   "the shards do not come from one model")
-    full_model = {name: merge_shards(name, [m[name] for m in models],
-                                     parameter_layout(name).split) for name in models[0]}
+    splits = {name: parameter_layout(name).split for name in models[0]}
+    full_model = Deferred(models[0], lambda name: merge_shards(
+        name, [model[name] for model in models], splits[name]))
     optimizer = None
     with_optimizer = ["optimizer" in shard for shard in sharded.shards]
     if any(with_optimizer) and not all(with_optimizer):
@@ -75,22 +79,22 @@ def merge_checkpoint(sharded, vocab_size):
     if all(with_optimizer):
         optimizer = merge_optimizer_states([s["optimizer"] for s in sharded.shards], models)
     common = {k: v for k, v in sharded.shards[0].items() if k not in _PER_RANK_KEYS}
-    trackers = [s["rng_tracker_states"] for s in sharded.shards if "rng_tracker_states" in s]
-    full = FullCheckpoint(full_model, vocab_size, optimizer, common, trackers)
-    rows = full.padded_vocab_size
-    if rows < vocab_size or rows != full.args.get("padded_vocab_size", rows):
+    rows = sum(model[WORD_EMBEDDINGS].shape[0] for model in models)
+    args = common["args"]
+    if rows < vocab_size or rows != args.get("padded_vocab_size", rows):
         raise CheckpointError(f"the word embeddings have {rows} rows, but the checkpoint's "
-                              f"args say padded_vocab_size {full.args.get('padded_vocab_size')}"
+                              f"args say padded_vocab_size {args.get('padded_vocab_size')}"
                               f" and the vocab has {vocab_size} tokens")
-    return full
+    common["args"] = dict(args, padded_vocab_size=rows)
+    trackers = [s["rng_tracker_states"] for s in sharded.shards if "rng_tracker_states" in s]
+    return FullCheckpoint(full_model, vocab_size, optimizer, common, trackers)
 
 
 def resize_vocab(full, padded_vocab_size):
     """Re-pad the word embeddings (weights, fp32 master, Adam moments) to a new size."""
     if padded_vocab_size < full.vocab_size:
         raise ValueError(f"padded vocab {padded_vocab_size} < vocab {full.vocab_size}")
-    full.model[WORD_EMBEDDINGS] = resize_vocab_rows(full.model[WORD_EMBEDDINGS],
-                                                    padded_vocab_size)
+    full.model.then(WORD_EMBEDDINGS, lambda t: resize_vocab_rows(t, padded_vocab_size))
     if full.optimizer is not None:
         map_optimizer_tensors(full.optimizer, WORD_EMBEDDINGS,
                               lambda t: resize_vocab_rows(t, padded_vocab_size))
@@ -99,22 +103,37 @@ def resize_vocab(full, padded_vocab_size):
 
 def split_checkpoint(full, target_tp):
     """The model_optim_rng.pt contents of each of `target_tp` ranks."""
-    return [checkpoint_of_rank(full, target_tp, rank) for rank in range(target_tp)]
+    return checkpoints_of_ranks(full, target_tp, range(target_tp))
 
 
 def checkpoint_of_rank(full, target_tp, rank):
-    """The model_optim_rng.pt contents of rank `rank` of `target_tp` (only its shards are
-    made: a rank converting as it loads holds the full form and its own part, not every
-    rank's)."""
-    shard = dict(full.common, args=dict(full.args, model_parallel_size=target_tp))
-    shard["model"] = to_nested_state_dict({
-        name: shard_of(tensor, parameter_layout(name).split, target_tp, rank)
-        for name, tensor in full.model.items()})
-    if full.optimizer is not None:
-        shard["optimizer"] = optimizer_state_of(full.optimizer, target_tp, rank)
-    if full.rng_tracker_states:
-        shard["rng_tracker_states"] = _tracker_states_for_rank(full, rank)
-    return shard
+    """The model_optim_rng.pt contents of rank `rank` of `target_tp` (a rank converting as it
+    loads makes its own shards only, one full tensor at a time)."""
+    return checkpoints_of_ranks(full, target_tp, [rank])[0]
+
+
+def checkpoints_of_ranks(full, target_tp, ranks):
+    """The model_optim_rng.pt contents of each rank in `ranks` of `target_tp`: each full
+    tensor is merged once and cut for all of them."""
+    ranks = list(ranks)
+    models = [{} for _ in ranks]
+    for name, tensor in full.model.items():
+        split = parameter_layout(name).split
+        for model, rank in zip(models, ranks):
+            model[name] = shard_of(tensor, split, target_tp, rank)
+        del tensor  # before the next name's is merged
+    optimizers = optimizer_states_of(full.optimizer, target_tp, ranks) \
+        if full.optimizer is not None else [None] * len(ranks)
+    shards = []
+    for rank, model, optimizer in zip(ranks, models, optimizers):
+        shard = dict(full.common, args=dict(full.args, model_parallel_size=target_tp))
+        shard["model"] = to_nested_state_dict(model)
+        if optimizer is not None:
+            shard["optimizer"] = optimizer
+        if full.rng_tracker_states:
+            shard["rng_tracker_states"] = _tracker_states_for_rank(full, rank)
+        shards.append(shard)
+    return shards
 
 
 def _tracker_states_for_rank(full, rank):
@@ -194,7 +213,7 @@ def unsharded_state_dict(load_dir, iteration=None, vocab_size=None, tokenizer_fi
     """
     full = load_unsharded_checkpoint(load_dir, iteration, vocab_size, tokenizer_files)
     resize_vocab(full, full.vocab_size)
-    return full.model
+    return dict(full.model)
 
 
 def check_target_size(args, target_tp):

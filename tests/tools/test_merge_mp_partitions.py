@@ -404,6 +404,33 @@ def test_a_rank_converting_as_it_loads_cuts_only_its_own_shards(tp2_run, tmp_pat
     _assert_same(_flatten(mine), _shards(_convert(tp2_run["save"], str(tmp_path / "t"), 4))[1])
 
 
+def test_a_rank_converting_as_it_loads_holds_one_full_tensor_at_a_time(tp2_run, tmp_path,
+                                                                       monkeypatch):
+    """TP=2 -> 4: each full tensor is merged when it is cut and dropped before the next, so a
+    rank holds its shards and one parameter's full tensors (its two Adam moments at most),
+    not the whole model and optimizer state (one more checkpoint in memory)."""
+    import weakref
+    from megatron.convert import online, optimizer_state, reshard, tp_layout
+    merged, most_alive = [], [0]
+
+    def recording_merge_shards(name, shards, split, **options):
+        full = tp_layout.merge_shards(name, shards, split, **options)
+        if not any(full is shard for shard in shards):  # a copy, not a file's tensor
+            merged.append(weakref.ref(full))
+            most_alive[0] = max(most_alive[0], sum(ref() is not None for ref in merged))
+        return full
+    for module in (reshard, optimizer_state):
+        monkeypatch.setattr(module, "merge_shards", recording_merge_shards)
+    mpu.set_model_parallel_world_size(4)
+    mpu.set_model_parallel_rank(1)
+    try:
+        mine, _ = online.convert_for_this_rank(tp2_run["save"])
+    finally:
+        mpu.destroy_model_parallel()
+    assert len(merged) > 10 and most_alive[0] == 2  # exp_avg with exp_avg_sq
+    _assert_same(_flatten(mine), _shards(_convert(tp2_run["save"], str(tmp_path / "t"), 4))[1])
+
+
 def test_tp1_checkpoint_loaded_by_tp_rank_1_names_the_tool(tp2_run, tmp_path):
     merged = _convert(tp2_run["save"], str(tmp_path / "m"), 1)
     checkpoint = SimpleNamespace(load=merged, save=None)

@@ -5,6 +5,7 @@ AdamW, torch's clip_grad_norm_), so engine results are compared against independ
 Functions run inside `tests/dist_utils.run_distributed` workers are module-level here.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -140,3 +141,44 @@ def fp32_weights(engine):
         for param, offset, numel in zip(group.params, group.layout.offsets, group.layout.numels):
             result[names[param]] = flat[offset:offset + numel].view(param.shape).clone()
     return result
+
+
+# (optimizer section or a client optimizer, the state tensor that holds the first step's
+# gradient times a factor, the factor). Fused Adam takes the divisor inside its kernel,
+# CPUAdam (offload) too; foreach Adam and SGD get gradients divided beforehand.
+FIRST_STEP_STATES = {
+    "fused AdamW": ({"type": "AdamW", "params": {"lr": 1e-3}}, "exp_avg", 0.1),
+    "foreach AdamW": (lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True),
+                      "exp_avg", 0.1),
+    "SGD": ({"type": "SGD", "params": {"lr": 1e-3, "momentum": 0.9}}, "momentum_buffer", 1.0),
+}
+
+
+def check_first_step_moment(precision, stage, offload, optimizer, clip):
+    """One engine step, then the optimizer state that holds the gradient it stepped on (Adam's
+    first moment, SGD's momentum) must have the gradient's global norm (fp16: without the
+    loss scale), or the clip when that is lower: a wrong loss scale or clip shows here, where
+    Adam's losses hardly move. Returns the engine."""
+    section, name, factor = FIRST_STEP_STATES[optimizer]
+    zero_section = {"stage": stage, "reduce_bucket_size": 300}
+    if offload:
+        zero_section["offload_optimizer"] = {"device": offload}
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": clip,
+              "zero_optimization": zero_section, "zero_allow_untested_optimizer": True}
+    if precision != "fp32":
+        config[precision] = {"enabled": True, **({"initial_scale_power": 8}
+                                                 if precision == "fp16" else {})}
+    client = section if callable(section) else None
+    if client is None:
+        config["optimizer"] = section
+    engine, *_ = zero.initialize(model=make_model(), config=config, optimizer=client)
+    tokens, labels = global_batch(0, 4)
+    engine.backward(engine(tokens.to(engine.device), labels.to(engine.device)))
+    engine.step()
+    assert engine.skipped_steps == 0
+    norm = engine.get_global_grad_norm()
+    assert norm > 2 * clip  # so the clip acts where there is one
+    state = engine.optimizer.base_state_dict()["state"]
+    stepped = sum(float(s[name].double().pow(2).sum()) for s in state.values()) ** 0.5
+    assert stepped == pytest.approx(factor * (clip or norm), rel=1e-4)
+    return engine

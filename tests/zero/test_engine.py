@@ -204,16 +204,6 @@ def test_global_grad_norm_is_exact_for_large_flat_gradients(stage):
     assert engine.get_global_grad_norm() == pytest.approx(exact, rel=1e-6)
 
 
-# (optimizer section or a client optimizer, the state tensor that holds the first step's
-# gradient times a factor, the factor). Fused Adam takes the divisor inside its kernel,
-# CPUAdam (offload) too; foreach Adam and SGD get gradients divided beforehand.
-_FIRST_STEP_STATES = {
-    "fused AdamW": ({"type": "AdamW", "params": {"lr": 1e-3}}, "exp_avg", 0.1),
-    "foreach AdamW": (lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True),
-                      "exp_avg", 0.1),
-    "SGD": ({"type": "SGD", "params": {"lr": 1e-3, "momentum": 0.9}}, "momentum_buffer", 1.0),
-}
-
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("stage,offload,optimizer", [
@@ -224,26 +214,5 @@ _FIRST_STEP_STATES = {
 def test_the_optimizer_steps_on_the_unscaled_clipped_gradient(precision, stage, offload,
                                                              optimizer, clip):
     """Adam hardly changes its step when every gradient is scaled alike, so losses alone do
-    not show a wrong loss scale or clip: the first step's moment does. Its norm must be the
-    gradient's global norm (fp16: without the loss scale), or the clip when that is lower."""
-    section, name, factor = _FIRST_STEP_STATES[optimizer]
-    zero_section = {"stage": stage, "reduce_bucket_size": 300}
-    if offload:
-        zero_section["offload_optimizer"] = {"device": offload}
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": clip,
-              "zero_optimization": zero_section, "zero_allow_untested_optimizer": True}
-    if precision != "fp32":
-        config[precision] = {"enabled": True, **({"initial_scale_power": 8}
-                                                 if precision == "fp16" else {})}
-    client = section if callable(section) else None
-    if client is None:
-        config["optimizer"] = section
-    engine, *_ = zero.initialize(model=cases.make_model(), config=config, optimizer=client)
-    engine.backward(engine(*_batch()))
-    engine.step()
-    assert engine.skipped_steps == 0
-    norm = engine.get_global_grad_norm()
-    assert norm > 2 * clip  # so the clip acts where there is one
-    state = engine.optimizer.base_state_dict()["state"]
-    stepped = sum(float(s[name].double().pow(2).sum()) for s in state.values()) ** 0.5
-    assert stepped == pytest.approx(factor * (clip or norm), rel=1e-4)
+    not show a wrong loss scale or clip: the first step's moment does (engine_cases)."""
+    cases.check_first_step_moment(precision, stage, offload, optimizer, clip)
