@@ -382,36 +382,19 @@ def test_loading_at_another_tp_size_converts_as_it_loads(corpus, tp2_run, tmp_pa
             "tensor-parallel size 1 x 1 pipeline stage(s)") in out
 
 
-def test_a_rank_converting_as_it_loads_cuts_only_its_own_shards(tp2_run, tmp_path,
-                                                                 monkeypatch):
-    """--load at TP=4 on rank 1: the tool's mp_rank_01 file, and no other rank's shard made
-    (each rank holding every rank's part was memory a large model does not have)."""
+def test_a_rank_converting_as_it_loads_cuts_its_own_shards_one_full_tensor_at_a_time(
+        tp2_run, tmp_path, monkeypatch):
+    """--load at TP=4 on rank 1: the tool's mp_rank_01 file. No other rank's shard is made,
+    and each full tensor is merged when it is cut and dropped before the next, so the rank
+    holds its shards and one parameter's full tensors (its two Adam moments at most), not
+    every rank's part or the whole full form (memory a large model does not have)."""
+    import weakref
     from megatron.convert import online, optimizer_state, reshard, tp_layout
-    cut_for = set()
+    cut_for, merged, most_alive = set(), [], [0]
 
     def recording_shard_of(full, split, num_partitions, rank):
         cut_for.add(rank)
         return tp_layout.shard_of(full, split, num_partitions, rank)
-    for module in (reshard, optimizer_state):  # the model's tensors, the optimizer's
-        monkeypatch.setattr(module, "shard_of", recording_shard_of)
-    mpu.set_model_parallel_world_size(4)
-    mpu.set_model_parallel_rank(1)
-    try:
-        mine, note = online.convert_for_this_rank(tp2_run["save"])
-    finally:
-        mpu.destroy_model_parallel()
-    assert cut_for == {1} and "converted to tensor-parallel size 4" in note
-    _assert_same(_flatten(mine), _shards(_convert(tp2_run["save"], str(tmp_path / "t"), 4))[1])
-
-
-def test_a_rank_converting_as_it_loads_holds_one_full_tensor_at_a_time(tp2_run, tmp_path,
-                                                                       monkeypatch):
-    """TP=2 -> 4: each full tensor is merged when it is cut and dropped before the next, so a
-    rank holds its shards and one parameter's full tensors (its two Adam moments at most),
-    not the whole model and optimizer state (one more checkpoint in memory)."""
-    import weakref
-    from megatron.convert import online, optimizer_state, reshard, tp_layout
-    merged, most_alive = [], [0]
 
     def recording_merge_shards(name, shards, split, **options):
         full = tp_layout.merge_shards(name, shards, split, **options)
@@ -419,14 +402,16 @@ def test_a_rank_converting_as_it_loads_holds_one_full_tensor_at_a_time(tp2_run, 
             merged.append(weakref.ref(full))
             most_alive[0] = max(most_alive[0], sum(ref() is not None for ref in merged))
         return full
-    for module in (reshard, optimizer_state):
+    for module in (reshard, optimizer_state):  # the model's tensors, the optimizer's
+        monkeypatch.setattr(module, "shard_of", recording_shard_of)
         monkeypatch.setattr(module, "merge_shards", recording_merge_shards)
     mpu.set_model_parallel_world_size(4)
     mpu.set_model_parallel_rank(1)
     try:
-        mine, _ = online.convert_for_this_rank(tp2_run["save"])
+        mine, note = online.convert_for_this_rank(tp2_run["save"])
     finally:
         mpu.destroy_model_parallel()
+    assert cut_for == {1} and "converted to tensor-parallel size 4" in note
     assert len(merged) > 10 and most_alive[0] == 2  # exp_avg with exp_avg_sq
     _assert_same(_flatten(mine), _shards(_convert(tp2_run["save"], str(tmp_path / "t"), 4))[1])
 
