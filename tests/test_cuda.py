@@ -221,8 +221,9 @@ def test_converting_to_a_new_tensor_parallel_rank_seeds_cuda_only_where_saved_on
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 @pytest.mark.parametrize("stage,offload", [(0, None), (2, None), (3, None), (2, "cpu")])
 def test_the_optimizer_on_cuda_steps_on_the_unscaled_clipped_gradient(precision, stage,
-                                                                     offload):
+                                                                     offload, monkeypatch):
     """Fused Adam on the GPU (or CPUAdam on offloaded masters) divides the loss scale and
     the clip out as it reads the gradients: the first moment is the clipped gradient's."""
-    engine = cases.check_first_step_moment(precision, stage, offload, "fused AdamW", clip=0.05)
+    engine = cases.check_first_step_moment(precision, stage, offload, "fused AdamW", 0.05,
+                                           monkeypatch)
     assert engine.device.type == "cuda"

@@ -26,6 +26,9 @@ class Deferred(Mapping):
     def __len__(self):
         return len(self._makers)
 
+    def __contains__(self, name):  # Mapping's would make the value
+        return name in self._makers
+
     def then(self, name, function):
         """From now on `self[name]` is function(what it was)."""
         make = self._makers[name]

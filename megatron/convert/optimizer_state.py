@@ -20,7 +20,7 @@ tensor-parallel size, so the param_groups (hyper-parameters and indices) carry o
 
 import copy
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional
+from typing import Any, List
 
 import torch
 
@@ -35,8 +35,8 @@ class FullOptimizerState:
     param_groups: List[dict]          # rank 0's AdamW param_groups, indices included
     group_names: List[List[str]]      # the parameter name behind each index, group by group
     # merged as they are read (megatron/convert/deferred.py):
-    moments: Mapping[str, Optional[dict]]  # name -> {"step": scalar, "exp_avg": full, ...}/None
-    masters: Mapping[str, Optional[torch.Tensor]]  # name -> full fp32 master (None: fp32 param)
+    moments: Deferred                 # name -> {"step": scalar, "exp_avg": full, ...} or None
+    masters: Deferred                 # name -> full fp32 master (None: an fp32 param)
     grad_scaler: Any
 
 
@@ -124,9 +124,17 @@ def _merge_tensors(name, what, tensors, shard_models, check_replicas):
 def map_optimizer_tensors(full, name, function):
     """Apply `function` to every parameter-shaped tensor of `name` (e.g. a vocab resize)."""
     full.masters.then(name, lambda master: None if master is None else function(master))
-    full.moments.then(name, lambda moments: None if moments is None else {
-        key: function(value) if torch.is_tensor(value) and value.dim() > 0 else value
-        for key, value in moments.items()})
+    full.moments.then(name, lambda moments: _map_moments(moments, function))
+
+
+def _map_moments(moments, function):
+    """`moments` with function applied to each parameter-shaped tensor, one at a time in place
+    (so the old and new forms of only one tensor are alive at once)."""
+    if moments is not None:
+        for key, value in moments.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                moments[key] = function(value)
+    return moments
 
 
 def optimizer_states_of(full, num_partitions, ranks):

@@ -20,7 +20,7 @@ exist get a fresh stream seeded as `mpu.model_parallel_cuda_manual_seed` seeds t
 
 import os
 from dataclasses import dataclass
-from typing import List, Mapping, NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -45,7 +45,7 @@ class FullCheckpoint:
     """A checkpoint with every tensor whole, independent of the TP size it was saved at. The
     tensors are merged from the files' shards as they are read (megatron/convert/deferred.py),
     so a rank converting as it loads holds one full tensor at a time."""
-    model: Mapping[str, torch.Tensor]  # flat keys; word embeddings [padded vocab, h]
+    model: Deferred                   # flat keys -> tensor; word embeddings [padded vocab, h]
     vocab_size: int                   # real tokens: the leading rows of the word embeddings
     optimizer: Optional[FullOptimizerState]
     common: dict                      # iteration, args, lr_scheduler, train_state, RNG, ...

@@ -101,7 +101,9 @@ def resize_vocab_rows(weight, padded_vocab_size):
     in the softmax, so keeping them leaves the loss unchanged when the padded size is equal.
     """
     rows = weight.shape[0]
-    if rows >= padded_vocab_size:
+    if rows == padded_vocab_size:
+        return weight
+    if rows > padded_vocab_size:
         return weight[:padded_vocab_size].clone()
     extra = weight.new_zeros((padded_vocab_size - rows,) + tuple(weight.shape[1:]))
     return torch.cat([weight, extra], dim=0)

@@ -154,12 +154,21 @@ FIRST_STEP_STATES = {
 }
 
 
-def check_first_step_moment(precision, stage, offload, optimizer, clip):
+def check_first_step_moment(precision, stage, offload, optimizer, clip, monkeypatch):
     """One engine step, then the optimizer state that holds the gradient it stepped on (Adam's
     first moment, SGD's momentum) must have the gradient's global norm (fp16: without the
     loss scale), or the clip when that is lower: a wrong loss scale or clip shows here, where
-    Adam's losses hardly move. Returns the engine."""
+    Adam's losses hardly move. Fused Adam (and CPUAdam under offload) must take the divisor
+    in its kernel: dividing the gradients first is refused. Returns the engine."""
     section, name, factor = FIRST_STEP_STATES[optimizer]
+    if optimizer == "fused AdamW":
+        from zero.offload import host_masters
+        from zero.stages import masters
+
+        def refuse(_, divisor):
+            assert divisor == 1.0, "fused Adam got its gradients divided in a pass of their own"
+        for module in (masters, host_masters):
+            monkeypatch.setattr(module, "divide_grads", refuse)
     zero_section = {"stage": stage, "reduce_bucket_size": 300}
     if offload:
         zero_section["offload_optimizer"] = {"device": offload}

@@ -204,7 +204,6 @@ def test_global_grad_norm_is_exact_for_large_flat_gradients(stage):
     assert engine.get_global_grad_norm() == pytest.approx(exact, rel=1e-6)
 
 
-
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("stage,offload,optimizer", [
     (0, None, "fused AdamW"), (1, None, "fused AdamW"), (2, None, "fused AdamW"),
@@ -212,7 +211,20 @@ def test_global_grad_norm_is_exact_for_large_flat_gradients(stage):
     (1, None, "foreach AdamW"), (0, None, "SGD"), (2, None, "SGD")])
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 def test_the_optimizer_steps_on_the_unscaled_clipped_gradient(precision, stage, offload,
-                                                             optimizer, clip):
+                                                             optimizer, clip, monkeypatch):
     """Adam hardly changes its step when every gradient is scaled alike, so losses alone do
     not show a wrong loss scale or clip: the first step's moment does (engine_cases)."""
-    cases.check_first_step_moment(precision, stage, offload, optimizer, clip)
+    cases.check_first_step_moment(precision, stage, offload, optimizer, clip, monkeypatch)
+
+
+def test_a_state_saved_under_offload_steps_with_fused_adam_after_loading(tmp_path):
+    """CPUAdam's param groups choose no torch implementation; loaded into a run without
+    offload they must still get fused Adam (which takes the step's divisor in its kernel)."""
+    offloaded, *_ = zero.initialize(model=cases.make_model(), config=_config(
+        zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}))
+    offloaded.backward(offloaded(*_batch()))
+    offloaded.step()
+    offloaded.save_checkpoint(str(tmp_path))
+    engine, *_ = zero.initialize(model=cases.make_model(), config=_config())
+    engine.load_checkpoint(str(tmp_path))
+    assert [group["fused"] for group in engine.optimizer.param_groups] == [True]

@@ -180,7 +180,8 @@ class HostMasters:
         # and the learning-rate schedule writes to the current ones
         group_of = {id(p): group for group in self.optimizer.param_groups
                     for p in group["params"]}
-        grad_scale = torch.tensor(grad_divisor) if grad_divisor != 1.0 else None
+        grad_scale = torch.tensor(grad_divisor, dtype=torch.float32) \
+            if grad_divisor != 1.0 else None
         for key, master in enumerate(self.masters):
             step = self.store.step_tensor(key)
             step += 1

@@ -32,8 +32,8 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps
     `on_tile(lo, hi, updated)` is called with each updated tile `param.view(-1)[lo:hi]` right
     after it is computed (for the 16-bit or device copy); tiles are `tile_numel` elements.
     `grad_scale` (a float32 scalar tensor, or None): the kernel steps on grad / grad_scale,
-    leaving that in `grad` (how a loss scale and the clip are applied without a pass of
-    their own).
+    which it writes back into `grad` (how a loss scale and the clip are applied without a
+    pass of their own).
     """
     if not bias_correction:
         lr, eps, weight_decay = _uncorrected(float(step), lr, beta1, beta2, eps, weight_decay,

@@ -53,14 +53,19 @@ class DeviceMasters:
         return torch.zeros_like(master)
 
     def finish(self, optimizer):
-        """torch's fused Adam on flat fp32 tensors is ~5x faster than the default on CPU."""
         self.optimizer = optimizer
-        if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
-            for group in optimizer.param_groups:
+        self._default_to_fused()
+        return optimizer
+
+    def _default_to_fused(self):
+        """torch's fused Adam on flat fp32 tensors is ~5x faster than the default on CPU, and
+        takes the step's divisor in its kernel. Groups that chose no implementation get it
+        (also after a load: a state saved under offload has CPUAdam's groups, fused None)."""
+        if type(self.optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+            for group in self.optimizer.param_groups:
                 if group.get("fused") is None and not group.get("foreach") \
                         and not group.get("differentiable") and not group.get("capturable"):
                     group["fused"] = True
-        return optimizer
 
     @torch.no_grad()
     def write(self, key, lo, values):
@@ -71,7 +76,8 @@ class DeviceMasters:
         if grad_divisor != 1.0 and self._fused_adam():
             # what torch's GradScaler hands the fused kernel: grads / grad_scale as it reads them
             device = self.masters[0].device
-            self.optimizer.grad_scale = torch.full((), grad_divisor, device=device)
+            self.optimizer.grad_scale = torch.full((), grad_divisor, dtype=torch.float32,
+                                                    device=device)
             try:
                 self.optimizer.step()
             finally:
@@ -109,6 +115,7 @@ class DeviceMasters:
 
     def load_state_dict(self, state_dict):
         self.optimizer.load_state_dict(state_dict)
+        self._default_to_fused()
 
     # ----- accounting -----
 

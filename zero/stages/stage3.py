@@ -20,8 +20,9 @@ Parameters are partitioned one by one (zero/stages/partition_parameters.py) and 
   released. So the memory of those gathered parameters and of the partition gradients is never
   live at once: at the end of forward, this rank's peak, it holds 12Ψ/N of model states.
 - step: release all gathered parameters, check overflow (fp16), global norm over DP and TP
-  (replicated params counted on TP rank 0 only), unscale and clip in one multiplication, step,
-  copy fp32 masters back into the partitions.
+  (replicated params counted on TP rank 0 only), step on the gradients unscaled and clipped
+  (one divisor, applied inside the Adam kernel where it takes one: masters.py), copy fp32
+  masters back into the partitions.
 """
 
 import bisect
