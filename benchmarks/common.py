@@ -43,12 +43,15 @@ def median_seconds(step, warmup, repeats, synchronize=lambda: None):
     return statistics.median(times)
 
 
-def copy_bandwidth(numel=25_000_000):
-    """Bytes read + written per second by an fp32 copy of `numel` elements (the memory
-    bandwidth a streaming kernel can reach here)."""
+def copy_bandwidth(numel=25_000_000, device="cpu"):
+    """Bytes read + written per second by an fp32 copy of `numel` elements on `device` (the
+    memory bandwidth a streaming kernel can reach there)."""
     import torch
-    src, dst = torch.randn(numel), torch.empty(numel)
-    seconds = median_seconds(lambda: dst.copy_(src), warmup=2, repeats=7)
+    from megatron.runtime.device import synchronize
+    device = torch.device(device)
+    src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
+    seconds = median_seconds(lambda: dst.copy_(src), warmup=2, repeats=7,
+                             synchronize=lambda: synchronize(device))
     return 8 * numel / seconds
 
 

@@ -4,6 +4,7 @@ quantisation, each beside its weight-bandwidth floor; at batch 1 and (fp32, bf16
 
     python benchmarks/generation.py            # 12 layers, hidden 768 (GPT-2 124M), 128 new tokens
     python benchmarks/generation.py --quick    # 32 new tokens, 1 repeat
+    python benchmarks/generation.py --device cuda   # on a GPU: no CPU-only quantised rows
 
 One randomly initialised GPT-2 124M (vocab 50257, 1024 positions) is converted to a Hugging
 Face folder with tools' own converter, so both sides hold the very same weights.  Greedy,
@@ -34,12 +35,15 @@ from common import copy_bandwidth, machine_description, markdown_table, update_d
 import torch  # noqa: E402
 
 
-def _median_time(fn, repeats):
+def _median_time(fn, repeats, device):
+    from megatron.runtime.device import synchronize
     fn()  # warm-up
+    synchronize(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -66,9 +70,16 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the fp32/bf16 rows (the quantised rows use CPU kernels); "
+                             "--compile rows replay the decode step as CUDA graphs")
     parser.add_argument("--write-docs", action="store_true",
                         help="rewrite its section of docs/benchmarks.md (default: print only)")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    device = torch.device(args.device)
+    on_cpu = device.type == "cpu"
     new_tokens = args.new_tokens or (32 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 3)
     torch.set_num_threads(args.threads)
@@ -98,17 +109,20 @@ def main(argv=None):
         hf = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(folder, "hf")).eval()
     # torch's recipe for transformers (a copy): GPT-2's Conv1D layers are not nn.Linear, so
     # only the LM head is quantised
-    hf_int8 = torch.ao.quantization.quantize_dynamic(hf, {torch.nn.Linear}, dtype=torch.qint8)
+    hf_int8 = torch.ao.quantization.quantize_dynamic(hf, {torch.nn.Linear}, dtype=torch.qint8) \
+        if on_cpu else None
+    hf = hf.to(device)
 
     # batch 8: the batch-1 prompt first, then 7 others
     prompts = {1: torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(1))}
     prompts[8] = torch.cat([prompts[1], torch.randint(
         0, vocab, (7, 16), generator=torch.Generator().manual_seed(2))])
+    prompts = {batch: tokens.to(device) for batch, tokens in prompts.items()}
     params = SamplingParams(greedy=True, out_seq_length=new_tokens)
     no_eod = -1  # never produced: every run makes exactly new_tokens tokens
 
     def ours(dtype=torch.float32, scheme=None, use_cache=True, batch=1, compile=False):
-        model = build_model_from_weights(weights, dtype)
+        model = build_model_from_weights(weights, dtype, device)
         if scheme:
             quantize_model(model, QuantizationConfig(scheme, group_size=128))
         generator = TextGenerator(model, no_eod, vocab, use_cache=use_cache, compile=compile)
@@ -129,26 +143,33 @@ def main(argv=None):
         "ours fp32, KV cache": ours(),
         "ours fp32, --compile (decode step)": ours(compile=True),
         "ours bf16": ours(torch.bfloat16),
-        "ours --quantize int8": ours(scheme="int8"),
-        "ours --quantize int8-dynamic": ours(scheme="int8-dynamic"),
-        "ours --quantize int4 (group 128)": ours(scheme="int4"),
-        "transformers generate() fp32": (hf_generate(hf), fp32_bytes, 1),
-        "transformers + torch quantize_dynamic int8": (hf_generate(hf_int8), None, 1),
+    }
+    if on_cpu:
+        runs.update({
+            "ours --quantize int8": ours(scheme="int8"),
+            "ours --quantize int8-dynamic": ours(scheme="int8-dynamic"),
+            "ours --quantize int4 (group 128)": ours(scheme="int4")})
+    else:
+        runs["ours bf16, --compile"] = ours(torch.bfloat16, compile=True)
+    runs["transformers generate() fp32"] = (hf_generate(hf), fp32_bytes, 1)
+    if on_cpu:
+        runs["transformers + torch quantize_dynamic int8"] = (hf_generate(hf_int8), None, 1)
+    runs.update({
         "ours fp32 --recompute": ours(use_cache=False),
         "ours fp32, batch 8": ours(batch=8),
         "ours bf16, batch 8": ours(torch.bfloat16, batch=8),
         "ours fp32, batch 8, --compile": ours(batch=8, compile=True),
         "ours bf16, batch 8, --compile": ours(torch.bfloat16, batch=8, compile=True),
         "transformers generate() fp32, batch 8": (hf_generate(hf, batch=8), fp32_bytes, 8),
-    }
+    })
     del state
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(25_000_000 if on_cpu else 250_000_000, device)
     reference = runs["ours fp32, KV cache"][0]()[0]
     rows, hf_rate = [], {}
     for name, (generate, weight_bytes, batch) in runs.items():
         same = (generate()[0] == reference).float().mean().item()  # the first row
         seconds = _median_time(generate, max(1, repeats // 3) if "recompute" in name
-                               else repeats)
+                               else repeats, device)
         rate = batch * new_tokens / seconds
         if name.startswith("transformers generate() fp32"):
             hf_rate[batch] = rate
@@ -161,7 +182,7 @@ def main(argv=None):
     for row in rows:  # vs transformers fp32 at the same batch size
         row[2] = f"{float(row[1]) / hf_rate[row[2]]:.2f}x"
     body = "\n".join([
-        "## Text generation (tokens/s, greedy, batch 1 and 8)",
+        f"## Text generation{'' if on_cpu else ', GPU'} (tokens/s, greedy, batch 1 and 8)",
         "",
         f"Machine: {machine_description()}; transformers {transformers.__version__}; copy "
         f"bandwidth {bandwidth / 1e9:.1f} GB/s (measured in the same run).",
@@ -172,19 +193,22 @@ def main(argv=None):
         "\"same tokens\" = greedy tokens (of the first row) equal to our fp32 run's "
         "(random init: nearly flat logits, so a harsh "
         "test; the accuracy cost on a trained model is in the README's quantisation guide).  "
-        "int8 and int4 run their matmuls in bf16 "
-        "(torch's CPU kernels); int8-dynamic in int8 (fbgemm).  The transformers int8 row "
-        "quantises only its nn.Linear (the LM head): GPT-2's Conv1D layers stay fp32.  "
-        "--compile rows: the one-token decode step compiled over the fixed-shape cache (256 "
-        "positions here, masked beyond the tokens so far).  "
-        f"`python benchmarks/generation.py{' --quick' if args.quick else ''}`",
+        + ("int8 and int4 run their matmuls in bf16 "
+           "(torch's CPU kernels); int8-dynamic in int8 (fbgemm).  The transformers int8 row "
+           "quantises only its nn.Linear (the LM head): GPT-2's Conv1D layers stay fp32.  "
+           if on_cpu else "")
+        + "--compile rows: the one-token decode step compiled over the fixed-shape cache (256 "
+        "positions here, masked beyond the tokens so far)"
+        + ("." if on_cpu else ", replayed as CUDA graphs.") + "  "
+        f"`python benchmarks/generation.py{' --quick' if args.quick else ''}"
+        f"{'' if on_cpu else ' --device cuda'}`",
         "",
         markdown_table(["implementation", "tokens/s", "vs transformers fp32",
                         "weight MB/step", "floor tokens/s", "of floor", "same tokens"], rows),
     ])
     print(body)
     if args.write_docs:
-        update_docs_section("generation", body)
+        update_docs_section("generation" if on_cpu else "generation_cuda", body)
     return 0
 
 

@@ -227,3 +227,26 @@ def test_the_optimizer_on_cuda_steps_on_the_unscaled_clipped_gradient(precision,
     engine = cases.check_first_step_moment(precision, stage, offload, "fused AdamW", 0.05,
                                            monkeypatch)
     assert engine.device.type == "cuda"
+
+
+def test_the_compiled_decode_step_on_cuda_replays_cuda_graphs_with_the_eager_tokens():
+    """On a GPU the compiled one-token step runs as CUDA graphs (none skipped: the KV cache
+    is written in place, not copied per replay) and gives the eager cache's greedy tokens,
+    with one compile for two calls that share a cache size."""
+    from torch._dynamo.utils import counters
+
+    from megatron.inference.loading import build_model_from_weights
+    from megatron.inference.text_generation import SamplingParams, TextGenerator
+    from tests.convert.conftest import random_weights
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_model_from_weights(random_weights(positions=300), device=torch.device("cuda"))
+    greedy = SamplingParams(greedy=True, out_seq_length=25)
+    context = torch.randint(0, 301, (2, 7), generator=torch.Generator().manual_seed(2))
+    compiled = TextGenerator(model, eod=300, vocab_size=301, compile=True)
+    for prompt in (context, context[:, 3:]):
+        eager, _ = TextGenerator(model, eod=300, vocab_size=301).generate(prompt, greedy)
+        new, _ = compiled.generate(prompt, greedy)
+        assert torch.equal(new, eager)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert counters["stats"]["unique_graphs"] == 1

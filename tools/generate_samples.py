@@ -53,7 +53,8 @@ def get_args(argv=None):
                    help="no KV cache: recompute the whole prefix every step")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the one-token decode step (a fixed-shape KV cache of "
-                        "256-position multiples: one compile per size, cached on disk)")
+                        "256-position multiples: one compile per size, cached on disk; on a "
+                        "GPU replayed as CUDA graphs)")
     g.add_argument("--sample-input-file", default=None, help="one prompt per line")
     g.add_argument("--sample-output-file", default=None,
                    help="JSON lines out (default: <input>.out.jsonl)")

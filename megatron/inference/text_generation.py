@@ -73,8 +73,12 @@ class TextGenerator:
         self.vocab_size = vocab_size  # logits of padding rows are never sampled
         self.use_cache = use_cache
         self.max_positions = model.config.max_position_embeddings
-        self._decode_step = torch.compile(self._last_logits, dynamic=False) if compile \
-            else None
+        # On a GPU a one-token step is a few hundred small kernels whose launches take longer
+        # than their work: CUDA graphs ("reduce-overhead") replay them in one launch.
+        self._cuda_graphs = compile and _model_device(model).type == "cuda"
+        self._decode_step = None if not compile else torch.compile(
+            self._last_logits, dynamic=False,
+            mode="reduce-overhead" if self._cuda_graphs else None)
         self._kept_cache = None  # compiled: reused by the next call of the same size
 
     def _cache_for(self, batch, positions):
@@ -85,6 +89,8 @@ class TextGenerator:
         if kept is None or (kept.batch_size, kept.max_len) != (batch, capacity):
             # a new cache is a new input to the compiled step: one compile per size
             kept = self._kept_cache = KVCache.for_model(self.model, batch, capacity)
+            if self._cuda_graphs:
+                kept.mark_static_addresses()
         kept.reset()
         return kept
 
@@ -98,8 +104,7 @@ class TextGenerator:
     @torch.inference_mode()
     def generate(self, context_tokens, params):
         """context_tokens [b, n] (same length per row) -> (new tokens [b, m], finished [b])."""
-        weight = self.model.language_model.embedding.word_embeddings.weight
-        context_tokens = context_tokens.to(weight.device)
+        context_tokens = context_tokens.to(_model_device(self.model))
         batch, length = context_tokens.shape
         if length < 1:
             raise ValueError("the context needs at least one token")
@@ -137,6 +142,10 @@ class TextGenerator:
         if self._decode_step is None:
             return self._last_logits(tokens, position)
         cache.at_slot()
+        if self._cuda_graphs:
+            # a new step: the last replay's outputs (logits already turned into tokens) may
+            # be overwritten by this one
+            torch.compiler.cudagraph_mark_step_begin()
         logits = self._decode_step(tokens, position.clone())  # same storage offset each step
         cache.advance()
         return logits
@@ -146,6 +155,10 @@ class TextGenerator:
             dist.broadcast(tokens, mpu.get_model_parallel_src_rank(),
                            group=mpu.get_model_parallel_group())
         return tokens
+
+
+def _model_device(model):
+    return model.language_model.embedding.word_embeddings.weight.device
 
 
 def generate_text(generator, tokenizer, prompt, params) -> dict:

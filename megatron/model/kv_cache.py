@@ -79,11 +79,11 @@ class KVCache:
                  dtype=torch.float32, device="cpu"):
         shape = (batch_size, num_heads, max_len, head_dim)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
-        slots = torch.arange(max_len, device=device)
+        self.slots = torch.arange(max_len, device=device)
         # zeros, not empty: fixed-shape steps read masked positions too, and 0 x NaN is NaN
         self.layers = [LayerKVCache(torch.zeros(shape, dtype=dtype, device=device),
                                     torch.zeros(shape, dtype=dtype, device=device),
-                                    self.slot, slots)
+                                    self.slot, self.slots)
                        for _ in range(num_layers)]
         self.max_len = max_len
         self.batch_size = batch_size
@@ -96,6 +96,14 @@ class KVCache:
         return cls(config.num_layers, batch_size, heads, max_len,
                    config.hidden_size // config.num_attention_heads, weight.dtype,
                    weight.device)
+
+    def mark_static_addresses(self):
+        """For a decode step compiled with CUDA graphs: the cache keeps its tensors for its
+        whole life, so the graph reads and writes them where they are (otherwise each
+        replay copies every input into the graph's own buffers, and writes to the copies)."""
+        for tensor in (self.slot, self.slots, *(t for layer in self.layers
+                                                for t in (layer.keys, layer.values))):
+            torch._dynamo.mark_static_address(tensor)
 
     @property
     def length(self):
