@@ -51,9 +51,14 @@ SCALED_FLAGS = {"--num-layers": 2, "--hidden-size": 64, "--num-attention-heads":
 SCALED_VARIABLES = {"TRAIN_ITERS": 4, "GPUS_PER_NODE": 4}
 # The scripts' precision when a command names none: each start would otherwise run the
 # precision probe (2-6 s a start, most of it on CPUs that only emulate bf16); the README's
-# first command still probes, as a new user's run does.
+# first command still probes, as a new user's run does, and the DeepSpeed scripts keep their
+# default (their JSON's precision).
 PROBED = "bash scripts/pretrain_gpt2.sh"
 UNPROBED_ENV = dict(PRECISION="fp32")
+
+
+def _precision_env(command):
+    return {} if command == PROBED or "scripts/ds_" in command else UNPROBED_ENV
 # what an interactive command reads
 STDIN = {"bash scripts/generate_text.sh": "The king\nstop\n"}
 # files a command expects the user to have
@@ -159,7 +164,7 @@ def test_readme_commands_run_as_written(sandbox):
     failures = []
     for line, command in commands:
         scaled = _scaled(command)
-        env = clean_environment(**SCALED_ENV, **({} if command == PROBED else UNPROBED_ENV),
+        env = clean_environment(**SCALED_ENV, **_precision_env(command),
                                 MASTER_PORT=free_port())
         env.pop("OMP_NUM_THREADS")
         stdin = next((text for prefix, text in STDIN.items()

@@ -74,21 +74,28 @@ class TextGenerator:
         self.use_cache = use_cache
         self.max_positions = model.config.max_position_embeddings
         # On a GPU a one-token step is a few hundred small kernels whose launches take longer
-        # than their work: CUDA graphs ("reduce-overhead") replay them in one launch.
-        self._cuda_graphs = compile and _model_device(model).type == "cuda"
+        # than their work: CUDA graphs ("reduce-overhead") replay them in one launch. Not yet
+        # under tensor parallelism (NCCL all-reduces captured in a graph are untested here).
+        self._cuda_graphs = compile and _model_device(model).type == "cuda" \
+            and mpu.get_model_parallel_world_size() == 1
         self._decode_step = None if not compile else torch.compile(
             self._last_logits, dynamic=False,
             mode="reduce-overhead" if self._cuda_graphs else None)
-        self._kept_cache = None  # compiled: reused by the next call of the same size
+        self._kept_caches = {}  # compiled: (batch, positions) -> the cache calls reuse
 
     def _cache_for(self, batch, positions):
         if self._decode_step is None:
             return KVCache.for_model(self.model, batch, positions)
         capacity = min(self.max_positions, -(-positions // _CACHE_QUANTUM) * _CACHE_QUANTUM)
-        kept = self._kept_cache
-        if kept is None or (kept.batch_size, kept.max_len) != (batch, capacity):
-            # a new cache is a new input to the compiled step: one compile per size
-            kept = self._kept_cache = KVCache.for_model(self.model, batch, capacity)
+        kept = self._kept_caches.get((batch, capacity))
+        if kept is None:
+            # a new cache is a new input to the compiled step: one compile per size. A CUDA
+            # graph is recorded for the cache's addresses, so there each size keeps its cache
+            # (at most max_positions / 256 of them); elsewhere only the last one is kept.
+            if not self._cuda_graphs:
+                self._kept_caches.clear()
+            kept = self._kept_caches[batch, capacity] = KVCache.for_model(
+                self.model, batch, capacity)
             if self._cuda_graphs:
                 kept.mark_static_addresses()
         kept.reset()

@@ -99,8 +99,8 @@ class KVCache:
 
     def mark_static_addresses(self):
         """For a decode step compiled with CUDA graphs: the cache keeps its tensors for its
-        whole life, so the graph reads and writes them where they are (otherwise each
-        replay copies every input into the graph's own buffers, and writes to the copies)."""
+        whole life, so the graph may read and write them where they are (unmarked, a step
+        that writes into its inputs is run without CUDA graphs)."""
         for tensor in (self.slot, self.slots, *(t for layer in self.layers
                                                 for t in (layer.keys, layer.values))):
             torch._dynamo.mark_static_address(tensor)

@@ -144,7 +144,7 @@ def measure_matmul_flops(device, dtype, size=2048, repeats=5, min_seconds=0.05,
                          remeasure=False):
     """Best-of-`repeats` FLOP/s of a square matmul: the practical peak of this device
     (measured once per device and dtype; `remeasure` measures again and keeps the higher).
-    A product that takes `min_seconds` or more is timed twice, not `repeats` times.
+    A product that takes `min_seconds` or more is timed three times, not `repeats` + 1.
 
     The matrices grow from 256 up to `size` until one product takes `min_seconds`, so a
     dtype the device only emulates (fp16 on most CPUs: ~1 GFLOP/s) is measured in a fraction
@@ -169,7 +169,7 @@ def measure_matmul_flops(device, dtype, size=2048, repeats=5, min_seconds=0.05,
             best = min(best, time.perf_counter() - start)
             if n < size and best < min_seconds / 4:
                 break  # far too quick to time well: go straight to a larger size
-            if best >= min_seconds and timed >= 2:
+            if best >= min_seconds and timed >= 3:
                 break  # long enough to time well: more repeats of an emulated dtype cost seconds
         if n >= size or best >= min_seconds:
             break

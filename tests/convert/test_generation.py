@@ -86,7 +86,7 @@ def test_a_compiled_decode_step_gives_the_same_tokens_and_compiles_once(monkeypa
         new, _ = compiled.generate(context, GREEDY)
         assert torch.equal(new, eager)
     assert len(graphs) == 1
-    assert compiled._kept_cache.max_len == 256
+    assert [cache.max_len for cache in compiled._kept_caches.values()] == [256]
 
 
 def test_compiling_needs_the_cache():
