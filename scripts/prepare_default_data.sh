@@ -62,9 +62,40 @@ set_precision_flags() {
     case "$PRECISION" in
         bf16) PRECISION_FLAGS=(--bf16) ;;
         fp16) PRECISION_FLAGS=(--fp16) ;;
-        fp32) ;;
+        fp32) check_fp32_against_deepspeed_config "$@" ;;
         *) echo "PRECISION must be bf16, fp16 or fp32 (got $PRECISION)" >&2; exit 2 ;;
     esac
+}
+
+# fp32 has no flag, so a DeepSpeed JSON that enables bf16 or fp16 would decide silently:
+# stop with both values named instead (--bf16/--fp16 against the JSON are checked by
+# pretrain_gpt2.py itself). Usage: check_fp32_against_deepspeed_config ARGS...
+check_fp32_against_deepspeed_config() {
+    local config="" previous=""
+    for arg in "$@"; do
+        case "$previous" in --deepspeed_config|--deepscale_config) config="$arg" ;; esac
+        case "$arg" in --deepspeed_config=*|--deepscale_config=*) config="${arg#*=}" ;; esac
+        previous="$arg"
+    done
+    [ -n "$config" ] && [ -f "$config" ] || return 0
+    local enabled
+    enabled="$("$PY" - "$config" <<'PYEOF'
+import json, sys
+try:
+    with open(sys.argv[1]) as f:
+        config = json.load(f)
+except ValueError:  # not plain JSON: pretrain_gpt2.py reports it
+    config = {}
+sections = [name for name in ("bf16", "fp16")
+            if isinstance(config.get(name), dict) and config[name].get("enabled") is True]
+print(" ".join(sections))
+PYEOF
+)"
+    if [ -n "$enabled" ]; then
+        echo "PRECISION=fp32, but $config enables $enabled (\"$enabled\": {\"enabled\": true});" \
+             "set PRECISION=$enabled or give a config without it" >&2
+        exit 2
+    fi
 }
 
 # Parameters ~ 12*L*h^2 + (V + S)*h; FLOPs ~ 6*N per token plus attention 12*L*h*S per token.

@@ -387,6 +387,21 @@ def test_script_rejects_a_tensor_parallel_size_that_does_not_divide(corpus, tmp_
         "MP_SIZE=3 x PP_SIZE=1 does not divide the 2 processes (NNODES=1 x GPUS_PER_NODE=2)"
 
 
+@pytest.mark.parametrize("config_form", ["separate", "with ="])
+def test_script_rejects_fp32_against_a_deepspeed_config_in_bf16(corpus, tmp_path, config_form):
+    """fp32 has no flag of its own, so the script names both values instead of letting the
+    JSON's bf16 decide silently."""
+    env = _script_env(corpus, tmp_path, PRECISION="fp32")
+    config = "scripts/ds_zero_stage_2.config"
+    args = ["--deepspeed", "--deepspeed_config", config] if config_form == "separate" \
+        else ["--deepspeed", f"--deepspeed_config={config}"]
+    (code, output), = _run_scripts(("pretrain_gpt2.sh", env, tmp_path / "o.txt", *args))
+    assert code == 2, output[-3000:]
+    assert output.strip().splitlines()[-1] == (
+        f'PRECISION=fp32, but {config} enables bf16 ("bf16": {{"enabled": true}}); '
+        "set PRECISION=bf16 or give a config without it")
+
+
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])
 def test_a_node_that_never_arrives_ends_the_launch_after_the_timeout(corpus, tmp_path,
                                                                      rendezvous):
