@@ -10,7 +10,7 @@ from megatron.convert.checkpoint_files import (ShardedCheckpoint, read_sharded_c
 from megatron.convert.reshard import (FullCheckpoint, ReshardResult, check_target_size,
                                       load_unsharded_checkpoint, merge_checkpoint,
                                       reshard_checkpoint, resize_vocab, resolve_vocab_size,
-                                      split_checkpoint, unsharded_state_dict)
+                                      unsharded_state_dict)
 from megatron.convert.tp_layout import (COLUMN, GPT2_PARAMETER_LAYOUT, REPLICATED, ROW, VOCAB,
                                         WORD_EMBEDDINGS, merge_shards, parameter_layout,
                                         resize_vocab_rows, split_full)
@@ -20,6 +20,6 @@ __all__ = [
     "FullCheckpoint", "ReshardResult", "ShardedCheckpoint", "check_target_size",
     "load_unsharded_checkpoint", "merge_checkpoint", "merge_shards", "parameter_layout",
     "read_sharded_checkpoint", "reshard_checkpoint", "resize_vocab", "resize_vocab_rows",
-    "resolve_vocab_size", "split_checkpoint", "split_full", "unsharded_state_dict",
+    "resolve_vocab_size", "split_full", "unsharded_state_dict",
     "write_sharded_checkpoint",
 ]

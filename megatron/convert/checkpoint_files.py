@@ -157,6 +157,8 @@ def _check_rank_dirs(directory, size):
 def write_sharded_checkpoint(save_dir, iteration, release, shards, pipeline_stages=1):
     """Write one file per rank (and per pipeline stage: each shard split into
     `pipeline_stages`) under a temporary name, rename it into place, then the tracker.
+    `shards` are the ranks' contents in rank order, taken one at a time (a generator can make
+    each rank's as it is written).
 
     A crash leaves either no new iteration directory or a complete one, and the tracker is
     only advanced once every rank's file is in place.  Returns the file paths.
@@ -170,14 +172,19 @@ def write_sharded_checkpoint(save_dir, iteration, release, shards, pipeline_stag
                               "delete it first")
     staging = os.path.join(save_dir, f".{os.path.basename(final)}.tmp.{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    names = []
-    for rank, shard in enumerate(shards):
+    names, rank = [], 0
+    # not enumerate(shards): its reused result tuple would keep the last rank's shards alive
+    # while the next rank's are made
+    for shard in shards:
         files = split_stages(shard, pipeline_stages)
-        for stage, contents in enumerate(files):
+        del shard
+        for stage in range(len(files)):
             path = get_checkpoint_name(save_dir, iteration, rank, release, pp_rank=stage,
                                        pipeline_parallel=staged)
-            atomic_torch_save(contents, os.path.join(staging, os.path.relpath(path, final)))
+            atomic_torch_save(files[stage], os.path.join(staging, os.path.relpath(path, final)))
             names.append(path)
+        del files  # before the next rank's are made
+        rank += 1
     os.replace(staging, final)
     atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME),
                       "release" if release else str(iteration))

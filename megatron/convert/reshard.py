@@ -101,11 +101,6 @@ def resize_vocab(full, padded_vocab_size):
     full.common["args"] = dict(full.args, padded_vocab_size=padded_vocab_size)
 
 
-def split_checkpoint(full, target_tp):
-    """The model_optim_rng.pt contents of each of `target_tp` ranks."""
-    return checkpoints_of_ranks(full, target_tp, range(target_tp))
-
-
 def checkpoint_of_rank(full, target_tp, rank):
     """The model_optim_rng.pt contents of rank `rank` of `target_tp` (a rank converting as it
     loads makes its own shards only, one full tensor at a time)."""
@@ -273,8 +268,11 @@ def reshard_checkpoint(load_dir, save_dir, target_tp, iteration=None, vocab_size
     check_target_size(sharded.args, target_tp)
     check_target_stages(sharded.args, target_pp)
     full, source_padded = resharded(sharded, target_tp, vocab_size, tokenizer_files)
-    paths = write_sharded_checkpoint(save_dir, sharded.iteration, sharded.release,
-                                     split_checkpoint(full, target_tp), target_pp)
+    # each rank's shards are cut when its file is written (each full tensor merged once per
+    # target rank), so the tool holds one rank's part of the checkpoint, not all of them
+    shards = (checkpoint_of_rank(full, target_tp, rank) for rank in range(target_tp))
+    paths = write_sharded_checkpoint(save_dir, sharded.iteration, sharded.release, shards,
+                                     target_pp)
     return ReshardResult(sharded.iteration, sharded.release, sharded.model_parallel_size,
                          target_tp, sharded.pipeline_model_parallel_size, target_pp,
                          full.vocab_size, source_padded, full.padded_vocab_size,

@@ -212,6 +212,36 @@ def test_split_checkpoint_trains_at_tp4(corpus, tp2_run):
         assert tp4[iteration] == pytest.approx(tp2[iteration], rel=2e-2)
 
 
+def test_each_target_rank_is_cut_when_its_file_is_written(tp2_run, tmp_path, monkeypatch):
+    """The tool holds one target rank's shards at a time: rank r's are cut after rank r-1's
+    file is written, and by then nothing holds rank r-1's tensors any more (a list of every
+    rank's, or a loop variable kept alive, would hold a whole checkpoint of them)."""
+    import weakref
+
+    import megatron.convert.checkpoint_files as checkpoint_files
+    import megatron.convert.reshard as reshard
+    events, written = [], []
+    cut, save = reshard.checkpoint_of_rank, checkpoint_files.atomic_torch_save
+
+    def cutting(full, tp, rank):
+        alive = [ref for ref in written if ref() is not None]
+        events.append(f"cut {rank}" + (f" with {len(alive)} written tensors alive"
+                                       if alive else ""))
+        return cut(full, tp, rank)
+
+    def saving(contents, path):
+        # the cut shards (replicated tensors are the source's own, alive with it)
+        written.extend(weakref.ref(t) for name, t in to_flat_state_dict(contents["model"]).items()
+                       if parameter_layout(name).split != REPLICATED)
+        events.append(f"write {os.path.basename(os.path.dirname(path))}")
+        save(contents, path)
+    monkeypatch.setattr(reshard, "checkpoint_of_rank", cutting)
+    monkeypatch.setattr(checkpoint_files, "atomic_torch_save", saving)
+    _convert(tp2_run["save"], str(tmp_path / "split4"), 4)
+    assert events == [event for rank in range(4)
+                      for event in (f"cut {rank}", f"write mp_rank_{rank:02d}")]
+
+
 def test_merged_files_hold_full_tensors_and_updated_args(tp2_run, tmp_path):
     tp2 = [torch.load(p, weights_only=True) for p in sorted(
         (os.path.join(d, "model_optim_rng.pt") for d in
