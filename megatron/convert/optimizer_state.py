@@ -137,30 +137,24 @@ def _map_moments(moments, function):
     return moments
 
 
-def optimizer_states_of(full, num_partitions, ranks):
-    """The saved optimizer state dict of each target rank in `ranks` among `num_partitions`;
-    each full tensor is merged once (and held only while it is cut)."""
-    ranks = list(ranks)
-    adam_states = [{} for _ in ranks]
-    masters = [[] for _ in ranks]
+def optimizer_state_of(full, num_partitions, rank):
+    """The saved optimizer state dict of target rank `rank` among `num_partitions`; each full
+    tensor is merged when it is cut (and dropped before the next)."""
+    adam_state, masters = {}, []
     for group, names in zip(full.param_groups, full.group_names):
-        for per_rank in masters:
-            per_rank.append([])
+        masters.append([])
         for index, name in zip(group["params"], names):
             split = parameter_layout(name).split
             moments = full.moments[name]
             if moments is not None:
-                for state, rank in zip(adam_states, ranks):
-                    state[index] = _moments_of(moments, split, num_partitions, rank)
+                adam_state[index] = _moments_of(moments, split, num_partitions, rank)
             del moments
             master = full.masters[name]
-            for per_rank, rank in zip(masters, ranks):
-                per_rank[-1].append(None if master is None else
-                                    shard_of(master, split, num_partitions, rank))
+            masters[-1].append(None if master is None else
+                               shard_of(master, split, num_partitions, rank))
             del master
-    return [{"optimizer": {"state": state, "param_groups": copy.deepcopy(full.param_groups)},
-             "fp32_from_fp16_params": per_rank, "grad_scaler": copy.deepcopy(full.grad_scaler)}
-            for state, per_rank in zip(adam_states, masters)]
+    return {"optimizer": {"state": adam_state, "param_groups": copy.deepcopy(full.param_groups)},
+            "fp32_from_fp16_params": masters, "grad_scaler": copy.deepcopy(full.grad_scaler)}
 
 
 def _moments_of(moments, split, num_partitions, rank):

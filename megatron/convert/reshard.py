@@ -28,7 +28,7 @@ from megatron.checkpointing.megatron_layout import to_flat_state_dict, to_nested
 from megatron.convert.checkpoint_files import read_sharded_checkpoint, write_sharded_checkpoint
 from megatron.convert.deferred import Deferred
 from megatron.convert.optimizer_state import (FullOptimizerState, map_optimizer_tensors,
-                                              merge_optimizer_states, optimizer_states_of)
+                                              merge_optimizer_states, optimizer_state_of)
 from megatron.convert.tp_layout import (WORD_EMBEDDINGS, merge_shards, parameter_layout,
                                         resize_vocab_rows, shard_of)
 from megatron.errors import CheckpointError, ConfigError
@@ -102,33 +102,20 @@ def resize_vocab(full, padded_vocab_size):
 
 
 def checkpoint_of_rank(full, target_tp, rank):
-    """The model_optim_rng.pt contents of rank `rank` of `target_tp` (a rank converting as it
-    loads makes its own shards only, one full tensor at a time)."""
-    return checkpoints_of_ranks(full, target_tp, [rank])[0]
-
-
-def checkpoints_of_ranks(full, target_tp, ranks):
-    """The model_optim_rng.pt contents of each rank in `ranks` of `target_tp`: each full
-    tensor is merged once and cut for all of them."""
-    ranks = list(ranks)
-    models = [{} for _ in ranks]
+    """The model_optim_rng.pt contents of rank `rank` of `target_tp`: its own shards only, each
+    full tensor merged when it is cut and dropped before the next (a rank converting as it
+    loads, and the tool writing one target rank's file at a time)."""
+    model = {}
     for name, tensor in full.model.items():
-        split = parameter_layout(name).split
-        for model, rank in zip(models, ranks):
-            model[name] = shard_of(tensor, split, target_tp, rank)
+        model[name] = shard_of(tensor, parameter_layout(name).split, target_tp, rank)
         del tensor  # before the next name's is merged
-    optimizers = optimizer_states_of(full.optimizer, target_tp, ranks) \
-        if full.optimizer is not None else [None] * len(ranks)
-    shards = []
-    for rank, model, optimizer in zip(ranks, models, optimizers):
-        shard = dict(full.common, args=dict(full.args, model_parallel_size=target_tp))
-        shard["model"] = to_nested_state_dict(model)
-        if optimizer is not None:
-            shard["optimizer"] = optimizer
-        if full.rng_tracker_states:
-            shard["rng_tracker_states"] = _tracker_states_for_rank(full, rank)
-        shards.append(shard)
-    return shards
+    shard = dict(full.common, args=dict(full.args, model_parallel_size=target_tp))
+    shard["model"] = to_nested_state_dict(model)
+    if full.optimizer is not None:
+        shard["optimizer"] = optimizer_state_of(full.optimizer, target_tp, rank)
+    if full.rng_tracker_states:
+        shard["rng_tracker_states"] = _tracker_states_for_rank(full, rank)
+    return shard
 
 
 def _tracker_states_for_rank(full, rank):
