@@ -127,6 +127,7 @@ class TextGenerator:
             else attach_kv_cache(self.model, cache)
         # Position ids of every step, made once: [b, length + max_new].
         positions = torch.arange(length + max_new, device=device).unsqueeze(0).expand(batch, -1)
+        read_every = _finished_read_every(device)
         with attached:
             logits = self._last_logits(context_tokens, positions[:, :length])
             for step in range(max_new):
@@ -134,7 +135,8 @@ class TextGenerator:
                 tokens = torch.where(finished, self.eod, tokens)  # finished rows pad with eod
                 generated[:, step] = tokens
                 finished |= tokens == self.eod
-                if step + 1 == max_new or bool(finished.all()):
+                if step + 1 == max_new or ((step + 1) % read_every == 0
+                                           and bool(finished.all())):
                     break
                 if cache is not None:
                     position = positions[:, length + step:length + step + 1]
@@ -142,7 +144,7 @@ class TextGenerator:
                 else:
                     prefix = torch.cat([context_tokens, generated[:, :step + 1]], dim=1)
                     logits = self._last_logits(prefix, positions[:, :prefix.shape[1]])
-        return generated[:, :step + 1], finished
+        return _until_all_finished(generated[:, :step + 1], finished, self.eod), finished
 
     def _decode(self, cache, tokens, position):
         """Logits after one new token per row, through the cache."""
@@ -162,6 +164,22 @@ class TextGenerator:
             dist.broadcast(tokens, mpu.get_model_parallel_src_rank(),
                            group=mpu.get_model_parallel_group())
         return tokens
+
+
+def _finished_read_every(device):
+    """Steps between reads of whether every row has finished. Off the CPU a read waits until
+    the step has run, so the host cannot queue the next step meanwhile: it is read every 8
+    steps there (a batch that finished runs up to 7 steps of eod padding)."""
+    return 1 if device.type == "cpu" else 8
+
+
+def _until_all_finished(generated, finished, eod):
+    """generated [b, m] without the steps after the last row's eod (steps taken before the
+    finished flags were read: every row of them is eod padding)."""
+    if not bool(finished.all()):
+        return generated
+    last = int((generated == eod).int().argmax(dim=1).max())  # each row's first eod
+    return generated[:, :last + 1]
 
 
 def _model_device(model):

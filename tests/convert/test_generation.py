@@ -13,6 +13,7 @@ from megatron import mpu
 from megatron.convert.savers import save_model_weights
 from megatron.inference.loading import build_model_from_weights
 from megatron.model.kv_cache import KVCache, attach_kv_cache
+from megatron.inference import text_generation
 from megatron.inference.text_generation import SamplingParams, TextGenerator, top_k_top_p_filter
 from tests.convert.conftest import random_weights, tokenized_weights
 from tests.dist_utils import run_distributed
@@ -99,6 +100,27 @@ def test_generation_stops_at_the_model_length():
     model = build_model_from_weights(random_weights(positions=12))
     new, _ = TextGenerator(model, eod=300, vocab_size=301).generate(_context(), GREEDY)
     assert new.shape[1] <= 12 - 7
+
+
+def test_reading_the_finished_flags_every_few_steps_gives_the_same_tokens(monkeypatch):
+    """As on a GPU, where the flags are read every 8 steps: the steps run after every row
+    finished are cut off, so the result is that of a read after every step."""
+    model = build_model_from_weights(random_weights())
+    free_run, _ = TextGenerator(model, eod=-1, vocab_size=301).generate(_context(), GREEDY)
+    # an eod that both rows produce, at different steps, the last one before the final step
+    firsts = {int(t): [int((row == t).nonzero()[0]) for row in free_run]
+              for t in free_run[0] if t in free_run[1]}
+    eod, steps = next((t, s) for t, s in firsts.items()
+                      if s[0] != s[1] and max(s) < GREEDY.out_seq_length - 1
+                      and (max(s) + 1) % 4 != 0)
+    every_step, every_step_done = TextGenerator(model, eod, vocab_size=301).generate(
+        _context(), GREEDY)
+    monkeypatch.setattr(text_generation, "_finished_read_every", lambda device: 4)
+    every_fourth, every_fourth_done = TextGenerator(model, eod, vocab_size=301).generate(
+        _context(), GREEDY)
+    assert every_step.shape[1] == max(steps) + 1 and every_step_done.all()
+    assert torch.equal(every_fourth, every_step)
+    assert torch.equal(every_fourth_done, every_step_done)
 
 
 def _tp2_worker(rank, world_size):
