@@ -1,0 +1,72 @@
+"""pretrain_gpt2.py --load of a checkpoint saved at another tensor-parallel size: each rank
+converts in memory what tools/merge_mp_partitions.py writes to disk, cutting only its own
+shards, one full tensor at a time."""
+
+import weakref
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import pretrain_gpt2
+from megatron import mpu
+from megatron.checkpointing import megatron_layout as checkpointing
+from megatron.errors import CheckpointError
+from tests.tools.tp_checkpoints import (assert_same, checkpoint_shards, convert, flatten,
+                                        pretrain_argv)
+
+
+def test_loading_at_another_tp_size_converts_as_it_loads(corpus, tp2_run, tmp_path, capsys):
+    """The trainer's --load converts in memory what tools/merge_mp_partitions.py writes to disk, and says so."""
+    argv = pretrain_argv(corpus, tmp_path / "log", "--load", tp2_run["save"])
+    assert pretrain_gpt2.main(argv) == 0
+    out = capsys.readouterr().out
+    assert ("saved at tensor-parallel size 2 x 1 pipeline stage(s); converted to "
+            "tensor-parallel size 1 x 1 pipeline stage(s)") in out
+
+
+def test_a_rank_converting_as_it_loads_cuts_its_own_shards_one_full_tensor_at_a_time(
+        tp2_run, tmp_path, monkeypatch):
+    """--load at TP=4 on rank 1: the tool's mp_rank_01 file. No other rank's shard is made,
+    and each full tensor is merged when it is cut and dropped before the next, so the rank
+    holds its shards and one parameter's full tensors (its two Adam moments at most), not
+    every rank's part or the whole full form (memory a large model does not have)."""
+    from megatron.convert import online, optimizer_state, reshard, tp_layout
+    cut_for, merged, most_alive = set(), [], [0]
+
+    def recording_shard_of(full, split, num_partitions, rank):
+        cut_for.add(rank)
+        return tp_layout.shard_of(full, split, num_partitions, rank)
+
+    def recording_merge_shards(name, shards, split, **options):
+        full = tp_layout.merge_shards(name, shards, split, **options)
+        if not any(full is shard for shard in shards):  # a copy, not a file's tensor
+            merged.append(weakref.ref(full))
+            most_alive[0] = max(most_alive[0], sum(ref() is not None for ref in merged))
+        return full
+    for module in (reshard, optimizer_state):  # the model's tensors, the optimizer's
+        monkeypatch.setattr(module, "shard_of", recording_shard_of)
+        monkeypatch.setattr(module, "merge_shards", recording_merge_shards)
+    mpu.set_model_parallel_world_size(4)
+    mpu.set_model_parallel_rank(1)
+    try:
+        mine, note = online.convert_for_this_rank(tp2_run["save"])
+    finally:
+        mpu.destroy_model_parallel()
+    assert cut_for == {1} and "converted to tensor-parallel size 4" in note
+    assert len(merged) > 10 and most_alive[0] == 2  # exp_avg with exp_avg_sq
+    assert_same(flatten(mine), checkpoint_shards(convert(tp2_run["save"], str(tmp_path / "t"), 4))[1])
+
+
+def test_tp1_checkpoint_loaded_by_tp_rank_1_names_the_tool(tp2_run, tmp_path):
+    merged = convert(tp2_run["save"], str(tmp_path / "m"), 1)
+    checkpoint = SimpleNamespace(load=merged, save=None)
+    mpu.set_model_parallel_world_size(2)
+    mpu.set_model_parallel_rank(1)  # this rank's file does not exist at TP=1
+    try:
+        with pytest.raises(CheckpointError, match="merge_mp_partitions.py") as error:
+            checkpointing.load_checkpoint(None, None, checkpoint, {"model_parallel_size": 2},
+                                          torch.device("cpu"))
+        assert "saved with --model-parallel-size 1" in str(error.value)
+    finally:
+        mpu.destroy_model_parallel()
