@@ -3,15 +3,15 @@
 Every rank reads all of the checkpoint's files memory-mapped (page cache, not memory of its
 own) and, one tensor at a time, merges the full tensor and cuts out only the part its own
 tensor-parallel rank and pipeline stage hold (megatron/convert/reshard.py,
-pipeline_layout.py); the load then copies that part into the model and optimizer, and no
-mapping outlives it. The same conversion as tools/merge_mp_partitions.py, in memory. The
-data-parallel size is free in this layout.
+pipeline_layout.py); the other stages' tensors are never merged. The load then copies that
+part into the model and optimizer, and no mapping outlives it. The same conversion as
+tools/merge_mp_partitions.py, in memory. The data-parallel size is free in this layout.
 """
 
 from megatron import mpu
 from megatron.checkpointing.megatron_layout import first_rank_checkpoint_name, read_tracker
 from megatron.convert.checkpoint_files import read_sharded_checkpoint
-from megatron.convert.pipeline_layout import split_stages
+from megatron.convert.pipeline_layout import stage_file, stage_parameter_names
 from megatron.convert.reshard import check_target_stages, checkpoint_of_rank, resharded
 from zero.checkpoint.files import load_plain
 
@@ -43,12 +43,13 @@ def convert_for_this_rank(load_dir, layers_per_virtual_stage=None):
     sharded = read_sharded_checkpoint(load_dir)
     check_target_stages(sharded.args, stages)
     full, _ = resharded(sharded, tp)  # merges nothing yet: each tensor as it is cut
-    mine = checkpoint_of_rank(full, tp, mpu.get_model_parallel_rank())
+    stage = mpu.get_pipeline_model_parallel_rank()
+    names = stage_parameter_names(list(full.model), full.args, stages, stage, ours[2])
+    mine = checkpoint_of_rank(full, tp, mpu.get_model_parallel_rank(), names)
     del full, sharded
-    files = split_stages(mine, stages, ours[2])
     note = (f"--load {load_dir} was saved at {_describe(saved)}; converted to "
             f"{_describe(ours)} as it loaded (weights, optimizer state, schedule)")
-    return files[mpu.get_pipeline_model_parallel_rank()], note
+    return stage_file(mine, stages, stage, ours[2]), note
 
 
 def _describe(layout):

@@ -137,13 +137,18 @@ def _map_moments(moments, function):
     return moments
 
 
-def optimizer_state_of(full, num_partitions, rank):
+def optimizer_state_of(full, num_partitions, rank, wanted=None):
     """The saved optimizer state dict of target rank `rank` among `num_partitions`; each full
-    tensor is merged when it is cut (and dropped before the next)."""
+    tensor is merged when it is cut (and dropped before the next). Parameters outside
+    `wanted` (default: none) get no state and a None master, and nothing of theirs is
+    merged."""
     adam_state, masters = {}, []
     for group, names in zip(full.param_groups, full.group_names):
         masters.append([])
         for index, name in zip(group["params"], names):
+            if wanted is not None and name not in wanted:
+                masters[-1].append(None)
+                continue
             split = parameter_layout(name).split
             moments = full.moments[name]
             if moments is not None:

@@ -155,6 +155,34 @@ def split_stages(whole, stages, layers_per_virtual_stage=None):
     """The files of `stages` pipeline stages (each holding num_layers / (stages x
     `layers_per_virtual_stage`) model chunks when given) from one file of
     pipeline_model_parallel_size 1."""
+    return _split(whole, stages, range(stages), layers_per_virtual_stage)
+
+
+def stage_file(whole, stages, stage, layers_per_virtual_stage=None):
+    """The file of pipeline stage `stage` alone (as split_stages gives it). Only that stage's
+    parameters are read: `whole` may hold None for every other (a rank converting as it
+    loads cuts only its own stage's, `stage_parameter_names`)."""
+    return _split(whole, stages, [stage], layers_per_virtual_stage)[0]
+
+
+def stage_parameter_names(names, args, stages, stage, layers_per_virtual_stage=None):
+    """The parameters, of a single-stage model's flat `names`, that pipeline stage `stage`
+    of `stages` holds."""
+    numbers = set(stage_layer_numbers(_with_stages(args, stages, layers_per_virtual_stage),
+                                      stages, stage))
+    return [name for name in names if _held_by_stage(name, numbers, stage, stages)]
+
+
+def _held_by_stage(name, layer_numbers, stage, stages):
+    match = _LAYER.match(name)
+    if match:
+        return int(match.group(2)) in layer_numbers
+    if name.startswith("language_model.embedding."):
+        return stage == 0
+    return stage == stages - 1  # the final LayerNorm
+
+
+def _split(whole, stages, wanted, layers_per_virtual_stage):
     flat = to_flat_state_dict(whole["model"])
     num_layers = len({int(m.group(2)) for m in map(_LAYER.match, flat) if m})
     if stages > num_layers:
@@ -167,20 +195,11 @@ def split_stages(whole, stages, layers_per_virtual_stage=None):
     if "optimizer" in whole:
         entries, hypers = _per_name(whole["optimizer"], list(flat))
     files = []
-    for stage in range(stages):
+    for stage in wanted:
         numbers = stage_layer_numbers(args, stages, stage)
         local_number = {n: i for i, n in enumerate(numbers)}
-        mine = {}
-        for key, value in flat.items():
-            match = _LAYER.match(key)
-            if match:
-                keep = int(match.group(2)) in local_number
-            elif key.startswith("language_model.embedding."):
-                keep = stage == 0
-            else:  # the final LayerNorm
-                keep = stage == stages - 1
-            if keep:
-                mine[key] = value
+        mine = {key: value for key, value in flat.items()
+                if _held_by_stage(key, local_number, stage, stages)}
         local = _renumbered(mine, local_number)  # a stage's layers ascend: order kept
         out = {k: v for k, v in whole.items() if k not in ("model", "optimizer")}
         out["args"] = dict(args)

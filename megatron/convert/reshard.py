@@ -101,18 +101,25 @@ def resize_vocab(full, padded_vocab_size):
     full.common["args"] = dict(full.args, padded_vocab_size=padded_vocab_size)
 
 
-def checkpoint_of_rank(full, target_tp, rank):
+def checkpoint_of_rank(full, target_tp, rank, names=None):
     """The model_optim_rng.pt contents of rank `rank` of `target_tp`: its own shards only, each
     full tensor merged when it is cut and dropped before the next (a rank converting as it
-    loads, and the tool writing one target rank's file at a time)."""
+    loads, and the tool writing one target rank's file at a time). `names`: the parameters
+    to cut (default: every one); the others are None, weights and optimizer state alike (a
+    rank that keeps one pipeline stage of them, megatron/convert/online.py)."""
+    wanted = set(full.model if names is None else names)
     model = {}
-    for name, tensor in full.model.items():
+    for name in full.model:  # names, not items(): those not wanted are never merged
+        if name not in wanted:
+            model[name] = None
+            continue
+        tensor = full.model[name]
         model[name] = shard_of(tensor, parameter_layout(name).split, target_tp, rank)
         del tensor  # before the next name's is merged
     shard = dict(full.common, args=dict(full.args, model_parallel_size=target_tp))
     shard["model"] = to_nested_state_dict(model)
     if full.optimizer is not None:
-        shard["optimizer"] = optimizer_state_of(full.optimizer, target_tp, rank)
+        shard["optimizer"] = optimizer_state_of(full.optimizer, target_tp, rank, wanted)
     if full.rng_tracker_states:
         shard["rng_tracker_states"] = _tracker_states_for_rank(full, rank)
     return shard

@@ -1,7 +1,8 @@
-"""pretrain_gpt2.py --load of a checkpoint saved at another tensor-parallel size: each rank
-converts in memory what tools/merge_mp_partitions.py writes to disk, cutting only its own
-shards, one full tensor at a time."""
+"""pretrain_gpt2.py --load of a checkpoint saved at another tensor-parallel or pipeline size:
+each rank converts in memory what tools/merge_mp_partitions.py writes to disk, cutting only
+its own shards of its own stage, one full tensor at a time."""
 
+import os
 import weakref
 from types import SimpleNamespace
 
@@ -13,11 +14,12 @@ from megatron import mpu
 from megatron.checkpointing import megatron_layout as checkpointing
 from megatron.errors import CheckpointError
 from tests.tools.tp_checkpoints import (assert_same, checkpoint_shards, convert, flatten,
-                                        pretrain_argv)
+                                        iteration_dirs, pretrain_argv)
 
 
 def test_loading_at_another_tp_size_converts_as_it_loads(corpus, tp2_run, tmp_path, capsys):
-    """The trainer's --load converts in memory what tools/merge_mp_partitions.py writes to disk, and says so."""
+    """The trainer's --load converts in memory what tools/merge_mp_partitions.py writes to
+    disk, and says so."""
     argv = pretrain_argv(corpus, tmp_path / "log", "--load", tp2_run["save"])
     assert pretrain_gpt2.main(argv) == 0
     out = capsys.readouterr().out
@@ -55,7 +57,40 @@ def test_a_rank_converting_as_it_loads_cuts_its_own_shards_one_full_tensor_at_a_
         mpu.destroy_model_parallel()
     assert cut_for == {1} and "converted to tensor-parallel size 4" in note
     assert len(merged) > 10 and most_alive[0] == 2  # exp_avg with exp_avg_sq
-    assert_same(flatten(mine), checkpoint_shards(convert(tp2_run["save"], str(tmp_path / "t"), 4))[1])
+    tool_files = checkpoint_shards(convert(tp2_run["save"], str(tmp_path / "t"), 4))
+    assert_same(flatten(mine), tool_files[1])
+
+
+def test_a_rank_of_a_later_pipeline_stage_merges_only_its_stages_tensors(tp2_run, tmp_path,
+                                                                          monkeypatch):
+    """--load at TP=2 x 2 pipeline stages on tensor-parallel rank 1 of stage 1: the tool's
+    mp_rank_01_001 file, and the full tensors merged (weights, moments, masters) are those of
+    stage 1's parameters only (layer 1 of 2, the final LayerNorm), not every stage's."""
+    from megatron.convert import online, optimizer_state, reshard, tp_layout
+    merged_names = set()
+
+    def recording_merge_shards(name, shards, split, **options):
+        merged_names.add(name)
+        return tp_layout.merge_shards(name, shards, split, **options)
+    for module in (reshard, optimizer_state):
+        monkeypatch.setattr(module, "merge_shards", recording_merge_shards)
+    monkeypatch.setattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(mpu, "get_pipeline_model_parallel_rank", lambda: 1)
+    mpu.set_model_parallel_world_size(2)
+    mpu.set_model_parallel_rank(1)
+    try:
+        mine, note = online.convert_for_this_rank(tp2_run["save"])
+    finally:
+        mpu.destroy_model_parallel()
+    assert "converted to tensor-parallel size 2 x 2 pipeline stage(s)" in note
+    assert merged_names and all(".layers.1." in name or "final_layernorm" in name
+                                for name in merged_names), sorted(merged_names)
+    staged = convert(tp2_run["save"], str(tmp_path / "pp2"), 2,
+                     "--target-pipeline-model-parallel-size", "2")
+    files = iteration_dirs(staged)
+    assert os.path.basename(files[3]) == "mp_rank_01_001"
+    assert_same(flatten(mine), flatten(torch.load(os.path.join(files[3], "model_optim_rng.pt"),
+                                                  weights_only=True)))
 
 
 def test_tp1_checkpoint_loaded_by_tp_rank_1_names_the_tool(tp2_run, tmp_path):
