@@ -13,7 +13,9 @@ import io
 import os
 import socket
 import tempfile
+import time
 import traceback
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -60,18 +62,27 @@ def run_distributed(fn, world_size, args=(), timeout=240):
         for p in procs:
             p.start()
         results, errors = {}, []
-        for _ in range(world_size):
+        deadline = time.monotonic() + timeout
+        while len(results) < world_size and not errors:
             try:
-                rank, ok, payload = queue.get(timeout=timeout)
-            except Exception:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive()]
-                errors.append(f"timed out after {timeout}s waiting for ranks; exited: {dead}")
-                break
+                rank, ok, payload = queue.get(timeout=1)
+            except Empty:
+                # a rank that died before reporting (it could not unpickle `fn`, a signal)
+                # would otherwise keep the others waiting until the timeout
+                died = {r: p.exitcode for r, p in enumerate(procs)
+                        if p.exitcode and r not in results}
+                if died:
+                    errors.append(f"rank(s) exited without a result, exit codes {died} (their "
+                                  "stderr is above)")
+                elif time.monotonic() > deadline:
+                    exited = [r for r, p in enumerate(procs) if not p.is_alive()]
+                    errors.append(f"timed out after {timeout}s waiting for ranks; exited: "
+                                  f"{exited}")
+                continue
             if ok:
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
-                break
         for p in procs:
             p.join(timeout=5 if errors else timeout)
             if p.is_alive():
