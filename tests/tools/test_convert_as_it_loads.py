@@ -27,13 +27,25 @@ def test_loading_at_another_tp_size_converts_as_it_loads(corpus, tp2_run, tmp_pa
             "tensor-parallel size 1 x 1 pipeline stage(s)") in out
 
 
+def _convert_on_rank(load_dir, tp, rank):
+    """What `--load load_dir` converts on tensor-parallel rank `rank` of `tp` (mpu's
+    overrides stand in for the process group)."""
+    from megatron.convert import online
+    mpu.set_model_parallel_world_size(tp)
+    mpu.set_model_parallel_rank(rank)
+    try:
+        return online.convert_for_this_rank(load_dir)
+    finally:
+        mpu.destroy_model_parallel()
+
+
 def test_a_rank_converting_as_it_loads_cuts_its_own_shards_one_full_tensor_at_a_time(
         tp2_run, tmp_path, monkeypatch):
     """--load at TP=4 on rank 1: the tool's mp_rank_01 file. No other rank's shard is made,
     and each full tensor is merged when it is cut and dropped before the next, so the rank
     holds its shards and one parameter's full tensors (its two Adam moments at most), not
     every rank's part or the whole full form (memory a large model does not have)."""
-    from megatron.convert import online, optimizer_state, reshard, tp_layout
+    from megatron.convert import optimizer_state, reshard, tp_layout
     cut_for, merged, most_alive = set(), [], [0]
 
     def recording_shard_of(full, split, num_partitions, rank):
@@ -49,12 +61,7 @@ def test_a_rank_converting_as_it_loads_cuts_its_own_shards_one_full_tensor_at_a_
     for module in (reshard, optimizer_state):  # the model's tensors, the optimizer's
         monkeypatch.setattr(module, "shard_of", recording_shard_of)
         monkeypatch.setattr(module, "merge_shards", recording_merge_shards)
-    mpu.set_model_parallel_world_size(4)
-    mpu.set_model_parallel_rank(1)
-    try:
-        mine, note = online.convert_for_this_rank(tp2_run["save"])
-    finally:
-        mpu.destroy_model_parallel()
+    mine, note = _convert_on_rank(tp2_run["save"], tp=4, rank=1)
     assert cut_for == {1} and "converted to tensor-parallel size 4" in note
     assert len(merged) > 10 and most_alive[0] == 2  # exp_avg with exp_avg_sq
     tool_files = checkpoint_shards(convert(tp2_run["save"], str(tmp_path / "t"), 4))
@@ -66,7 +73,7 @@ def test_a_rank_of_a_later_pipeline_stage_merges_only_its_stages_tensors(tp2_run
     """--load at TP=2 x 2 pipeline stages on tensor-parallel rank 1 of stage 1: the tool's
     mp_rank_01_001 file, and the full tensors merged (weights, moments, masters) are those of
     stage 1's parameters only (layer 1 of 2, the final LayerNorm), not every stage's."""
-    from megatron.convert import online, optimizer_state, reshard, tp_layout
+    from megatron.convert import optimizer_state, reshard, tp_layout
     merged_names = set()
 
     def recording_merge_shards(name, shards, split, **options):
@@ -76,12 +83,7 @@ def test_a_rank_of_a_later_pipeline_stage_merges_only_its_stages_tensors(tp2_run
         monkeypatch.setattr(module, "merge_shards", recording_merge_shards)
     monkeypatch.setattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 2)
     monkeypatch.setattr(mpu, "get_pipeline_model_parallel_rank", lambda: 1)
-    mpu.set_model_parallel_world_size(2)
-    mpu.set_model_parallel_rank(1)
-    try:
-        mine, note = online.convert_for_this_rank(tp2_run["save"])
-    finally:
-        mpu.destroy_model_parallel()
+    mine, note = _convert_on_rank(tp2_run["save"], tp=2, rank=1)
     assert "converted to tensor-parallel size 2 x 2 pipeline stage(s)" in note
     assert merged_names and all(".layers.1." in name or "final_layernorm" in name
                                 for name in merged_names), sorted(merged_names)
