@@ -52,7 +52,8 @@ def _worker(rank, world_size, init_file, fn, args, queue):
 
 
 def run_distributed(fn, world_size, args=(), timeout=240):
-    """Run fn(rank, world_size, *args) in `world_size` processes; return results by rank."""
+    """Run fn(rank, world_size, *args) in `world_size` processes; return results by rank.
+    `timeout` bounds the whole run; a rank that fails, or dies without a result, ends it."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,8 +73,8 @@ def run_distributed(fn, world_size, args=(), timeout=240):
                 died = {r: p.exitcode for r, p in enumerate(procs)
                         if p.exitcode and r not in results}
                 if died:
-                    errors.append(f"rank(s) exited without a result, exit codes {died} (their "
-                                  "stderr is above)")
+                    errors.append(f"rank(s) exited without a result, exit codes {died} (any "
+                                  "output of theirs is above)")
                 elif time.monotonic() > deadline:
                     exited = [r for r, p in enumerate(procs) if not p.is_alive()]
                     errors.append(f"timed out after {timeout}s waiting for ranks; exited: "
@@ -88,5 +89,6 @@ def run_distributed(fn, world_size, args=(), timeout=240):
             if p.is_alive():
                 p.terminate()
         if errors:
-            raise AssertionError("\n".join(errors))
+            dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode}
+            raise AssertionError("\n".join(errors) + f"\nexit codes of ranks that died: {dead}")
         return [results[r] for r in range(world_size)]

@@ -3,8 +3,9 @@
 Every rank reads all of the checkpoint's files memory-mapped (page cache, not memory of its
 own) and, one tensor at a time, merges the full tensor and cuts out only the part its own
 tensor-parallel rank and pipeline stage hold (megatron/convert/reshard.py,
-pipeline_layout.py); the other stages' tensors are never merged. The load then copies that
-part into the model and optimizer, and no mapping outlives it. The same conversion as
+pipeline_layout.py); the other stages' tensors are not merged (8-/4-bit Adam moments saved at
+several stages are all decoded when the stages are joined). The load then copies that part
+into the model and optimizer, and no mapping outlives it. The same conversion as
 tools/merge_mp_partitions.py, in memory. The data-parallel size is free in this layout.
 """
 

@@ -140,7 +140,7 @@ def _map_moments(moments, function):
 def optimizer_state_of(full, num_partitions, rank, wanted=None):
     """The saved optimizer state dict of target rank `rank` among `num_partitions`; each full
     tensor is merged when it is cut (and dropped before the next). Parameters outside
-    `wanted` (default: none) get no state and a None master, and nothing of theirs is
+    `wanted` (default: every parameter) get no state and a None master, and nothing of theirs is
     merged."""
     adam_state, masters = {}, []
     for group, names in zip(full.param_groups, full.group_names):

@@ -105,8 +105,9 @@ def checkpoint_of_rank(full, target_tp, rank, names=None):
     """The model_optim_rng.pt contents of rank `rank` of `target_tp`: its own shards only, each
     full tensor merged when it is cut and dropped before the next (a rank converting as it
     loads, and the tool writing one target rank's file at a time). `names`: the parameters
-    to cut (default: every one); the others are None, weights and optimizer state alike (a
-    rank that keeps one pipeline stage of them, megatron/convert/online.py)."""
+    to cut (default: every one); the others' weights are None, and they have no optimizer
+    state and a None master (a rank that keeps one pipeline stage of them,
+    megatron/convert/online.py)."""
     wanted = set(full.model if names is None else names)
     model = {}
     for name in full.model:  # names, not items(): those not wanted are never merged

@@ -169,14 +169,16 @@ class TextGenerator:
 def _finished_read_every(device):
     """Steps between reads of whether every row has finished. Off the CPU a read waits until
     the step has run, so the host cannot queue the next step meanwhile: it is read every 8
-    steps there (a batch that finished runs up to 7 steps of eod padding)."""
+    steps there (a batch that finished runs up to 7 steps of eod padding). The tokens are
+    those of a read every step; sampling draws for the padding steps too, so the random
+    stream after a call is further on."""
     return 1 if device.type == "cpu" else 8
 
 
 def _until_all_finished(generated, finished, eod):
     """generated [b, m] without the steps after the last row's eod (steps taken before the
     finished flags were read: every row of them is eod padding)."""
-    if not bool(finished.all()):
+    if generated.shape[0] == 0 or not bool(finished.all()):
         return generated
     last = int((generated == eod).int().argmax(dim=1).max())  # each row's first eod
     return generated[:, :last + 1]

@@ -110,9 +110,10 @@ def test_reading_the_finished_flags_every_few_steps_gives_the_same_tokens(monkey
     # an eod that both rows produce, at different steps, the last one before the final step
     firsts = {int(t): [int((row == t).nonzero()[0]) for row in free_run]
               for t in free_run[0] if t in free_run[1]}
-    eod, steps = next((t, s) for t, s in firsts.items()
-                      if s[0] != s[1] and max(s) < GREEDY.out_seq_length - 1
-                      and (max(s) + 1) % 4 != 0)
+    eod, steps = next(((t, s) for t, s in firsts.items()
+                       if s[0] != s[1] and max(s) < GREEDY.out_seq_length - 1
+                       and (max(s) + 1) % 4 != 0), (None, None))
+    assert eod is not None, f"no token that both rows produce at suitable steps: {firsts}"
     every_step, every_step_done = TextGenerator(model, eod, vocab_size=301).generate(
         _context(), GREEDY)
     monkeypatch.setattr(text_generation, "_finished_read_every", lambda device: 4)
@@ -121,6 +122,21 @@ def test_reading_the_finished_flags_every_few_steps_gives_the_same_tokens(monkey
     assert every_step.shape[1] == max(steps) + 1 and every_step_done.all()
     assert torch.equal(every_fourth, every_step)
     assert torch.equal(every_fourth_done, every_step_done)
+
+
+def test_the_steps_after_the_last_row_finished_are_cut_off():
+    eod = 9
+    generated = torch.tensor([[1, 9, 9, 9, 9, 9], [2, 3, 4, 9, 9, 9]])  # read at step 5
+    done = torch.tensor([True, True])
+    assert torch.equal(text_generation._until_all_finished(generated, done, eod),
+                       generated[:, :4])
+    not_done = torch.tensor([True, False])  # a row still going: every step is kept
+    unfinished = torch.tensor([[1, 9, 9], [2, 3, 4]])
+    assert torch.equal(text_generation._until_all_finished(unfinished, not_done, eod),
+                       unfinished)
+    empty = torch.zeros(0, 3, dtype=torch.long)
+    assert text_generation._until_all_finished(empty, torch.zeros(0, dtype=torch.bool),
+                                               eod).shape == (0, 3)
 
 
 def _tp2_worker(rank, world_size):

@@ -68,11 +68,16 @@ def test_a_rank_converting_as_it_loads_cuts_its_own_shards_one_full_tensor_at_a_
     assert_same(flatten(mine), tool_files[1])
 
 
-def test_a_rank_of_a_later_pipeline_stage_merges_only_its_stages_tensors(tp2_run, tmp_path,
-                                                                          monkeypatch):
-    """--load at TP=2 x 2 pipeline stages on tensor-parallel rank 1 of stage 1: the tool's
-    mp_rank_01_001 file, and the full tensors merged (weights, moments, masters) are those of
-    stage 1's parameters only (layer 1 of 2, the final LayerNorm), not every stage's."""
+@pytest.mark.parametrize("tp, stage, held", [
+    (2, 1, (".layers.1.", "final_layernorm")),   # the same vocab padding
+    (4, 0, (".layers.0.", ".embedding.")),      # the embeddings re-padded to 320 rows
+])
+def test_a_rank_of_a_pipeline_stage_merges_only_its_stages_tensors(tp2_run, tmp_path,
+                                                                   monkeypatch, tp, stage, held):
+    """--load at TP x 2 pipeline stages on tensor-parallel rank 1 of a stage: the tool's
+    mp_rank_01_00<stage> file, and the full tensors merged (weights, moments, masters) are those
+    of the stage's parameters only (its layer of 2, the embeddings or the final LayerNorm),
+    not every stage's."""
     from megatron.convert import optimizer_state, reshard, tp_layout
     merged_names = set()
 
@@ -82,16 +87,16 @@ def test_a_rank_of_a_later_pipeline_stage_merges_only_its_stages_tensors(tp2_run
     for module in (reshard, optimizer_state):
         monkeypatch.setattr(module, "merge_shards", recording_merge_shards)
     monkeypatch.setattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 2)
-    monkeypatch.setattr(mpu, "get_pipeline_model_parallel_rank", lambda: 1)
-    mine, note = _convert_on_rank(tp2_run["save"], tp=2, rank=1)
-    assert "converted to tensor-parallel size 2 x 2 pipeline stage(s)" in note
-    assert merged_names and all(".layers.1." in name or "final_layernorm" in name
+    monkeypatch.setattr(mpu, "get_pipeline_model_parallel_rank", lambda: stage)
+    mine, note = _convert_on_rank(tp2_run["save"], tp=tp, rank=1)
+    assert f"converted to tensor-parallel size {tp} x 2 pipeline stage(s)" in note
+    assert merged_names and all(any(part in name for part in held)
                                 for name in merged_names), sorted(merged_names)
-    staged = convert(tp2_run["save"], str(tmp_path / "pp2"), 2,
+    staged = convert(tp2_run["save"], str(tmp_path / "pp2"), tp,
                      "--target-pipeline-model-parallel-size", "2")
-    files = iteration_dirs(staged)
-    assert os.path.basename(files[3]) == "mp_rank_01_001"
-    assert_same(flatten(mine), flatten(torch.load(os.path.join(files[3], "model_optim_rng.pt"),
+    tool_file = [d for d in iteration_dirs(staged)
+                 if os.path.basename(d) == f"mp_rank_01_{stage:03d}"]
+    assert_same(flatten(mine), flatten(torch.load(os.path.join(tool_file[0], "model_optim_rng.pt"),
                                                   weights_only=True)))
 
 
