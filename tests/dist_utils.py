@@ -28,7 +28,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, init_file, fn, args, queue):
+def _worker(rank, world_size, init_file, fn, args, queue, environ):
+    os.environ.clear()  # the caller's environment now, not the fork server's at its start
+    os.environ.update(environ)
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -51,14 +53,24 @@ def _worker(rank, world_size, init_file, fn, args, queue):
             dist.destroy_process_group()
 
 
+def _context():
+    """Ranks are forked from one server process that imported torch (and torch._dynamo, which
+    every torch optimizer imports) once: ~5 s of imports per call on a slow 2-core CPU become
+    ~0.1 s. The server never runs a torch op, so it has no threads to lose in a fork."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+    return ctx
+
+
 def run_distributed(fn, world_size, args=(), timeout=240):
     """Run fn(rank, world_size, *args) in `world_size` processes; return results by rank.
     `timeout` bounds the whole run; a rank that fails, or dies without a result, ends it."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue))
+        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue,
+                                                   dict(os.environ)))
                  for r in range(world_size)]
         for p in procs:
             p.start()
