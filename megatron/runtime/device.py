@@ -124,7 +124,7 @@ def faster_precision_note(device, dtype):
     others (no AMX), and fp32 can beat both."""
     if device.type != "cpu" or dtype == torch.float32:
         return None
-    peaks = {name: measure_matmul_flops(device, other)
+    peaks = {name: measure_matmul_flops(device, other, min_seconds=RATIO_SECONDS)
              for name, other in (("bf16", torch.bfloat16), ("fp16", torch.float16),
                                  ("fp32", torch.float32))}
     mine = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -138,20 +138,25 @@ def faster_precision_note(device, dtype):
 
 
 _measured_peaks = {}
+# How long one product must take for its time to count (`min_seconds`). A peak (the MFU's
+# denominator) wants products of 50 ms; comparing dtypes by throughput needs less, and an
+# emulated dtype (~1 GFLOP/s) is then timed at 256 rows, not 512 (0.15 s instead of 0.8).
+PEAK_SECONDS, RATIO_SECONDS = 0.05, 0.01
 
 
-def measure_matmul_flops(device, dtype, size=2048, repeats=5, min_seconds=0.05,
+def measure_matmul_flops(device, dtype, size=2048, repeats=5, min_seconds=PEAK_SECONDS,
                          remeasure=False):
     """Best-of-`repeats` FLOP/s of a square matmul: the practical peak of this device
-    (measured once per device and dtype; `remeasure` measures again and keeps the higher).
-    A product that takes `min_seconds` or more is timed three times, not `repeats` + 1.
+    (measured once per device, dtype and `min_seconds`; `remeasure` measures again and keeps
+    the higher). A product that takes PEAK_SECONDS or more is timed three times, not
+    `repeats` + 1.
 
     The matrices grow from 256 up to `size` until one product takes `min_seconds`, so a
     dtype the device only emulates (fp16 on most CPUs: ~1 GFLOP/s) is measured in a fraction
     of a second instead of minutes.
     """
     import time
-    key = (str(device), dtype)
+    key = (str(device), dtype, min_seconds)
     if key in _measured_peaks and not remeasure:
         return _measured_peaks[key]
     # A private generator: measuring must not consume the training RNG streams.
@@ -169,7 +174,7 @@ def measure_matmul_flops(device, dtype, size=2048, repeats=5, min_seconds=0.05,
             best = min(best, time.perf_counter() - start)
             if n < size and best < min_seconds / 4:
                 break  # far too quick to time well: go straight to a larger size
-            if best >= min_seconds and timed >= 3:
+            if best >= PEAK_SECONDS and timed >= 3:
                 break  # long enough to time well: more repeats of an emulated dtype cost seconds
         if n >= size or best >= min_seconds:
             break

@@ -10,15 +10,15 @@ import sys
 
 import torch
 
-from megatron.runtime.device import measure_matmul_flops, resolve_device
+from megatron.runtime.device import RATIO_SECONDS, measure_matmul_flops, resolve_device
 
 
 def fastest_precision(device):
     """("bf16" | "fp32", {name: measured matmul FLOP/s})."""
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return "fp32", {}
-    peaks = {"bf16": measure_matmul_flops(device, torch.bfloat16),
-             "fp32": measure_matmul_flops(device, torch.float32)}
+    peaks = {"bf16": measure_matmul_flops(device, torch.bfloat16, min_seconds=RATIO_SECONDS),
+             "fp32": measure_matmul_flops(device, torch.float32, min_seconds=RATIO_SECONDS)}
     return max(peaks, key=peaks.get), peaks
 
 

@@ -56,12 +56,10 @@ def _run_steps(job_path):
     import megatron.gpt2  # noqa: F401
     import megatron.training.pretrain  # noqa: F401
     import pretrain_gpt2
-    import torch
     from megatron.runtime import device
-        # MFU's denominator is measured with 2048^3 matmuls (~1 s per process); these runs only
+    # MFU's denominator is measured with 2048^3 matmuls (~1 s per process); these runs only
     # need some number, and the children inherit this one.
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        device._measured_peaks[("cpu", dtype)] = 1e11
+    device.measure_matmul_flops = lambda *args, **kwargs: 1e11
     codes = []
     for item in json.loads(Path(job_path).read_text()):
         sys.stdout.flush()

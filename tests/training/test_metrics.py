@@ -2,6 +2,7 @@ import glob
 import json
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -195,7 +196,8 @@ def test_faster_precision_note_names_the_fastest_measured_precision(monkeypatch)
     from megatron.runtime import device as device_mod
     cpu = torch.device("cpu")
     speeds = {torch.bfloat16: 170e9, torch.float16: 320e9, torch.float32: 330e9}
-    monkeypatch.setattr(device_mod, "measure_matmul_flops", lambda device, dtype: speeds[dtype])
+    monkeypatch.setattr(device_mod, "measure_matmul_flops",
+                        lambda device, dtype, **_: speeds[dtype])
     note = device_mod.faster_precision_note(cpu, torch.bfloat16)
     assert "fp32 (no --fp16/--bf16) is the fast path here, 1.9x bf16" in note
     assert "bf16 170, fp16 320, fp32 330" in note
@@ -203,6 +205,27 @@ def test_faster_precision_note_names_the_fastest_measured_precision(monkeypatch)
     assert device_mod.faster_precision_note(cpu, torch.float32) is None  # only 16-bit runs ask
     speeds.update({torch.float16: 2e9, torch.bfloat16: 900e9})  # AMX bf16, emulated fp16
     assert "--bf16 is the fast path here" in device_mod.faster_precision_note(cpu, torch.float16)
+
+
+def test_comparing_dtypes_times_an_emulated_dtype_at_256_rows_and_is_no_peak(monkeypatch):
+    """A dtype this CPU emulates (~1 GFLOP/s) is compared at 256 rows; the MFU's peak times
+    it at 512, and is measured on its own, not taken from the quicker comparison."""
+    from megatron.runtime import device as device_mod
+    sizes = []
+
+    def emulated_mm(a, b):  # 1 GFLOP/s
+        sizes.append(a.shape[0])
+        time.sleep(2 * a.shape[0] ** 3 / 1e9)
+
+    monkeypatch.setattr(torch, "mm", emulated_mm)
+    monkeypatch.setattr(device_mod, "_measured_peaks", {})
+    cpu = torch.device("cpu")
+    quick = device_mod.measure_matmul_flops(cpu, torch.float16,
+                                            min_seconds=device_mod.RATIO_SECONDS)
+    assert set(sizes) == {256} and quick == pytest.approx(1e9, rel=0.3)
+    sizes.clear()
+    peak = device_mod.peak_flops(cpu, torch.float16)
+    assert sizes[-1] == 512 and peak == pytest.approx(1e9, rel=0.3)
 
 
 @pytest.mark.parametrize("bf16, fp32, picked", [(170e9, 330e9, "fp32"), (900e9, 330e9, "bf16")])
@@ -213,7 +236,7 @@ def test_the_scripts_precision_probe_picks_the_faster_measured(monkeypatch, caps
     from megatron.runtime import precision_probe
     speeds = {torch.bfloat16: bf16, torch.float32: fp32}
     monkeypatch.setattr(precision_probe, "measure_matmul_flops",
-                        lambda device, dtype: speeds[dtype])
+                        lambda device, dtype, **_: speeds[dtype])
     precision_probe.main()
     out, err = capsys.readouterr()
     assert out == f"{picked}\n"
