@@ -2,7 +2,7 @@
 tiny sizes) in a copy of the repository, or listed in NOT_RUN with the reason.
 
 The quick test checks that each command is classified, that the files it names exist and that
-the pretrain_gpt2.py flags it passes are flags. The other runs them all (~3 minutes on 2
+the pretrain_gpt2.py flags it passes are flags. The other runs them all (3-6 minutes on 2
 cores), in README order, after the data pipeline block (so later commands use its tokenizer);
 a command that fails, prints a traceback or trains nothing is reported with its output.
 """
