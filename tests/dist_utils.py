@@ -1,4 +1,4 @@
-"""Spawn `world_size` gloo processes on the CPU and collect what each returns.
+"""Start `world_size` gloo processes on the CPU and collect what each returns.
 
 Usage from a test:
 
@@ -11,6 +11,7 @@ Usage from a test:
 
 import io
 import os
+import pickle
 import socket
 import tempfile
 import time
@@ -28,11 +29,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, init_file, fn, args, queue, environ):
-    os.environ.clear()  # the caller's environment now, not the fork server's at its start
+def _worker(rank, world_size, init_file, call, queue, environ):
+    # The caller's environment at the call, not the fork server's at its start, before `call`
+    # imports the test module (what torch read at its import stays the server's).
+    os.environ.clear()
     os.environ.update(environ)
     torch.set_num_threads(1)
     try:
+        fn, args = pickle.loads(call)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size)
         result = fn(rank, world_size, *args)
@@ -55,8 +59,10 @@ def _worker(rank, world_size, init_file, fn, args, queue, environ):
 
 def _context():
     """Ranks are forked from one server process that imported torch (and torch._dynamo, which
-    every torch optimizer imports) once: ~5 s of imports per call on a slow 2-core CPU become
-    ~0.1 s. The server never runs a torch op, so it has no threads to lose in a fork."""
+    every torch optimizer imports) once per test session: ~5 s of imports per call on a slow
+    2-core CPU become ~0.1 s. The server never runs a torch op, so it has no threads to lose
+    in a fork. Unlike a launched rank, a forked one shares the server's hash seed and leaves
+    by os._exit (no atexit handlers: release what a test made, e.g. engine.destroy())."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
     return ctx
@@ -69,7 +75,8 @@ def run_distributed(fn, world_size, args=(), timeout=240):
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue,
+        call = pickle.dumps((fn, args))
+        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, call, queue,
                                                    dict(os.environ)))
                  for r in range(world_size)]
         for p in procs:

@@ -1,5 +1,6 @@
-"""tests/dist_utils.run_distributed, the harness of the gloo tests: results by rank, and a
-rank that fails or dies is reported at once, not after the timeout."""
+"""tests/dist_utils.run_distributed, the harness of the gloo tests: results by rank, the
+caller's environment, and a rank that fails or dies is reported at once, not after the
+timeout."""
 
 import os
 import time
@@ -20,8 +21,23 @@ def _rank_1_dies(rank, world_size):
     time.sleep(600)
 
 
+def _environment_variable(rank, world_size, name):
+    return os.environ.get(name)
+
+
 def test_results_come_back_by_rank():
     assert run_distributed(_rank_squared, 2) == [0, 1]
+
+
+def test_ranks_see_the_callers_environment_at_the_call(monkeypatch):
+    """The ranks are forked from a server started at the session's first call: they must still
+    see what the caller set since, and not what it removed."""
+    run_distributed(_rank_squared, 2)  # the server is running from here on
+    monkeypatch.setenv("DIST_UTILS_TEST_SETTING", "set after the server started")
+    monkeypatch.delenv("PATH")
+    assert run_distributed(_environment_variable, 2, args=("DIST_UTILS_TEST_SETTING",)) == \
+        ["set after the server started"] * 2
+    assert run_distributed(_environment_variable, 2, args=("PATH",)) == [None, None]
 
 
 def test_a_rank_that_dies_without_a_result_ends_the_run_at_once():

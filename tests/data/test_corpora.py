@@ -95,7 +95,6 @@ def _distributed_body(rank, world_size, json_path):
     return prefix, samples, failure
 
 
-@pytest.mark.slow  # two spawned gloo processes importing torch: ~10 s on 2 busy cores
 def test_rank_zero_builds_and_others_wait(tmp_path):
     path = write_loose_json(tmp_path / "d.json", [{"text": t * 3} for t in TEXTS])
     (p0, s0, f0), (p1, s1, f1) = run_distributed(_distributed_body, 2, args=(path,))

@@ -175,7 +175,7 @@ def dp2_worker(rank, world_size):
 
 
 def world4_worker(rank, world_size, impl):
-    """Both layouts of 4 processes; torch's DDP costs ~5 s of imports per process."""
+    """Both layouts of 4 processes, in one start of the ranks."""
     mpu.initialize_model_parallel(1)
     out = dict(impl=impl, dp4=_ddp_step(impl, 1), bf16_local=_bf16_local_grads(),
                bf16=_ddp_step(impl, 1, torch.bfloat16),

@@ -192,12 +192,22 @@ def test_mfu_never_exceeds_100_percent_when_the_measured_peak_is_too_low(capsys)
     assert len(printed) == 1 and "above the measured matmul peak" in printed[0]
 
 
+def _compared_quickly(speeds):
+    """A measure_matmul_flops that returns `speeds[dtype]` and checks that it was asked to
+    compare dtypes (products of RATIO_SECONDS), not for a peak."""
+    from megatron.runtime.device import RATIO_SECONDS
+
+    def measure(device, dtype, min_seconds):
+        assert min_seconds == RATIO_SECONDS
+        return speeds[dtype]
+    return measure
+
+
 def test_faster_precision_note_names_the_fastest_measured_precision(monkeypatch):
     from megatron.runtime import device as device_mod
     cpu = torch.device("cpu")
     speeds = {torch.bfloat16: 170e9, torch.float16: 320e9, torch.float32: 330e9}
-    monkeypatch.setattr(device_mod, "measure_matmul_flops",
-                        lambda device, dtype, **_: speeds[dtype])
+    monkeypatch.setattr(device_mod, "measure_matmul_flops", _compared_quickly(speeds))
     note = device_mod.faster_precision_note(cpu, torch.bfloat16)
     assert "fp32 (no --fp16/--bf16) is the fast path here, 1.9x bf16" in note
     assert "bf16 170, fp16 320, fp32 330" in note
@@ -225,7 +235,8 @@ def test_comparing_dtypes_times_an_emulated_dtype_at_256_rows_and_is_no_peak(mon
     assert set(sizes) == {256} and quick == pytest.approx(1e9, rel=0.3)
     sizes.clear()
     peak = device_mod.peak_flops(cpu, torch.float16)
-    assert sizes[-1] == 512 and peak == pytest.approx(1e9, rel=0.3)
+    assert sizes and sizes[-1] == 512, "the peak was taken from the quick measurement"
+    assert peak == pytest.approx(1e9, rel=0.3)
 
 
 @pytest.mark.parametrize("bf16, fp32, picked", [(170e9, 330e9, "fp32"), (900e9, 330e9, "bf16")])
@@ -235,8 +246,7 @@ def test_the_scripts_precision_probe_picks_the_faster_measured(monkeypatch, caps
     fp32's speed) -> fp32; AMX -> bf16. One line on stderr says why."""
     from megatron.runtime import precision_probe
     speeds = {torch.bfloat16: bf16, torch.float32: fp32}
-    monkeypatch.setattr(precision_probe, "measure_matmul_flops",
-                        lambda device, dtype, **_: speeds[dtype])
+    monkeypatch.setattr(precision_probe, "measure_matmul_flops", _compared_quickly(speeds))
     precision_probe.main()
     out, err = capsys.readouterr()
     assert out == f"{picked}\n"

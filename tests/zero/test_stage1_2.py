@@ -53,8 +53,8 @@ def test_layout_every_element_has_one_owner_and_one_bucket_piece(numels, world, 
 
 # ----- equivalence with single-process training -----
 #
-# Spawning gloo workers costs seconds here (imports), so each world size runs once per module
-# and the tests below read their part of the results.
+# Each world size trains every variant once per module and the tests below read their part
+# of the results.
 
 VARIANTS = {  # name: (stages, steps, zero_optimization options)
     "default": ((0, 1, 2), STEPS, {}),
