@@ -7,12 +7,17 @@ Usage from a test:
         return something_picklable
 
     results = run_distributed(_body, world_size=2, args=(x,))   # list indexed by rank
+
+`start_process(target, args, env=..., cwd=..., output=...)` runs any module-level function
+in a process of its own forked from the same server (the trainer's launchers use it).
 """
 
 import io
 import os
 import pickle
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -57,21 +62,73 @@ def _worker(rank, world_size, init_file, call, queue, environ):
             dist.destroy_process_group()
 
 
-def _context():
-    """Ranks are forked from one server process that imported torch (and torch._dynamo, which
-    every torch optimizer imports) once per test session: ~5 s of imports per call on a slow
-    2-core CPU become ~0.1 s. The server never runs a torch op, so it has no threads to lose
-    in a fork. Unlike a launched rank, a forked one shares the server's hash seed and leaves
-    by os._exit (no atexit handlers: release what a test made, e.g. engine.destroy())."""
+# torch._dynamo: every torch optimizer imports it at its first step (~2 s on a slow CPU);
+# the trainer's modules: what launch_ranks' and the reliability harness's launchers run.
+PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "pretrain_gpt2", "megatron.gpt2",
+             "megatron.training.pretrain"]
+
+
+def fork_server():
+    """Processes are forked from one server process that imported torch and the trainer once
+    per test session: ~5 s of imports per process on a slow 2-core CPU become ~0.1 s. The
+    server never runs a torch op, so it has no threads to lose in a fork. Unlike a launched
+    process, a forked one shares the server's hash seed and what torch read from the
+    environment at its import (ranks set their thread count explicitly), and leaves by
+    os._exit (no atexit handlers: release what a test made, e.g. engine.destroy())."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+    ctx.set_forkserver_preload(PRELOADED)
     return ctx
+
+
+class ForkedProcess:
+    """What start_process returns: the part of subprocess.Popen that tests use."""
+
+    def __init__(self, process):
+        self._process = process
+        self.pid = process.pid
+
+    @property
+    def returncode(self):
+        return self._process.exitcode
+
+    def wait(self, timeout=None):
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"forked process {self.pid}", timeout)
+        return self._process.exitcode
+
+
+def start_process(target, args=(), *, env, cwd, output):
+    """Start target(*args) in a process forked from the fork server, in a session of its own
+    (so killing its process group ends whatever it forks), with `env` as its whole
+    environment, in `cwd`, its stdout and stderr written unbuffered to the file `output`."""
+    call = pickle.dumps((target, args))
+    process = fork_server().Process(target=_session, args=(call, dict(env), str(cwd), str(output)))
+    process.start()
+    return ForkedProcess(process)
+
+
+def _session(call, env, cwd, output):
+    os.setsid()
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    if fd > 2:
+        os.close(fd)
+    # as PYTHONUNBUFFERED: what a killed process printed is in the file
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    target, args = pickle.loads(call)
+    target(*args)
 
 
 def run_distributed(fn, world_size, args=(), timeout=240):
     """Run fn(rank, world_size, *args) in `world_size` processes; return results by rank.
     `timeout` bounds the whole run; a rank that fails, or dies without a result, ends it."""
-    ctx = _context()
+    ctx = fork_server()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")

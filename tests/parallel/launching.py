@@ -13,7 +13,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from tests.dist_utils import free_port
+from tests.dist_utils import free_port, start_process
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -89,22 +89,14 @@ def torchrun_variables(world_size):
 def launch_ranks(argv, world_size, out_dir, rank_env=None, timeout=120):
     """Run `pretrain_gpt2.main(argv)` in `world_size` processes; return [(exit code, output)].
 
-    Each rank gets torchrun's variables (or `rank_env(rank, port)`).  One fresh interpreter
-    imports torch and the trainer once and forks the ranks from it: the same processes as
-    `python pretrain_gpt2.py` started per rank, without paying the ~5 s of imports per rank
-    (four ranks share two cores here).
+    Each rank gets torchrun's variables (or `rank_env(rank, port)`).  A launcher forked from
+    the tests' fork server (tests/dist_utils.py: torch and the trainer imported once per
+    session) forks the ranks: the same processes as `python pretrain_gpt2.py` started per
+    rank, without paying the ~5 s of imports per launch (four ranks share two cores here).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    rank_env = rank_env or torchrun_variables(world_size)
-    job = {"argv": [str(a) for a in argv], "out_dir": str(out_dir),
-           "rank_env": [{k: str(v) for k, v in rank_env(r, port).items()}
-                        for r in range(world_size)]}
-    with open(out_dir / "launcher.out", "w") as out:
-        launcher = subprocess.Popen([PYTHON, "-m", "tests.parallel.launching", json.dumps(job)],
-                                    cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                    env=clean_environment(), start_new_session=True)
+    launcher = start_launcher(argv, world_size, out_dir, rank_env, out_dir / "launcher.out")
     try:
         launcher.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -117,28 +109,39 @@ def launch_ranks(argv, world_size, out_dir, rank_env=None, timeout=120):
     return [(code, (out_dir / f"rank{r}.out").read_text()) for r, code in enumerate(codes)]
 
 
+def start_launcher(argv, world_size, out_dir, rank_env=None, output=os.devnull):
+    """Start launch_ranks' launcher and return at once (a handle like subprocess.Popen's):
+    rank r's output goes to out_dir/rank{r}.out, the exit codes to out_dir/exit_codes.json."""
+    port = free_port()
+    rank_env = rank_env or torchrun_variables(world_size)
+    job = {"argv": [str(a) for a in argv], "out_dir": str(out_dir),
+           "rank_env": [{k: str(v) for k, v in rank_env(r, port).items()}
+                        for r in range(world_size)]}
+    return start_process(_fork_ranks, (job,), env=clean_environment(), cwd=REPO, output=output)
+
+
 def _fork_ranks(job):
     """The launcher process of launch_ranks."""
-    import torch._dynamo  # noqa: F401  (torch.optim imports it on first use: ~3 s)
     import pretrain_gpt2
-    import megatron.gpt2  # noqa: F401
-    import megatron.training.pretrain  # noqa: F401
     pids = []
     for rank, env in enumerate(job["rank_env"]):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _run_rank(pretrain_gpt2.main, job["argv"], env,
-                      Path(job["out_dir"]) / f"rank{rank}.out")
-        pids.append(pid)
+        pids.append(fork_trainer(pretrain_gpt2.main, job["argv"], env,
+                                 Path(job["out_dir"]) / f"rank{rank}.out"))
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
     (Path(job["out_dir"]) / "exit_codes.json").write_text(json.dumps(codes))
 
 
-def _run_rank(main, argv, env, out_path):
+def fork_trainer(main, argv, env, out_path):
+    """Fork a child that runs main(argv) with `env` added to its environment, its stdout and
+    stderr to `out_path`, and exits with main's exit code (1 on an exception); its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
     code = 1
     try:
+        os.makedirs(os.path.dirname(out_path), exist_ok=True)
         fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
@@ -188,7 +191,3 @@ def read_metrics(log_dir):
 
 def relative_difference(a, b):
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
-
-
-if __name__ == "__main__":
-    _fork_ranks(json.loads(sys.argv[1]))

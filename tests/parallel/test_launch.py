@@ -1,7 +1,6 @@
 """Launching: rank discovery (torchrun, SLURM, OpenMPI), collective timeouts, a rank killed
 mid-run, and the launch scripts run as they are (one node, two nodes, a rendezvous)."""
 
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -12,7 +11,7 @@ import pytest
 
 from megatron.errors import ConfigError
 from megatron.runtime.launch import LaunchEnvironment, discover_launch_environment, first_host
-from tests.dist_utils import free_port
+from tests.dist_utils import fork_server, free_port
 from tests.parallel.launching import (REPO, build_corpus, clean_environment, kill_session,
                                       launch_ranks, read_metrics, relative_difference,
                                       start_torchrun, trainer_argv)
@@ -177,7 +176,7 @@ def _collective_with_a_silent_peer(rank, port, subgroup, results):
 
 
 def _run_silent_peer(subgroup):
-    context = multiprocessing.get_context("spawn")
+    context = fork_server()
     results, port = context.Queue(), free_port()
     procs = [context.Process(target=_collective_with_a_silent_peer,
                              args=(rank, port, subgroup, results)) for rank in range(2)]
@@ -186,10 +185,10 @@ def _run_silent_peer(subgroup):
     try:
         return results.get(timeout=60)
     finally:
-        for p in procs:
-            p.join(timeout=15)
-            if p.is_alive():
-                p.kill()
+        procs[0].join(timeout=15)
+        for p in procs:  # the silent peer has served its purpose once rank 0 has reported
+            p.kill()
+            p.join()
 
 
 def test_timeout_flag_bounds_a_collective():

@@ -1,22 +1,21 @@
 """Run many short trainer processes cheaply, some of them killed on purpose, and read back
 what they left.
 
-`run_sequence(steps)` starts ONE fresh interpreter that imports torch and the trainer once and
-then forks one child per step, in order: each child runs `pretrain_gpt2.main(argv)` with the
-step's environment (e.g. MEGATRON_FAULT_KILL_AT) and is a real process, so a kill point's
-SIGKILL is a real kill -9.  Forking from an interpreter that has imported but never computed
-keeps each run at well under a second for the tiny model (a fresh `python` pays ~5 s of
-imports).  Returns each step's exit code (-9 for SIGKILL).
+`run_sequence(steps)` starts ONE process, forked from the tests' fork server (which imported
+torch and the trainer once, tests/dist_utils.py), that forks one child per step, in order:
+each child runs `pretrain_gpt2.main(argv)` with the step's environment (e.g.
+MEGATRON_FAULT_KILL_AT) and is a real process, so a kill point's SIGKILL is a real kill -9.
+Forking from an interpreter that has imported but never computed keeps each run at well under
+a second for the tiny model (a fresh `python` pays ~5 s of imports).  Returns each step's exit
+code (-9 for SIGKILL).
 """
 
 import json
 import os
-import subprocess
-import sys
-import traceback
 from pathlib import Path
 
-from tests.parallel.launching import PYTHON, REPO, clean_environment, kill_session
+from tests.dist_utils import start_process
+from tests.parallel.launching import REPO, clean_environment, fork_trainer, kill_session
 
 # Dropout stays on (Megatron's defaults): resume must restore the RNG states exactly.
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -38,53 +37,29 @@ def step(argv, out_path, **env):
 
 
 def run_sequence(steps, timeout=300):
-    job_path = Path(steps[0]["out"]).parent / f"job-{os.getpid()}-{id(steps)}.json"
-    job_path.write_text(json.dumps(steps))
-    proc = subprocess.Popen([PYTHON, "-m", "tests.reliability.harness", str(job_path)],
-                            cwd=REPO, env=clean_environment(), start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = Path(steps[0]["out"]).parent / f"job-{os.getpid()}-{id(steps)}"
+    codes = job.with_suffix(".codes.json")
+    proc = start_process(_run_steps, (steps, str(codes)), env=clean_environment(), cwd=REPO,
+                         output=job.with_suffix(".out"))
     try:
-        output, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     finally:
         kill_session(proc)
-    assert proc.returncode == 0, output[-3000:]
-    return json.loads(output.strip().splitlines()[-1])
+    assert proc.returncode == 0, job.with_suffix(".out").read_text()[-3000:]
+    return json.loads(codes.read_text())
 
 
-def _run_steps(job_path):
-    import torch._dynamo  # noqa: F401  (torch.optim imports it on first use: ~3 s)
-    import megatron.gpt2  # noqa: F401
-    import megatron.training.pretrain  # noqa: F401
+def _run_steps(steps, codes_path):
     import pretrain_gpt2
     from megatron.runtime import device
     # MFU's denominator is measured with 2048^3 matmuls (~1 s per process); these runs only
     # need some number, and the children inherit this one.
     device.measure_matmul_flops = lambda *args, **kwargs: 1e11
     codes = []
-    for item in json.loads(Path(job_path).read_text()):
-        sys.stdout.flush()
-        pid = os.fork()
-        if pid == 0:
-            _child(pretrain_gpt2.main, item)
+    for item in steps:
+        pid = fork_trainer(pretrain_gpt2.main, item["argv"], item["env"], item["out"])
         codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-    print(json.dumps(codes), flush=True)
-
-
-def _child(main, item):
-    code = 1
-    try:
-        os.makedirs(os.path.dirname(item["out"]), exist_ok=True)
-        fd = os.open(item["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.environ.update(item["env"])
-        code = main(item["argv"])
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    Path(codes_path).write_text(json.dumps(codes))
 
 
 def read_losses(log_dir):
@@ -99,7 +74,3 @@ def read_losses(log_dir):
 def read_records(log_dir):
     path = Path(log_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-if __name__ == "__main__":
-    _run_steps(sys.argv[1])

@@ -2,7 +2,6 @@
 torchrun --max-restarts resumes from the last checkpoint by itself, and a two-node launch on this
 machine trains and resumes."""
 
-import json
 import subprocess
 import time
 
@@ -11,7 +10,7 @@ import pytest
 from tests.dist_utils import free_port
 from tests.parallel.launching import (PYTHON, REPO, clean_environment, kill_session,
                                       launch_ranks, read_metrics, relative_difference,
-                                      torchrun_variables, trainer_argv)
+                                      start_launcher, torchrun_variables, trainer_argv)
 from tests.reliability.harness import run_sequence, step
 
 RANK_FAULT = "MEGATRON_FAULT_RANK"
@@ -54,16 +53,10 @@ def test_a_hanging_rank_stops_the_others_with_a_clear_message(corpus, tmp_path):
     """Rank 1 hangs at iteration 2: rank 0's next collective gives up after
     --distributed-timeout-minutes (0.05 = 3 s) with one line saying what happened and what
     to resume from."""
-    port = free_port()
     save = tmp_path / "ckpt"
     argv = trainer_argv(corpus, tmp_path / "log", 100, "--batch-size", 2, "--save", save,
                         "--save-interval", 1, "--distributed-timeout-minutes", 0.05)
-    rank_env = _with_fault(2, "1:2:hang")
-    job = {"argv": [str(a) for a in argv], "out_dir": str(tmp_path),
-           "rank_env": [{k: str(v) for k, v in rank_env(r, port).items()} for r in range(2)]}
-    launcher = subprocess.Popen([PYTHON, "-m", "tests.parallel.launching", json.dumps(job)],
-                                cwd=REPO, env=clean_environment(), start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    launcher = start_launcher(argv, 2, tmp_path, _with_fault(2, "1:2:hang"))
     rank0 = tmp_path / "rank0.out"
     try:
         deadline, hung_at = time.monotonic() + 120, None
