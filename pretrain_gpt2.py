@@ -14,10 +14,12 @@ from megatron.cli import run_cli
 
 
 def train(argv):
+    # Flags first: --help, a typo or a missing flag answer before torch is imported (seconds
+    # on a slow CPU).
     from megatron.config import resolve_config
+    config = resolve_config(argv, defaults={"tokenizer_type": "GPT2BPETokenizer"})
     from megatron.gpt2 import forward_step, model_provider, train_valid_test_datasets_provider
     from megatron.training.pretrain import pretrain
-    config = resolve_config(argv, defaults={"tokenizer_type": "GPT2BPETokenizer"})
     pretrain(train_valid_test_datasets_provider, model_provider, forward_step, config)
 
 

@@ -41,3 +41,32 @@ def test_ctrl_c_is_exit_code_130_without_a_traceback(monkeypatch, capsys):
 
 def test_success_is_0():
     assert run_cli(lambda: None) == 0
+
+
+# flags checked by argparse, and --help, before anything imports torch (seconds on a slow CPU)
+_WITHOUT_TORCH = """
+import sys
+import pretrain_gpt2
+try:
+    code = pretrain_gpt2.main(sys.argv[1:])  # a user error: `error: ...`, 2
+except SystemExit as done:  # argparse's errors and --help
+    code = done.code
+print("exit", code, "torch imported:", "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--help"], "--num-layers"),
+    (["--num-layerz", "2"], "unrecognized arguments: --num-layerz"),
+    (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"],
+     "--seq-length is required"),
+])
+def test_the_trainers_flags_are_checked_before_torch_is_imported(argv, message):
+    import subprocess
+    import sys
+    from pathlib import Path
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *argv], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert message in done.stdout + done.stderr
+    assert "torch imported: False" in done.stdout, done.stdout + done.stderr
+    assert ("exit 0" if argv == ["--help"] else "exit 2") in done.stdout

@@ -13,9 +13,7 @@ its value, and loading rejects it later when it disagrees with the checkpoint.
 
 import os
 
-from megatron.checkpointing.megatron_layout import first_rank_checkpoint_name, read_tracker
 from megatron.errors import CheckpointError
-from zero.checkpoint.files import load_plain
 
 # Shape, vocab and tokenizer: what the model needs to be rebuilt as it was saved.
 FROM_CHECKPOINT = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -36,6 +34,7 @@ def saved_args_of(load_dir, deepspeed=False):
     path = _deepspeed_states_path(load_dir) if deepspeed else _megatron_path(load_dir)
     if path is None or not os.path.isfile(path):
         return None  # a missing file is reported by the load itself, with its full context
+    from zero.checkpoint.files import load_plain  # torch: only when there is a checkpoint
     try:
         state = load_plain(path, mmap=True)
     except Exception:  # noqa: BLE001 -- the load itself reports a damaged file properly
@@ -45,6 +44,7 @@ def saved_args_of(load_dir, deepspeed=False):
 
 
 def _megatron_path(load_dir):
+    from megatron.checkpointing.megatron_layout import first_rank_checkpoint_name, read_tracker
     iteration, release = read_tracker(load_dir)
     if iteration is None:
         return None

@@ -12,10 +12,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Tuple
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -108,7 +104,8 @@ class PrecisionConfig:
 
     @property
     def torch_dtype(self):
-        return DTYPES[self.params_dtype]
+        import torch  # here, not at the top: flags are checked before torch is imported
+        return getattr(torch, self.params_dtype)
 
 
 @dataclass(frozen=True)
