@@ -21,11 +21,15 @@ import sys
 import tempfile
 import time
 import traceback
+from multiprocessing import forkserver
+from pathlib import Path
 from queue import Empty
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port():
@@ -34,11 +38,18 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, init_file, call, queue, environ):
-    # The caller's environment at the call, not the fork server's at its start, before `call`
-    # imports the test module (what torch read at its import stays the server's).
+def as_started_now(environ):
+    """In a process forked from the fork server: take `environ` (the caller's environment at
+    the call, not the server's at its start) before anything imports a test module, and
+    leave multiprocessing's start method to its default, as in a freshly started Python
+    (multiprocessing set it to forkserver for this process and what it forks)."""
     os.environ.clear()
     os.environ.update(environ)
+    mp.set_start_method(None, force=True)
+
+
+def _worker(rank, world_size, init_file, call, queue, environ):
+    as_started_now(environ)
     torch.set_num_threads(1)
     try:
         fn, args = pickle.loads(call)
@@ -77,6 +88,14 @@ def fork_server():
     os._exit (no atexit handlers: release what a test made, e.g. engine.destroy())."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOADED)
+    # The server imports from its working directory (this Python passes it no sys.path):
+    # started in the repository, it preloads this checkout's trainer wherever pytest runs.
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.chdir(cwd)
     return ctx
 
 
@@ -103,16 +122,27 @@ def start_process(target, args=(), *, env, cwd, output):
     (so killing its process group ends whatever it forks), with `env` as its whole
     environment, in `cwd`, its stdout and stderr written unbuffered to the file `output`."""
     call = pickle.dumps((target, args))
-    process = fork_server().Process(target=_session, args=(call, dict(env), str(cwd), str(output)))
+    ctx = fork_server()
+    ready, tell_ready = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_session,
+                          args=(call, dict(env), str(cwd), str(output), tell_ready))
     process.start()
+    tell_ready.close()
+    # its own session before it is handed out: killing its process group then always reaches it
+    if not ready.poll(60):
+        process.kill()
+        raise AssertionError("a forked process did not start within 60 s")
+    ready.recv()
+    ready.close()
     return ForkedProcess(process)
 
 
-def _session(call, env, cwd, output):
+def _session(call, env, cwd, output, tell_ready):
     os.setsid()
+    tell_ready.send(True)
+    tell_ready.close()
     os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
+    as_started_now(env)
     fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

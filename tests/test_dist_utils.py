@@ -3,11 +3,12 @@ caller's environment, and a rank that fails or dies is reported at once, not aft
 timeout."""
 
 import os
+import sys
 import time
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import REPO, run_distributed
 
 
 def _rank_squared(rank, world_size):
@@ -45,3 +46,21 @@ def test_a_rank_that_dies_without_a_result_ends_the_run_at_once():
     with pytest.raises(AssertionError, match=r"exited without a result, exit codes \{1: 3\}"):
         run_distributed(_rank_1_dies, 2, timeout=120)
     assert time.monotonic() - start < 100  # the timeout, and rank 0's sleep, are longer
+
+
+def _preloaded_trainer_and_start_method(rank, world_size):
+    import multiprocessing
+    trainer = sys.modules.get("pretrain_gpt2")  # nothing in this module imports it
+    return (None if trainer is None else trainer.__file__), multiprocessing.get_start_method()
+
+
+def test_ranks_have_this_checkouts_trainer_preloaded_and_the_default_start_method(
+        tmp_path, monkeypatch):
+    """Wherever pytest runs, the fork server preloads this checkout's trainer (it imports from
+    its working directory), and a rank forks its own workers as a fresh Python would."""
+    import multiprocessing
+    default = multiprocessing.get_all_start_methods()[0]  # "the first is the default"
+    monkeypatch.chdir(tmp_path)
+    for path, method in run_distributed(_preloaded_trainer_and_start_method, world_size=2):
+        assert path == str(REPO / "pretrain_gpt2.py")
+        assert method == default

@@ -3,8 +3,8 @@
 `zero.initialize(...)` gives what `deepspeed.initialize(...)` gives; DeepSpeed JSON configs
 and the `--deepspeed`/`--deepspeed_config` flags work unchanged. zero never imports megatron.
 
-The names below are imported when first used, so that `zero.config` and `zero.errors` (what a
-command line needs to be checked) load without torch.
+The names below are imported when first used, so that `zero.config.arguments` and
+`zero.errors` (what a command line needs to be parsed) load without torch.
 """
 
 import importlib
@@ -26,27 +26,31 @@ _EXPORTS = {
                                      "get_fp32_state_dict_from_zero_checkpoint",
                                      "load_state_dict_from_zero_checkpoint"),
 }
-_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
-# deepspeed.checkpointing's name for the activation-checkpointing package
-_ALIASES = {"checkpointing": "zero.activation_checkpointing"}
-__all__ = sorted(_HOME) + sorted(_ALIASES)
+_ALIASES = {"checkpointing": "zero.activation_checkpointing"}  # deepspeed.checkpointing's name
+__all__ = sorted(name for names in _EXPORTS.values() for name in names) + sorted(_ALIASES)
+
+
+def _load_everything():
+    """The package as it is when all of it is imported: every export and alias, and (as a
+    side effect of those imports) the subpackages and modules they use as attributes."""
+    for module, names in _EXPORTS.items():
+        loaded = importlib.import_module(module)
+        globals().update({name: getattr(loaded, name) for name in names})
+    globals().update({alias: importlib.import_module(module)
+                      for alias, module in _ALIASES.items()})
 
 
 def __getattr__(name):
-    """An exported name, an alias, or a submodule (`zero.stages` after `import zero`)."""
-    if name in _HOME:
-        value = getattr(importlib.import_module(_HOME[name]), name)
-    elif name in _ALIASES:
-        value = importlib.import_module(_ALIASES[name])
-    else:
-        try:
-            value = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as missing:
-            if missing.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    globals()[name] = value
-    return value
+    """The first use of any name but the command line's modules loads the whole package."""
+    _load_everything()
+    if name in globals():
+        return globals()[name]
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as missing:
+        if missing.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
 def __dir__():

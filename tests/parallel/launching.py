@@ -13,9 +13,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from tests.dist_utils import free_port, start_process
+from tests.dist_utils import REPO, free_port, start_process
 
-REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                       "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")

@@ -11,7 +11,7 @@ import pytest
 
 from megatron.errors import ConfigError
 from megatron.runtime.launch import LaunchEnvironment, discover_launch_environment, first_host
-from tests.dist_utils import fork_server, free_port
+from tests.dist_utils import as_started_now, fork_server, free_port
 from tests.parallel.launching import (REPO, build_corpus, clean_environment, kill_session,
                                       launch_ranks, read_metrics, relative_difference,
                                       start_torchrun, trainer_argv)
@@ -148,8 +148,9 @@ def test_trainer_starts_from_launcher_variables(corpus, tmp_path, rank_env):
 
 # ------------------------------------------------------------------- timeouts and dead ranks
 
-def _collective_with_a_silent_peer(rank, port, subgroup, results):
+def _collective_with_a_silent_peer(rank, port, subgroup, results, environ):
     """Rank 0 all-reduces while rank 1 never joins: gloo must give up after the timeout."""
+    as_started_now(environ)
     import torch
     import torch.distributed as dist
     from megatron import mpu
@@ -179,7 +180,8 @@ def _run_silent_peer(subgroup):
     context = fork_server()
     results, port = context.Queue(), free_port()
     procs = [context.Process(target=_collective_with_a_silent_peer,
-                             args=(rank, port, subgroup, results)) for rank in range(2)]
+                             args=(rank, port, subgroup, results, clean_environment()))
+             for rank in range(2)]
     for p in procs:
         p.start()
     try:
