@@ -1,5 +1,9 @@
 """Entry points: one error line (once per job, not once per rank), Ctrl-C as exit code 130."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from megatron.cli import run_cli
@@ -62,9 +66,6 @@ print("exit", code, "torch imported:", "torch" in sys.modules)
      "--seq-length is required"),
 ])
 def test_the_trainers_flags_are_checked_before_torch_is_imported(argv, message):
-    import subprocess
-    import sys
-    from pathlib import Path
     done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *argv], capture_output=True,
                           text=True, cwd=Path(__file__).resolve().parents[1], timeout=60)
     assert message in done.stdout + done.stderr

@@ -26,18 +26,16 @@ _EXPORTS = {
                                      "get_fp32_state_dict_from_zero_checkpoint",
                                      "load_state_dict_from_zero_checkpoint"),
 }
-_ALIASES = {"checkpointing": "zero.activation_checkpointing"}  # deepspeed.checkpointing's name
-__all__ = sorted(name for names in _EXPORTS.values() for name in names) + sorted(_ALIASES)
+# and `checkpointing`, deepspeed.checkpointing's name: a submodule (zero/checkpointing.py)
+__all__ = sorted(name for names in _EXPORTS.values() for name in names) + ["checkpointing"]
 
 
 def _load_everything():
-    """The package as it is when all of it is imported: every export and alias, and (as a
-    side effect of those imports) the subpackages and modules they use as attributes."""
+    """The package as it is when all of it is imported: every export, and (as a side effect
+    of those imports) the subpackages and modules they use as attributes."""
     for module, names in _EXPORTS.items():
         loaded = importlib.import_module(module)
         globals().update({name: getattr(loaded, name) for name in names})
-    globals().update({alias: importlib.import_module(module)
-                      for alias, module in _ALIASES.items()})
 
 
 def __getattr__(name):
