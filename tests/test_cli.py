@@ -1,5 +1,6 @@
 """Entry points: one error line (once per job, not once per rank), Ctrl-C as exit code 130."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -47,7 +48,8 @@ def test_success_is_0():
     assert run_cli(lambda: None) == 0
 
 
-# flags checked by argparse, and --help, before anything imports torch (seconds on a slow CPU)
+# Every check of the flags and the DeepSpeed JSON, and --help, comes before anything imports
+# torch (seconds on a slow CPU); only a JSON's optimizer or scheduler section needs it.
 _WITHOUT_TORCH = """
 import sys
 import pretrain_gpt2
@@ -57,17 +59,33 @@ except SystemExit as done:  # argparse's errors and --help
     code = done.code
 print("exit", code, "torch imported:", "torch" in sys.modules)
 """
+_SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+_RUN = _SHAPE + ["--seq-length", "32", "--batch-size", "2", "--train-iters", "2", "--lr", "1e-3"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--help"], "--num-layers"),
-    (["--num-layerz", "2"], "unrecognized arguments: --num-layerz"),
-    (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"],
-     "--seq-length is required"),
-])
-def test_the_trainers_flags_are_checked_before_torch_is_imported(argv, message):
+def _check_without_torch(argv, message, code):
     done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *argv], capture_output=True,
                           text=True, cwd=Path(__file__).resolve().parents[1], timeout=60)
     assert message in done.stdout + done.stderr
     assert "torch imported: False" in done.stdout, done.stdout + done.stderr
-    assert ("exit 0" if argv == ["--help"] else "exit 2") in done.stdout
+    assert f"exit {code}" in done.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-layerz", "2"], "unrecognized arguments: --num-layerz"),
+    (_SHAPE, "--seq-length is required"),
+    (_RUN + ["--hidden-size", "30"], "--num-attention-heads 4 must divide --hidden-size 30"),
+    (_RUN + ["--model-parallel-size", "2"], "world size 1 is not divisible by"),
+    (_RUN + ["--model-size", "gpt2-huge"], "--model-size 'gpt2-huge' is not known"),
+])
+def test_the_trainers_flags_are_checked_before_torch_is_imported(argv, message):
+    _check_without_torch(argv, message, 2)
+
+
+def test_help_and_a_deepspeed_jsons_mistakes_need_no_torch(tmp_path):
+    _check_without_torch(["--help"], "--num-layers", 0)
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2,
+                                   "zero_optimisation": {"stage": 1}}))
+    _check_without_torch(_RUN + ["--deepspeed", "--deepspeed_config", str(ds_json)],
+                         "did you mean 'zero_optimization'", 2)

@@ -165,12 +165,13 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
 
 def _parse(config_dict, data_parallel_size, source):
     """zero's strict parse of the final dict; errors name the user's file, not '(dict)'."""
-    import zero
+    from zero.config.deepspeed_config import DeepSpeedConfig
+    from zero.errors import ConfigError as ZeroConfigError
     try:
-        return zero.DeepSpeedConfig(config_dict, data_parallel_size)
-    except zero.ConfigError as error:
+        return DeepSpeedConfig(config_dict, data_parallel_size)
+    except ZeroConfigError as error:
         message = str(error).replace("DeepSpeed config (dict)", f"DeepSpeed config {source}")
-        raise zero.ConfigError(message) from None
+        raise ZeroConfigError(message) from None
 
 
 def _apply_zero_flags(final, raw, source):

@@ -5,7 +5,7 @@
 Each flag is validated here once, with the arithmetic in the one-line error; the values other
 flags, the checkpoint or the DeepSpeed JSON decide are settled here too, so nothing downstream
 fills in or checks a flag again. Architecture checks are the model's own
-(`megatron.model.gpt2_model.check_shape`), called from here.
+(`megatron.model.shape.check_shape`, which imports no torch), called from here.
 """
 
 import math
@@ -137,7 +137,7 @@ def freeze(raw, given, world_size, notes=(), extra=None):
 
 def _fill_model_defaults(raw):
     if raw["model_size"] is not None:
-        from megatron.model import MODEL_SIZES
+        from megatron.model.shape import MODEL_SIZES
         require(raw["model_size"] in MODEL_SIZES,
                 f"--model-size {raw['model_size']!r} is not known; choose one of "
                 f"{', '.join(sorted(MODEL_SIZES))}")
@@ -274,7 +274,7 @@ def _training(raw, parallel):
 
 
 def _model(raw, model_parallel_size):
-    from megatron.model.gpt2_model import check_shape
+    from megatron.model.shape import check_shape
     tiled = raw["memory_centric_tiled_linear"]
     require(raw["tile_factor"] is None or tiled,
             f"--tile-factor {raw['tile_factor']} has no effect without "

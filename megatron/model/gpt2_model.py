@@ -9,19 +9,10 @@ from torch import nn
 from megatron import mpu
 from megatron.errors import ConfigError
 from megatron.model.language_model import TransformerLanguageModel, parallel_lm_logits
+from megatron.model.shape import MODEL_SIZES, check_shape, require_divides
 # Re-exported: the data pipeline and the optimizer find them next to the model.
 from megatron.model.utils import (get_ltor_masks_and_position_ids,  # noqa: F401
                                   param_groups_for_weight_decay)  # noqa: F401
-
-# Architecture of the named sizes; vocab and sequence length come from tokenizer and flags.
-MODEL_SIZES = {
-    "gpt2-tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4),
-    "gpt2-small-test": dict(num_layers=4, hidden_size=128, num_attention_heads=4),
-    "gpt2-124m": dict(num_layers=12, hidden_size=768, num_attention_heads=12),
-    "gpt2-345m": dict(num_layers=24, hidden_size=1024, num_attention_heads=16),
-    "gpt2-774m": dict(num_layers=36, hidden_size=1280, num_attention_heads=20),
-    "gpt2-1.5b": dict(num_layers=48, hidden_size=1600, num_attention_heads=25),
-}
 
 _PARAMS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -71,44 +62,14 @@ class GPTConfig:
         if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
             raise ConfigError(f"the vocab size must be a positive integer, got "
                               f"{self.vocab_size!r}")
-        _require_divides(model_parallel_size, "--model-parallel-size", self.vocab_size,
-                         "the padded vocab size")
+        require_divides(model_parallel_size, "--model-parallel-size", self.vocab_size,
+                        "the padded vocab size")
         if self.checkpoint_activations:
-            _require_divides(self.checkpoint_num_layers, "--checkpoint-num-layers",
-                             self.num_layers, "--num-layers")
+            require_divides(self.checkpoint_num_layers, "--checkpoint-num-layers",
+                            self.num_layers, "--num-layers")
         if self.params_dtype not in _PARAMS_DTYPES:
             raise ConfigError(f"params_dtype must be one of {_PARAMS_DTYPES}, got "
                               f"{self.params_dtype}")
-
-
-def check_shape(model, model_parallel_size):
-    """ConfigError, with the arithmetic, unless the architecture fields of `model` (a GPTConfig
-    or the trainer's model config: num_layers, hidden_size, num_attention_heads,
-    ffn_hidden_size, max_position_embeddings, the dropouts, the tiling) can be built at this
-    tensor-parallel size."""
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                 "max_position_embeddings"):
-        value = getattr(model, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
-                              f"got {value!r}")
-    if isinstance(model_parallel_size, bool) or not isinstance(model_parallel_size, int) \
-            or model_parallel_size < 1:
-        raise ConfigError(f"--model-parallel-size must be a positive integer, got "
-                          f"{model_parallel_size!r}")
-    _require_divides(model.num_attention_heads, "--num-attention-heads", model.hidden_size,
-                     "--hidden-size")
-    for value, flag in ((model.num_attention_heads, "--num-attention-heads"),
-                        (model.ffn_hidden_size, "--ffn-hidden-size (default 4 * hidden)")):
-        _require_divides(model_parallel_size, "--model-parallel-size", value, flag)
-    if model.memory_centric_tiled_linear:
-        from megatron.model.tiling import check_tile_factor
-        check_tile_factor(model.tile_factor, model.hidden_size, model.ffn_hidden_size,
-                          model_parallel_size)
-    for name in ("hidden_dropout", "attention_dropout"):
-        value = getattr(model, name)
-        if not 0.0 <= value < 1.0:  # False for NaN too
-            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
 
 
 def pipeline_layer_slots(num_layers, layer_numbers, first_stage, last_stage):
@@ -134,12 +95,6 @@ def check_pipeline_split(num_layers, pipeline_size):
         raise ConfigError(f"--pipeline-model-parallel-size {pipeline_size} is more stages than "
                           f"--num-layers {num_layers}: every stage needs at least one "
                           "transformer layer")
-
-
-def _require_divides(divisor, divisor_name, value, value_name):
-    if divisor < 1 or value % divisor != 0:
-        raise ConfigError(f"{divisor_name} {divisor} must divide {value_name} {value} "
-                          f"({value} % {divisor} = {value % max(divisor, 1)})")
 
 
 def num_parameters(config):

@@ -31,7 +31,6 @@ from torch import nn
 from zero.tiling import TiledLinearReturnBias, partition_uniform
 
 from megatron import mpu
-from megatron.errors import ConfigError
 
 
 class LocalLinearTile(nn.Module):
@@ -75,25 +74,6 @@ class _TilesFromShard:
         return LocalLinearTile(in_features, out_features, bias=bias,
                                weight=self.band[:, col:col + in_features].clone(),
                                **self.tile_kwargs)
-
-
-def check_tile_factor(tile_factor, hidden_size, ffn_hidden_size, model_parallel_size):
-    """ConfigError, with the arithmetic, if a tile grid does not divide a layer's local shard."""
-    if not isinstance(tile_factor, int) or tile_factor < 1:
-        raise ConfigError(f"--tile-factor must be a positive integer, got {tile_factor!r}")
-    f, p = tile_factor, model_parallel_size
-    # (what is split, its size on one tensor-parallel rank, number of tiles along it)
-    dims = [("--hidden-size (input of QKV and h->4h, output of dense and 4h->h)",
-             hidden_size, f),
-            ("QKV output 3 * hidden / model-parallel-size", 3 * hidden_size // p, 3 * f),
-            ("dense input hidden / model-parallel-size", hidden_size // p, f),
-            ("h->4h output ffn-hidden / model-parallel-size", ffn_hidden_size // p, 4 * f),
-            ("4h->h input ffn-hidden / model-parallel-size", ffn_hidden_size // p, 4 * f)]
-    for what, size, tiles in dims:
-        if size % tiles != 0:
-            raise ConfigError(f"--tile-factor {f} does not divide the layers: {what} = {size} "
-                              f"is not divisible by {tiles} tiles ({size} % {tiles} = "
-                              f"{size % tiles}); choose a tile factor that divides it")
 
 
 def _tag_params(tiled, is_parallel, partition_dim, bias_is_parallel):

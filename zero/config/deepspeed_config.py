@@ -24,8 +24,6 @@ import os
 from zero.config.parsing import collect_key_homes, fail, parse_section
 from zero.config.sections import TopLevelConfig
 from zero.errors import ConfigError
-from zero.optim.lr_schedules import check_scheduler_section
-from zero.optim.optimizers import check_optimizer_section
 
 _KEY_HOMES = collect_key_homes(TopLevelConfig)
 
@@ -49,9 +47,13 @@ class DeepSpeedConfig:
          self.gradient_accumulation_steps) = resolve_batch_sizes(
             parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu,
             parsed.gradient_accumulation_steps, dp_world_size, source)
+        # Only these two checks need torch (they build the named classes on a dummy
+        # parameter), so a config without the sections is checked without importing it.
         if self.optimizer is not None:
+            from zero.optim.optimizers import check_optimizer_section
             check_optimizer_section(self.optimizer, source)
         if self.scheduler is not None:
+            from zero.optim.lr_schedules import check_scheduler_section
             check_scheduler_section(self.scheduler, source)
         self._frozen = True
 
