@@ -89,3 +89,24 @@ def test_help_and_a_deepspeed_jsons_mistakes_need_no_torch(tmp_path):
                                    "zero_optimisation": {"stage": 1}}))
     _check_without_torch(_RUN + ["--deepspeed", "--deepspeed_config", str(ds_json)],
                          "did you mean 'zero_optimization'", 2)
+
+
+# What generation and the checkpoint tools import, and an inference forward: never
+# torch._dynamo (2-3 s on a slow CPU), which only training (torch.optim) and compiling need.
+_WITHOUT_DYNAMO = """
+import sys
+import megatron.convert.loaders, megatron.convert.savers, megatron.inference.text_generation
+import torch
+from megatron.model import GPT2Model, GPTConfig
+model = GPT2Model(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=64,
+                            max_position_embeddings=8, hidden_dropout=0.1, attention_dropout=0.1))
+with torch.no_grad():
+    model.eval()(torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None], None)
+print("torch._dynamo imported:", "torch._dynamo" in sys.modules)
+"""
+
+
+def test_generation_and_the_checkpoint_tools_never_import_torch_dynamo():
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_DYNAMO], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert "torch._dynamo imported: False" in done.stdout, done.stdout + done.stderr

@@ -77,7 +77,10 @@ def _attention_masks_in_graph(query):
                                      and mpu.get_model_parallel_world_size() == 1)
 
 
-@torch.compiler.disable
+# torch.compiler.disable, except that torch._dynamo (2-3 s to import on a slow CPU) is imported
+# at the first call, not with this module: generation and the checkpoint tools never call it.
+# Dynamo does not trace into the wrapper either (torch marks Optimizer.zero_grad the same way).
+@torch._disable_dynamo
 def _attention_with_dropout(query, key, value, allowed_mask, is_causal, dropout_p):
     """attention() under the model-parallel RNG tracker: each rank drops out its own heads,
     so it draws from a per-rank stream, not the replicated one. Eager even inside a compiled

@@ -202,3 +202,27 @@ def test_compiled_masks_follow_tensor_parallelism(monkeypatch):
     (attention_0, hidden_0), (attention_1, hidden_1) = results
     assert torch.equal(hidden_0, hidden_1)
     assert not torch.equal(attention_0, attention_1)
+
+
+def test_tracked_attention_dropout_runs_eagerly_inside_compiled_code(monkeypatch):
+    """The tracker's generator swap cannot be traced: compiled code calls it as an eager
+    function (a graph break), drawing the same mask as an eager call."""
+    import torch._dynamo
+
+    from megatron.model.transformer import _attention_with_dropout
+    from zero.activation_checkpointing.rng_tracker import RNGStatesTracker
+    q, k, v = (t.detach() for t in _qkv())
+
+    def tracked(q, k, v):
+        return _attention_with_dropout(q * 1, k, v, None, True, 0.25) + 1
+
+    outputs = []
+    for run in (tracked, torch.compile(tracked, backend="eager")):
+        tracker = RNGStatesTracker()
+        tracker.add("model-parallel-rng", 77)
+        monkeypatch.setattr(mpu, "get_cuda_rng_tracker", lambda: tracker)
+        outputs.append(run(q, k, v))
+    assert torch.equal(outputs[0], outputs[1])
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(tracked)(q, k, v).graph_break_count == 1
+    torch._dynamo.reset()
