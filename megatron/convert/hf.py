@@ -25,21 +25,25 @@ _GLOBAL_KEYS = {
     "language_model.transformer.final_layernorm.weight": "transformer.ln_f.weight",
     "language_model.transformer.final_layernorm.bias": "transformer.ln_f.bias",
 }
-# Per layer: (Megatron suffix, HF suffix, how the tensor changes)
+# Per layer: (Megatron suffix, HF suffix, how the tensor changes, HF shape: h the hidden size,
+# f the MLP's)
 _LAYER_KEYS = (
-    ("input_layernorm.weight", "ln_1.weight", "copy"),
-    ("input_layernorm.bias", "ln_1.bias", "copy"),
-    ("attention.query_key_value.weight", "attn.c_attn.weight", "qkv_weight"),
-    ("attention.query_key_value.bias", "attn.c_attn.bias", "qkv_bias"),
-    ("attention.dense.weight", "attn.c_proj.weight", "transpose"),
-    ("attention.dense.bias", "attn.c_proj.bias", "copy"),
-    ("post_attention_layernorm.weight", "ln_2.weight", "copy"),
-    ("post_attention_layernorm.bias", "ln_2.bias", "copy"),
-    ("mlp.dense_h_to_4h.weight", "mlp.c_fc.weight", "transpose"),
-    ("mlp.dense_h_to_4h.bias", "mlp.c_fc.bias", "copy"),
-    ("mlp.dense_4h_to_h.weight", "mlp.c_proj.weight", "transpose"),
-    ("mlp.dense_4h_to_h.bias", "mlp.c_proj.bias", "copy"),
+    ("input_layernorm.weight", "ln_1.weight", "copy", ("h",)),
+    ("input_layernorm.bias", "ln_1.bias", "copy", ("h",)),
+    ("attention.query_key_value.weight", "attn.c_attn.weight", "qkv_weight", ("h", "3h")),
+    ("attention.query_key_value.bias", "attn.c_attn.bias", "qkv_bias", ("3h",)),
+    ("attention.dense.weight", "attn.c_proj.weight", "transpose", ("h", "h")),
+    ("attention.dense.bias", "attn.c_proj.bias", "copy", ("h",)),
+    ("post_attention_layernorm.weight", "ln_2.weight", "copy", ("h",)),
+    ("post_attention_layernorm.bias", "ln_2.bias", "copy", ("h",)),
+    ("mlp.dense_h_to_4h.weight", "mlp.c_fc.weight", "transpose", ("h", "f")),
+    ("mlp.dense_h_to_4h.bias", "mlp.c_fc.bias", "copy", ("f",)),
+    ("mlp.dense_4h_to_h.weight", "mlp.c_proj.weight", "transpose", ("f", "h")),
+    ("mlp.dense_4h_to_h.bias", "mlp.c_proj.bias", "copy", ("h",)),
 )
+# The global tensors' HF shapes (v: the vocab, p: the positions).
+_GLOBAL_HF_SHAPES = {"transformer.wte.weight": ("v", "h"), "transformer.wpe.weight": ("p", "h"),
+                     "transformer.ln_f.weight": ("h",), "transformer.ln_f.bias": ("h",)}
 _MEGATRON_LAYER = "language_model.transformer.layers.{}."
 _HF_LAYER = "transformer.h.{}."
 # HF keys that are not weights: causal-mask buffers in older pytorch_model.bin files.
@@ -53,8 +57,32 @@ def key_map(num_layers):
     pairs = [(m, h, "copy") for m, h in _GLOBAL_KEYS.items()]
     for layer in range(num_layers):
         pairs += [(_MEGATRON_LAYER.format(layer) + m, _HF_LAYER.format(layer) + h, how)
-                  for m, h, how in _LAYER_KEYS]
+                  for m, h, how, _ in _LAYER_KEYS]
     return pairs
+
+
+def check_hf_shapes(hf_state_dict, args):
+    """CheckpointError unless each HF weight has the shape the config (`args`, from
+    model_args_from_hf_config) gives it: a config.json edited or copied from another model
+    would otherwise convert into a checkpoint that no model loads."""
+    hf_state_dict = _normalise_hf_keys(hf_state_dict)
+    h, f = args["hidden_size"], args["ffn_hidden_size"]
+    v, p = args["orig_vocab_size"], args["max_position_embeddings"]
+    sizes = {"v": v, "h": h, "3h": 3 * h, "f": f, "p": p}
+    expected = dict(_GLOBAL_HF_SHAPES)
+    for layer in range(args["num_layers"]):
+        expected.update({_HF_LAYER.format(layer) + suffix: shape
+                         for _, suffix, _, shape in _LAYER_KEYS})
+    for key, symbols in expected.items():
+        tensor = hf_state_dict.get(key)
+        if tensor is None:
+            continue  # hf_to_megatron_state_dict names what is missing
+        want = [sizes[symbol] for symbol in symbols]
+        if list(tensor.shape) != want:
+            raise CheckpointError(
+                f"{key} is {list(tensor.shape)}, but config.json (vocab_size {v}, n_embd {h}, "
+                f"n_inner {f}, n_positions {p}) makes it {want}: config.json and the weights "
+                "do not match")
 
 
 def _qkv_to_hf(tensor, num_heads):
@@ -149,15 +177,26 @@ def model_args_from_hf_config(config):
     if unsupported:
         raise CheckpointError(f"config.json sets {unsupported}, which this GPT-2 does not "
                               "implement")
-    hidden = config.get("n_embd", 768)
+    sizes = {key: config.get(key, default) for key, default in (
+        ("n_layer", 12), ("n_embd", 768), ("n_head", 12), ("n_positions", 1024),
+        ("vocab_size", 50257))}
+    sizes["n_inner"] = config.get("n_inner") or 4 * sizes["n_embd"]
+    bad = {key: value for key, value in sizes.items()
+           if isinstance(value, bool) or not isinstance(value, int) or value < 1}
+    if bad:
+        raise CheckpointError(f"config.json sets {bad}: sizes must be positive integers")
+    if sizes["n_embd"] % sizes["n_head"]:
+        raise CheckpointError(f"config.json: n_head {sizes['n_head']} does not divide n_embd "
+                              f"{sizes['n_embd']} ({sizes['n_embd']} % {sizes['n_head']} = "
+                              f"{sizes['n_embd'] % sizes['n_head']})")
     return {
-        "num_layers": config.get("n_layer", 12),
-        "hidden_size": hidden,
-        "num_attention_heads": config.get("n_head", 12),
-        "ffn_hidden_size": config.get("n_inner") or 4 * hidden,
-        "max_position_embeddings": config.get("n_positions", 1024),
+        "num_layers": sizes["n_layer"],
+        "hidden_size": sizes["n_embd"],
+        "num_attention_heads": sizes["n_head"],
+        "ffn_hidden_size": sizes["n_inner"],
+        "max_position_embeddings": sizes["n_positions"],
         "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5),
-        "orig_vocab_size": config.get("vocab_size", 50257),
+        "orig_vocab_size": sizes["vocab_size"],
     }
 
 

@@ -23,7 +23,8 @@ from megatron.checkpointing.files import safe_load
 from megatron.checkpointing.megatron_layout import TRACKER_FILENAME
 from megatron.convert.checkpoint_files import read_sharded_checkpoint
 from megatron.convert.deepspeed_source import read_deepspeed_checkpoint
-from megatron.convert.hf import hf_to_megatron_state_dict, model_args_from_hf_config
+from megatron.convert.hf import (check_hf_shapes, hf_to_megatron_state_dict,
+                                 model_args_from_hf_config)
 from megatron.convert.reshard import merge_checkpoint, resize_vocab, resolve_vocab_size
 from megatron.convert.tp_layout import WORD_EMBEDDINGS
 from megatron.errors import CheckpointError
@@ -121,10 +122,17 @@ def load_hf(load_dir):
     config_path = os.path.join(load_dir, "config.json")
     if not os.path.isfile(config_path):
         raise CheckpointError(f"{load_dir} has no config.json: not a Hugging Face model folder")
-    with open(config_path) as f:
-        config = json.load(f)
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{config_path} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path} holds a {type(config).__name__}, not the JSON "
+                              "object {...} of a model config")
     args = model_args_from_hf_config(config)
     hf_state = _read_hf_weights(load_dir)
+    check_hf_shapes(hf_state, args)
     state = hf_to_megatron_state_dict(hf_state, args["num_layers"], args["num_attention_heads"])
     args["orig_vocab_size"] = state[WORD_EMBEDDINGS].shape[0]
     args["make_vocab_size_divisible_by"] = 128
@@ -147,7 +155,12 @@ def _read_hf_weights(load_dir):
         except ImportError:
             raise CheckpointError(f"{safetensors_path} needs the safetensors package: "
                                   "EXTRAS=convert bash scripts/setup.sh") from None
-        return load_file(safetensors_path)
+        from safetensors import SafetensorError
+        try:
+            return load_file(safetensors_path)
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(f"{safetensors_path} cannot be read ({error}): the file is "
+                                  "truncated or not a safetensors file") from None
     if os.path.isfile(bin_path):
         return safe_load(bin_path)
     sharded = glob.glob(os.path.join(load_dir, "*.index.json"))

@@ -152,10 +152,20 @@ def resolve_vocab_size(args, vocab_size=None, tokenizer_files=None):
     `tokenizer_files` ({"vocab_file", "merge_file", "tokenizer_model"}) override the paths
     recorded in the checkpoint's args.  The result must pad to the checkpoint's vocab rows.
     """
-    if vocab_size is None and not tokenizer_files and args.get("orig_vocab_size"):
-        vocab_size = args["orig_vocab_size"]  # recorded by the trainer since it existed
+    recorded = args.get("orig_vocab_size")  # by the trainer since it existed
+    if vocab_size is not None and recorded and vocab_size != recorded:
+        raise CheckpointError(f"--vocab-size {vocab_size} disagrees with the vocab size the "
+                              f"checkpoint records ({recorded}); drop --vocab-size")
+    if vocab_size is None and tokenizer_files:
+        vocab_size = _tokenizer_vocab_size(args, tokenizer_files)
+        if recorded and vocab_size != recorded:
+            # a different tokenizer of a size that pads alike would decode every id wrongly
+            raise CheckpointError(
+                f"the tokenizer files given ({_describe(tokenizer_files)}) hold {vocab_size} "
+                f"tokens, but the checkpoint was trained with a tokenizer of {recorded}; give "
+                "the tokenizer files the model was trained with")
     if vocab_size is None:
-        vocab_size = _tokenizer_vocab_size(args, tokenizer_files or {})
+        vocab_size = recorded or _tokenizer_vocab_size(args, {})
     divisible_by = args.get("make_vocab_size_divisible_by", 128)
     source_tp = args.get("model_parallel_size", 1)
     padded = vocab_size_with_padding(vocab_size, divisible_by, source_tp)
@@ -166,6 +176,10 @@ def resolve_vocab_size(args, vocab_size=None, tokenizer_files=None):
             f"{args['padded_vocab_size']}: give the --vocab-size or tokenizer files the model "
             "was trained with")
     return vocab_size
+
+
+def _describe(tokenizer_files):
+    return ", ".join(str(path) for path in tokenizer_files.values() if path)
 
 
 def _tokenizer_vocab_size(args, overrides):
@@ -180,9 +194,9 @@ def _tokenizer_vocab_size(args, overrides):
     if missing:
         raise CheckpointError(
             "removing the vocab padding needs the tokenizer's vocab size, but the tokenizer "
-            f"files ({', '.join(missing)}) are not found from {os.getcwd()}; pass "
-            "--vocab-size N, or the tokenizer files with " +
-            " ".join(flags[key] for key in needed))
+            f"files ({', '.join(missing)}) are not found from {os.getcwd()}; give the "
+            "tokenizer files with " + " ".join(flags[key] for key in needed) +
+            " (or, where the tool has it, the unpadded size with --vocab-size N)")
     return build_tokenizer(tokenizer_type, paths["vocab_file"], paths["merge_file"],
                            paths["tokenizer_model"]).vocab_size
 

@@ -164,3 +164,36 @@ def test_untied_hf_output_layer_is_refused(tmp_path, capsys):
     assert _tool("--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "out",
                  "--saver", "megatron") == 2
     assert "does not tie" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"n_embd": 60}, "config.json and the weights do not match"),  # the weights' hidden: 48
+    ({"vocab_size": 500}, "transformer.wte.weight is [301, 48], but config.json (vocab_size "
+                          "500"),
+    ({"n_positions": 8}, "transformer.wpe.weight is"),
+    ({"n_inner": 64}, "transformer.h.0.mlp.c_fc.weight is [48, 192]"),
+    ({"n_head": 5}, "n_head 5 does not divide n_embd 48 (48 % 5 = 3)"),
+    ({"n_layer": 0}, "sizes must be positive integers"),
+])
+def test_a_config_json_that_does_not_fit_its_weights_is_refused(tmp_path, capsys, edit,
+                                                                message):
+    save_model_weights(random_weights(), str(tmp_path / "hf"), "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **edit}))
+    assert _tool("--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "out",
+                 "--saver", "megatron") == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("config.json", "config.json is not valid JSON"),
+    ("model.safetensors", "model.safetensors cannot be read"),
+])
+def test_a_truncated_hf_file_is_a_clear_error(tmp_path, capsys, damage, message):
+    save_model_weights(random_weights(), str(tmp_path / "hf"), "hf")
+    path = tmp_path / "hf" / damage
+    path.write_bytes(path.read_bytes()[:20])
+    assert _tool("--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "out",
+                 "--saver", "megatron") == 2
+    assert message in capsys.readouterr().err

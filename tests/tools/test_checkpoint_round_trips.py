@@ -2,13 +2,14 @@
 Adam moments, fp32 masters, RNG states), vocab padding redone for the target size, release
 checkpoints, and the key map that says how each parameter is split."""
 
+import json
 import os
 
 import pytest
 import torch
 
 from megatron.convert import (COLUMN, REPLICATED, ROW, VOCAB, WORD_EMBEDDINGS, parameter_layout,
-                              unsharded_state_dict)
+                              resolve_vocab_size, unsharded_state_dict)
 from megatron.convert.optimizer_state import optimizer_group_names
 from megatron.errors import CheckpointError
 from tests.tools.tp_checkpoints import (PADDED, VOCAB_SIZE, assert_same, checkpoint_shards, convert,
@@ -113,11 +114,31 @@ def test_vocab_padding_is_redone_for_the_target_size(tp2_run, tmp_path):
     assert torch.equal(state_dict[WORD_EMBEDDINGS], source[key][:VOCAB_SIZE])
 
 
-def test_unsharded_state_dict_takes_vocab_size_and_checks_it(tp2_run):
-    state_dict = unsharded_state_dict(tp2_run["save"], vocab_size=297)
-    assert state_dict[WORD_EMBEDDINGS].shape == (297, 32)
+def test_the_vocab_size_the_checkpoint_records_wins_over_a_disagreeing_one(tp2_run):
+    state_dict = unsharded_state_dict(tp2_run["save"], vocab_size=VOCAB_SIZE)
+    assert state_dict[WORD_EMBEDDINGS].shape == (VOCAB_SIZE, 32)
+    with pytest.raises(CheckpointError, match=r"--vocab-size 297 disagrees with the vocab size "
+                                              r"the checkpoint records \(300\)"):
+        unsharded_state_dict(tp2_run["save"], vocab_size=297)
+
+
+def test_a_vocab_size_given_for_an_old_checkpoint_must_pad_to_its_rows():
+    old_args = {"padded_vocab_size": 304, "make_vocab_size_divisible_by": 8,
+                "model_parallel_size": 2}  # saved before orig_vocab_size was recorded
+    assert resolve_vocab_size(old_args, vocab_size=297) == 297
     with pytest.raises(CheckpointError, match="pads to 288"):
-        unsharded_state_dict(tp2_run["save"], vocab_size=280)
+        resolve_vocab_size(old_args, vocab_size=280)
+
+
+def test_tokenizer_files_of_another_size_are_refused_even_when_they_pad_alike(tp2_run,
+                                                                              tmp_path):
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    merges.write_text("#version: 0.2\n")  # a byte-level BPE of 298 tokens: pads to 304 too
+    vocab.write_text(json.dumps({**{chr(i): i for i in range(297)}, "<|endoftext|>": 297}))
+    with pytest.raises(CheckpointError, match="hold 298 tokens, but the checkpoint was trained "
+                                              "with a tokenizer of 300"):
+        unsharded_state_dict(tp2_run["save"],
+                             tokenizer_files={"vocab_file": str(vocab), "merge_file": str(merges)})
 
 
 # ------------------------------------------------------------------------ key map
