@@ -18,6 +18,9 @@ import os
 import re
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron.data.json_lines import MalformedLine, parse_record  # noqa: E402
+
 _PUNCTUATION = re.compile(r"([,.;:!?()\[\]\"])")
 _INNER_HYPHEN = re.compile(r"(?<=\w)-(?=\w)")
 
@@ -53,27 +56,60 @@ def main(argv=None):
     parser.add_argument("--input", required=True, help="loose JSON: one {\"text\": ...} a line")
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--num-documents", type=int, default=8)
-    parser.add_argument("--passage-words", type=int, default=60)
+    parser.add_argument("--passage-words", type=int, default=60,
+                        help="words per LAMBADA passage (at least 2: a context and a target)")
     parser.add_argument("--max-passages", type=int, default=100)
     args = parser.parse_args(argv)
+    for flag, value, least in (("--num-documents", args.num_documents, 1),
+                               ("--passage-words", args.passage_words, 2),
+                               ("--max-passages", args.max_passages, 1)):
+        if value < least:
+            return _error(f"{flag} must be at least {least}, got {value}")
     if not os.path.isfile(args.input):
-        print(f"error: --input {args.input} does not exist", file=sys.stderr)
-        return 2
-    with open(args.input, encoding="utf-8") as f:
-        texts = [json.loads(line)["text"] for line in f if line.strip()]
+        return _error(f"--input {args.input} is not a file")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        return _error(f"--output-dir {args.output_dir} exists and is not a directory")
+    texts, malformed = _read_texts(args.input)
+    if not texts:
+        return _error(f"--input {args.input} holds no {{\"text\": ...}} documents "
+                      f"({malformed} malformed lines)")
     held_out = texts[-args.num_documents:]
-    os.makedirs(args.output_dir, exist_ok=True)
-    wiki_path = os.path.join(args.output_dir, "wiki.test.tokens")
-    with open(wiki_path, "w", encoding="utf-8") as f:
-        f.write(" \n" + "".join(wikitext_document(i + 1, t) for i, t in enumerate(held_out)))
-    passages = [p for t in held_out for p in lambada_passages(t, args.passage_words)]
-    lambada_path = os.path.join(args.output_dir, "lambada_test.jsonl")
-    with open(lambada_path, "w", encoding="utf-8") as f:
-        for passage in passages[:args.max_passages]:
-            f.write(json.dumps({"text": passage}) + "\n")
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+        wiki_path = os.path.join(args.output_dir, "wiki.test.tokens")
+        with open(wiki_path, "w", encoding="utf-8") as f:
+            f.write(" \n" + "".join(wikitext_document(i + 1, t) for i, t in enumerate(held_out)))
+        passages = [p for t in held_out for p in lambada_passages(t, args.passage_words)]
+        lambada_path = os.path.join(args.output_dir, "lambada_test.jsonl")
+        with open(lambada_path, "w", encoding="utf-8") as f:
+            for passage in passages[:args.max_passages]:
+                f.write(json.dumps({"text": passage}) + "\n")
+    except OSError as error:
+        return _error(f"cannot write to --output-dir {args.output_dir}: {error.strerror}")
+    skipped = f"; skipped {malformed} malformed lines" if malformed else ""
     print(f" wrote {wiki_path} ({len(held_out)} documents) and {lambada_path} "
-          f"({min(len(passages), args.max_passages)} passages)")
+          f"({min(len(passages), args.max_passages)} passages){skipped}")
     return 0
+
+
+def _read_texts(path):
+    """(texts of the file's loose-JSON lines, count of malformed ones), as preprocessing reads
+    them: blank lines ignored, lines without a "text" string skipped and counted."""
+    texts, malformed = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                texts.append(parse_record(line, ("text",))["text"])
+            except MalformedLine:
+                malformed += 1
+    return texts, malformed
+
+
+def _error(message):
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
