@@ -20,6 +20,7 @@ read from the checkpoint.  A KV cache makes each new token cost one token's forw
 """
 
 import json
+import math
 import os
 import sys
 
@@ -69,9 +70,9 @@ def get_args(argv=None):
 
 
 def _validate(args):
-    if args.temperature <= 0 and not args.greedy:
-        raise ConfigError(f"--temperature must be > 0 (got {args.temperature}); use --greedy "
-                          "for argmax decoding")
+    if not math.isfinite(args.temperature) or (args.temperature <= 0 and not args.greedy):
+        raise ConfigError(f"--temperature must be a number > 0 (got {args.temperature}); use "
+                          "--greedy for argmax decoding")
     if args.top_k < 0 or not 0.0 <= args.top_p <= 1.0:
         raise ConfigError(f"--top_k must be >= 0 and --top_p in [0, 1] (got {args.top_k}, "
                           f"{args.top_p})")
@@ -83,10 +84,33 @@ def _validate(args):
         raise ConfigError("--compile compiles the KV-cached decode step; drop --recompute")
     if args.num_samples > 0 and not args.genfile:
         raise ConfigError("--num-samples needs --genfile (the JSON lines file to write)")
+    if args.genfile and args.num_samples == 0:
+        raise ConfigError("--genfile is where --num-samples N writes N unconditional samples; "
+                          "add --num-samples N")
     if args.sample_input_file and not os.path.isfile(args.sample_input_file):
-        raise ConfigError(f"--sample-input-file {args.sample_input_file} does not exist")
+        what = "is a directory" if os.path.isdir(args.sample_input_file) else "does not exist"
+        raise ConfigError(f"--sample-input-file {args.sample_input_file} {what}; give a text "
+                          "file of prompts, one a line")
     if args.sample_input_file and args.sample_output_file is None:
         args.sample_output_file = args.sample_input_file + ".out.jsonl"
+    for flag, path in (("--sample-output-file", args.sample_output_file),
+                       ("--genfile", args.genfile)):
+        if path:
+            _check_output_file(flag, path, args.sample_input_file)
+
+
+def _check_output_file(flag, path, input_path):
+    """Before any work: the output goes to a file that can be written, not over the prompts."""
+    if input_path and os.path.realpath(path) == os.path.realpath(input_path):
+        raise ConfigError(f"{flag} {path} is the --sample-input-file: writing the samples "
+                          "would replace the prompts; name another file")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory; name a file in it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"{flag} {path}: the directory {folder} is not writable")
 
 
 def _is_writer():
@@ -113,13 +137,23 @@ def _write_jsonl(path, records):
 def generate_from_file(generator, tokenizer, params, args):
     prompts = None
     if _is_writer():
-        with open(args.sample_input_file, encoding="utf-8") as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.sample_input_file, encoding="utf-8") as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()]
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"--sample-input-file {args.sample_input_file} is not UTF-8 "
+                              f"text (byte {error.start}); give a text file of prompts, one a "
+                              "line") from None
     prompts = _share(prompts)
     records = [generate_text(generator, tokenizer, prompt, params) for prompt in prompts]
     if _is_writer():
         _write_jsonl(args.sample_output_file, records)
         print(f" wrote {len(records)} samples to {args.sample_output_file}", flush=True)
+        cut = sum("context_truncated_to_tokens" in record for record in records)
+        if cut:
+            print(f" note: {cut} of the prompts were longer than the model's "
+                  f"{generator.max_positions} positions and kept only their last tokens "
+                  "(context_truncated_to_tokens in their records)", flush=True)
 
 
 def generate_interactive(generator, tokenizer, params):
@@ -164,6 +198,10 @@ def run(args):
                                   use_cache=not args.recompute, compile=args.compile)
         params = SamplingParams(args.greedy, args.temperature, args.top_k, args.top_p,
                                 args.out_seq_length)
+        if args.out_seq_length >= generator.max_positions and _is_writer():
+            print(f" note: --out-seq-length {args.out_seq_length}, but the model has "
+                  f"{generator.max_positions} positions for the prompt and the new tokens "
+                  f"together: at most {generator.max_positions - 1} new tokens", flush=True)
         if args.num_samples > 0:
             generate_unconditional(generator, tokenizer, params, args)
         elif args.sample_input_file:

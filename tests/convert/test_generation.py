@@ -236,6 +236,44 @@ def test_generate_samples_bad_flags(corpus, tmp_path, capsys):
     assert "understood formats" in capsys.readouterr().err
 
 
+def test_generate_samples_checks_its_files_before_loading_the_model(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the king said\n")
+    (tmp_path / "folder").mkdir()
+    missing = str(tmp_path / "no-such-checkpoint")  # each error comes before --load is read
+    cases = [
+        (["--sample-input-file", str(prompts), "--sample-output-file", str(prompts)],
+         "would replace the prompts"),
+        (["--sample-input-file", str(tmp_path / "folder")], "is a directory"),
+        (["--num-samples", "2", "--genfile", str(tmp_path / "folder")], "is a directory"),
+        (["--num-samples", "2", "--genfile", str(tmp_path / "nodir" / "s.jsonl")],
+         "nodir does not exist"),
+        (["--genfile", str(tmp_path / "s.jsonl")], "add --num-samples N"),
+        (["--temperature", "nan"], "--temperature must be a number > 0 (got nan)"),
+    ]
+    for flags, message in cases:
+        assert tool.main(["--load", missing, *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, (flags, err)
+    assert prompts.read_text() == "the king said\n"
+
+
+def test_generate_samples_says_what_the_model_length_cuts(corpus, tmp_path, capsys):
+    load = _checkpoint(corpus, tmp_path)  # 48 positions
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the king said " * 40 + "\nsweet love\n")
+    assert tool.main(["--load", load, "--out-seq-length", "100", "--greedy",
+                      "--sample-input-file", str(prompts),
+                      "--sample-output-file", str(tmp_path / "out.jsonl")]) == 0
+    said = capsys.readouterr().out
+    assert "--out-seq-length 100, but the model has 48 positions" in said
+    assert "1 of the prompts were longer than the model's 48 positions" in said
+    (tmp_path / "bad.txt").write_bytes(b"the king \xff\n")
+    assert tool.main(["--load", load, "--greedy", "--sample-input-file",
+                      str(tmp_path / "bad.txt")]) == 2
+    assert "is not UTF-8 text (byte 9)" in capsys.readouterr().err
+
+
 def test_generate_samples_takes_megatrons_shape_flags_and_checks_them(corpus, tmp_path,
                                                                       capsys):
     """Megatron's generation script passes the model's shape: the same flags are accepted
