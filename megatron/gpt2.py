@@ -2,8 +2,6 @@
 
 import torch
 
-from megatron.errors import ConfigError
-
 
 def model_provider(ctx):
     from megatron.model import GPT2Model
@@ -11,7 +9,8 @@ def model_provider(ctx):
 
 
 def train_valid_test_datasets_provider(ctx, num_samples):
-    from megatron.data.gpt2_dataset import build_train_valid_test_datasets
+    from megatron.data.gpt2_dataset import (build_train_valid_test_datasets,
+                                            require_training_documents)
     from megatron.data.token_range import check_token_ids
     data = ctx.config.data
     data_prefix = data.data_path
@@ -21,9 +20,7 @@ def train_valid_test_datasets_provider(ctx, num_samples):
     train, valid, test = build_train_valid_test_datasets(
         data_prefix, data.split, num_samples, data.seq_length, ctx.config.parallel.seed,
         skip_warmup=not data.mmap_warmup)
-    if train is None:
-        raise ConfigError(f"--split {data.split!r} leaves no training documents in "
-                          f"{data_prefix}; give the first split a positive weight")
+    require_training_documents(train, data_prefix, data.split)
     check_token_ids(train.indexed_dataset, ctx.model_config.vocab_size,
                     ctx.tokenizer.vocab_size)  # the splits share one .bin
     return train, valid, test

@@ -109,10 +109,6 @@ def prepare_loose_json_corpus(json_path, tokenizer, json_key="text", workers=1, 
                                              json_keys=(json_key,), append_eod=True,
                                              workers=workers, log_interval=10000)
         log_rank_zero(format_summary(outputs, stats, time.perf_counter() - start))
-        if stats.documents == 0:
-            raise DataError(f"{json_path} holds no usable documents ({stats.malformed} malformed, "
-                            f"{stats.empty} empty lines); it must be loose JSON, one "
-                            f"{{\"{json_key}\": \"...\"}} object per line")
         _write_sidecar(prefix, wanted)
 
     build_on_rank_zero(build_if_needed, group, what=f"the tokenized corpus {prefix}")

@@ -85,6 +85,9 @@ class GPT2Dataset(torch.utils.data.Dataset):
 
 def _split_documents(data_prefix, splits_string, skip_warmup):
     indexed_dataset = MMapIndexedDataset(data_prefix, skip_warmup=skip_warmup)
+    if len(indexed_dataset) == 0:
+        raise DataError(f"{data_prefix}.bin/.idx hold no documents: the input they were made "
+                        "from had none that tokenized (see tools/preprocess_data.py's report)")
     bounds = split_document_ranges(splits_string, len(indexed_dataset))
     log_rank_zero(f" > {data_prefix}: {len(indexed_dataset)} documents; split "
                   + ", ".join(f"{name} [{bounds[k]}, {bounds[k + 1]})"
@@ -123,6 +126,14 @@ def build_train_valid_test_datasets(data_prefix, splits_string, train_valid_test
     return tuple(datasets)
 
 
+def require_training_documents(train, data_prefix, splits_string):
+    """DataError when the train split (`train`, from build_train_valid_test_datasets) is
+    empty."""
+    if train is None:
+        raise DataError(f"--split {splits_string!r} leaves no training documents in "
+                        f"{data_prefix}; give the first split a positive weight")
+
+
 def build_index_mappings_only(data_prefix, splits_string, train_valid_test_num_samples,
                               seq_length, seed):
     """Pre-build (or validate) the cached index maps of every split, e.g. from a login node
@@ -130,6 +141,7 @@ def build_index_mappings_only(data_prefix, splits_string, train_valid_test_num_s
     """
     datasets = build_train_valid_test_datasets(data_prefix, splits_string,
                                                train_valid_test_num_samples, seq_length, seed)
+    require_training_documents(datasets[0], data_prefix, splits_string)
     paths = []
     for k, dataset in enumerate(datasets):
         if dataset is not None:

@@ -220,8 +220,12 @@ def tokenize_loose_json(input_path, output_prefix, make_tokenizer, json_keys=("t
     tokenizer = make_tokenizer()
     dtype = best_dtype(tokenizer.vocab_size)
     outputs = {key: output_prefix_for(output_prefix, key) for key in json_keys}
-    out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = os.path.dirname(os.path.abspath(next(iter(outputs.values()))))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as error:
+        raise DataError(f"--output-prefix {output_prefix}: cannot make the folder {out_dir} "
+                        f"({error.strerror})") from None
     progress = Progress(os.path.getsize(input_path), log_interval, stream or sys.stderr)
     ranges = split_line_ranges(input_path, workers)
     try:
@@ -246,6 +250,15 @@ def tokenize_loose_json(input_path, output_prefix, make_tokenizer, json_keys=("t
         progress.close()
     numbers = line_numbers(input_path, [offset for offset, _ in stats.examples])
     stats.examples = [(numbers[offset], reason) for offset, reason in stats.examples]
+    if stats.documents == 0:  # a dataset of nothing would only fail later, far from here
+        for prefix in outputs.values():
+            for path in (data_file_path(prefix), index_file_path(prefix)):
+                os.remove(path)
+        first = "".join(f"; line {line}: {reason}" for line, reason in stats.examples[:1])
+        keys = ", ".join(f'"{key}": "..."' for key in json_keys)
+        raise DataError(f"{input_path} holds no usable documents ({stats.malformed} malformed "
+                        f"lines, {stats.empty} empty documents{first}); it must be loose JSON, "
+                        f"one {{{keys}}} object per line")
     return outputs, stats
 
 

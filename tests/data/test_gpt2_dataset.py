@@ -171,3 +171,12 @@ def test_dataset_pickles_and_feeds_a_loader_with_workers(tmp_path):
                                            num_workers=1)
     batches = [b["text"] for _, b in zip(range(2), loader)]
     np.testing.assert_array_equal(np.concatenate([b.numpy() for b in batches]), expected)
+
+
+def test_index_maps_of_an_empty_dataset_or_train_split_are_an_error(tmp_path):
+    empty = write_token_dataset(tmp_path / "empty", [])
+    with pytest.raises(DataError, match="hold no documents"):
+        build_index_mappings_only(empty, "1", [4, 0, 0], 2, seed=1)
+    prefix = write_token_dataset(tmp_path / "corpus", DOCS)
+    with pytest.raises(DataError, match="--split '0,1' leaves no training documents"):
+        build_index_mappings_only(prefix, "0,1", [4, 4, 0], 2, seed=1)

@@ -240,3 +240,30 @@ def test_cli_with_the_real_gpt2_tokenizer(tmp_path):
     ds = MMapIndexedDataset(str(tmp_path / "w2_text_document"))
     assert [list(d) for d in ds] == [tokenizer.tokenize(t) + [258] for t in texts]
     assert 256 in ds[0] and 257 in ds[0]  # the merges were applied
+
+
+def test_an_input_without_documents_is_an_error_and_leaves_no_dataset(tmp_path, monkeypatch):
+    tool = _load_tool()
+    corpus = tmp_path / "bad.json"
+    corpus.write_bytes(b'{"body": "no text key"}\n{not json\n\n')
+    prefix = str(tmp_path / "out" / "x")
+    with pytest.raises(DataError, match=r"holds no usable documents \(2 malformed lines, 0 "
+                                        r"empty documents; line 1: no string under 'text'"):
+        _run_tool(tool, ["--input", str(corpus), "--output-prefix", prefix, "--tokenizer-type",
+                         "GPT2BPETokenizer", "--vocab-file", "v", "--merge-file", "m"],
+                  monkeypatch)
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_the_output_prefix_may_name_a_folder_and_must_be_makeable(tmp_path, monkeypatch):
+    tool = _load_tool()
+    corpus, _ = _corpus(tmp_path, num_docs=3)
+    argv = ["--input", corpus, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v",
+            "--merge-file", "m"]
+    out, _ = _run_tool(tool, argv + ["--output-prefix", str(tmp_path / "new") + "/"],
+                       monkeypatch)  # a trailing slash: files named _text_document in it
+    assert out == {"text": str(tmp_path / "new") + "/_text_document"}
+    assert os.path.isfile(out["text"] + ".bin")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DataError, match="--output-prefix .*afile/x: cannot make the folder"):
+        _run_tool(tool, argv + ["--output-prefix", str(tmp_path / "afile" / "x")], monkeypatch)
