@@ -52,7 +52,8 @@ def parse_args(argv=None):
 def validate_args(args):
     for path in args.input:
         if not os.path.isfile(path):
-            raise DataError(f"--input file '{path}' does not exist")
+            what = "is a directory" if os.path.isdir(path) else "does not exist"
+            raise DataError(f"--input file '{path}' {what}")
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise ConfigError(f"--output-dir '{args.output_dir}' exists and is not a directory")
     if args.tokenizer_type == "GPT2BPETokenizer" and args.vocab_size < 257:
@@ -63,6 +64,11 @@ def validate_args(args):
                           "such option")
     if args.min_frequency is not None and args.min_frequency < 1:
         raise ConfigError(f"--min-frequency must be >= 1, got {args.min_frequency}")
+    try:  # when the flags are checked, not after training
+        os.makedirs(args.output_dir, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--output-dir '{args.output_dir}' cannot be made "
+                          f"({error.strerror})") from None
 
 
 class LooseJsonReader:
@@ -149,8 +155,24 @@ def train_tokenizer(args):
     start = time.perf_counter()
     train = train_gpt2_bpe if args.tokenizer_type == "GPT2BPETokenizer" \
         else train_sentencepiece_model
+    names = ("vocab.json", "merges.txt") if args.tokenizer_type == "GPT2BPETokenizer" \
+        else ("tokenizer.model",)
+    before = {name: _read_or_none(os.path.join(args.output_dir, name)) for name in names}
     vocab_size, paths = train(reader, args)
     print_summary(reader, args, vocab_size, paths, time.perf_counter() - start)
+    replaced = [name for name, old in before.items()
+                if old is not None and old != _read_or_none(os.path.join(args.output_dir, name))]
+    if replaced:
+        print(f"note: this replaced a different {' and '.join(replaced)} in {args.output_dir}: "
+              "data tokenized and checkpoints trained with the old tokenizer do not match the "
+              "new one")
+
+
+def _read_or_none(path):
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def main(argv=None):

@@ -84,6 +84,8 @@ def test_user_errors_exit_2_with_message(tmp_path, capsys):
         (["--input", corpus, "--tokenizer-type", "SentencePieceTokenizer", "--min-frequency", "3", *out], "--min-frequency applies to GPT2BPETokenizer only"),
         (["--input", corpus, "--tokenizer-type", "GPT2BPETokenizer", "--min-frequency", "0", *out], "--min-frequency must be >= 1"),
         (["--input", corpus, "--tokenizer-type", "GPT2BPETokenizer", "--output-dir", str(not_a_dir)], "exists and is not a directory"),
+        (["--input", corpus, "--tokenizer-type", "GPT2BPETokenizer", "--output-dir", str(not_a_dir / "sub")], "cannot be made"),
+        (["--input", str(tmp_path), "--tokenizer-type", "GPT2BPETokenizer", *out], "is a directory"),
         (["--input", str(empty), "--tokenizer-type", "GPT2BPETokenizer", *out], "no usable documents in .*empty.json.*1 malformed"),
         (["--input", corpus, "--tokenizer-type", "SentencePieceTokenizer", "--vocab-size", "100000", *out], "Vocabulary size too high"),
     ]
@@ -92,3 +94,16 @@ def test_user_errors_exit_2_with_message(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and re.search(message, err), (message, err)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_retraining_into_a_tokenizers_folder_says_when_it_replaced_a_different_one(tmp_path,
+                                                                                 capsys):
+    tool = load_tool_module()
+    corpus = write_corpus(tmp_path / "corpus.json")
+    argv = ["--input", corpus, "--tokenizer-type", "GPT2BPETokenizer", "--output-dir",
+            str(tmp_path / "tok")]
+    assert tool.main(argv + ["--vocab-size", "300"]) == 0
+    assert tool.main(argv + ["--vocab-size", "300"]) == 0  # the same files again: no note
+    assert "note:" not in capsys.readouterr().out
+    assert tool.main(argv + ["--vocab-size", "320"]) == 0
+    assert "note: this replaced a different vocab.json and merges.txt" in capsys.readouterr().out
