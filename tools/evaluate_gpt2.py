@@ -26,8 +26,9 @@ import torch.distributed as dist  # noqa: E402
 from megatron.inference import zeroshot  # noqa: E402
 from megatron.cli import run_cli  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
-from megatron.inference.loading import (inference_parser, initialize_inference,  # noqa: E402
-                                load_inference_model, quantize_for_inference)
+from megatron.inference.loading import (check_output_file, inference_parser,  # noqa: E402
+                                        initialize_inference, load_inference_model,
+                                        quantize_for_inference)
 from megatron.inference.quantization import check_quantizable, quantization_config  # noqa: E402
 from megatron.runtime.initialize import destroy  # noqa: E402
 
@@ -53,12 +54,18 @@ def get_args(argv=None):
         raise ConfigError("--strict-lambada applies to --task LAMBADA")
     if args.overlapping_eval is not None and args.task != "WIKITEXT103":
         raise ConfigError("--overlapping-eval applies to --task WIKITEXT103")
+    for flag, value in (("--seq-length", args.seq_length),
+                        ("--overlapping-eval", args.overlapping_eval)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    if args.results_file:
+        check_output_file("--results-file", args.results_file, inputs=args.valid_data)
     return args
 
 
 def evaluate(args, model, tokenizer):
     max_positions = model.config.max_position_embeddings
-    seq_length = args.seq_length or max_positions
+    seq_length = max_positions if args.seq_length is None else args.seq_length
     if not 1 <= seq_length <= max_positions:
         raise ConfigError(f"--seq-length {seq_length} must lie in [1, the model's "
                           f"max_position_embeddings {max_positions}]")

@@ -31,8 +31,9 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.cli import run_cli  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
-from megatron.inference.loading import (inference_parser, initialize_inference,  # noqa: E402
-                                load_inference_model, quantize_for_inference)
+from megatron.inference.loading import (check_output_file, inference_parser,  # noqa: E402
+                                        initialize_inference, load_inference_model,
+                                        quantize_for_inference)
 from megatron.runtime.initialize import destroy  # noqa: E402
 from megatron.inference.text_generation import SamplingParams, TextGenerator, generate_text  # noqa: E402
 
@@ -96,21 +97,7 @@ def _validate(args):
     for flag, path in (("--sample-output-file", args.sample_output_file),
                        ("--genfile", args.genfile)):
         if path:
-            _check_output_file(flag, path, args.sample_input_file)
-
-
-def _check_output_file(flag, path, input_path):
-    """Before any work: the output goes to a file that can be written, not over the prompts."""
-    if input_path and os.path.realpath(path) == os.path.realpath(input_path):
-        raise ConfigError(f"{flag} {path} is the --sample-input-file: writing the samples "
-                          "would replace the prompts; name another file")
-    if os.path.isdir(path):
-        raise ConfigError(f"{flag} {path} is a directory; name a file in it")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ConfigError(f"{flag} {path}: the directory {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise ConfigError(f"{flag} {path}: the directory {folder} is not writable")
+            check_output_file(flag, path, inputs=(args.sample_input_file,))
 
 
 def _is_writer():

@@ -86,6 +86,21 @@ def check_shape_flags(args, model_args, load_dir):
                           f"--max-position-embeddings {limit}")
 
 
+def check_output_file(flag, path, inputs=()):
+    """ConfigError, before any work, unless `path` can be written as a file that is none of
+    the `inputs` (which writing it would destroy)."""
+    if any(os.path.realpath(path) == os.path.realpath(other) for other in inputs if other):
+        raise ConfigError(f"{flag} {path} is also an input file: writing it would replace what "
+                          "it reads; name another file")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory; name a file in it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"{flag} {path}: the directory {folder} is not writable")
+
+
 def initialize_inference(args):
     """Process group (torchrun or a single process), TP groups, seeds; returns a Runtime."""
     from megatron.config.sections import ParallelConfig

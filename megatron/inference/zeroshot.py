@@ -73,14 +73,33 @@ class WikitextResult:
         return math.exp(min(20.0, self.loss / (self.num_original_tokens - 1)))
 
 
-def read_wikitext(path):
+def _read_text(path, what):
     if not os.path.isfile(path):
-        raise DataError(f"WikiText file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+        raise DataError(f"{what} file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path} is not UTF-8 text (byte {error.start}), so not a {what} "
+                        "file") from None
+
+
+def read_wikitext(path):
+    text = _read_text(path, "WikiText")
     if len(text.strip().split(" ")) < 2:
         raise DataError(f"{path} holds fewer than two words; nothing to evaluate")
+    first = text.lstrip().split("\n", 1)[0]
+    if first.startswith("{") and _is_json_object(first):
+        raise DataError(f"{path} holds JSON lines, LAMBADA's format, not WikiText's text; "
+                        "evaluate it with --task LAMBADA")
     return text
+
+
+def _is_json_object(line):
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def window_starts(num_tokens, seq_length, stride):
@@ -96,7 +115,7 @@ def window_starts(num_tokens, seq_length, stride):
 
 def evaluate_wikitext(score_fn, tokenizer, text, seq_length, overlapping_eval=None):
     """WikitextResult; score_fn(tokens [1, s]) -> log-probs [1, s, v] of the next token."""
-    stride = overlapping_eval or seq_length
+    stride = seq_length if overlapping_eval is None else overlapping_eval
     if not 0 < stride <= seq_length:
         raise DataError(f"--overlapping-eval {stride} must lie in [1, --seq-length "
                         f"{seq_length}]")
@@ -115,18 +134,15 @@ def evaluate_wikitext(score_fn, tokenizer, text, seq_length, overlapping_eval=No
 
 
 def read_lambada(path):
-    if not os.path.isfile(path):
-        raise DataError(f"LAMBADA file {path} does not exist")
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                texts.append(json.loads(line)["text"])
-            except (ValueError, KeyError, TypeError):
-                raise DataError(f"{path}:{number} is not a JSON object with a 'text' field "
-                                "(lambada_test.jsonl format)") from None
+    for number, line in enumerate(_read_text(path, "LAMBADA").split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            texts.append(json.loads(line)["text"])
+        except (ValueError, KeyError, TypeError):
+            raise DataError(f"{path}:{number} is not a JSON object with a 'text' field "
+                            "(lambada_test.jsonl format)") from None
     if not texts:
         raise DataError(f"{path} holds no passages")
     return texts

@@ -243,7 +243,7 @@ def test_generate_samples_checks_its_files_before_loading_the_model(tmp_path, ca
     missing = str(tmp_path / "no-such-checkpoint")  # each error comes before --load is read
     cases = [
         (["--sample-input-file", str(prompts), "--sample-output-file", str(prompts)],
-         "would replace the prompts"),
+         "is also an input file: writing it would replace what it reads"),
         (["--sample-input-file", str(tmp_path / "folder")], "is a directory"),
         (["--num-samples", "2", "--genfile", str(tmp_path / "folder")], "is a directory"),
         (["--num-samples", "2", "--genfile", str(tmp_path / "nodir" / "s.jsonl")],

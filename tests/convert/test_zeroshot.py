@@ -133,3 +133,32 @@ def test_bad_evaluation_inputs(setup, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(DataError):
         zeroshot.evaluate_wikitext(None, setup["tokenizer"], WIKI, 8, overlapping_eval=9)
+
+
+def test_a_file_of_the_other_task_or_not_text_is_refused(setup, tmp_path, capsys):
+    lambada = tmp_path / "lambada.jsonl"
+    lambada.write_text(json.dumps({"text": "the king said brotherhood"}) + "\n")
+    binary = tmp_path / "corpus.bin"
+    binary.write_bytes(b"the \xff\xfe\x00 king")
+    cases = [("WIKITEXT103", lambada, "holds JSON lines, LAMBADA's format"),
+             ("WIKITEXT103", binary, "is not UTF-8 text (byte 4), so not a WikiText file"),
+             ("LAMBADA", binary, "is not UTF-8 text (byte 4), so not a LAMBADA file")]
+    for task, path, message in cases:
+        assert tool.main(["--load", setup["load"], "--task", task, "--valid-data",
+                          str(path)]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_window_flags_and_the_results_file_are_checked_before_loading(tmp_path, capsys):
+    wiki = tmp_path / "wiki.tokens"
+    wiki.write_text(WIKI)
+    base = ["--load", str(tmp_path / "no-checkpoint"), "--task", "WIKITEXT103", "--valid-data",
+            str(wiki)]
+    cases = [(["--seq-length", "0"], "--seq-length must be at least 1, got 0"),
+             (["--overlapping-eval", "0"], "--overlapping-eval must be at least 1, got 0"),
+             (["--results-file", str(tmp_path / "nodir" / "r.json")], "nodir does not exist"),
+             (["--results-file", str(wiki)], "is also an input file")]
+    for flags, message in cases:
+        assert tool.main(base + flags) == 2
+        assert message in capsys.readouterr().err
+    assert wiki.read_text() == WIKI
