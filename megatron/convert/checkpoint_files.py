@@ -46,9 +46,13 @@ def read_sharded_checkpoint(load_dir, iteration=None):
     directory = os.path.dirname(os.path.dirname(
         get_checkpoint_name(load_dir, iteration, mp_rank=0, release=release)))
     if not os.path.isdir(directory):
+        if os.path.isfile(os.path.join(load_dir, "latest")):
+            raise CheckpointError(f"{load_dir} holds a DeepSpeed checkpoint (its 'latest' file "
+                                  "names a global_step folder): read it as one, with "
+                                  "--deepspeed (convert_checkpoint.py: --loader deepspeed)")
         raise CheckpointError(f"{os.path.join(load_dir, TRACKER_FILENAME)} names iteration "
                               f"{'release' if release else iteration}, but {directory} does "
-                              "not exist; fix the tracker or pass --iteration")
+                              "not exist; the tracker file does not match the folders")
     stages = _pipeline_stages(directory)
     if stages > 1:
         return _read_staged(load_dir, iteration, release, directory, stages)
@@ -120,7 +124,7 @@ def _read_staged(load_dir, iteration, release, directory, stages):
 
 def _resolve_iteration(load_dir, iteration):
     if not os.path.isdir(load_dir):
-        raise CheckpointError(f"--load {load_dir} is not a directory")
+        raise CheckpointError(f"the checkpoint folder {load_dir} is not a directory")
     if iteration is not None:
         directory = os.path.join(load_dir, f"iter_{iteration:07d}")
         if not os.path.isdir(directory):

@@ -42,7 +42,7 @@ _CLIENT_KEYS = ("iteration", "consumed_train_samples", "train_state", "random_rn
 def _tag(load_dir, iteration):
     """The tag to read: global_step<iteration>, else the one `latest` names."""
     if not os.path.isdir(load_dir):
-        raise CheckpointError(f"--load {load_dir} is not a directory")
+        raise CheckpointError(f"the checkpoint folder {load_dir} is not a directory")
     if iteration is not None:
         return f"global_step{iteration}"
     latest = os.path.join(load_dir, "latest")

@@ -58,7 +58,7 @@ class ModelWeights:
 def detect_format(load_dir):
     """The format of `load_dir`, judged from the files in it; CheckpointError if none fits."""
     if not os.path.isdir(load_dir):
-        raise CheckpointError(f"--load-dir {load_dir} is not a directory")
+        raise CheckpointError(f"the checkpoint folder {load_dir} is not a directory")
     names = os.listdir(load_dir)
     # DeepSpeed saves also write Megatron's tracker, so its own files decide first.
     if "latest" in names or any(glob.glob(os.path.join(load_dir, "*", "*_model_states.pt"))):
@@ -78,7 +78,7 @@ def load_model_weights(load_dir, loader=None, vocab_size=None, tokenizer_files=N
     if loader not in FORMATS:
         raise CheckpointError(f"unknown --loader {loader!r}; understood formats: {FORMAT_HELP}")
     if not os.path.isdir(load_dir):
-        raise CheckpointError(f"--load-dir {load_dir} is not a directory")
+        raise CheckpointError(f"the checkpoint folder {load_dir} is not a directory")
     if loader == "megatron":
         return load_megatron(load_dir, vocab_size, tokenizer_files)
     if loader == "deepspeed":

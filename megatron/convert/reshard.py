@@ -223,12 +223,12 @@ def unsharded_state_dict(load_dir, iteration=None, vocab_size=None, tokenizer_fi
 def check_target_size(args, target_tp):
     """ConfigError, with the arithmetic, if the model cannot be split `target_tp` ways."""
     if target_tp < 1:
-        raise ConfigError(f"--target-model-parallel-size must be >= 1, got {target_tp}")
+        raise ConfigError(f"the target tensor-parallel size must be >= 1, got {target_tp}")
     heads = args["num_attention_heads"]
     ffn = args.get("ffn_hidden_size") or 4 * args["hidden_size"]
     for value, name in ((heads, "num_attention_heads"), (ffn, "ffn_hidden_size")):
         if value % target_tp != 0:
-            raise ConfigError(f"--target-model-parallel-size {target_tp} must divide the "
+            raise ConfigError(f"the target tensor-parallel size {target_tp} must divide the "
                               f"checkpoint's {name} {value} ({value} % {target_tp} = "
                               f"{value % target_tp})")
 

@@ -170,7 +170,7 @@ def test_command_line_runs_as_a_script(tmp_path):
     result = subprocess.run([sys.executable, TOOL, "--load", str(tmp_path / "nowhere")],
                             capture_output=True, text=True, cwd=str(tmp_path))
     assert result.returncode == 2
-    assert result.stderr.startswith("error: --load") and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: the checkpoint folder") and "Traceback" not in result.stderr
 
 
 def test_bad_flags_are_clear_errors(tp2_run, tmp_path, capsys):
