@@ -48,9 +48,9 @@ def test_int4_round_trip_is_within_half_a_step_of_each_group(group):
 
 
 def test_int8_kernel_equals_the_dequantised_matmul():
-    w, x = _weight(), torch.randn(2, 5, 256)
+    w, x = _weight(), torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(1))
     codes, scale = q.quantize_int8_rows(w)
-    bias = torch.randn(96)
+    bias = torch.randn(96, generator=torch.Generator().manual_seed(2))
     expected = F.linear(x, q.dequantize_int8_rows(codes, scale), bias)
     fallback = F.linear(x, q.Int8Weight(codes, scale, torch.float32, use_kernel=False), bias)
     kernel = F.linear(x, q.Int8Weight(codes, scale, torch.float32), bias)
@@ -74,7 +74,8 @@ def test_int4_kernel_equals_the_dequantised_matmul():
 
 
 def test_int8_dynamic_is_close_to_the_float_matmul():
-    w, x = _weight(), torch.randn(4, 256)
+    # seeded: over random inputs the error is ~2% typically and above 5% for 1 in 100
+    w, x = _weight(), torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
     codes, scale = q.quantize_int8_rows(w)
     out = F.linear(x, q.Int8DynamicWeight(codes, scale, torch.float32))
     expected = F.linear(x, w)
