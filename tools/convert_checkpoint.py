@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from megatron.cli import run_cli  # noqa: E402
 from megatron.convert.loaders import FORMATS, load_model_weights  # noqa: E402
-from megatron.convert.savers import SAVERS, save_model_weights  # noqa: E402
+from megatron.convert.savers import SAVERS, check_save_dir, save_model_weights  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,6 +55,7 @@ def get_args(argv=None):
 
 
 def run(args):
+    check_save_dir(args.save_dir)
     tokenizer_files = {k: v for k, v in (("vocab_file", args.vocab_file),
                                          ("merge_file", args.merge_file),
                                          ("tokenizer_model", args.tokenizer_model)) if v}

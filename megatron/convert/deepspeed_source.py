@@ -27,13 +27,13 @@ import os
 
 import torch
 
+from megatron.checkpointing.files import safe_load
 from megatron.checkpointing.megatron_layout import CHECKPOINT_VERSION, to_nested_state_dict
 from megatron.convert.checkpoint_files import ShardedCheckpoint
 from megatron.convert.pipeline_layout import join_stages, stage_layer_numbers
 from megatron.errors import CheckpointError
 from megatron.model.gpt2_model import pipeline_layer_slots
 from megatron.model.tiling import join_tiled_weights
-from zero.checkpoint.files import load_plain
 
 _CLIENT_KEYS = ("iteration", "consumed_train_samples", "train_state", "random_rng_state",
                 "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states")
@@ -150,10 +150,7 @@ def _model_states(tag_dir, mp_rank, size=None):
                               "the checkpoint is incomplete (not saved by pretrain_gpt2.py "
                               "--deepspeed, or a rank's files are missing). Copy the missing "
                               "rank files, or convert another step")
-    try:
-        states = load_plain(path, mmap=True)
-    except Exception as e:  # noqa: BLE001 -- damaged file or not ours
-        raise CheckpointError(f"cannot read {path}: {e}") from None
+    states = safe_load(path, mmap=True)  # a damaged file: one error naming it and why
     if not isinstance(states.get("args"), dict) or "module" not in states:
         raise CheckpointError(f"{path} has no 'args'/'module': it was not saved by "
                               "pretrain_gpt2.py --deepspeed and cannot be converted")

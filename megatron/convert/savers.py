@@ -35,7 +35,7 @@ def save_model_weights(weights, save_dir, saver, target_tp=1, dtype=torch.float3
     """Write `weights` in format `saver`; returns a list of the files written."""
     if saver not in SAVERS:
         raise ConfigError(f"unknown --saver {saver!r}; choose one of {', '.join(SAVERS)}")
-    _check_empty(save_dir)
+    check_save_dir(save_dir)
     if saver == "megatron":
         return save_megatron(weights, save_dir, target_tp, dtype, target_pp)
     if target_tp != 1 or target_pp != 1:
@@ -45,10 +45,18 @@ def save_model_weights(weights, save_dir, saver, target_tp=1, dtype=torch.float3
     return save_hf(weights, save_dir, dtype)
 
 
-def _check_empty(save_dir):
+def check_save_dir(save_dir):
+    """ConfigError unless `save_dir` is an empty folder or can be made as one: nothing is
+    overwritten, and a path that cannot be written fails before a checkpoint is read."""
     if os.path.exists(save_dir) and (not os.path.isdir(save_dir) or os.listdir(save_dir)):
         raise ConfigError(f"--save-dir {save_dir} exists and is not an empty directory; choose "
                           "a new one so no checkpoint is overwritten")
+    existing = os.path.abspath(save_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        why = "is a file" if not os.path.isdir(existing) else "is not writable"
+        raise ConfigError(f"--save-dir {save_dir} cannot be made: {existing} {why}")
 
 
 def _copy_tokenizer_files(args, save_dir):

@@ -111,7 +111,8 @@ def initialize_inference(args):
     tp = args.model_parallel_size
     if tp < 1 or world_size % tp != 0:
         raise ConfigError(f"world size {world_size} is not divisible by --model-parallel-size "
-                          f"{tp}")
+                          f"{tp}; start a multiple of {tp} processes, e.g. torchrun "
+                          f"--nproc_per_node {tp}")
     if not args.distributed_timeout_minutes > 0:
         raise ConfigError(f"--distributed-timeout-minutes must be positive, got "
                           f"{args.distributed_timeout_minutes}")

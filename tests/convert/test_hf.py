@@ -197,3 +197,10 @@ def test_a_truncated_hf_file_is_a_clear_error(tmp_path, capsys, damage, message)
     assert _tool("--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "out",
                  "--saver", "megatron") == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_save_dir_that_cannot_be_made_fails_before_the_checkpoint_is_read(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert _tool("--load-dir", tmp_path / "no-checkpoint", "--save-dir",
+                 tmp_path / "afile" / "out", "--saver", "hf") == 2
+    assert f"cannot be made: {tmp_path / 'afile'} is a file" in capsys.readouterr().err
