@@ -211,7 +211,8 @@ def tokenize_loose_json(input_path, output_prefix, make_tokenizer, json_keys=("t
     stops the run (DataError naming its line). Returns ({key: prefix}, TokenizeStats).
     """
     if not os.path.isfile(input_path):
-        raise DataError(f"--input {input_path}: no such file (expected loose JSON, one object "
+        what = "a directory" if os.path.isdir(input_path) else "no such file"
+        raise DataError(f"--input {input_path}: {what} (expected a loose JSON file, one object "
                         f"per line, e.g. {{\"text\": \"...\"}})")
     if workers < 1:
         raise DataError(f"--workers must be at least 1, got {workers}")

@@ -267,3 +267,10 @@ def test_the_output_prefix_may_name_a_folder_and_must_be_makeable(tmp_path, monk
     (tmp_path / "afile").write_text("x")
     with pytest.raises(DataError, match="--output-prefix .*afile/x: cannot make the folder"):
         _run_tool(tool, argv + ["--output-prefix", str(tmp_path / "afile" / "x")], monkeypatch)
+
+
+def test_a_folder_given_as_input_says_so(tmp_path, monkeypatch):
+    with pytest.raises(DataError, match=r"--input .*: a directory \(expected a loose JSON file"):
+        _run_tool(_load_tool(), ["--input", str(tmp_path), "--output-prefix",
+                                 str(tmp_path / "x"), "--tokenizer-type", "GPT2BPETokenizer",
+                                 "--vocab-file", "v", "--merge-file", "m"], monkeypatch)
