@@ -49,7 +49,8 @@ def test_success_is_0():
 
 
 # Every check of the flags and the DeepSpeed JSON, and --help, comes before anything imports
-# torch (seconds on a slow CPU); only a JSON's optimizer or scheduler section needs it.
+# torch (seconds on a slow CPU); only a JSON's optimizer, scheduler or enabled compile section
+# needs it.
 _WITHOUT_TORCH = """
 import sys
 import pretrain_gpt2

@@ -63,7 +63,15 @@ def get_args(argv=None):
     return args
 
 
-def evaluate(args, model, tokenizer):
+def read_valid_data(args):
+    """Each --valid-data file's contents in the task's format: read (and checked) before the
+    model is loaded, so a wrong or unreadable file costs no load."""
+    read = zeroshot.read_wikitext if args.task == "WIKITEXT103" else zeroshot.read_lambada
+    return [read(path) for path in args.valid_data]
+
+
+def evaluate(args, model, tokenizer, contents):
+    """`contents`: read_valid_data(args)."""
     max_positions = model.config.max_position_embeddings
     seq_length = max_positions if args.seq_length is None else args.seq_length
     if not 1 <= seq_length <= max_positions:
@@ -71,9 +79,9 @@ def evaluate(args, model, tokenizer):
                           f"max_position_embeddings {max_positions}]")
     score = zeroshot.model_score_fn(model, tokenizer.vocab_size)
     results = []
-    for path in args.valid_data:
+    for path, content in zip(args.valid_data, contents):
         if args.task == "WIKITEXT103":
-            text = zeroshot.read_wikitext(path)
+            text = content
             result = zeroshot.evaluate_wikitext(score, tokenizer, text, seq_length,
                                                 args.overlapping_eval)
             results.append({"file": path, "avg_loss": result.avg_loss, "ppl": result.ppl,
@@ -81,9 +89,8 @@ def evaluate(args, model, tokenizer):
                             "num_tokenized_tokens": result.num_tokenized_tokens,
                             "num_original_tokens": result.num_original_tokens})
         else:
-            correct, total = zeroshot.evaluate_lambada(score, tokenizer,
-                                                       zeroshot.read_lambada(path),
-                                                       seq_length, args.strict_lambada)
+            correct, total = zeroshot.evaluate_lambada(score, tokenizer, content, seq_length,
+                                                       args.strict_lambada)
             results.append({"file": path, "accuracy": correct / total, "correct": correct,
                             "total": total, "strict": args.strict_lambada})
     return results
@@ -127,17 +134,18 @@ def _report(args, results):
 
 
 def run(args):
+    contents = read_valid_data(args)
     runtime = initialize_inference(args)
     try:
         model, tokenizer, _ = load_inference_model(args, runtime.device)
         if args.quantize:  # the quantisation's errors before the baseline's time is spent
             check_quantizable(model, quantization_config(args))
-        baseline = evaluate(args, model, tokenizer) if args.quantize else None
+        baseline = evaluate(args, model, tokenizer, contents) if args.quantize else None
         if quantize_for_inference(args, model) is not None:
-            results = with_quantization_change(evaluate(args, model, tokenizer), baseline,
-                                               args.quantize)
+            results = with_quantization_change(evaluate(args, model, tokenizer, contents),
+                                               baseline, args.quantize)
         else:
-            results = evaluate(args, model, tokenizer)
+            results = evaluate(args, model, tokenizer, contents)
         if not dist.is_initialized() or dist.get_rank() == 0:
             _report(args, results)
         return results

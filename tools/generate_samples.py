@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron.cli import run_cli  # noqa: E402
+from megatron.cli import launched_rank, run_cli  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 from megatron.inference.loading import (check_output_file, inference_parser,  # noqa: E402
                                         initialize_inference, load_inference_model,
@@ -88,12 +88,14 @@ def _validate(args):
     if args.genfile and args.num_samples == 0:
         raise ConfigError("--genfile is where --num-samples N writes N unconditional samples; "
                           "add --num-samples N")
+    if args.sample_input_file and args.sample_output_file is None:
+        args.sample_output_file = args.sample_input_file + ".out.jsonl"
+    if launched_rank() != 0:
+        return  # only rank 0 reads the prompts and writes the samples
     if args.sample_input_file and not os.path.isfile(args.sample_input_file):
         what = "is a directory" if os.path.isdir(args.sample_input_file) else "does not exist"
         raise ConfigError(f"--sample-input-file {args.sample_input_file} {what}; give a text "
                           "file of prompts, one a line")
-    if args.sample_input_file and args.sample_output_file is None:
-        args.sample_output_file = args.sample_input_file + ".out.jsonl"
     for flag, path in (("--sample-output-file", args.sample_output_file),
                        ("--genfile", args.genfile)):
         if path:
@@ -121,16 +123,18 @@ def _write_jsonl(path, records):
     os.replace(tmp, path)
 
 
-def generate_from_file(generator, tokenizer, params, args):
-    prompts = None
-    if _is_writer():
-        try:
-            with open(args.sample_input_file, encoding="utf-8") as f:
-                prompts = [line.rstrip("\n") for line in f if line.strip()]
-        except UnicodeDecodeError as error:
-            raise ConfigError(f"--sample-input-file {args.sample_input_file} is not UTF-8 "
-                              f"text (byte {error.start}); give a text file of prompts, one a "
-                              "line") from None
+def read_prompts(path):
+    """The non-blank lines of the prompts file (rank 0 reads it, before any process group)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.rstrip("\n") for line in f if line.strip()]
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"--sample-input-file {path} is not UTF-8 text (byte {error.start}); "
+                          "give a text file of prompts, one a line") from None
+
+
+def generate_from_file(generator, tokenizer, params, args, prompts):
+    """`prompts`: rank 0's read_prompts (None on the other ranks)."""
     prompts = _share(prompts)
     records = [generate_text(generator, tokenizer, prompt, params) for prompt in prompts]
     if _is_writer():
@@ -138,9 +142,10 @@ def generate_from_file(generator, tokenizer, params, args):
         print(f" wrote {len(records)} samples to {args.sample_output_file}", flush=True)
         cut = sum("context_truncated_to_tokens" in record for record in records)
         if cut:
-            print(f" note: {cut} of the prompts were longer than the model's "
-                  f"{generator.max_positions} positions and kept only their last tokens "
-                  "(context_truncated_to_tokens in their records)", flush=True)
+            print(f" note: {cut} of the prompts did not fit the model's "
+                  f"{generator.max_positions} positions with room for a new token and kept "
+                  "only their last tokens (context_truncated_to_tokens in their records)",
+                  flush=True)
 
 
 def generate_interactive(generator, tokenizer, params):
@@ -177,6 +182,8 @@ def generate_unconditional(generator, tokenizer, params, args):
 
 
 def run(args):
+    prompts = read_prompts(args.sample_input_file) \
+        if args.sample_input_file and launched_rank() == 0 else None
     runtime = initialize_inference(args)
     try:
         model, tokenizer, _ = load_inference_model(args, runtime.device)
@@ -192,7 +199,7 @@ def run(args):
         if args.num_samples > 0:
             generate_unconditional(generator, tokenizer, params, args)
         elif args.sample_input_file:
-            generate_from_file(generator, tokenizer, params, args)
+            generate_from_file(generator, tokenizer, params, args, prompts)
         else:
             generate_interactive(generator, tokenizer, params)
     finally:

@@ -94,16 +94,20 @@ def main(argv=None):
 
 def _read_texts(path):
     """(texts of the file's loose-JSON lines, count of malformed ones), as preprocessing reads
-    them: blank lines ignored, lines without a "text" string skipped and counted."""
+    them: blank lines and empty texts ignored, lines without a "text" string skipped and
+    counted."""
     texts, malformed = [], 0
     with open(path, "rb") as f:
         for line in f:
             if not line.strip():
                 continue
             try:
-                texts.append(parse_record(line, ("text",))["text"])
+                text = parse_record(line, ("text",))["text"]
             except MalformedLine:
                 malformed += 1
+                continue
+            if text.strip():
+                texts.append(text)
     return texts, malformed
 
 

@@ -179,10 +179,10 @@ def model_args_from_hf_config(config):
                               "implement")
     sizes = {key: config.get(key, default) for key, default in (
         ("n_layer", 12), ("n_embd", 768), ("n_head", 12), ("n_positions", 1024),
-        ("vocab_size", 50257))}
-    sizes["n_inner"] = config.get("n_inner") or 4 * sizes["n_embd"]
+        ("vocab_size", 50257), ("n_inner", None))}  # n_inner None: 4 * n_embd
     bad = {key: value for key, value in sizes.items()
-           if isinstance(value, bool) or not isinstance(value, int) or value < 1}
+           if not (key == "n_inner" and value is None)
+           and (isinstance(value, bool) or not isinstance(value, int) or value < 1)}
     if bad:
         raise CheckpointError(f"config.json sets {bad}: sizes must be positive integers")
     if sizes["n_embd"] % sizes["n_head"]:
@@ -193,7 +193,7 @@ def model_args_from_hf_config(config):
         "num_layers": sizes["n_layer"],
         "hidden_size": sizes["n_embd"],
         "num_attention_heads": sizes["n_head"],
-        "ffn_hidden_size": sizes["n_inner"],
+        "ffn_hidden_size": sizes["n_inner"] or 4 * sizes["n_embd"],
         "max_position_embeddings": sizes["n_positions"],
         "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5),
         "orig_vocab_size": sizes["vocab_size"],

@@ -152,18 +152,22 @@ def resolve_vocab_size(args, vocab_size=None, tokenizer_files=None):
     `tokenizer_files` ({"vocab_file", "merge_file", "tokenizer_model"}) override the paths
     recorded in the checkpoint's args.  The result must pad to the checkpoint's vocab rows.
     """
+    tokenizer_files = {key: path for key, path in (tokenizer_files or {}).items() if path}
     recorded = args.get("orig_vocab_size")  # by the trainer since it existed
-    if vocab_size is not None and recorded and vocab_size != recorded:
+    # The trainer records its tokenizer's size; a Hugging Face conversion without tokenizer
+    # files records only the embedding's rows, which may include padding (e.g. 50304).
+    trained_with = recorded if args.get("tokenizer_type") else None
+    if vocab_size is not None and trained_with and vocab_size != trained_with:
         raise CheckpointError(f"--vocab-size {vocab_size} disagrees with the vocab size the "
-                              f"checkpoint records ({recorded}); drop --vocab-size")
+                              f"checkpoint records ({trained_with}); drop --vocab-size")
     if vocab_size is None and tokenizer_files:
         vocab_size = _tokenizer_vocab_size(args, tokenizer_files)
-        if recorded and vocab_size != recorded:
+        if trained_with and vocab_size != trained_with:
             # a different tokenizer of a size that pads alike would decode every id wrongly
             raise CheckpointError(
                 f"the tokenizer files given ({_describe(tokenizer_files)}) hold {vocab_size} "
-                f"tokens, but the checkpoint was trained with a tokenizer of {recorded}; give "
-                "the tokenizer files the model was trained with")
+                f"tokens, but the checkpoint was trained with a tokenizer of {trained_with}; "
+                "give the tokenizer files the model was trained with")
     if vocab_size is None:
         vocab_size = recorded or _tokenizer_vocab_size(args, {})
     divisible_by = args.get("make_vocab_size_divisible_by", 128)
@@ -173,8 +177,8 @@ def resolve_vocab_size(args, vocab_size=None, tokenizer_files=None):
         raise CheckpointError(
             f"vocab size {vocab_size} pads to {padded} (multiple of {divisible_by} x "
             f"{source_tp}), but the checkpoint's vocab is padded to "
-            f"{args['padded_vocab_size']}: give the --vocab-size or tokenizer files the model "
-            "was trained with")
+            f"{args['padded_vocab_size']}: give the tokenizer files the model was trained "
+            "with (or, where the tool has it, its size with --vocab-size)")
     return vocab_size
 
 

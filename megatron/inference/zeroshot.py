@@ -75,7 +75,8 @@ class WikitextResult:
 
 def _read_text(path, what):
     if not os.path.isfile(path):
-        raise DataError(f"{what} file {path} does not exist")
+        raise DataError(f"{what} file {path} "
+                        f"{'is a directory' if os.path.isdir(path) else 'does not exist'}")
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()

@@ -267,7 +267,7 @@ def test_generate_samples_says_what_the_model_length_cuts(corpus, tmp_path, caps
                       "--sample-output-file", str(tmp_path / "out.jsonl")]) == 0
     said = capsys.readouterr().out
     assert "--out-seq-length 100, but the model has 48 positions" in said
-    assert "1 of the prompts were longer than the model's 48 positions" in said
+    assert "1 of the prompts did not fit the model's 48 positions" in said
     (tmp_path / "bad.txt").write_bytes(b"the king \xff\n")
     assert tool.main(["--load", load, "--greedy", "--sample-input-file",
                       str(tmp_path / "bad.txt")]) == 2

@@ -174,6 +174,7 @@ def test_untied_hf_output_layer_is_refused(tmp_path, capsys):
     ({"n_inner": 64}, "transformer.h.0.mlp.c_fc.weight is [48, 192]"),
     ({"n_head": 5}, "n_head 5 does not divide n_embd 48 (48 % 5 = 3)"),
     ({"n_layer": 0}, "sizes must be positive integers"),
+    ({"n_embd": None, "n_inner": 0}, "config.json sets {'n_embd': None, 'n_inner': 0}"),
 ])
 def test_a_config_json_that_does_not_fit_its_weights_is_refused(tmp_path, capsys, edit,
                                                                 message):

@@ -135,7 +135,7 @@ def test_bad_evaluation_inputs(setup, tmp_path, capsys):
         zeroshot.evaluate_wikitext(None, setup["tokenizer"], WIKI, 8, overlapping_eval=9)
 
 
-def test_a_file_of_the_other_task_or_not_text_is_refused(setup, tmp_path, capsys):
+def test_a_file_of_the_other_task_or_not_text_is_refused_before_loading(tmp_path, capsys):
     lambada = tmp_path / "lambada.jsonl"
     lambada.write_text(json.dumps({"text": "the king said brotherhood"}) + "\n")
     binary = tmp_path / "corpus.bin"
@@ -144,8 +144,8 @@ def test_a_file_of_the_other_task_or_not_text_is_refused(setup, tmp_path, capsys
              ("WIKITEXT103", binary, "is not UTF-8 text (byte 4), so not a WikiText file"),
              ("LAMBADA", binary, "is not UTF-8 text (byte 4), so not a LAMBADA file")]
     for task, path, message in cases:
-        assert tool.main(["--load", setup["load"], "--task", task, "--valid-data",
-                          str(path)]) == 2
+        assert tool.main(["--load", str(tmp_path / "no-checkpoint"), "--task", task,
+                          "--valid-data", str(path)]) == 2
         assert message in capsys.readouterr().err
 
 

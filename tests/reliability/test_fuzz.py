@@ -9,6 +9,7 @@ how its inputs ended, printed with `-s` for docs/reliability.md.
 """
 
 import collections
+import functools
 import json
 import math
 import os
@@ -239,14 +240,24 @@ def test_any_preprocessing_input_is_tokenized_or_skipped_and_counted(tmp_path, r
     source = os.path.join(folder, "input.json")
     with open(source, "wb") as f:
         f.write(b"\n".join(raw_lines) + b"\n")
-    outputs, stats = tokenize_loose_json(source, os.path.join(folder, "out"),
-                                         ConstantFactory(_ByteTokenizer()), append_eod=True,
-                                         stream=open(os.devnull, "w"))
+    expected = _expected_documents(raw_lines)
+    with open(os.devnull, "w") as devnull:
+        tokenize = functools.partial(tokenize_loose_json, source, os.path.join(folder, "out"),
+                                     ConstantFactory(_ByteTokenizer()), append_eod=True,
+                                     stream=devnull)
+        if not expected:  # nothing usable: an error, and no empty dataset left behind
+            with pytest.raises(DataError, match="holds no usable documents"):
+                tokenize()
+            assert sorted(os.listdir(folder)) == ["input.json"]
+            OUTCOMES["preprocessing input"]["no usable line: refused"] += 1
+            shutil.rmtree(folder)
+            return
+        outputs, stats = tokenize()
     dataset = MMapIndexedDataset(outputs["text"])
     # exactly the well-formed lines' texts reach the .bin, in order, each closed by EOD
     texts = [bytes(int(t) - 1 for t in dataset[i][:-1]).decode("utf-8", "surrogatepass")
              for i in range(len(dataset))]
-    assert texts == _expected_documents(raw_lines)
+    assert texts == expected
     assert all(dataset[i][-1] == _ByteTokenizer.eod for i in range(len(dataset)))
     assert stats.documents + stats.malformed + stats.empty == \
         sum(1 for line in raw_lines if line.strip())

@@ -114,7 +114,7 @@ def test_vocab_padding_is_redone_for_the_target_size(tp2_run, tmp_path):
     assert torch.equal(state_dict[WORD_EMBEDDINGS], source[key][:VOCAB_SIZE])
 
 
-def test_the_vocab_size_the_checkpoint_records_wins_over_a_disagreeing_one(tp2_run):
+def test_a_vocab_size_other_than_the_recorded_one_is_refused(tp2_run):
     state_dict = unsharded_state_dict(tp2_run["save"], vocab_size=VOCAB_SIZE)
     assert state_dict[WORD_EMBEDDINGS].shape == (VOCAB_SIZE, 32)
     with pytest.raises(CheckpointError, match=r"--vocab-size 297 disagrees with the vocab size "

@@ -47,8 +47,8 @@ class DeepSpeedConfig:
          self.gradient_accumulation_steps) = resolve_batch_sizes(
             parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu,
             parsed.gradient_accumulation_steps, dp_world_size, source)
-        # Only these two checks need torch (they build the named classes on a dummy
-        # parameter), so a config without the sections is checked without importing it.
+        # These two checks build the named classes on a dummy parameter, so they import
+        # torch; of the rest, only an enabled `compile` section does (its backend's name).
         if self.optimizer is not None:
             from zero.optim.optimizers import check_optimizer_section
             check_optimizer_section(self.optimizer, source)
