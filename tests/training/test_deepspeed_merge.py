@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from megatron.convert import unsharded_state_dict
+from megatron.convert import load_unsharded_checkpoint
 from tests.training.test_deepspeed import NO_DROPOUT, read_losses, run, stage_config
 from zero.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -50,10 +50,10 @@ def test_deepspeed_checkpoint_converts_and_resumes_without_deepspeed(corpus, tmp
     fp32 = get_fp32_state_dict_from_zero_checkpoint(str(save))  # word embeddings padded
     for target in (1, 2):
         assert (tmp_path / f"mp{target}" / "latest_checkpointed_iteration.txt").read_text() == "3"
-        merged = unsharded_state_dict(str(tmp_path / f"mp{target}"))  # the vocab's rows only
+        merged = load_unsharded_checkpoint(str(tmp_path / f"mp{target}")).model  # padded
         assert set(merged) == set(fp32)
-        for name, tensor in merged.items():
-            assert torch.equal(tensor, fp32[name][:tensor.shape[0]]), (target, name)
+        for name, tensor in fp32.items():
+            assert torch.equal(merged[name][:tensor.shape[0]], tensor), (target, name)
     assert run(corpus, tmp_path / "resumed", 4, *common, "--load", tmp_path / "mp1",
                "--no-load-optim") == 0
     resumed, straight = read_losses(tmp_path / "resumed"), read_losses(tmp_path / "straight")
