@@ -132,9 +132,8 @@ def load_hf(load_dir):
                               "object {...} of a model config")
     args = model_args_from_hf_config(config)
     hf_state = _read_hf_weights(load_dir)
-    check_hf_shapes(hf_state, args)
+    check_hf_shapes(hf_state, args)  # wte's rows are the config's vocab_size from here on
     state = hf_to_megatron_state_dict(hf_state, args["num_layers"], args["num_attention_heads"])
-    args["orig_vocab_size"] = state[WORD_EMBEDDINGS].shape[0]
     args["make_vocab_size_divisible_by"] = 128
     args["seq_length"] = args["max_position_embeddings"]
     for key, name in _TOKENIZER_FILES.items():
