@@ -37,6 +37,9 @@
 #            bf16 weights and gradients (4 bytes/param, 56 MB).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/check_env.sh"  # pretrain_gpt2.sh checks its own variables
+require_one_of ZERO_STAGE 0 1 2 3
+require_one_of REMOTE_DEVICE none cpu nvme
 
 DS_CONFIG="${DS_CONFIG:-$ROOT/scripts/ds_zero_stage_2.config}"
 export MICRO_BATCH="${MICRO_BATCH:-8}"  # = train_micro_batch_size_per_gpu in $DS_CONFIG

@@ -37,6 +37,8 @@
 #            83 MB instead of 167 MB); stage 2 also keeps only half of the fp32 gradients.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/check_env.sh"  # pretrain_gpt2_distributed.sh checks its own variables
+require_one_of ZERO_STAGE 0 1 2 3
 
 if [ -z "${MP_SIZE:-}" ]; then
     MP_SIZE=1

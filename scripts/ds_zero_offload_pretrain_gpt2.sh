@@ -27,6 +27,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"  # relative nvme_path values in the configs are relative to the repository
+source scripts/check_env.sh  # ds_pretrain_gpt2.sh and pretrain_gpt2.sh check theirs
+require_one_of OFFLOAD nvme
+require_number SUB_GROUP
 
 DS_CONFIG="${DS_CONFIG:-$ROOT/scripts/ds_zero_offload.config}"
 CONFIG_NAME="$(basename "$DS_CONFIG")"; CONFIG_NAME="${CONFIG_NAME%.*}"
@@ -38,7 +41,8 @@ mkdir -p "$NVME_PATH"
 
 if [ "${OFFLOAD:-}" = "nvme" ]; then
     mkdir -p "$RUN_DIR"
-    "$ROOT/.venv/bin/python" - "$DS_CONFIG" "$RUN_DIR/ds_config_nvme.json" "$NVME_PATH" \
+    bash scripts/setup.sh  # on a fresh machine, the venv this step runs in
+    "${VENV:-$ROOT/.venv}/bin/python" - "$DS_CONFIG" "$RUN_DIR/ds_config_nvme.json" "$NVME_PATH" \
         "${SUB_GROUP:-1000000}" <<'PY'
 import json, sys
 source, target, nvme_path, sub_group = sys.argv[1:]

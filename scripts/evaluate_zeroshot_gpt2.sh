@@ -18,6 +18,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+source scripts/check_env.sh
+require_whole 1 MP_SIZE OVERLAP SEQ_LEN NUM_DOCUMENTS
 PY="${VENV:-$ROOT/.venv}/bin/python"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small}"
 MP_SIZE="${MP_SIZE:-1}"; OVERLAP="${OVERLAP:-128}"

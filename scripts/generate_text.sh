@@ -14,6 +14,10 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+source scripts/check_env.sh
+require_whole 1 MP_SIZE OUT_SEQ_LENGTH
+require_whole 0 TOP_K
+require_number TEMPERATURE
 PY="${VENV:-$ROOT/.venv}/bin/python"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small}"
 MP_SIZE="${MP_SIZE:-1}"

@@ -24,6 +24,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
+source scripts/check_env.sh
+require_whole 1 VOCAB_SIZE WORKERS
 DATA_DIR="${DATA_DIR:-$ROOT/data}"
 VOCAB_SIZE="${VOCAB_SIZE:-8192}"
 WORKERS="${WORKERS:-2}"

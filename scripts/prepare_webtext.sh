@@ -20,6 +20,10 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+source scripts/check_env.sh  # before prepare_default_data.sh's setup and corpus
+require_whole 1 WORKERS
+require_whole 0 DEMO_DOCS MIN_TOKENS SEED
+require_number THRESHOLD
 DATA_DIR="${DATA_DIR:-$ROOT/data}"
 WORK_DIR="${WORK_DIR:-$DATA_DIR/owt_work}"
 OUTPUT_JSON="${OUTPUT_JSON:-$WORK_DIR/train_data.json}"

@@ -38,6 +38,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
+source scripts/check_env.sh  # before any arithmetic, setup or data preparation
+require_whole 1 NLAYERS NHIDDEN NHEADS SEQ_LEN MICRO_BATCH GLOBAL_BATCH TRAIN_ITERS VOCAB_SIZE \
+    LOG_INTERVAL EVAL_INTERVAL SAVE_INTERVAL WORKERS
+require_whole 0 WARMUP_ITERS EVAL_ITERS
+require_number LR MIN_LR
+require_one_of PRECISION bf16 fp16 fp32
+
 NLAYERS="${NLAYERS:-6}"; NHIDDEN="${NHIDDEN:-384}"; NHEADS="${NHEADS:-6}"
 SEQ_LEN="${SEQ_LEN:-256}"; MICRO_BATCH="${MICRO_BATCH:-8}"; GLOBAL_BATCH="${GLOBAL_BATCH:-$MICRO_BATCH}"
 TRAIN_ITERS="${TRAIN_ITERS:-300}"; LR="${LR:-1e-3}"; MIN_LR="${MIN_LR:-1e-4}"

@@ -50,10 +50,19 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
+source scripts/check_env.sh  # before any arithmetic, setup or data preparation
+require_whole 1 NNODES MASTER_PORT MP_SIZE PP_SIZE VP_LAYERS GPUS_PER_NODE OMP_NUM_THREADS \
+    NLAYERS NHIDDEN NHEADS SEQ_LEN MICRO_BATCH GLOBAL_BATCH TRAIN_ITERS VOCAB_SIZE \
+    LOG_INTERVAL EVAL_INTERVAL SAVE_INTERVAL WORKERS
+require_whole 0 NODE_RANK WARMUP_ITERS EVAL_ITERS
+require_number LR MIN_LR
+require_one_of PRECISION bf16 fp16 fp32
+
 NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-localhost}"; MASTER_PORT="${MASTER_PORT:-6000}"
 RDZV_ENDPOINT="${RDZV_ENDPOINT:-}"; RDZV_ID="${RDZV_ID:-gpt2_small}"
 MP_SIZE="${MP_SIZE:-1}"; PP_SIZE="${PP_SIZE:-1}"; VP_LAYERS="${VP_LAYERS:-}"
+[ -n "$RDZV_ENDPOINT" ] || require_below NODE_RANK NNODES  # else torchrun waits for node 0
 
 NLAYERS="${NLAYERS:-6}"; NHIDDEN="${NHIDDEN:-384}"; NHEADS="${NHEADS:-6}"
 SEQ_LEN="${SEQ_LEN:-256}"; MICRO_BATCH="${MICRO_BATCH:-4}"

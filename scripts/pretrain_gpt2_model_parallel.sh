@@ -35,6 +35,8 @@
 #            about 10 minutes.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/check_env.sh"  # pretrain_gpt2_distributed.sh checks the others
+require_whole 1 MP_SIZE PP_SIZE
 
 export MP_SIZE="${MP_SIZE:-2}"
 export PP_SIZE="${PP_SIZE:-1}"

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Checks of the environment variables the scripts read, sourced before anything else runs:
+# a mistyped size or count stops the script at once with the variable named, instead of as a
+# bash arithmetic error, a Python traceback or a wrong estimate, or after minutes of setup
+# and data preparation on a fresh machine. Unset or empty variables are skipped: the script's
+# default applies to them.
+#
+#   source scripts/check_env.sh
+#   require_whole 1 NLAYERS NHIDDEN    # each a whole number >= 1, leading zeros dropped
+#   require_number LR MIN_LR           # each a non-negative decimal number: 3, 0.5, 1e-3
+#   require_one_of PRECISION bf16 fp16 fp32   # one of the values listed
+#   require_below NODE_RANK NNODES     # the first < the second (both already checked)
+
+_env_error() { echo "$1" >&2; exit 2; }
+
+require_whole() {
+    local min="$1" name value
+    shift
+    for name in "$@"; do
+        value="${!name:-}"
+        [ -n "$value" ] || continue
+        if ! [[ "$value" =~ ^[0-9]{1,18}$ ]] || (( 10#$value < min )); then
+            _env_error "$name must be a whole number >= $min (got '$value')"
+        fi
+        printf -v "$name" '%d' "$(( 10#$value ))"  # 08 is 8, not an octal error, in $(( ))
+    done
+}
+
+require_number() {
+    local name value
+    for name in "$@"; do
+        value="${!name:-}"
+        [ -n "$value" ] || continue
+        if ! [[ "$value" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]]; then
+            _env_error "$name must be a non-negative number such as 3, 0.5 or 1e-3 (got '$value')"
+        fi
+    done
+}
+
+require_one_of() {
+    local name="$1" value="${!1:-}" allowed
+    shift
+    [ -n "$value" ] || return 0
+    for allowed in "$@"; do
+        [ "$value" = "$allowed" ] && return 0
+    done
+    _env_error "$name must be one of: $* (got '$value')"
+}
+
+require_below() {
+    local small="$1" large="$2"
+    if (( 10#${!small} >= 10#${!large} )); then
+        _env_error "$small=${!small} must be below $large=${!large} (counted from 0)"
+    fi
+}

@@ -1,0 +1,79 @@
+"""The scripts check the environment variables they read before anything runs: a mistyped value
+stops them at once with the variable named, before setup, data preparation or arithmetic on it
+(scripts/check_env.sh)."""
+
+import subprocess
+
+import pytest
+
+from tests.parallel.launching import REPO, clean_environment
+
+# (script, variables, the one line it must stop with)
+BAD_VARIABLES = [
+    ("pretrain_gpt2.sh", dict(TRAIN_ITERS="abc"), "TRAIN_ITERS must be a whole number >= 1 (got 'abc')"),
+    ("pretrain_gpt2.sh", dict(SEQ_LEN="1.5"), "SEQ_LEN must be a whole number >= 1 (got '1.5')"),
+    ("pretrain_gpt2.sh", dict(NLAYERS="-2"), "NLAYERS must be a whole number >= 1 (got '-2')"),
+    ("pretrain_gpt2.sh", dict(WARMUP_ITERS="ten"),
+     "WARMUP_ITERS must be a whole number >= 0 (got 'ten')"),
+    ("pretrain_gpt2.sh", dict(LR="fast"),
+     "LR must be a non-negative number such as 3, 0.5 or 1e-3 (got 'fast')"),
+    ("pretrain_gpt2.sh", dict(PRECISION="bf61"),
+     "PRECISION must be one of: bf16 fp16 fp32 (got 'bf61')"),
+    ("pretrain_gpt2_distributed.sh", dict(GPUS_PER_NODE="0"),
+     "GPUS_PER_NODE must be a whole number >= 1 (got '0')"),
+    ("pretrain_gpt2_distributed.sh", dict(MP_SIZE="0"), "MP_SIZE must be a whole number >= 1 (got '0')"),
+    ("pretrain_gpt2_distributed.sh", dict(NNODES="2", NODE_RANK="2"),
+     "NODE_RANK=2 must be below NNODES=2 (counted from 0)"),
+    ("pretrain_gpt2_distributed.sh", dict(NODE_RANK="1"),
+     "NODE_RANK=1 must be below NNODES=1 (counted from 0)"),
+    ("pretrain_gpt2_model_parallel.sh", dict(PP_SIZE="two"),
+     "PP_SIZE must be a whole number >= 1 (got 'two')"),
+    ("ds_pretrain_gpt2.sh", dict(ZERO_STAGE="4"), "ZERO_STAGE must be one of: 0 1 2 3 (got '4')"),
+    ("ds_pretrain_gpt2.sh", dict(REMOTE_DEVICE="gpu"),
+     "REMOTE_DEVICE must be one of: none cpu nvme (got 'gpu')"),
+    ("ds_pretrain_gpt2.sh", dict(MICRO_BATCH="8x"), "MICRO_BATCH must be a whole number >= 1 (got '8x')"),
+    ("ds_zero2_pretrain_gpt2_model_parallel.sh", dict(ZERO_STAGE="two"),
+     "ZERO_STAGE must be one of: 0 1 2 3 (got 'two')"),
+    ("ds_zero2_pretrain_gpt2_model_parallel.sh", dict(MP_SIZE="-1"),
+     "MP_SIZE must be a whole number >= 1 (got '-1')"),
+    ("ds_zero_offload_pretrain_gpt2.sh", dict(OFFLOAD="cpu"), "OFFLOAD must be one of: nvme (got 'cpu')"),
+    ("generate_text.sh", dict(TEMPERATURE="hot"),
+     "TEMPERATURE must be a non-negative number such as 3, 0.5 or 1e-3 (got 'hot')"),
+    ("evaluate_zeroshot_gpt2.sh", dict(OVERLAP="0"), "OVERLAP must be a whole number >= 1 (got '0')"),
+    ("prepare_webtext.sh", dict(DEMO_DOCS="all"), "DEMO_DOCS must be a whole number >= 0 (got 'all')"),
+    ("prepare_default_data.sh", dict(VOCAB_SIZE="8k"), "VOCAB_SIZE must be a whole number >= 1 (got '8k')"),
+]
+
+
+@pytest.mark.parametrize("script,variables,message", BAD_VARIABLES,
+                         ids=[f"{s}-{'-'.join(v)}" for s, v, _ in BAD_VARIABLES])
+def test_a_bad_variable_stops_the_script_before_setup(tmp_path, script, variables, message):
+    # A setup that fails at once (no interpreter, an empty venv path): had the check not
+    # stopped the script, its output would end in setup's error instead.
+    env = clean_environment(PYTHON="false", VENV=str(tmp_path / "venv"),
+                            DATA_DIR=str(tmp_path / "data"), **variables)
+    done = subprocess.run(["bash", f"scripts/{script}"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [message]
+    assert not (tmp_path / "venv").exists()
+
+
+def _checked(snippet, **variables):
+    env = clean_environment(**variables)
+    return subprocess.run(["bash", "-c", f"set -euo pipefail; source scripts/check_env.sh; "
+                           f"{snippet}"], cwd=REPO, env=env, capture_output=True, text=True)
+
+
+def test_good_and_unset_values_pass_and_leading_zeros_are_dropped():
+    done = _checked("require_whole 1 A B UNSET; require_whole 0 Z; require_number C D E; "
+                    "require_one_of P bf16 fp32; require_below Z A; echo $A $B $Z",
+                    A="08", B="300", Z="0", C="1e-3", D=".5", E="3.", P="fp32", UNSET="")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["8", "300", "0"]
+
+
+def test_a_number_too_long_for_bash_arithmetic_is_refused():
+    done = _checked("require_whole 1 N", N="1" * 19)
+    assert done.returncode == 2
+    assert done.stderr.startswith("N must be a whole number >= 1")
