@@ -74,6 +74,8 @@ def run(args):
     print(f" model: {a['num_layers']} layers, hidden {a['hidden_size']}, "
           f"{a['num_attention_heads']} heads, ffn {a['ffn_hidden_size']}, vocab "
           f"{weights.vocab_size}, positions {a['max_position_embeddings']}")
+    for note in weights.notes:
+        print(f" note: {note}")
     print(f" wrote {len(paths)} file(s)")
     if args.saver == "megatron":
         # The checkpoint records the model's shape and tokenizer: --load supplies them.

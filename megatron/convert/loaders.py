@@ -25,7 +25,8 @@ from megatron.convert.checkpoint_files import read_sharded_checkpoint
 from megatron.convert.deepspeed_source import read_deepspeed_checkpoint
 from megatron.convert.hf import (check_hf_shapes, hf_to_megatron_state_dict,
                                  model_args_from_hf_config)
-from megatron.convert.reshard import merge_checkpoint, resize_vocab, resolve_vocab_size
+from megatron.convert.reshard import (merge_checkpoint, resize_vocab, resolve_vocab_size,
+                                      tokenizer_vocab_size)
 from megatron.convert.tp_layout import WORD_EMBEDDINGS
 from megatron.errors import CheckpointError
 
@@ -83,7 +84,7 @@ def load_model_weights(load_dir, loader=None, vocab_size=None, tokenizer_files=N
         return load_megatron(load_dir, vocab_size, tokenizer_files)
     if loader == "deepspeed":
         return load_deepspeed(load_dir, vocab_size, tokenizer_files)
-    return load_hf(load_dir)
+    return load_hf(load_dir, vocab_size, tokenizer_files)
 
 
 def _model_args(saved_args, vocab_size):
@@ -118,7 +119,9 @@ def _load_sharded(sharded, source_format, vocab_size, tokenizer_files):
 
 # ----------------------------------------------------------------------------------- hf
 
-def load_hf(load_dir):
+def load_hf(load_dir, vocab_size=None, tokenizer_files=None):
+    """ModelWeights of a Hugging Face GPT-2 folder. Its tokenizer files (or `tokenizer_files`,
+    or `vocab_size`) give the vocabulary; embedding rows past it are padding and dropped."""
     config_path = os.path.join(load_dir, "config.json")
     if not os.path.isfile(config_path):
         raise CheckpointError(f"{load_dir} has no config.json: not a Hugging Face model folder")
@@ -141,8 +144,44 @@ def load_hf(load_dir):
         args[key] = os.path.abspath(path) if os.path.isfile(path) else None
     args["tokenizer_type"] = "GPT2BPETokenizer" if args["vocab_file"] and args["merge_file"] \
         else None
+    tokenizer_files = {key: path for key, path in (tokenizer_files or {}).items() if path}
+    if tokenizer_files:
+        args.update({key: os.path.abspath(path) for key, path in tokenizer_files.items()})
+        args["tokenizer_type"] = "SentencePieceTokenizer" \
+            if "tokenizer_model" in tokenizer_files else "GPT2BPETokenizer"
+    tokenizer_size = tokenizer_vocab_size(args, {}) if args["tokenizer_type"] else None
+    if vocab_size is not None and tokenizer_size not in (None, vocab_size):
+        raise CheckpointError(f"--vocab-size {vocab_size} disagrees with the {tokenizer_size} "
+                              f"tokens of the tokenizer ({_tokenizer_source(args)}); drop "
+                              "--vocab-size")
+    vocab_size = tokenizer_size if vocab_size is None else vocab_size
+    notes = []
+    if vocab_size is not None and vocab_size != args["orig_vocab_size"]:
+        notes.append(_drop_padding_rows(state, args, vocab_size, load_dir))
     state = {k: v.float() for k, v in state.items()}
-    return ModelWeights(state, args, "hf", 0)
+    return ModelWeights(state, args, "hf", 0, notes)
+
+
+def _drop_padding_rows(state, args, vocab_size, load_dir):
+    """Cut the embedding to `vocab_size` rows: those past the tokenizer are padding (a model
+    trained with its vocabulary padded, e.g. 50257 tokens in 50304 rows)."""
+    rows = args["orig_vocab_size"]
+    source = _tokenizer_source(args) if args["tokenizer_type"] else "--vocab-size"
+    if vocab_size > rows:
+        raise CheckpointError(
+            f"the tokenizer ({source}) has {vocab_size} tokens, but {load_dir}/config.json's "
+            f"vocab_size is {rows}: ids from {rows} on have no embedding row; give the "
+            "tokenizer files the model was trained with")
+    state[WORD_EMBEDDINGS] = state[WORD_EMBEDDINGS][:vocab_size].clone()
+    args["orig_vocab_size"] = vocab_size
+    return (f"config.json's vocab_size {rows} is {rows - vocab_size} rows more than the "
+            f"{vocab_size} tokens of the tokenizer ({source}): read those rows as padding "
+            "and dropped them")
+
+
+def _tokenizer_source(args):
+    return ", ".join(args[key] for key in ("vocab_file", "merge_file", "tokenizer_model")
+                     if args.get(key))
 
 
 def _read_hf_weights(load_dir):

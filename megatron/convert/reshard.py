@@ -161,7 +161,7 @@ def resolve_vocab_size(args, vocab_size=None, tokenizer_files=None):
         raise CheckpointError(f"--vocab-size {vocab_size} disagrees with the vocab size the "
                               f"checkpoint records ({trained_with}); drop --vocab-size")
     if vocab_size is None and tokenizer_files:
-        vocab_size = _tokenizer_vocab_size(args, tokenizer_files)
+        vocab_size = tokenizer_vocab_size(args, tokenizer_files)
         if trained_with and vocab_size != trained_with:
             # a different tokenizer of a size that pads alike would decode every id wrongly
             raise CheckpointError(
@@ -169,7 +169,7 @@ def resolve_vocab_size(args, vocab_size=None, tokenizer_files=None):
                 f"tokens, but the checkpoint was trained with a tokenizer of {trained_with}; "
                 "give the tokenizer files the model was trained with")
     if vocab_size is None:
-        vocab_size = recorded or _tokenizer_vocab_size(args, {})
+        vocab_size = recorded or tokenizer_vocab_size(args, {})
     divisible_by = args.get("make_vocab_size_divisible_by", 128)
     source_tp = args.get("model_parallel_size", 1)
     padded = vocab_size_with_padding(vocab_size, divisible_by, source_tp)
@@ -186,7 +186,8 @@ def _describe(tokenizer_files):
     return ", ".join(str(path) for path in tokenizer_files.values() if path)
 
 
-def _tokenizer_vocab_size(args, overrides):
+def tokenizer_vocab_size(args, overrides):
+    """The vocab size of the tokenizer `args` names (`overrides` replace its file paths)."""
     tokenizer_type = args.get("tokenizer_type")
     flags = {"vocab_file": "--vocab-file", "merge_file": "--merge-file",
              "tokenizer_model": "--tokenizer-model"}

@@ -132,6 +132,9 @@ def load_inference_model(args, device=torch.device("cpu")):
                  if getattr(args, k)}
     weights = load_model_weights(args.load, loader, tokenizer_files=overrides or None)
     check_shape_flags(args, weights.args, args.load)
+    if _first_rank():
+        for note in weights.notes:
+            print(f" note: {note}", flush=True)
     model_args = dict(weights.args)
     model_args.update({k: os.path.abspath(v) for k, v in overrides.items()})
     if args.tokenizer_type:
@@ -173,9 +176,13 @@ def quantize_for_inference(args, model):
     if config is None:
         return None
     report = quantize_model(model, config)
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+    if _first_rank():
         print(report.line(), flush=True)
     return report
+
+
+def _first_rank():
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def _build_tokenizer(model_args):

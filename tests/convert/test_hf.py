@@ -15,7 +15,7 @@ from megatron.convert.loaders import load_model_weights
 from megatron.convert.savers import save_model_weights
 from megatron.convert.tp_layout import WORD_EMBEDDINGS
 from megatron.inference.loading import build_model_from_weights
-from tests.convert.conftest import random_weights
+from tests.convert.conftest import random_weights, tokenized_weights
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -205,3 +205,69 @@ def test_a_save_dir_that_cannot_be_made_fails_before_the_checkpoint_is_read(tmp_
     assert _tool("--load-dir", tmp_path / "no-checkpoint", "--save-dir",
                  tmp_path / "afile" / "out", "--saver", "hf") == 2
     assert f"cannot be made: {tmp_path / 'afile'} is a file" in capsys.readouterr().err
+
+
+def _padded_hf_folder(corpus, folder, extra_rows=24, tokenizer_files=True):
+    """An HF GPT-2 whose embedding has `extra_rows` rows past its tokenizer's vocabulary (a
+    model trained with the vocabulary padded, as 50257 tokens in 50304 rows)."""
+    weights, tokenizer = tokenized_weights(corpus, hidden_size=32, num_heads=4, positions=24)
+    embedding = weights.state_dict[WORD_EMBEDDINGS]
+    weights.state_dict[WORD_EMBEDDINGS] = torch.cat([embedding,
+                                                     torch.randn(extra_rows, 32)])
+    weights.args["orig_vocab_size"] = tokenizer.vocab_size + extra_rows
+    if not tokenizer_files:
+        weights.args["tokenizer_type"] = None
+    save_model_weights(weights, str(folder), "hf")
+    return embedding, tokenizer.vocab_size
+
+
+def test_rows_past_an_hf_models_tokenizer_are_read_as_padding(corpus, tmp_path, capsys):
+    embedding, vocab = _padded_hf_folder(corpus, tmp_path / "hf")
+    weights = load_model_weights(str(tmp_path / "hf"))
+    assert weights.vocab_size == weights.args["orig_vocab_size"] == vocab
+    assert torch.equal(weights.state_dict[WORD_EMBEDDINGS], embedding)
+    note, = weights.notes
+    assert f"vocab_size {vocab + 24} is 24 rows more than the {vocab} tokens" in note
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    tokens = _tokens(vocab, 24)
+    with torch.no_grad():
+        expected = hf(tokens).logits[..., :vocab]
+        got = build_model_from_weights(weights)(tokens, torch.arange(tokens.shape[1]))
+    assert torch.allclose(got[..., :vocab], expected, atol=1e-5, rtol=0)
+    # Converted, then read back with the tokenizer files given (refused before: the
+    # checkpoint recorded the padded rows as the tokenizer's size).
+    assert _tool("--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "meg",
+                 "--saver", "megatron") == 0
+    assert f"note: config.json's vocab_size {vocab + 24}" in capsys.readouterr().out
+    assert _tool("--load-dir", tmp_path / "meg", "--save-dir", tmp_path / "hf2", "--saver",
+                 "hf", "--vocab-file", corpus["vocab"], "--merge-file", corpus["merges"]) == 0
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["vocab_size"] == vocab
+
+
+def test_tokenizer_files_given_for_an_hf_folder_without_them_decide_its_vocab(corpus,
+                                                                              tmp_path):
+    embedding, vocab = _padded_hf_folder(corpus, tmp_path / "hf", tokenizer_files=False)
+    assert not (tmp_path / "hf" / "vocab.json").exists()
+    assert load_model_weights(str(tmp_path / "hf")).vocab_size == vocab + 24
+    weights = load_model_weights(str(tmp_path / "hf"), tokenizer_files={
+        "vocab_file": corpus["vocab"], "merge_file": corpus["merges"]})
+    assert weights.vocab_size == vocab
+    assert weights.args["vocab_file"] == os.path.abspath(corpus["vocab"])
+    assert torch.equal(weights.state_dict[WORD_EMBEDDINGS], embedding)
+
+
+def test_an_hf_tokenizer_larger_than_the_embedding_is_refused(corpus, tmp_path, capsys):
+    _, vocab = _padded_hf_folder(corpus, tmp_path / "hf", extra_rows=0)
+    weights = random_weights(hidden_size=32, num_heads=4, positions=24, vocab_size=vocab - 5)
+    save_model_weights(weights, str(tmp_path / "small"), "hf")
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(tmp_path / "hf" / name, tmp_path / "small" / name)
+    assert _tool("--load-dir", tmp_path / "small", "--save-dir", tmp_path / "out",
+                 "--saver", "megatron") == 2
+    assert (f"has {vocab} tokens, but {tmp_path / 'small'}/config.json's vocab_size is "
+            f"{vocab - 5}: ids from {vocab - 5} on have no embedding row"
+            in capsys.readouterr().err)
+    assert _tool("--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "out",
+                 "--saver", "megatron", "--vocab-size", vocab - 1) == 2
+    assert (f"--vocab-size {vocab - 1} disagrees with the {vocab} tokens of the tokenizer"
+            in capsys.readouterr().err)
