@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from megatron.cli import run_cli  # noqa: E402
 from megatron.convert.loaders import FORMATS, load_model_weights  # noqa: E402
 from megatron.convert.savers import SAVERS, check_save_dir, save_model_weights  # noqa: E402
+from megatron.errors import ConfigError  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -44,9 +45,9 @@ def get_args(argv=None):
                         help="pipeline stages of a --saver megatron checkpoint (default 1)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32",
                         help="dtype of the written weights (default fp32)")
-    group = parser.add_argument_group("vocab size of Megatron/DeepSpeed sources (to drop "
-                                      "the padding); recorded in checkpoints saved since "
-                                      "orig_vocab_size existed")
+    group = parser.add_argument_group("the unpadded vocab size (to drop the padding rows): "
+                                      "checkpoints saved since orig_vocab_size existed "
+                                      "record it; an HF folder's tokenizer files give it")
     group.add_argument("--vocab-size", type=int, default=None, help="unpadded vocab size")
     group.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
@@ -55,6 +56,8 @@ def get_args(argv=None):
 
 
 def run(args):
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise ConfigError(f"--vocab-size must be positive, got {args.vocab_size}")
     check_save_dir(args.save_dir)
     tokenizer_files = {k: v for k, v in (("vocab_file", args.vocab_file),
                                          ("merge_file", args.merge_file),

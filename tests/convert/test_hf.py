@@ -271,3 +271,6 @@ def test_an_hf_tokenizer_larger_than_the_embedding_is_refused(corpus, tmp_path, 
                  "--saver", "megatron", "--vocab-size", vocab - 1) == 2
     assert (f"--vocab-size {vocab - 1} disagrees with the {vocab} tokens of the tokenizer"
             in capsys.readouterr().err)
+    assert _tool("--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "out",
+                 "--saver", "megatron", "--vocab-size", 0) == 2
+    assert "--vocab-size must be positive, got 0" in capsys.readouterr().err
