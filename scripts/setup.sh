@@ -18,6 +18,13 @@ PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-$ROOT/.venv}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 EXTRAS="${EXTRAS:-}"
+for extra in ${EXTRAS//,/ }; do  # a misspelt extra would install nothing and say nothing
+    case "$extra" in
+        test|convert|webtext) ;;
+        *) echo "EXTRAS: unknown extra '$extra'; the extras are test, convert and webtext" \
+                "(comma-separated, e.g. EXTRAS=test,convert)" >&2; exit 2 ;;
+    esac
+done
 
 RUNTIME_PACKAGES=(numpy sentencepiece regex tensorboard tqdm)
 WEBTEXT_PACKAGES=(ftfy langdetect datasketch)
@@ -30,6 +37,11 @@ CONVERT_PACKAGES=(transformers safetensors)
 has_torch() { "$1" -c "import importlib.util as u, sys; s = u.find_spec('torch'); sys.exit(s is None or s.origin is None)" 2>/dev/null; }
 
 if [ ! -x "$VENV/bin/python" ]; then
+    if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 9))' 2>/dev/null; then
+        echo "PYTHON=$PYTHON is not a Python >= 3.9 interpreter on PATH; the venv needs one" \
+             "(e.g. PYTHON=python3.11 bash scripts/setup.sh)" >&2
+        exit 2
+    fi
     if "$PYTHON" -c "import torch" 2>/dev/null; then  # once: reuse a torch that imports
         echo "[setup] $PYTHON already has torch $("$PYTHON" -c 'import torch; print(torch.__version__)'); the venv will reuse it"
         "$PYTHON" -m venv --system-site-packages "$VENV"

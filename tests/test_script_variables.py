@@ -42,6 +42,10 @@ BAD_VARIABLES = [
     ("evaluate_zeroshot_gpt2.sh", dict(OVERLAP="0"), "OVERLAP must be a whole number >= 1 (got '0')"),
     ("prepare_webtext.sh", dict(DEMO_DOCS="all"), "DEMO_DOCS must be a whole number >= 0 (got 'all')"),
     ("prepare_default_data.sh", dict(VOCAB_SIZE="8k"), "VOCAB_SIZE must be a whole number >= 1 (got '8k')"),
+    ("setup.sh", dict(EXTRAS="test,tests"), "EXTRAS: unknown extra 'tests'; the extras are test, "
+     "convert and webtext (comma-separated, e.g. EXTRAS=test,convert)"),
+    ("setup.sh", dict(PYTHON="python9"), "PYTHON=python9 is not a Python >= 3.9 interpreter on "
+     "PATH; the venv needs one (e.g. PYTHON=python3.11 bash scripts/setup.sh)"),
 ]
 
 
@@ -50,8 +54,8 @@ BAD_VARIABLES = [
 def test_a_bad_variable_stops_the_script_before_setup(tmp_path, script, variables, message):
     # A setup that fails at once (no interpreter, an empty venv path): had the check not
     # stopped the script, its output would end in setup's error instead.
-    env = clean_environment(PYTHON="false", VENV=str(tmp_path / "venv"),
-                            DATA_DIR=str(tmp_path / "data"), **variables)
+    env = clean_environment(**{"PYTHON": "false", "VENV": str(tmp_path / "venv"),
+                               "DATA_DIR": str(tmp_path / "data"), **variables})
     done = subprocess.run(["bash", f"scripts/{script}"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
