@@ -3,7 +3,7 @@
 # over MP_SIZE adjacent processes (Megatron's scripts/pretrain_gpt2_model_parallel.sh).
 #
 #   bash scripts/pretrain_gpt2_model_parallel.sh               # MP_SIZE=2 over 2 processes here
-#   MP_SIZE=4 GPUS_PER_NODE=8 bash scripts/pretrain_gpt2_model_parallel.sh   # TP 4 x DP 2
+#   MP_SIZE=4 NHEADS=8 GPUS_PER_NODE=8 bash scripts/pretrain_gpt2_model_parallel.sh  # TP4 x DP2
 #   MP_SIZE=1 PP_SIZE=2 bash scripts/pretrain_gpt2_model_parallel.sh          # 2 pipeline stages
 #   MP_SIZE=2 PP_SIZE=2 GPUS_PER_NODE=8 bash scripts/pretrain_gpt2_model_parallel.sh  # TP2xPP2xDP2
 #   MP_SIZE=1 PP_SIZE=2 VP_LAYERS=1 bash ...                   # interleaved 1F1B, 3 chunks a stage
