@@ -33,7 +33,7 @@
 #   params N ~ 12*L*h^2 + (V + S)*h = 12*6*384^2 + (8192+256)*384 = 10.6M + 3.2M = 13.9M
 #   tokens   = TRAIN_ITERS * GLOBAL_BATCH * SEQ_LEN = 300 * 8 * 256 = 614k
 #   FLOPs    ~ 6*N*tokens (+ attention 12*L*h*S per token) = 5.1e13 + 0.2e13 ~ 5.4e13,
-#              in bf16 or fp32, whichever the probe finds faster: 148 s on 2 cores with AMX
+#              in bf16 or fp32, whichever the probe finds faster: 119-148 s on 2 cores with AMX
 #              (bf16), about 5 minutes with AVX-512 and 9 with AVX2 only (fp32).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
