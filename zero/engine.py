@@ -264,9 +264,11 @@ class DeepSpeedEngine(torch.nn.Module):
         context = getattr(self.optimizer, "forward_context", None)
         return context() if context is not None else contextlib.nullcontext()
 
-    def backward(self, loss, scale_wrt_gas=True, grad=None, reduce_gradients=None):
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True, *, grad=None,
+                 reduce_gradients=None):
         """Backward of `loss` / gradient_accumulation_steps (x the loss scale); reduces the
         gradients over data parallel on the last micro-step (every micro-step in stage 2).
+        The positional arguments are DeepSpeed's (`retain_graph` as in torch's backward).
 
         `grad`: a pipeline stage before the last backpropagates its output `loss` with the
         gradient the next stage sent, which already carries the loss scale and the division
@@ -279,7 +281,8 @@ class DeepSpeedEngine(torch.nn.Module):
         if reduce_gradients is None:
             reduce_gradients = self.is_gradient_accumulation_boundary()
         with self.monitor.timed("backward"):
-            self.optimizer.backward(loss, reduce_gradients=reduce_gradients, grad=grad)
+            self.optimizer.backward(loss, reduce_gradients=reduce_gradients, grad=grad,
+                                    retain_graph=retain_graph)
         return loss
 
     def is_gradient_accumulation_boundary(self):

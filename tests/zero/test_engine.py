@@ -228,3 +228,31 @@ def test_a_state_saved_under_offload_steps_with_fused_adam_after_loading(tmp_pat
     engine, *_ = zero.initialize(model=cases.make_model(), config=_config())
     engine.load_checkpoint(str(tmp_path))
     assert [group["fused"] for group in engine.optimizer.param_groups] == [True]
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_backward_takes_deepspeeds_positional_arguments(stage):
+    """backward(loss, retain_graph=False, scale_wrt_gas=True) as DeepSpeed's: a second
+    positional argument keeps the graph (it used to turn off the division by the
+    accumulation steps), and a kept graph backpropagates again: twice the gradient."""
+    def update(twice):  # plain SGD at lr 1: the update is minus the gradient
+        config = _config(zero_optimization={"stage": stage}, zero_allow_untested_optimizer=True,
+                         optimizer={"type": "SGD", "params": {"lr": 1.0}})
+        engine, *_ = zero.initialize(model=cases.make_model(), config=config)
+        before = _module_weights(engine)
+        loss = engine(*_batch())
+        engine.backward(loss, True)
+        if twice:
+            engine.backward(loss)
+        engine.step()
+        return {name: w - before[name] for name, w in _module_weights(engine).items()}
+    once, twice = update(False), update(True)
+    assert any(delta.abs().max() > 0 for delta in once.values())
+    for name in once:
+        assert torch.allclose(twice[name], 2 * once[name], rtol=1e-4, atol=1e-6), name
+
+
+def _module_weights(engine):
+    params = dict(engine.module.named_parameters())
+    with zero.GatheredParameters(list(params.values())):
+        return {name: p.detach().float().clone() for name, p in params.items()}

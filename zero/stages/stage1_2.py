@@ -184,7 +184,7 @@ class ZeroOptimizer(PartitionedOptimizer):
 
     # ----- backward: bucketed reduction -----
 
-    def backward(self, loss, reduce_gradients, grad=None):
+    def backward(self, loss, reduce_gradients, grad=None, retain_graph=False):
         """loss.backward() with loss scaling (or loss.backward(grad), `grad` already scaled);
         reduce over data parallel if `reduce_gradients` (stage 2 always reduces: it keeps no
         full gradients between micro-steps)."""
@@ -196,7 +196,7 @@ class ZeroOptimizer(PartitionedOptimizer):
         scaled = loss * self.cur_scale if self.loss_scaler is not None and grad is None \
             else loss
         try:
-            scaled.backward(grad)
+            scaled.backward(grad, retain_graph=retain_graph)
             if self.settings.stage < 2 and (self._grads_released or not self._hooked):
                 # what the hooks would have caught, or no hook saw: the gradients autograd
                 # handed over (released views) or something else put in place, and the

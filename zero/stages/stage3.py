@@ -225,14 +225,14 @@ class Stage3Optimizer(PartitionedOptimizer):
 
     # ----- backward: bucketed reduce-scatter into the partition gradients -----
 
-    def backward(self, loss, reduce_gradients=True, grad=None):
+    def backward(self, loss, reduce_gradients=True, grad=None, retain_graph=False):
         """loss.backward() with loss scaling (or loss.backward(grad), `grad` already scaled);
         gradients are reduced every micro-step."""
         scaled = loss * self.cur_scale if self.loss_scaler is not None and grad is None \
             else loss
         try:
             with self.coordinator.saved_tensor_hooks():  # recomputation inside backward
-                scaled.backward(grad)
+                scaled.backward(grad, retain_graph=retain_graph)
             self._flush()
             while self._in_flight:
                 self._in_flight.pop(0).wait()
