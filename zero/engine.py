@@ -59,6 +59,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     """-> (engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler)."""
     if model is None:
         raise ZeroError("zero.initialize requires a model (model=...)")
+    if not isinstance(model, torch.nn.Module):
+        raise ZeroError(f"zero.initialize: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
     if config is not None and config_params is not None:
         raise ConfigError("zero.initialize got both config= and config_params= (an alias of "
                           "config); pass only config=")

@@ -96,6 +96,8 @@ def test_config_and_argument_errors_are_zero_errors(tmp_path):
     model = cases.make_model()
     with pytest.raises(ZeroError, match="requires a model"):
         zero.initialize(config=_config())
+    with pytest.raises(ZeroError, match="model must be a torch.nn.Module, got function"):
+        zero.initialize(model=lambda x: x, config=_config())
     with pytest.raises(ConfigError, match="stage"):  # stages are 0-3
         zero.initialize(model=model, config=_config(zero_optimization={"stage": 4}))
     with pytest.raises(ConfigError, match="offload_optimizer' needs ZeRO stage 1, 2 or 3"):
