@@ -203,8 +203,17 @@ class DeepSpeedEngine(torch.nn.Module):
             if self.config.optimizer is not None:
                 logger.warning("an optimizer was passed to initialize(); the config's "
                                "'optimizer' section (%s) is not used", self.config.optimizer.type)
+            if not (isinstance(client_optimizer, torch.optim.Optimizer)
+                    or callable(client_optimizer)):
+                raise ZeroError("zero.initialize: optimizer must be a torch.optim.Optimizer or "
+                                "a callable that builds one from the parameters, got "
+                                f"{type(client_optimizer).__name__} (name a type in the "
+                                "config's 'optimizer' section instead)")
             base = client_optimizer if isinstance(client_optimizer, torch.optim.Optimizer) \
                 else client_optimizer(model_parameters)
+            if not isinstance(base, torch.optim.Optimizer):
+                raise ZeroError(f"zero.initialize: the optimizer callable returned "
+                                f"{type(base).__name__}, not a torch.optim.Optimizer")
         check_zero_supported(base, self.config)
         return base
 
@@ -219,7 +228,13 @@ class DeepSpeedEngine(torch.nn.Module):
                            "'scheduler' section (%s) is not used", self.config.scheduler.type)
         if isinstance(client_scheduler, type) or (callable(client_scheduler)
                                                   and not hasattr(client_scheduler, "step")):
-            return client_scheduler(base)
+            client_scheduler = client_scheduler(base)
+        if not (callable(getattr(client_scheduler, "step", None))
+                and callable(getattr(client_scheduler, "state_dict", None))):
+            raise ZeroError("zero.initialize: lr_scheduler must be a schedule (with step() and "
+                            "state_dict()) or a callable that builds one from the optimizer, got "
+                            f"{type(client_scheduler).__name__} (name a type in the config's "
+                            "'scheduler' section instead)")
         scheduled = getattr(client_scheduler, "optimizer", None)
         if isinstance(scheduled, torch.optim.Optimizer) and scheduled is not base:
             # Megatron + DeepSpeed's classic mistake: the schedule was built around an

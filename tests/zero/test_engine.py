@@ -98,6 +98,14 @@ def test_config_and_argument_errors_are_zero_errors(tmp_path):
         zero.initialize(config=_config())
     with pytest.raises(ZeroError, match="model must be a torch.nn.Module, got function"):
         zero.initialize(model=lambda x: x, config=_config())
+    with pytest.raises(ZeroError, match="optimizer must be a torch.optim.Optimizer or a "
+                                        "callable that builds one from the parameters, got str"):
+        zero.initialize(model=model, config=_config(), optimizer="Adam")
+    with pytest.raises(ZeroError, match="the optimizer callable returned NoneType"):
+        zero.initialize(model=model, config=_config(), optimizer=lambda params: None)
+    for scheduler, kind in (("WarmupLR", "str"), (lambda optimizer: None, "NoneType")):
+        with pytest.raises(ZeroError, match=f"lr_scheduler must be a schedule .* got {kind}"):
+            zero.initialize(model=model, config=_config(), lr_scheduler=scheduler)
     with pytest.raises(ConfigError, match="stage"):  # stages are 0-3
         zero.initialize(model=model, config=_config(zero_optimization={"stage": 4}))
     with pytest.raises(ConfigError, match="offload_optimizer' needs ZeRO stage 1, 2 or 3"):
