@@ -24,7 +24,8 @@
 #              a checkpoint of another ZeRO stage or tiling does not load as it is
 # Checkpoints are DeepSpeed's layout (global_step<N>/mp_rank_00_model_states.pt,
 # [bf16_]zero_pp_rank_0_mp_rank_00_optim_states.pt (bf16_ with the default config), latest,
-# zero_to_fp32.py) plus Megatron's latest_checkpointed_iteration.txt; running the script again resumes from them.
+# zero_to_fp32.py) plus Megatron's latest_checkpointed_iteration.txt; running the script
+# again resumes from them.
 #
 # In one process ZeRO has one data-parallel rank to partition over, so stages 0-2 hold the same
 # memory here; the point is the same command line and checkpoint layout as on a cluster

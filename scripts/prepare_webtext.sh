@@ -11,8 +11,7 @@
 # the script runs a scaled-down demo: the default corpus (data/webtext/data.json, made by
 # scripts/prepare_default_data.sh) is cut into page files under $WORK_DIR/demo_pages, with
 # one near-duplicate and one repeated URL planted per 50 documents (DEMO_DOCS caps how many
-# documents are used).  It takes about a
-# minute or two on 2 cores.
+# documents are used).  It takes about a minute or two on 2 cores.
 #
 # Variables: PAGES, URLS, DATA_DIR (<repo>/data), WORK_DIR ($DATA_DIR/owt_work),
 #   OUTPUT_JSON ($WORK_DIR/train_data.json; set $DATA_DIR/webtext/data.json to train with
