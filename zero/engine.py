@@ -203,17 +203,16 @@ class DeepSpeedEngine(torch.nn.Module):
             if self.config.optimizer is not None:
                 logger.warning("an optimizer was passed to initialize(); the config's "
                                "'optimizer' section (%s) is not used", self.config.optimizer.type)
-            if not (isinstance(client_optimizer, torch.optim.Optimizer)
-                    or callable(client_optimizer)):
+            if not (hasattr(client_optimizer, "param_groups") or callable(client_optimizer)):
                 raise ZeroError("zero.initialize: optimizer must be a torch.optim.Optimizer or "
                                 "a callable that builds one from the parameters, got "
                                 f"{type(client_optimizer).__name__} (name a type in the "
                                 "config's 'optimizer' section instead)")
             base = client_optimizer if isinstance(client_optimizer, torch.optim.Optimizer) \
                 else client_optimizer(model_parameters)
-            if not isinstance(base, torch.optim.Optimizer):
+            if not hasattr(base, "param_groups"):
                 raise ZeroError(f"zero.initialize: the optimizer callable returned "
-                                f"{type(base).__name__}, not a torch.optim.Optimizer")
+                                f"{type(base).__name__}, not an optimizer")
         check_zero_supported(base, self.config)
         return base
 

@@ -101,7 +101,7 @@ def test_config_and_argument_errors_are_zero_errors(tmp_path):
     with pytest.raises(ZeroError, match="optimizer must be a torch.optim.Optimizer or a "
                                         "callable that builds one from the parameters, got str"):
         zero.initialize(model=model, config=_config(), optimizer="Adam")
-    with pytest.raises(ZeroError, match="the optimizer callable returned NoneType"):
+    with pytest.raises(ZeroError, match="the optimizer callable returned NoneType, not an optimizer"):
         zero.initialize(model=model, config=_config(), optimizer=lambda params: None)
     for scheduler, kind in (("WarmupLR", "str"), (lambda optimizer: None, "NoneType")):
         with pytest.raises(ZeroError, match=f"lr_scheduler must be a schedule .* got {kind}"):
