@@ -122,6 +122,7 @@ class DeepSpeedEngine(torch.nn.Module):
                                                                          model_parameters),
                                               module_reduces_gradients=self._ddp is not None)
         self._broadcast_from_first_dp_rank()
+        self._load_hooks = self._follow_weight_loads()
         self.lr_scheduler = self._lr_scheduler(lr_scheduler)
         self.training_dataloader = self._dataloader(training_data, collate_fn)
         self.monitor = Monitor(self.config, self.global_rank)
@@ -257,6 +258,26 @@ class DeepSpeedEngine(torch.nn.Module):
                 self.dp_comm.broadcast(tensor.data)
         self.optimizer.refresh_masters_from_model()
 
+    def _follow_weight_loads(self):
+        """Stages 0-2: weights loaded into the module after initialize (load_state_dict of the
+        module, of any submodule or of the engine) reach the fp32 masters, which a step would
+        otherwise copy back over them. A load that replaces parameters (assign=True) would
+        leave the optimizer stepping tensors the module no longer uses: refused."""
+        if self.zero_optimization_stage() == 3:
+            return []
+        known = {id(param) for param in self.module.parameters()}
+
+        def loaded(module, _incompatible_keys):
+            replaced = [name for name, param in module.named_parameters(recurse=False)
+                        if id(param) not in known]
+            if replaced:
+                raise ZeroError(f"load_state_dict replaced the parameter(s) {replaced} of "
+                                f"{type(module).__name__} (assign=True?); the ZeRO optimizer "
+                                "holds the ones it replaced. Load without assign=True")
+            self.optimizer.follow_loaded_weights()
+        return [module.register_load_state_dict_post_hook(loaded)
+                for module in self.module.modules()]
+
     def _dataloader(self, training_data, collate_fn):
         if training_data is None:
             return None
@@ -354,6 +375,9 @@ class DeepSpeedEngine(torch.nn.Module):
         """Remove the gradient hooks and whatever the optimizer keeps outside memory (NVMe swap
         files). The hooks live in C++, so garbage collection alone would not free the engine."""
         self.optimizer.remove_hooks()
+        for handle in self._load_hooks:
+            handle.remove()
+        self._load_hooks = self._follow_weight_loads()
         close = getattr(self.optimizer, "close", None)
         if close is not None:
             close()

@@ -191,3 +191,38 @@ def check_first_step_moment(precision, stage, offload, optimizer, clip, monkeypa
     stepped = sum(float(s[name].double().pow(2).sum()) for s in state.values()) ** 0.5
     assert stepped == pytest.approx(factor * (clip or norm), rel=1e-4)
     return engine
+
+
+def two_losses_per_step(stage, steps=3, precision="fp32"):
+    """Each step backpropagates two micro-batches with one engine.backward each, both at the
+    accumulation boundary (gradient_accumulation_steps 1), then steps once. Returns the
+    largest weight difference from single-process torch training on the sum of the two
+    losses, averaged over the data-parallel ranks as the engine averages its gradients."""
+    dp = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    model = make_model()
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    engine = make_engine(ds_config(stage, global_batch_size=2 * dp, gas=1, precision=precision),
+                         model=model)
+    reference = make_model()
+    torch_adamw = torch.optim.AdamW(param_groups(reference), lr=LR)
+    micro = 2
+    for step in range(steps):
+        tokens, labels = global_batch(step, 2 * micro * dp)  # [rank][half] micro-batches
+        rows = [slice(i * micro, (i + 1) * micro) for i in range(2 * dp)]
+        for half in (0, 1):
+            row = rows[2 * rank + half]
+            engine.backward(engine(tokens[row], labels[row]))
+        engine.step()
+        torch_adamw.zero_grad()
+        (sum(reference(tokens[row], labels[row]) for row in rows) / dp).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        torch_adamw.step()
+    names = dict(reference.named_parameters())
+    difference = 0.0
+    for name, param in engine.module.named_parameters():
+        with zero.GatheredParameters(param):
+            weight = param.detach().float().clone()
+        difference = max(difference, (weight - names[name]).abs().max().item())
+    return difference

@@ -240,7 +240,7 @@ def test_a_state_saved_under_offload_steps_with_fused_adam_after_loading(tmp_pat
     assert [group["fused"] for group in engine.optimizer.param_groups] == [True]
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_backward_takes_deepspeeds_positional_arguments(stage):
     """backward(loss, retain_graph=False, scale_wrt_gas=True) as DeepSpeed's: a second
     positional argument keeps the graph (it used to turn off the division by the
@@ -260,6 +260,94 @@ def test_backward_takes_deepspeeds_positional_arguments(stage):
     assert any(delta.abs().max() > 0 for delta in once.values())
     for name in once:
         assert torch.allclose(twice[name], 2 * once[name], rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.parametrize("stage,precision,offload", [
+    (0, "fp32", None), (0, "fp16", None), (1, "bf16", None), (1, "fp32", "cpu"),
+    (2, "fp32", None), (3, "fp32", None)])
+def test_loss_backward_instead_of_engine_backward_is_an_error(stage, precision, offload):
+    """loss.backward() skips what engine.backward does (divide by the accumulation steps,
+    apply the fp16 loss scale, reduce over data parallel): where gradient hooks run (stages 2
+    and 3, offloaded masters, several ranks) that backward stops; on one rank at stages 0
+    and 1, which run without hooks, the step does. Either way nothing is stepped."""
+    zero_options = {"stage": stage}
+    if offload:
+        zero_options["offload_optimizer"] = {"device": offload}
+    config = _config(zero_optimization=zero_options)
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    model = cases.make_model()
+    if precision != "fp32":
+        model = model.to(torch.float16 if precision == "fp16" else torch.bfloat16)
+    engine, *_ = zero.initialize(model=model, config=config)
+    before = _module_weights(engine)
+    loss = engine(*_batch())
+    with pytest.raises(ZeroError, match=r"outside engine.backward .*engine.backward\(loss\)"):
+        loss.backward()
+        engine.step()
+    assert all(torch.equal(before[name], weight)
+               for name, weight in _module_weights(engine).items())
+
+
+def _engine_at_lr_zero(stage, precision, offload=None):
+    """A step leaves the weights as they are: what the fp32 masters hold is what it writes."""
+    zero_options = {"stage": stage}
+    if offload:
+        zero_options["offload_optimizer"] = {"device": offload}
+    config = _config(zero_optimization=zero_options,
+                     optimizer={"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.0}})
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    engine, *_ = zero.initialize(model=cases.make_model(), config=config)
+    return engine
+
+
+@pytest.mark.parametrize("stage,precision,offload", [
+    (0, "bf16", None), (1, "bf16", None), (2, "fp16", None), (1, "fp32", "cpu"),
+    (0, "fp32", None)])
+def test_weights_loaded_after_initialize_reach_the_fp32_masters(stage, precision, offload,
+                                                                 tmp_path):
+    """Weights loaded into the module after initialize (of the module, a submodule or the
+    engine) are what the next step starts from and what a checkpoint saves: the fp32 masters
+    take them, where they used to copy the old weights back over them at the step."""
+    other = {name: value.clone() for name, value in cases.make_model(seed=7).state_dict().items()}
+
+    def loaded_weights(load):
+        engine = _engine_at_lr_zero(stage, precision, offload)
+        engine.backward(engine(*_batch()))
+        engine.step()
+        load(engine)
+        wanted = {name: value.to(next(engine.module.parameters()).dtype)
+                  for name, value in other.items()}
+        engine.backward(engine(*_batch(1)))
+        engine.step()
+        return engine, wanted
+
+    fc1 = {"weight": other["fc1.weight"], "bias": other["fc1.bias"]}
+    for load, names in ((lambda e: e.module.load_state_dict(other), list(other)),
+                        (lambda e: e.load_state_dict({f"module.{k}": v
+                                                      for k, v in other.items()}), list(other)),
+                        (lambda e: e.module.fc1.load_state_dict(fc1), ["fc1.weight", "fc1.bias"])):
+        engine, wanted = loaded_weights(load)
+        after = engine.module.state_dict()
+        assert all(torch.equal(after[name], wanted[name]) for name in names)
+
+    engine = _engine_at_lr_zero(stage, precision, offload)
+    engine.module.load_state_dict(other)  # then a save, without a step between
+    engine.save_checkpoint(str(tmp_path))
+    fresh = _engine_at_lr_zero(stage, precision, offload)
+    fresh.load_checkpoint(str(tmp_path))
+    fresh.backward(fresh(*_batch()))
+    fresh.step()
+    assert all(torch.equal(value, wanted[name])
+               for name, value in fresh.module.state_dict().items() if name in wanted)
+
+
+def test_a_load_that_replaces_parameters_is_refused():
+    engine = _engine_at_lr_zero(1, "bf16")
+    weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    with pytest.raises(ZeroError, match="replaced the parameter.*assign=True"):
+        engine.module.load_state_dict(weights, assign=True)
 
 
 def _module_weights(engine):

@@ -78,6 +78,9 @@ def _dp_scenarios(rank, world_size, variant_names):
     results["clip"] = _clipped_norms(rank, world_size)
     for stage in (0, 1):
         results["unused", stage] = _train_sometimes_unused(stage)
+    for stage, precision in ((0, "fp32"), (1, "fp32"), (2, "fp32"), (0, "bf16"), (1, "bf16")):
+        results["two_losses", stage, precision] = cases.two_losses_per_step(stage,
+                                                                            precision=precision)
     return results
 
 
@@ -225,6 +228,18 @@ def test_a_step_after_backward_that_reduced_nothing_is_an_error():
     engine.backward(engine(tokens, labels), reduce_gradients=False)
     with pytest.raises(ZeroError, match="reduced no gradients"):
         engine.step()
+
+
+def test_two_backward_passes_before_one_step_add_their_gradients(dp2):
+    """Two losses backpropagated with engine.backward each before one step (both at the
+    accumulation boundary, both reducing) step on the sum of their gradients at every stage,
+    also where stage 1's fp32 partition gradient is a range of the full gradient buffer."""
+    for stage in (0, 1, 2):
+        assert dp2[0]["two_losses", stage, "fp32"] < 1e-6, stage
+    # bf16 weights round to ~2e-2 here at stage 0 (whose all-reduce is right twice over); a
+    # second reduction of the first loss's gradients moved stage 1's by 5e-2
+    bf16 = dp2[0]["two_losses", 0, "bf16"]
+    assert bf16 < 3e-2 and abs(dp2[0]["two_losses", 1, "bf16"] - bf16) < 1e-3
 
 
 def test_bf16_and_fp16_track_fp32_training(reference_losses):

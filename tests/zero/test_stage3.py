@@ -57,6 +57,7 @@ def _scenarios(rank, world_size, ckpt_dir):
     results["init"] = _init_equals_plain_model(world_size)
     results["appended"] = _init_with_appended_modules()
     results["modifier"] = _gathered_with_modifier(rank)
+    results["two_losses"] = cases.two_losses_per_step(3)
     return results
 
 
@@ -219,6 +220,11 @@ def test_final_weights_equal_single_process(dp2, reference):
     for name, param in model.named_parameters():
         torch.testing.assert_close(dp2[0]["weights"][name], param.detach(), rtol=1e-4,
                                    atol=1e-5)
+
+
+def test_two_backward_passes_before_one_step_add_their_gradients(dp2):
+    for rank_results in dp2:
+        assert rank_results["two_losses"] < 1e-6
 
 
 def test_model_state_bytes_scale_as_one_over_dp(dp2, dp4):

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from zero.errors import ZeroError
+
 # Elements per piece of a squared norm: one fp32 reduction over millions of elements
 # (torch.linalg.vector_norm on CPU) comes out up to 1e-3 low; pieces of 2**14 summed in
 # float64 stay within ~1e-6 (docs/design/grad-norm.md).
@@ -38,8 +40,17 @@ def sum_of_squares(tensors, device):
     return torch.cat(norms).double().pow(2).sum().to(device)
 
 
+BACKWARD_OUTSIDE_ENGINE = (
+    "gradients reached the ZeRO optimizer outside engine.backward (was loss.backward() "
+    "called?): call engine.backward(loss), which divides the loss by the gradient "
+    "accumulation steps, applies the fp16 loss scale and reduces the gradients over data "
+    "parallel")
+
+
 class PartitionedOptimizer:
     pp_comm = None  # over the pipeline's stages; a subclass sets it under pipeline parallelism
+    _inside_backward = False  # the engine's backward is running (gradient hooks check it)
+    _masters_behind_model = False  # weights were loaded into the module since the masters' last
     overflow = False  # the last step found inf/nan gradients and was skipped
     global_grad_norm = None  # the last step's gradient norm before clipping (unscaled)
 
@@ -68,6 +79,12 @@ class PartitionedOptimizer:
         counts for the full tensor."""
         parallel = getattr(param, "model_parallel", False) and self.mp_comm is not None
         return numel * (self.mp_comm.world_size if parallel else 1)
+
+    def _refuse_gradients_outside_backward(self):
+        """From a gradient hook: a gradient produced by loss.backward() instead of the
+        engine's backward would skip the loss scale and the reduction; say so there."""
+        if not self._inside_backward:
+            raise ZeroError(BACKWARD_OUTSIDE_ENGINE)
 
     @property
     def cur_scale(self):
@@ -136,7 +153,18 @@ class PartitionedOptimizer:
         """This rank's fp32 master of `key` (a param group, or a stage 3 sub-group)."""
         return self.masters.read_master(key)
 
+    def follow_loaded_weights(self):
+        """Weights were loaded into the module after initialize (module.load_state_dict): the
+        fp32 masters take them before they are next read (a step, a checkpoint save), unless
+        a checkpoint load restores the masters first."""
+        self._masters_behind_model = True
+
+    def _catch_up_with_loaded_weights(self):
+        if self._masters_behind_model:
+            self.refresh_masters_from_model()
+
     def base_state_dict(self):
+        self._catch_up_with_loaded_weights()
         return self.masters.state_dict()
 
     def master_restore_target(self, key):
@@ -159,6 +187,7 @@ class PartitionedOptimizer:
     def commit_restored_masters(self):
         """Called after a load wrote the masters, before publish_masters()."""
         self.masters.commit()
+        self._masters_behind_model = False
 
     def close(self):
         """Release what the masters keep outside memory (NVMe swap files)."""

@@ -36,7 +36,7 @@ from zero.errors import ZeroError
 from zero.stages.bucket_reduction import BucketReduction, reduces_in_masters
 from zero.stages.flat_buffers import FlatGroup, FlatLayout
 from zero.stages.masters import DeviceMasters
-from zero.stages.partitioned_optimizer import PartitionedOptimizer
+from zero.stages.partitioned_optimizer import BACKWARD_OUTSIDE_ENGINE, PartitionedOptimizer
 
 
 @dataclass(frozen=True)
@@ -191,11 +191,14 @@ class ZeroOptimizer(PartitionedOptimizer):
         self._backward_since_zero_grad = True
         self._reducing = (reduce_gradients and not self.settings.external_reduction) \
             or self.settings.stage == 2
+        reduced_earlier = self._restart_reduced_full_grads() \
+            if self.settings.stage == 1 and not self._reduction.fresh_partition_grads else []
         if self.settings.stage < 2 and not self._grads_released:
             self._adopt_grads()  # the user may have set grads to None (zero_grad)
         scaled = loss * self.cur_scale if self.loss_scaler is not None and grad is None \
             else loss
         try:
+            self._inside_backward = True
             scaled.backward(grad, retain_graph=retain_graph)
             if self.settings.stage < 2 and (self._grads_released or not self._hooked):
                 # what the hooks would have caught, or no hook saw: the gradients autograd
@@ -205,9 +208,30 @@ class ZeroOptimizer(PartitionedOptimizer):
                 self._grads_released = False
             if self._reducing:
                 self._reduction.finish()
+            for partition_grad, earlier in reduced_earlier:
+                partition_grad.add_(earlier)
         finally:
-            self._reducing = False
+            self._inside_backward = self._reducing = False
             self._reduction.reset()
+
+    def _restart_reduced_full_grads(self):
+        """Stage 1, a backward after one that reduced, before the step (two losses
+        backpropagated at the accumulation boundary): the partitions already hold the
+        reduced gradients so far, so the full gradients restart from zero and this backward's
+        reduction adds to the partitions. Where a partition's gradient is a range of the full
+        gradients (an aliased fp32 master) it is kept aside and added back after the reduction:
+        returns those (partition gradient, kept copy) pairs."""
+        if not self._reducing:
+            raise ZeroError("a backward pass with reduce_gradients=False after one that reduced "
+                            "the gradients, before the step: at ZeRO stage 1 its gradients "
+                            "would never reach the optimizer's partitions. Let the last "
+                            "backward before the step reduce")
+        kept = []
+        for group in self.groups:
+            if group.master_aliases_flat:
+                kept.append((group.master.grad, group.master.grad.clone()))
+            group.full_grads.zero_()
+        return kept
 
     def _adopt_grads(self):
         for group in self.groups:
@@ -215,6 +239,7 @@ class ZeroOptimizer(PartitionedOptimizer):
                 group.adopt_grad(i)
 
     def _grad_ready(self, g, i, param):
+        self._refuse_gradients_outside_backward()
         if self.settings.stage < 2:
             self.groups[g].adopt_grad(i)
             if not self._reducing:
@@ -238,6 +263,9 @@ class ZeroOptimizer(PartitionedOptimizer):
 
     def step(self):
         """Unscale, check overflow, clip, step the partition, all-gather. False if skipped."""
+        if not self._backward_since_zero_grad and self._holds_gradients():
+            raise ZeroError(BACKWARD_OUTSIDE_ENGINE)
+        self._catch_up_with_loaded_weights()
         if self._nothing_reduced_since_zero_grad() and self._backward_since_zero_grad \
                 and self.groups:
             raise ZeroError("step() after backward passes that reduced no gradients (each had "
@@ -255,6 +283,13 @@ class ZeroOptimizer(PartitionedOptimizer):
         norm_sq, overflow = self._reduced_grad_norm_sq()
         fold = self._post_factor if self.settings.stage > 0 else 1.0
         return self._finish_step(norm_sq, overflow, fold)
+
+    def _holds_gradients(self):
+        """Whether any parameter holds a nonzero gradient. Without hooks (stages 0 and 1 on
+        one rank) this is how a step sees that loss.backward() ran instead of the engine's
+        backward: read only for a step with no engine backward since zero_grad."""
+        return any(param.grad is not None and bool(param.grad.any())
+                   for group in self.groups for param in group.params)
 
     def _step_partitions(self, grad_divisor):
         """Step the fp32 partitions on their gradients / grad_divisor; each updated range goes
@@ -349,6 +384,7 @@ class ZeroOptimizer(PartitionedOptimizer):
                 own, chunk = group.own_chunks(group.flat), group.layout.chunk
                 for k in range(group.layout.num_buckets):
                     self.masters.write(g, k * chunk, own[k].float())
+        self._masters_behind_model = False
 
     def remove_hooks(self):
         for handle in self._hooks:

@@ -231,17 +231,20 @@ class Stage3Optimizer(PartitionedOptimizer):
         scaled = loss * self.cur_scale if self.loss_scaler is not None and grad is None \
             else loss
         try:
+            self._inside_backward = True
             with self.coordinator.saved_tensor_hooks():  # recomputation inside backward
                 scaled.backward(grad, retain_graph=retain_graph)
             self._flush()
             while self._in_flight:
                 self._in_flight.pop(0).wait()
         finally:
+            self._inside_backward = False
             self._bucket, self._bucket_numel = [], 0
             self.coordinator.end_backward()  # first, so the gathered params are freed
             self._place_gradients()
 
     def _grad_ready(self, param):
+        self._refuse_gradients_outside_backward()
         grad, param.grad = param.grad, None
         if param.ds_status is ParamStatus.NOT_AVAILABLE:  # drop the shape-only placeholder
             param.data = torch.empty(0, dtype=param.data.dtype, device=param.data.device)
