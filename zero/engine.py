@@ -115,6 +115,9 @@ class DeepSpeedEngine(torch.nn.Module):
                               f"data-parallel ranks, but this run has {self.dp_world_size}")
         self._check_supported_features()
         self.global_steps = self.global_samples = self.skipped_steps = self.micro_steps = 0
+        self._step_applied = False  # the last step() updated the weights
+        self._boundary_override = None  # set_gradient_accumulation_boundary's, if any
+        self._inside_no_sync = False
         self.device = self._place_module()
         self.compiled = compile_module(self.module, self.config, self.global_rank)
         self._tune_host_allocator()
@@ -294,7 +297,8 @@ class DeepSpeedEngine(torch.nn.Module):
             if self._ddp is None:
                 return self.module(*inputs, **kwargs)
             # DDP decides in forward whether this backward all-reduces: at the boundary only
-            self._ddp.require_backward_grad_sync = self.is_gradient_accumulation_boundary()
+            self._ddp.require_backward_grad_sync = self.is_gradient_accumulation_boundary() \
+                and not self._inside_no_sync
             return self._ddp(*inputs, **kwargs)
 
     def _forward_context(self):
@@ -317,25 +321,62 @@ class DeepSpeedEngine(torch.nn.Module):
             if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
                 loss = loss / self.gradient_accumulation_steps()
         if reduce_gradients is None:
-            reduce_gradients = self.is_gradient_accumulation_boundary()
+            reduce_gradients = self.is_gradient_accumulation_boundary() \
+                and not self._inside_no_sync
         with self.monitor.timed("backward"):
             self.optimizer.backward(loss, reduce_gradients=reduce_gradients, grad=grad,
                                     retain_graph=retain_graph)
         return loss
 
     def is_gradient_accumulation_boundary(self):
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
-    def step(self):
-        """At an accumulation boundary: optimizer step (skipped on fp16 overflow), lr schedule,
-        counters. Call it after every backward."""
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        """Override the micro-step count's answer (DeepSpeed's API, for loops that decide
+        themselves which backward ends a step): set it before each forward/backward, True
+        for the last one."""
+        self._boundary_override = bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients without reducing them over data
+        parallel; the first reducing backward after it (at the accumulation boundary) reduces
+        them all. As DeepSpeed's: stages 0 and 1 only, no step() inside, not nested."""
+        stage = self.zero_optimization_stage()
+        if stage >= 2:
+            raise ZeroError(f"no_sync() needs ZeRO stage 0 or 1: stage {stage} partitions the "
+                            "gradients, which reduces them in every backward")
+        if self._inside_no_sync:
+            raise ZeroError("no_sync() is already active: it does not nest")
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
+
+    def was_step_applied(self):
+        """Whether the last step() updated the weights: False between accumulation boundaries
+        and for a step skipped on inf/nan gradients (fp16 overflow)."""
+        return self._step_applied
+
+    def step(self, lr_kwargs=None):
+        """At an accumulation boundary: optimizer step (skipped on fp16 overflow), lr schedule
+        (its step() takes `lr_kwargs`), counters. Call it after every backward."""
+        if self._inside_no_sync:
+            raise ZeroError("step() inside no_sync(): leave it and backpropagate the "
+                            "accumulation boundary's micro-batch first, which reduces the "
+                            "gradients")
+        self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             with self.monitor.timed("step"):
                 applied = self.optimizer.step()
             if applied and self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                self.lr_scheduler.step(**(lr_kwargs or {}))
             if not applied:
                 self.skipped_steps += 1
+            self._step_applied = bool(applied)
             self.optimizer.zero_grad()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
@@ -422,11 +463,17 @@ class DeepSpeedEngine(torch.nn.Module):
         """Must be called on every rank. Returns True."""
         return ckpt.save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False):
-        """-> (path, client_state); (None, None) when there is no tag and no `latest` file."""
-        return ckpt.load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                                    load_lr_scheduler_states, load_module_only)
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
+                        load_optimizer_states=True, load_lr_scheduler_states=True,
+                        load_module_only=False):
+        """-> (path, client_state); (None, None) when there is no tag and no `latest` file.
+        The positional arguments are DeepSpeed's. `load_module_strict=False` loads the
+        weights the checkpoint has for this model (others keep their values), as torch's
+        load_state_dict(strict=False); the optimizer state, if loaded, must still fit."""
+        return ckpt.load_checkpoint(self, load_dir, tag, module_strict=load_module_strict,
+                                    optimizer_states=load_optimizer_states,
+                                    lr_scheduler_states=load_lr_scheduler_states,
+                                    module_only=load_module_only)
 
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin"):
         return ckpt.save_16bit_model(self, save_dir, save_filename)

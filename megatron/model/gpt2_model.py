@@ -172,9 +172,15 @@ class GPT2Model(nn.Module):
         (`layer_XX-model_YY-model_states.pt`, zero/checkpoint/layout.py)."""
         return {index: module.state_dict() for index, module in self._pipeline_layers().items()}
 
-    def load_layer_state_dicts(self, states):
+    def load_layer_state_dicts(self, states, strict=True):
+        """The inverse of layer_state_dicts(); returns (missing, unexpected) keys of all layers
+        (what load_state_dict reports with strict=False), each named with its layer."""
+        missing, unexpected = [], []
         for index, module in self._pipeline_layers().items():
-            module.load_state_dict(states[index])
+            keys = module.load_state_dict(states[index], strict=strict)
+            missing += [f"layer {index}: {key}" for key in keys.missing_keys]
+            unexpected += [f"layer {index}: {key}" for key in keys.unexpected_keys]
+        return missing, unexpected
 
     def output_layer_weight(self):
         """The word embeddings the output layer multiplies by: the parameter itself on the

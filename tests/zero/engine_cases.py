@@ -5,6 +5,8 @@ AdamW, torch's clip_grad_norm_), so engine results are compared against independ
 Functions run inside `tests/dist_utils.run_distributed` workers are module-level here.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -193,11 +195,12 @@ def check_first_step_moment(precision, stage, offload, optimizer, clip, monkeypa
     return engine
 
 
-def two_losses_per_step(stage, steps=3, precision="fp32"):
+def two_losses_per_step(stage, steps=3, precision="fp32", no_sync_first=False):
     """Each step backpropagates two micro-batches with one engine.backward each, both at the
-    accumulation boundary (gradient_accumulation_steps 1), then steps once. Returns the
-    largest weight difference from single-process torch training on the sum of the two
-    losses, averaged over the data-parallel ranks as the engine averages its gradients."""
+    accumulation boundary (gradient_accumulation_steps 1; `no_sync_first`: the first inside
+    engine.no_sync()), then steps once. Returns the largest weight difference from
+    single-process torch training on the sum of the two losses, averaged over the
+    data-parallel ranks as the engine averages its gradients."""
     dp = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     model = make_model()
@@ -213,7 +216,8 @@ def two_losses_per_step(stage, steps=3, precision="fp32"):
         rows = [slice(i * micro, (i + 1) * micro) for i in range(2 * dp)]
         for half in (0, 1):
             row = rows[2 * rank + half]
-            engine.backward(engine(tokens[row], labels[row]))
+            with engine.no_sync() if no_sync_first and half == 0 else contextlib.nullcontext():
+                engine.backward(engine(tokens[row], labels[row]))
         engine.step()
         torch_adamw.zero_grad()
         (sum(reference(tokens[row], labels[row]) for row in rows) / dp).backward()

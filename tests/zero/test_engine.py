@@ -350,6 +350,43 @@ def test_a_load_that_replaces_parameters_is_refused():
         engine.module.load_state_dict(weights, assign=True)
 
 
+def test_was_step_applied_step_lr_kwargs_and_a_boundary_set_by_hand():
+    """DeepSpeed's was_step_applied(), step(lr_kwargs) and set_gradient_accumulation_boundary."""
+    config = _config(gradient_accumulation_steps=2,
+                     scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.0,
+                                                               "warmup_max_lr": 1e-2,
+                                                               "warmup_num_steps": 100,
+                                                               "warmup_type": "linear"}})
+    engine, *_ = zero.initialize(model=cases.make_model(), config=config)
+    applied = []
+    for micro in range(2):
+        engine.backward(engine(*_batch(micro)))
+        engine.step(lr_kwargs={"last_batch_iteration": 50})
+        applied.append(engine.was_step_applied())
+    assert applied == [False, True]
+    assert engine.get_lr() == [pytest.approx(5e-3)]  # warmup at iteration 50 of 100
+    engine.set_gradient_accumulation_boundary(True)  # every micro-step ends a step now
+    engine.backward(engine(*_batch(2)))
+    engine.step()
+    assert engine.was_step_applied() and engine.global_steps == 2
+
+
+def test_no_sync_is_refused_where_it_cannot_apply():
+    engine, *_ = zero.initialize(model=cases.make_model(),
+                                 config=_config(zero_optimization={"stage": 2}))
+    with pytest.raises(ZeroError, match="no_sync.*stage 0 or 1"):
+        with engine.no_sync():
+            pass
+    engine, *_ = zero.initialize(model=cases.make_model(), config=_config())
+    with engine.no_sync():
+        engine.backward(engine(*_batch()))
+        with pytest.raises(ZeroError, match="does not nest"):
+            with engine.no_sync():
+                pass
+        with pytest.raises(ZeroError, match="step\\(\\) inside no_sync"):
+            engine.step()
+
+
 def _module_weights(engine):
     params = dict(engine.module.named_parameters())
     with zero.GatheredParameters(list(params.values())):

@@ -81,6 +81,9 @@ def _dp_scenarios(rank, world_size, variant_names):
     for stage, precision in ((0, "fp32"), (1, "fp32"), (2, "fp32"), (0, "bf16"), (1, "bf16")):
         results["two_losses", stage, precision] = cases.two_losses_per_step(stage,
                                                                             precision=precision)
+    for stage in (0, 1):
+        results["no_sync", stage] = (cases.two_losses_per_step(stage, no_sync_first=True),
+                                     _reductions_inside_no_sync(stage))
     return results
 
 
@@ -240,6 +243,33 @@ def test_two_backward_passes_before_one_step_add_their_gradients(dp2):
     # second reduction of the first loss's gradients moved stage 1's by 5e-2
     bf16 = dp2[0]["two_losses", 0, "bf16"]
     assert bf16 < 3e-2 and abs(dp2[0]["two_losses", 1, "bf16"] - bf16) < 1e-3
+
+
+def _reductions_inside_no_sync(stage):
+    """Collectives a backward inside engine.no_sync() launches (none, on every rank)."""
+    engine = cases.make_engine(cases.ds_config(stage, global_batch_size=2 * dist.get_world_size(),
+                                               gas=1))
+    counted = []
+    for name in ("all_reduce", "reduce_scatter", "reduce"):
+        original = getattr(engine.dp_comm, name)
+
+        def counting(*args, original=original, **kwargs):
+            counted.append(1)
+            return original(*args, **kwargs)
+        setattr(engine.dp_comm, name, counting)
+    tokens, labels = cases.global_batch(dist.get_rank(), 2)
+    with engine.no_sync():
+        engine.backward(engine(tokens, labels))
+    return len(counted)
+
+
+def test_no_sync_accumulates_without_reducing_and_the_next_backward_reduces_all(dp2):
+    """engine.no_sync() (DeepSpeed's, stages 0 and 1): its backward launches no collective;
+    the boundary's backward after it reduces both micro-batches' gradients."""
+    for stage in (0, 1):
+        for rank in (0, 1):
+            difference, reductions = dp2[rank]["no_sync", stage]
+            assert difference < 1e-6 and reductions == 0, (stage, rank, difference, reductions)
 
 
 def test_bf16_and_fp16_track_fp32_training(reference_losses):

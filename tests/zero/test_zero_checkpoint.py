@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import zero
 from tests.dist_utils import run_distributed
 from tests.zero import engine_cases as cases
 from zero.checkpoint.partitions import natural_partition_numel
@@ -273,6 +274,48 @@ def test_other_tensor_parallel_size_and_missing_optimizer_states(tmp_path):
     os.rename(tag_dir / "mp_rank_00_model_states.pt", tag_dir / "mp_rank_01_model_states.pt")
     with pytest.raises(CheckpointError, match="tensor-parallel"):
         _engine().load_checkpoint(str(tmp_path), tag="t")
+
+
+def _grown_engine(stage):
+    """The test model with one more layer, which no checkpoint of the test model has."""
+    model = cases.make_model(seed=5)
+    model.extra = torch.nn.Linear(3, 3)
+    return cases.make_engine(cases.ds_config(stage), model=model)
+
+
+def _weights(engine):
+    params = dict(engine.module.named_parameters())
+    with zero.GatheredParameters(list(params.values())):
+        return {name: p.detach().clone() for name, p in params.items()}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_load_checkpoint_takes_deepspeeds_positional_arguments_and_strictness(stage, tmp_path):
+    """load_checkpoint(dir, tag, load_module_strict, load_optimizer_states, ...) as DeepSpeed's
+    (the third positional argument used to be load_optimizer_states). Not strict, the weights
+    the checkpoint has are loaded and the others keep their values; strict, a model that
+    differs from the saved one is an error that names the difference."""
+    saved = cases.make_engine(cases.ds_config(stage))
+    cases.train_steps(saved, 1)
+    saved.save_checkpoint(str(tmp_path))
+    saved_weights = _weights(saved)
+
+    weights_only = cases.make_engine(cases.ds_config(stage))
+    weights_only.load_checkpoint(str(tmp_path), None, True, False)
+    assert all(torch.equal(w, saved_weights[n]) for n, w in _weights(weights_only).items())
+    state = weights_only.optimizer.optimizer.state
+    assert not any(state.values())  # load_optimizer_states=False: a fresh optimizer
+
+    grown = _grown_engine(stage)
+    with pytest.raises(CheckpointError, match="extra.weight"):
+        grown.load_checkpoint(str(tmp_path))
+    grown = _grown_engine(stage)
+    before = _weights(grown)
+    grown.load_checkpoint(str(tmp_path), None, False, False)
+    after = _weights(grown)
+    assert torch.equal(after["extra.weight"], before["extra.weight"])
+    assert all(torch.equal(after[n], w) for n, w in saved_weights.items())
+    assert not torch.equal(before["fc1.weight"], after["fc1.weight"])
 
 
 def test_wrong_model_and_client_state_clash(tmp_path):

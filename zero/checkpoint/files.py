@@ -1,7 +1,8 @@
 """What the stage 0-2 (zero/checkpoint/layout.py) and stage 3 (zero/checkpoint/stage3.py)
 checkpoint files share: their names, the entries every stage writes alike, plain-tensor
-reads, and the agreement of all ranks on a file operation."""
+reads, the report of a non-strict load, and the agreement of all ranks on a file operation."""
 
+import logging
 import os
 import re
 import zipfile
@@ -13,6 +14,8 @@ import torch.distributed as dist
 
 from zero.checkpoint.partitions import DS_VERSION
 from zero.errors import CheckpointError
+
+logger = logging.getLogger("zero.checkpoint")
 
 
 def model_states_name(mp_rank):
@@ -64,6 +67,16 @@ def shared_params(module):
         else:
             first[param] = name
     return shared
+
+
+def report_skipped_keys(missing, unexpected, path):
+    """A non-strict load (load_module_strict=False): say which weights it left out."""
+    for names, what in ((missing, f"not in {path}: they keep their values"),
+                        (unexpected, f"in {path} but not in the model: skipped")):
+        if names:
+            shown = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+            logger.warning("load_module_strict=False: %d weight(s) %s (%s)", len(names), what,
+                           shown)
 
 
 def load_plain(path, mmap=False):

@@ -39,8 +39,8 @@ from zero.checkpoint.partitions import (DS_VERSION, PartitionRestore, check_para
                                         zero_optimizer_state)
 from zero.checkpoint.files import (all_agree, engine_counters, layer_states_name,
                                    model_states_name, module_state_on_cpu, on_rank0_then_agree,
-                                   optim_files, optim_states_name, shared_params, torch_load,
-                                   try_)
+                                   optim_files, optim_states_name, report_skipped_keys,
+                                   shared_params, torch_load, try_)
 from zero.errors import CheckpointError
 from zero.fault_injection import kill_point
 from zero.fault_injection import writer as fault_writer
@@ -217,8 +217,8 @@ def _model_states(engine, optimizer_state):
 # ---------------------------------------------------------------------------------------------
 # Loading
 
-def load_checkpoint(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                    load_module_only):
+def load_checkpoint(engine, load_dir, tag, *, module_strict, optimizer_states,
+                    lr_scheduler_states, module_only):
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:
@@ -227,33 +227,36 @@ def load_checkpoint(engine, load_dir, tag, load_optimizer_states, load_lr_schedu
     ckpt_dir = find_tag_dir(load_dir, tag)
     if engine.zero_optimization_stage() == 3:  # zero/checkpoint/stage3.py
         from zero.checkpoint.stage3 import load_stage3
-        path, states = load_stage3(engine, ckpt_dir, load_optimizer_states, load_module_only)
+        path, states = load_stage3(engine, ckpt_dir, module_strict,
+                                   optimizer_states and not module_only)
         client_state = {k: v for k, v in states.items() if k not in MODEL_STATE_KEYS}
-        if load_module_only:
+        if module_only:
             return path, client_state
-        return _restore_counters(engine, states, load_lr_scheduler_states, path, client_state)
+        return _restore_counters(engine, states, lr_scheduler_states, path, client_state)
     path = os.path.join(ckpt_dir, model_states_name(engine.checkpoint_rank))
     states = _load_model_states(path, ckpt_dir, engine.checkpoint_world_size)
     try:
         if _pipelined(engine):
-            _load_layers(engine, ckpt_dir)
+            missing, unexpected = _load_layers(engine, ckpt_dir, module_strict)
         else:
-            engine.module.load_state_dict(states["module"], strict=True)
+            missing, unexpected = engine.module.load_state_dict(states["module"],
+                                                                strict=module_strict)
+        report_skipped_keys(missing, unexpected, path)
     except RuntimeError as e:
         raise CheckpointError(f"{path} does not fit the model: {e}") from None
     client_state = {k: v for k, v in states.items() if k not in MODEL_STATE_KEYS}
-    if load_module_only:
+    if module_only:
         engine.optimizer.refresh_masters_from_model()
         return path, client_state
     masters_loaded = False
-    if load_optimizer_states:
+    if optimizer_states:
         masters_loaded = load_zero_optimizer_state(engine, ckpt_dir, states)
     if not masters_loaded:
         engine.optimizer.refresh_masters_from_model()
-    return _restore_counters(engine, states, load_lr_scheduler_states, path, client_state)
+    return _restore_counters(engine, states, lr_scheduler_states, path, client_state)
 
 
-def _load_layers(engine, ckpt_dir):
+def _load_layers(engine, ckpt_dir, strict):
     states = {}
     for layer in engine.module.layer_state_dicts():
         path = os.path.join(ckpt_dir, layer_states_name(layer, engine.mp_rank))
@@ -261,11 +264,11 @@ def _load_layers(engine, ckpt_dir):
             raise CheckpointError(f"{ckpt_dir} has no {os.path.basename(path)}: it was saved "
                                   "with other pipeline stages or tensor-parallel size")
         states[layer] = torch_load(path)
-    engine.module.load_layer_state_dicts(states)
+    return engine.module.load_layer_state_dicts(states, strict=strict)
 
 
-def _restore_counters(engine, states, load_lr_scheduler_states, path, client_state):
-    if load_lr_scheduler_states and engine.lr_scheduler is not None \
+def _restore_counters(engine, states, lr_scheduler_states, path, client_state):
+    if lr_scheduler_states and engine.lr_scheduler is not None \
             and states.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
     steps = states["global_steps"]

@@ -111,16 +111,16 @@ def _piece(param):
 # ---------------------------------------------------------------------------------------------
 # Loading
 
-def load_stage3(engine, ckpt_dir, load_optimizer_states, load_module_only):
-    """Fill the partitions (and optimizer state) from a stage 3 checkpoint saved at any DP
-    size. Returns (path of this rank's model states, model states dict)."""
+def load_stage3(engine, ckpt_dir, strict, with_state):
+    """Fill the partitions (and, `with_state`, the optimizer state) from a stage 3 checkpoint
+    saved at any DP size; not `strict`, parameters and buffers the checkpoint lacks keep their
+    values. Returns (path of this rank's model states, model states dict)."""
     saved = _SavedStage3(ckpt_dir, engine)
     states = saved.model_states(engine.dp_rank)
-    _load_buffers(engine.module, states, saved.path)
+    skipped = _load_buffers(engine.module, states, saved.path, strict)
     optimizer = engine.optimizer
     optimizer.coordinator.release_all()
-    with_state = load_optimizer_states and not load_module_only
-    restored = saved.restore(optimizer, with_state)
+    restored, missing = saved.restore(optimizer, with_state, strict)
     if with_state:
         torch_state = saved.first_optim["optimizer_state_dict"]
         groups = _regroup(torch_state["param_groups"], optimizer.optimizer.param_groups)
@@ -137,7 +137,8 @@ def load_stage3(engine, ckpt_dir, load_optimizer_states, load_module_only):
             optimizer.loss_scaler.load_state_dict(scaler_state)
     optimizer.commit_restored_masters()
     optimizer.publish_masters()
-    _load_frozen(engine.module, saved)
+    missing += _load_frozen(engine.module, saved, strict)
+    common.report_skipped_keys(missing, skipped, saved.path)
     return saved.path, states
 
 
@@ -154,23 +155,42 @@ def _regroup(saved_groups, current_groups):
     return groups
 
 
-def _load_buffers(module, states, path):
+def _load_buffers(module, states, path, strict):
+    """Returns the saved buffers the module does not have (an error when `strict`)."""
     saved = states.get("module", {})
+    own = dict(module.named_buffers())
+    skipped = []
     for name in states.get("buffer_names", []):
         if name not in saved:
             raise CheckpointError(f"{path} lacks buffer {name}")
+        if name not in own:
+            if strict:
+                raise CheckpointError(f"{path} has buffer {name}, which the model lacks "
+                                      "(load_module_strict=False skips it)")
+            skipped.append(name)
+            continue
         with torch.no_grad():
-            module.get_buffer(name).copy_(saved[name])
+            own[name].copy_(saved[name])
+    return skipped
 
 
-def _load_frozen(module, saved):
+def _load_frozen(module, saved, strict):
+    """Returns the frozen parameters the checkpoint lacks (an error when `strict`)."""
+    missing = []
     for name, param in module.named_parameters():
         if param.requires_grad or not is_zero_param(param):
+            continue
+        if not saved.has_frozen(name):
+            if strict:
+                raise CheckpointError(f"{saved.ckpt_dir} has no saved values for frozen "
+                                      f"parameter {name} (load_module_strict=False keeps it)")
+            missing.append(name)
             continue
         full = saved.frozen_full(name, param.ds_numel)
         piece = torch.empty(param.ds_tensor.shape, dtype=param.ds_tensor.dtype)
         _cut_into(piece, full, param.ds_comm.rank)
         write_shard(param, piece)  # (in memory, or its NVMe swap file)
+    return missing
 
 
 def _cut_into(target, full, rank):
@@ -233,20 +253,26 @@ class _SavedStage3:
         pieces = [tensors_of_rank(r)[g].narrow(0, offset, size) for r in range(self.world)]
         return torch.cat(pieces)[:numel]
 
+    def has_frozen(self, name):
+        return name in (self.states0.get("frozen_param_fragments") or {})
+
     def frozen_full(self, name, numel):
         pieces = [common.torch_load(os.path.join(self.ckpt_dir, model_states_name(
             r, self.mp_rank)), mmap=True)["frozen_param_fragments"][name].reshape(-1)
             for r in range(self.world)]
         return torch.cat(pieces)[:numel]
 
-    def restore(self, optimizer, with_state):
+    def restore(self, optimizer, with_state, strict):
         """Write masters (and per-element optimizer state) of every sub-group. Returns
-        {sub-group: {state key: tensor}} for the torch optimizer."""
+        ({sub-group: {state key: tensor}} for the torch optimizer, names of the parameters
+        the checkpoint lacks: not `strict`, their masters take their current values and their
+        optimizer state starts at zero)."""
         names = dict(_named(optimizer))
         missing = [n for n in names.values() if n not in self.where]
-        if missing:
+        if missing and strict:
             raise CheckpointError(f"{self.ckpt_dir} has no saved values for parameter(s) "
-                                  f"{missing[:5]}; the model differs from the saved one")
+                                  f"{missing[:5]}; the model differs from the saved one "
+                                  "(load_module_strict=False keeps their values)")
         flats = [o["fp32_flat_groups"] for o in self.optim]
         saved_states = [o["optimizer_state_dict"]["state"] for o in self.optim]
         # quantised states name their scale runs by parameter: every saved rank's, merged,
@@ -261,9 +287,11 @@ class _SavedStage3:
             for param, offset, size in zip(sub_group.params, sub_group.offsets, sub_group.sizes):
                 name = names[param]
                 rank = param.ds_comm.rank
-                full = self._full(name, param.ds_numel, lambda r: flats[r])
-                _cut_into(optimizer.master_restore_target(index).narrow(0, offset, size), full,
-                          rank)
+                target = optimizer.master_restore_target(index).narrow(0, offset, size)
+                if name not in self.where:  # kept (not strict)
+                    target.copy_(read_shard(param).float())
+                    continue
+                _cut_into(target, self._full(name, param.ds_numel, lambda r: flats[r]), rank)
                 if not with_state:
                     continue
                 g = self.where[name][0]
@@ -279,7 +307,7 @@ class _SavedStage3:
                         state[key] = own_table or {**table, "scales": [], "small": []}
                     elif key not in state:
                         state[key] = value.clone() if torch.is_tensor(value) else value
-        return restored
+        return restored, missing
 
 
 def _per_group(state, key):
