@@ -201,6 +201,11 @@ class DeepSpeedEngine(torch.nn.Module):
     def _base_optimizer(self, client_optimizer, model_parameters):
         if model_parameters is None:
             model_parameters = self.module.parameters()
+        else:
+            model_parameters = list(model_parameters)  # a generator is read once: keep it
+            if not model_parameters:
+                raise ZeroError("zero.initialize: model_parameters is empty (a generator "
+                                "already used up?); pass model.parameters() or leave it out")
         if client_optimizer is None:
             base = build_optimizer(self.config, model_parameters)
         else:
@@ -282,10 +287,19 @@ class DeepSpeedEngine(torch.nn.Module):
                 for module in self.module.modules()]
 
     def _dataloader(self, training_data, collate_fn):
+        """Micro-batches of `training_data`, each data-parallel rank its own share."""
         if training_data is None:
             return None
-        sampler = torch.utils.data.DistributedSampler(
-            training_data, num_replicas=self.dp_world_size, rank=self.dp_rank)
+        if isinstance(training_data, torch.utils.data.IterableDataset):
+            if self.dp_world_size > 1:
+                raise ZeroError("zero.initialize: training_data is an IterableDataset, which "
+                                f"no sampler can share out over {self.dp_world_size} "
+                                "data-parallel ranks; let each rank iterate its own share in a "
+                                "DataLoader of its own and leave training_data out")
+            sampler = None
+        else:
+            sampler = torch.utils.data.DistributedSampler(
+                training_data, num_replicas=self.dp_world_size, rank=self.dp_rank)
         return torch.utils.data.DataLoader(training_data,
                                            batch_size=self.train_micro_batch_size_per_gpu(),
                                            sampler=sampler, collate_fn=collate_fn)

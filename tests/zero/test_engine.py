@@ -158,6 +158,28 @@ def test_training_data_gives_a_loader_of_micro_batches():
     sizes = [len(batch[0]) for batch in loader]
     assert sizes == [4, 4, 2]
 
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(torch.arange(10.0))
+    _, _, loader, _ = zero.initialize(model=cases.make_model(), config=_config(),
+                                      training_data=Stream())  # on one rank: read in order
+    assert [batch.tolist() for batch in loader][0] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_zero_init_model_below_stage_3_and_empty_model_parameters_are_refused():
+    with zero.Init():
+        partitioned = cases.make_model()
+    with pytest.raises(ConfigError, match="built under zero.Init.*stage 1"):
+        zero.initialize(model=partitioned, config=_config())
+    model = cases.make_model()
+    used_up = model.parameters()
+    list(used_up)
+    with pytest.raises(ZeroError, match="model_parameters is empty"):
+        zero.initialize(model=model, model_parameters=used_up, config=_config())
+    engine, *_ = zero.initialize(model=model, model_parameters=model.parameters(),
+                                 config=_config())  # a generator: read once, kept
+    assert sum(len(g["params"]) for g in engine.optimizer.optimizer.param_groups) > 0
+
 
 def test_progress_lines_and_tensorboard(tmp_path, capsys):
     config = _config(steps_per_print=2, wall_clock_breakdown=True,

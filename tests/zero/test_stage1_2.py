@@ -81,6 +81,12 @@ def _dp_scenarios(rank, world_size, variant_names):
     for stage, precision in ((0, "fp32"), (1, "fp32"), (2, "fp32"), (0, "bf16"), (1, "bf16")):
         results["two_losses", stage, precision] = cases.two_losses_per_step(stage,
                                                                             precision=precision)
+    try:
+        model = cases.make_model()
+        zero.initialize(model=model, config=cases.ds_config(1), training_data=_Stream(),
+                        optimizer=torch.optim.AdamW(model.parameters()))
+    except ZeroError as e:
+        results["iterable_training_data"] = str(e)
     for stage in (0, 1):
         results["no_sync", stage] = (cases.two_losses_per_step(stage, no_sync_first=True),
                                      _reductions_inside_no_sync(stage))
@@ -243,6 +249,15 @@ def test_two_backward_passes_before_one_step_add_their_gradients(dp2):
     # second reduction of the first loss's gradients moved stage 1's by 5e-2
     bf16 = dp2[0]["two_losses", 0, "bf16"]
     assert bf16 < 3e-2 and abs(dp2[0]["two_losses", 1, "bf16"] - bf16) < 1e-3
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(10))
+
+
+def test_an_iterable_dataset_cannot_be_shared_out_over_ranks(dp2):
+    assert "IterableDataset" in dp2[0]["iterable_training_data"]
 
 
 def _reductions_inside_no_sync(stage):

@@ -135,6 +135,10 @@ def _dp2_run(rank, world_size, save_dir, load_dir):
     results["head"] = cases.train_steps(engine, N)
     engine.save_checkpoint(save_dir)
     results["weights"] = {n: p.detach().clone() for n, p in engine.module.state_dict().items()}
+    try:
+        engine.save_checkpoint(save_dir, tag=f"rank{rank}")
+    except CheckpointError as e:
+        results["mixed_tags"] = str(e)
     if load_dir is not None:
         resumed = _engine(stage=1)  # and another stage
         resumed.load_checkpoint(load_dir)
@@ -155,6 +159,13 @@ def resize_runs(tmp_path_factory):
     resumed_on_dp1.load_checkpoint(from_dp2)
     return {"dp2": dp2, "dp1_head": dp1_head, "from_dp2": from_dp2,
             "dp1_resumed": cases.train_steps(resumed_on_dp1, N, start=N)}
+
+
+def test_ranks_saving_under_different_tags_are_refused_before_writing(resize_runs):
+    for rank, results in enumerate(resize_runs["dp2"]):
+        assert f"rank {rank} saves under tag 'rank{rank}'" in results["mixed_tags"]
+    assert sorted(os.listdir(resize_runs["from_dp2"])) == ["global_step4", "latest",
+                                                           "zero_to_fp32.py"]
 
 
 def _close(a, b, tolerance=1e-5):
@@ -316,6 +327,30 @@ def test_load_checkpoint_takes_deepspeeds_positional_arguments_and_strictness(st
     assert torch.equal(after["extra.weight"], before["extra.weight"])
     assert all(torch.equal(after[n], w) for n, w in saved_weights.items())
     assert not torch.equal(before["fc1.weight"], after["fc1.weight"])
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_another_optimizers_state_and_another_stages_checkpoint_are_named(stage, tmp_path):
+    adamw = cases.make_engine(cases.ds_config(stage))
+    cases.train_steps(adamw, 1)
+    adamw.save_checkpoint(str(tmp_path))
+    config = {**cases.ds_config(stage), "zero_allow_untested_optimizer": True}
+
+    def sgd_engine():
+        model = cases.make_model()
+        engine, *_ = zero.initialize(model=model, config=config,
+                                     optimizer=torch.optim.SGD(cases.param_groups(model), lr=0.1,
+                                                               momentum=0.9))
+        return engine
+    with pytest.raises(CheckpointError, match=r"saved by another optimizer.*'momentum'.*SGD"):
+        sgd_engine().load_checkpoint(str(tmp_path))
+    engine = sgd_engine()
+    engine.load_checkpoint(str(tmp_path), load_optimizer_states=False)
+    cases.train_steps(engine, 1, start=1)
+    other_stage = cases.make_engine(cases.ds_config(1 if stage == 3 else 3))
+    if stage == 3:
+        with pytest.raises(CheckpointError, match="saved at ZeRO stage 3.*stage 0-2"):
+            other_stage.load_checkpoint(str(tmp_path))
 
 
 def test_wrong_model_and_client_state_clash(tmp_path):

@@ -31,9 +31,11 @@ import glob
 import logging
 import os
 import shutil
+import zlib
 from collections import OrderedDict
 
 import torch
+import torch.distributed as dist
 
 from zero.checkpoint.partitions import (DS_VERSION, PartitionRestore, check_param_shapes,
                                         zero_optimizer_state)
@@ -61,6 +63,7 @@ ZERO_TO_FP32 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_to
 def save_checkpoint(engine, save_dir, tag, client_state, save_latest):
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     _check_tag(tag)
+    _check_same_tag_on_every_rank(tag)
     clashes = sorted(MODEL_STATE_KEYS & set(client_state))
     if clashes:
         raise CheckpointError(f"client_state keys {clashes} clash with the checkpoint's own keys; "
@@ -82,6 +85,23 @@ def save_checkpoint(engine, save_dir, tag, client_state, save_latest):
     on_rank0_then_agree(engine, lambda: _publish(save_dir, partial_dir, tag, save_latest),
                          f"publish {tag} in {save_dir}")
     return True
+
+
+def _check_same_tag_on_every_rank(tag):
+    """Ranks saving under different tags would each write part of a checkpoint into its own
+    directory and leave none complete: refused before anything is written (what DeepSpeed's
+    checkpoint.tag_validation "Fail" does; its default "Warn" goes on)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    code = zlib.crc32(tag.encode())
+    extremes = torch.tensor([code, -code], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        extremes = extremes.cuda()
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    if extremes[0].item() != -extremes[1].item():
+        raise CheckpointError(f"save_checkpoint: rank {dist.get_rank()} saves under tag "
+                              f"'{tag}' and another rank under another tag; every rank must pass "
+                              "the same tag (or none: global_step<N>)")
 
 
 def _stage0_2_files(engine, stage, client_state):
@@ -314,6 +334,11 @@ def _load_model_states(path, ckpt_dir, mp_world_size):
                                   f"rank(s) but this run uses {mp_world_size}; missing "
                                   f"{os.path.basename(path)}. Resume with the saved "
                                   "--model-parallel-size or convert the checkpoint first")
+        if glob.glob(os.path.join(ckpt_dir, "zero_pp_rank_*_model_states.pt")):
+            raise CheckpointError(f"{ckpt_dir} was saved at ZeRO stage 3 (one model states "
+                                  "file per data-parallel rank) and this run uses stage 0-2: "
+                                  "resume it at stage 3, or load its weights with "
+                                  "zero.load_state_dict_from_zero_checkpoint")
         raise CheckpointError(f"{ckpt_dir} holds no model states file ({os.path.basename(path)}); "
                               "it is not a complete zero/DeepSpeed checkpoint")
     states = torch_load(path)

@@ -39,6 +39,11 @@ def build_zero_optimizer(engine, base_optimizer, module_reduces_gradients=False)
             raise ConfigError("ZeRO stage 3 does not compose with pipeline parallelism (as in "
                             "DeepSpeed's PipelineEngine); use stage 0, 1 or 2")
         return build_stage3_optimizer(engine, base_optimizer, loss_scaler)
+    if any(is_zero_param(p) for p in engine.module.parameters()):
+        raise ConfigError(f"the model was built under zero.Init, which partitions its "
+                          f"parameters for ZeRO stage 3; this config asks for stage "
+                          f"{config.zero_optimization.stage}. Use stage 3, or build the model "
+                          "without zero.Init")
     param_order = {p: i for i, p in enumerate(engine.module.parameters())}
     settings = zero_settings(config, module_reduces_gradients)
     return ZeroOptimizer(base_optimizer, param_order, settings, engine.dp_comm, engine.mp_comm,

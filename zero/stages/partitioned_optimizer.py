@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from zero.errors import ZeroError
+from zero.errors import CheckpointError, ZeroError
 
 # Elements per piece of a squared norm: one fp32 reduction over millions of elements
 # (torch.linalg.vector_norm on CPU) comes out up to 1e-3 low; pieces of 2**14 summed in
@@ -176,6 +176,21 @@ class PartitionedOptimizer:
             # an fp32 optimizer given a quantised state (--optimizer adam after adam8bit)
             state_dict = self._decoded(state_dict)
         self.masters.load_state_dict(state_dict)
+        self._check_loaded_hyperparameters()
+
+    def _check_loaded_hyperparameters(self):
+        """torch's load_state_dict takes the saved param groups whole and fills in only the
+        keys the optimizer's own __setstate__ defaults: a state saved by another kind of
+        optimizer (AdamW's into SGD) would fail at the first step with a KeyError."""
+        base = self.optimizer
+        for group in base.param_groups:
+            lacking = sorted(set(base.defaults) - set(group))
+            if lacking:
+                raise CheckpointError(
+                    f"the checkpoint's optimizer state was saved by another optimizer: its "
+                    f"param groups lack {lacking}, which {type(base).__name__} needs. Resume "
+                    "with the optimizer it was saved with, or load without its state "
+                    "(load_optimizer_states=False; Megatron: --no-load-optim)")
 
     def _decoded(self, state_dict):
         from zero.optim.quantized_state import decode_state_dict
