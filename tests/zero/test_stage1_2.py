@@ -88,6 +88,8 @@ def _dp_scenarios(rank, world_size, variant_names):
     except ZeroError as e:
         results["iterable_training_data"] = str(e)
     for stage in (0, 1):
+        results["loss.backward", stage] = _loss_backward_outside_the_engine(stage)
+    for stage in (0, 1):
         results["no_sync", stage] = (cases.two_losses_per_step(stage, no_sync_first=True),
                                      _reductions_inside_no_sync(stage))
     return results
@@ -249,6 +251,23 @@ def test_two_backward_passes_before_one_step_add_their_gradients(dp2):
     # second reduction of the first loss's gradients moved stage 1's by 5e-2
     bf16 = dp2[0]["two_losses", 0, "bf16"]
     assert bf16 < 3e-2 and abs(dp2[0]["two_losses", 1, "bf16"] - bf16) < 1e-3
+
+
+def _loss_backward_outside_the_engine(stage):
+    engine = cases.make_engine(cases.ds_config(stage, global_batch_size=2 * dist.get_world_size(),
+                                               gas=1))
+    tokens, labels = cases.global_batch(dist.get_rank(), 2)
+    try:
+        engine(tokens, labels).backward()
+    except ZeroError as e:
+        return str(e)
+
+
+def test_loss_backward_on_several_ranks_is_an_error(dp2):
+    """At stages 0 and 1 over several ranks loss.backward() would step each rank on its own
+    unreduced gradient (stage 0) or on zeros (stage 1): the gradient hooks refuse it."""
+    for stage in (0, 1):
+        assert "outside engine.backward" in (dp2[0]["loss.backward", stage] or ""), stage
 
 
 class _Stream(torch.utils.data.IterableDataset):

@@ -40,13 +40,6 @@ def sum_of_squares(tensors, device):
     return torch.cat(norms).double().pow(2).sum().to(device)
 
 
-BACKWARD_OUTSIDE_ENGINE = (
-    "gradients reached the ZeRO optimizer outside engine.backward (was loss.backward() "
-    "called?): call engine.backward(loss), which divides the loss by the gradient "
-    "accumulation steps, applies the fp16 loss scale and reduces the gradients over data "
-    "parallel")
-
-
 class PartitionedOptimizer:
     pp_comm = None  # over the pipeline's stages; a subclass sets it under pipeline parallelism
     _inside_backward = False  # the engine's backward is running (gradient hooks check it)
@@ -82,9 +75,14 @@ class PartitionedOptimizer:
 
     def _refuse_gradients_outside_backward(self):
         """From a gradient hook: a gradient produced by loss.backward() instead of the
-        engine's backward would skip the loss scale and the reduction; say so there."""
+        engine's backward would skip the loss scale and the reduction; say so there. (Without
+        hooks, at stages 0 and 1 on one rank, gradients found in param.grad at the step are
+        taken as set by hand: as the engine's backward would have left them.)"""
         if not self._inside_backward:
-            raise ZeroError(BACKWARD_OUTSIDE_ENGINE)
+            raise ZeroError("gradients reached the ZeRO optimizer outside engine.backward (was "
+                            "loss.backward() called?): call engine.backward(loss), which "
+                            "divides the loss by the gradient accumulation steps, applies the "
+                            "fp16 loss scale and reduces the gradients over data parallel")
 
     @property
     def cur_scale(self):

@@ -36,7 +36,7 @@ from zero.errors import ZeroError
 from zero.stages.bucket_reduction import BucketReduction, reduces_in_masters
 from zero.stages.flat_buffers import FlatGroup, FlatLayout
 from zero.stages.masters import DeviceMasters
-from zero.stages.partitioned_optimizer import BACKWARD_OUTSIDE_ENGINE, PartitionedOptimizer
+from zero.stages.partitioned_optimizer import PartitionedOptimizer
 
 
 @dataclass(frozen=True)
@@ -263,8 +263,6 @@ class ZeroOptimizer(PartitionedOptimizer):
 
     def step(self):
         """Unscale, check overflow, clip, step the partition, all-gather. False if skipped."""
-        if not self._backward_since_zero_grad and self._holds_gradients():
-            raise ZeroError(BACKWARD_OUTSIDE_ENGINE)
         self._catch_up_with_loaded_weights()
         if self._nothing_reduced_since_zero_grad() and self._backward_since_zero_grad \
                 and self.groups:
@@ -283,13 +281,6 @@ class ZeroOptimizer(PartitionedOptimizer):
         norm_sq, overflow = self._reduced_grad_norm_sq()
         fold = self._post_factor if self.settings.stage > 0 else 1.0
         return self._finish_step(norm_sq, overflow, fold)
-
-    def _holds_gradients(self):
-        """Whether any parameter holds a nonzero gradient. Without hooks (stages 0 and 1 on
-        one rank) this is how a step sees that loss.backward() ran instead of the engine's
-        backward: read only for a step with no engine backward since zero_grad."""
-        return any(param.grad is not None and bool(param.grad.any())
-                   for group in self.groups for param in group.params)
 
     def _step_partitions(self, grad_divisor):
         """Step the fp32 partitions on their gradients / grad_divisor; each updated range goes
