@@ -432,7 +432,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.optimizer.remove_hooks()
         for handle in self._load_hooks:
             handle.remove()
-        self._load_hooks = self._follow_weight_loads()
+        self._load_hooks = []
         close = getattr(self.optimizer, "close", None)
         if close is not None:
             close()

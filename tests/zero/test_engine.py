@@ -367,6 +367,8 @@ def test_a_load_that_replaces_parameters_is_refused():
     weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
     with pytest.raises(ZeroError, match="replaced the parameter.*assign=True"):
         engine.module.load_state_dict(weights, assign=True)
+    engine.destroy()  # the hooks go with the engine: the module is the user's again
+    assert not any(module._load_state_dict_post_hooks for module in engine.module.modules())
 
 
 def test_was_step_applied_step_lr_kwargs_and_a_boundary_set_by_hand():

@@ -279,6 +279,14 @@ def test_an_iterable_dataset_cannot_be_shared_out_over_ranks(dp2):
     assert "IterableDataset" in dp2[0]["iterable_training_data"]
 
 
+def test_two_backward_passes_before_one_step_on_one_rank():
+    """As above on one rank, where stage 1's fp32 master is the flat buffer itself (its
+    gradient the whole gradient buffer)."""
+    for stage, precision in ((0, "fp32"), (1, "fp32"), (2, "fp32"), (1, "bf16")):
+        difference = cases.two_losses_per_step(stage, precision=precision)
+        assert difference < (1e-6 if precision == "fp32" else 3e-2), (stage, difference)
+
+
 def _reductions_inside_no_sync(stage):
     """Collectives a backward inside engine.no_sync() launches (none, on every rank)."""
     engine = cases.make_engine(cases.ds_config(stage, global_batch_size=2 * dist.get_world_size(),
@@ -294,16 +302,23 @@ def _reductions_inside_no_sync(stage):
     tokens, labels = cases.global_batch(dist.get_rank(), 2)
     with engine.no_sync():
         engine.backward(engine(tokens, labels))
-    return len(counted)
+    reductions = len(counted)
+    try:  # with nothing reduced: each rank would step on its own gradients (stage 0)
+        engine.step()
+        return reductions, None
+    except ZeroError as e:
+        return reductions, str(e)
 
 
 def test_no_sync_accumulates_without_reducing_and_the_next_backward_reduces_all(dp2):
     """engine.no_sync() (DeepSpeed's, stages 0 and 1): its backward launches no collective;
-    the boundary's backward after it reduces both micro-batches' gradients."""
+    the boundary's backward after it reduces both micro-batches' gradients; a step with no
+    reducing backward is refused."""
     for stage in (0, 1):
         for rank in (0, 1):
-            difference, reductions = dp2[rank]["no_sync", stage]
+            difference, (reductions, error) = dp2[rank]["no_sync", stage]
             assert difference < 1e-6 and reductions == 0, (stage, rank, difference, reductions)
+            assert "reduced no gradients" in (error or ""), (stage, rank)
 
 
 def test_bf16_and_fp16_track_fp32_training(reference_losses):

@@ -353,6 +353,25 @@ def test_another_optimizers_state_and_another_stages_checkpoint_are_named(stage,
             other_stage.load_checkpoint(str(tmp_path))
 
 
+def test_a_state_without_torchs_switches_loads_under_offload(tmp_path):
+    """DeepSpeed's FusedAdam saves param groups without torch's implementation switches
+    (foreach, fused, amsgrad, ...): they load, also into CPUAdam (offload_optimizer)."""
+    saved = cases.make_engine(cases.ds_config(1))
+    cases.train_steps(saved, 1)
+    saved.save_checkpoint(str(tmp_path), tag="t")
+    path = tmp_path / "t" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    states = torch.load(path, weights_only=False)
+    for group in states["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]:
+        for key in ("foreach", "maximize", "capturable", "differentiable", "fused",
+                    "decoupled_weight_decay", "amsgrad"):
+            group.pop(key, None)
+    torch.save(states, path)
+    for offload in ({}, {"offload_optimizer": {"device": "cpu"}}):
+        engine = cases.make_engine(cases.ds_config(1, **offload))
+        engine.load_checkpoint(str(tmp_path), tag="t")
+        cases.train_steps(engine, 1, start=1)
+
+
 def test_wrong_model_and_client_state_clash(tmp_path):
     engine = _engine()
     with pytest.raises(CheckpointError, match="clash"):

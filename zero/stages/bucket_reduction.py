@@ -168,8 +168,8 @@ class BucketReduction:
     def _reduce_to_partition(self, g, k, source, async_op):
         group = self.groups[g]
         target = group.master_chunk(group.master.grad, k)
-        # an aliased master's gradient is this rank's chunk of `source`: reduce in place
-        direct = group.master_aliases_flat or (
+        # the master's gradient may be this rank's chunk of `source`: reduce in place
+        direct = group.master_grad_in_full_grads or (
             source.dtype == target.dtype and source.device == target.device
             and self.fresh_partition_grads)
         out = target if direct else torch.empty(group.layout.chunk, dtype=source.dtype,

@@ -173,6 +173,12 @@ class FlatGroup:
         lo, length, _ = self.units[u]
         return tensor.narrow(0, lo - self.rank * self.layout.chunk, length)
 
+    @property
+    def master_grad_in_full_grads(self):
+        """The master's gradient is (this rank's range of) the full gradient buffer: stages
+        0 and 1 with an fp32 master that is, or aliases, the flat params."""
+        return (self.master_is_flat or self.master_aliases_flat) and self.full_grads is not None
+
     def own_chunks(self, flat):
         """This rank's chunks of a flat-layout tensor as a [K, C] view."""
         lay = self.layout

@@ -40,6 +40,13 @@ def sum_of_squares(tensors, device):
     return torch.cat(norms).double().pow(2).sum().to(device)
 
 
+# Keys a saved param group may lack and still be this optimizer's kind: torch's implementation
+# switches (the loading optimizer defaults them), amsgrad (absent: off; the quantised Adams
+# have none), CPUAdam's own flags (it keeps its values).
+_SWITCHES = {"foreach", "maximize", "capturable", "differentiable", "fused",
+             "decoupled_weight_decay", "amsgrad", "adamw_mode", "bias_correction"}
+
+
 class PartitionedOptimizer:
     pp_comm = None  # over the pipeline's stages; a subclass sets it under pipeline parallelism
     _inside_backward = False  # the engine's backward is running (gradient hooks check it)
@@ -170,19 +177,19 @@ class PartitionedOptimizer:
         return self.masters.restore_target(key)
 
     def load_base_state_dict(self, state_dict):
+        self._check_saved_hyperparameters(state_dict["param_groups"])
         if not hasattr(self.optimizer, "describe_partition"):
             # an fp32 optimizer given a quantised state (--optimizer adam after adam8bit)
             state_dict = self._decoded(state_dict)
         self.masters.load_state_dict(state_dict)
-        self._check_loaded_hyperparameters()
 
-    def _check_loaded_hyperparameters(self):
-        """torch's load_state_dict takes the saved param groups whole and fills in only the
-        keys the optimizer's own __setstate__ defaults: a state saved by another kind of
-        optimizer (AdamW's into SGD) would fail at the first step with a KeyError."""
+    def _check_saved_hyperparameters(self, saved_groups):
+        """torch's load_state_dict takes the saved param groups whole: a state saved by another
+        kind of optimizer (AdamW's into SGD) would fail at the first step with a KeyError, or
+        leave this optimizer's groups broken. Said before anything is loaded."""
         base = self.optimizer
-        for group in base.param_groups:
-            lacking = sorted(set(base.defaults) - set(group))
+        for group in saved_groups:
+            lacking = sorted(set(base.defaults) - set(group) - _SWITCHES)
             if lacking:
                 raise CheckpointError(
                     f"the checkpoint's optimizer state was saved by another optimizer: its "

@@ -218,9 +218,10 @@ class ZeroOptimizer(PartitionedOptimizer):
         """Stage 1, a backward after one that reduced, before the step (two losses
         backpropagated at the accumulation boundary): the partitions already hold the
         reduced gradients so far, so the full gradients restart from zero and this backward's
-        reduction adds to the partitions. Where a partition's gradient is a range of the full
-        gradients (an aliased fp32 master) it is kept aside and added back after the reduction:
-        returns those (partition gradient, kept copy) pairs."""
+        reduction adds to the partitions. Where a partition's gradient is (a range of) the full
+        gradients (an fp32 master aliasing the flat buffer, or being it on one rank) it is kept
+        aside and added back after the reduction: returns those (partition gradient, kept
+        copy) pairs."""
         if not self._reducing:
             raise ZeroError("a backward pass with reduce_gradients=False after one that reduced "
                             "the gradients, before the step: at ZeRO stage 1 its gradients "
@@ -228,7 +229,7 @@ class ZeroOptimizer(PartitionedOptimizer):
                             "backward before the step reduce")
         kept = []
         for group in self.groups:
-            if group.master_aliases_flat:
+            if group.master_grad_in_full_grads:
                 kept.append((group.master.grad, group.master.grad.clone()))
             group.full_grads.zero_()
         return kept
@@ -264,13 +265,12 @@ class ZeroOptimizer(PartitionedOptimizer):
     def step(self):
         """Unscale, check overflow, clip, step the partition, all-gather. False if skipped."""
         self._catch_up_with_loaded_weights()
-        if self._nothing_reduced_since_zero_grad() and self._backward_since_zero_grad \
-                and self.groups:
+        if self._backward_reduced_nothing():
             raise ZeroError("step() after backward passes that reduced no gradients (each had "
-                            "reduce_gradients=False): at ZeRO stages 1 and 2 the optimizer's "
-                            "partitions get their gradients from the reducing backward, so "
-                            "theirs would be lost. Let the step's last backward reduce "
-                            "(reduce_gradients=True or None)")
+                            "reduce_gradients=False, or ran inside no_sync()): at ZeRO stage 0 "
+                            "each rank would step on its own gradients, at stages 1 and 2 the "
+                            "optimizer's partitions would miss them. Let the step's last "
+                            "backward reduce (reduce_gradients=True or None, outside no_sync)")
         if self.settings.stage < 2:
             # the buffer holds what param.grad holds (zeros where None): gradients set by
             # hand after backward reach the masters where they read the buffer here (stage 0,
@@ -287,6 +287,16 @@ class ZeroOptimizer(PartitionedOptimizer):
         into this rank's chunks of the model's flat buffers, which are then all-gathered."""
         self.masters.step(self._write_own_chunks, grad_divisor)
         self._all_gather_own_chunks()
+
+    def _backward_reduced_nothing(self):
+        """Backward ran since zero_grad and none reduced, where the step needs a reduction:
+        stages 1 and 2, and stage 0 over several ranks unless the module reduces (DDP)."""
+        if not (self._backward_since_zero_grad and self.groups):
+            return False
+        if self.settings.stage == 0 and (self.dp_comm.world_size == 1
+                                         or self.settings.external_reduction):
+            return False
+        return self._reduction.fresh_partition_grads
 
     def _nothing_reduced_since_zero_grad(self):
         """Stages 1 and 2: no backward has reduced into the partition gradients this step."""
