@@ -11,7 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from zero.checkpoint.files import load_failure_reason, load_plain
+from zero.checkpoint.files import fsync_dir, load_failure_reason, load_plain
 
 from megatron.errors import CheckpointError
 from megatron.runtime.fault_injection import kill_point
@@ -32,7 +32,7 @@ def atomic_torch_save(obj, path):
     kill_point("save.file.tmp_synced")
     os.replace(tmp, path)
     kill_point("save.file.renamed")
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
 
 
 def atomic_write_text(path, text, point=None):
@@ -47,7 +47,7 @@ def atomic_write_text(path, text, point=None):
     os.replace(tmp, path)
     if point:
         kill_point(f"{point}.renamed")
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
 
 
 @contextlib.contextmanager
@@ -65,12 +65,6 @@ def _write_failures_explained(path, tmp):
             from None
 
 
-def _fsync_dir(directory):
-    fd = os.open(directory or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def safe_load(path, mmap=False):

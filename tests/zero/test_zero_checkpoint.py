@@ -372,6 +372,19 @@ def test_a_state_without_torchs_switches_loads_under_offload(tmp_path):
         cases.train_steps(engine, 1, start=1)
 
 
+def test_a_save_syncs_the_directories_it_renames_in(tmp_path, monkeypatch):
+    """A rename is on disk only once its directory is synced: the tag's folder (every rank's
+    files) before it is renamed into place, the save folder before `latest` names the tag
+    and after."""
+    from zero.checkpoint import layout
+    synced, sync = [], layout.fsync_dir
+    monkeypatch.setattr(layout, "fsync_dir",
+                        lambda directory: (synced.append(os.path.relpath(directory, tmp_path)),
+                                           sync(directory)))
+    _engine().save_checkpoint(str(tmp_path), tag="t")
+    assert synced == [".t.partial", ".", "."]
+
+
 def test_wrong_model_and_client_state_clash(tmp_path):
     engine = _engine()
     with pytest.raises(CheckpointError, match="clash"):

@@ -79,6 +79,16 @@ def report_skipped_keys(missing, unexpected, path):
                            shown)
 
 
+def fsync_dir(directory):
+    """Make a directory's entries (files created or renamed in it) durable: a rename is on
+    disk only once its directory is synced."""
+    fd = os.open(directory or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def load_plain(path, mmap=False):
     """torch.load of a checkpoint file onto the CPU, refusing pickled code (weights_only).
     With `mmap` its tensors are mapped from the file, privately whatever the process-wide

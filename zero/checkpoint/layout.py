@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from zero.checkpoint.partitions import (DS_VERSION, PartitionRestore, check_param_shapes,
                                         zero_optimizer_state)
-from zero.checkpoint.files import (all_agree, engine_counters, layer_states_name,
+from zero.checkpoint.files import (all_agree, engine_counters, fsync_dir, layer_states_name,
                                    model_states_name, module_state_on_cpu, on_rank0_then_agree,
                                    optim_files, optim_states_name, report_skipped_keys,
                                    shared_params, torch_load, try_)
@@ -187,7 +187,9 @@ def _publish(save_dir, partial_dir, tag, save_latest):
         shutil.rmtree(old_dir, ignore_errors=True)
         os.replace(final_dir, old_dir)
         kill_point("zero.save.publish.old_moved_aside")
+    fsync_dir(partial_dir)  # every rank's files are in it, durably, before it is renamed
     os.replace(partial_dir, final_dir)
+    fsync_dir(save_dir)  # the tag is on disk before `latest` may name it
     kill_point("zero.save.publish.renamed")
     shutil.rmtree(old_dir, ignore_errors=True)
     kill_point("zero.save.publish.old_removed")
@@ -195,6 +197,7 @@ def _publish(save_dir, partial_dir, tag, save_latest):
     kill_point("zero.save.publish.script_copied")
     if save_latest:
         _atomic_write_text(os.path.join(save_dir, "latest"), tag)
+    fsync_dir(save_dir)
 
 
 def _atomic_write_text(path, text):
