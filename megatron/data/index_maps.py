@@ -85,8 +85,11 @@ def _expected_shapes(documents, sizes, num_samples, seq_length):
             "shuffle_idx": (rows - 1,)}
 
 
-def _cache_problem(paths, expected, data_index_path):
-    """Why the cached maps cannot be used (missing, stale, wrong shape), or None if they can."""
+def _cache_problem(paths, expected, data_index_path, documents):
+    """Why the cached maps cannot be used (missing, stale, wrong shape, another split's
+    documents), or None if they can. The file names (Megatron's) do not say which documents
+    a split holds: maps cached under one --split have the shapes of another's often enough
+    (a split repeated over epochs), so doc_idx's document range is checked too."""
     data_mtime = os.path.getmtime(data_index_path)
     for kind, path in paths.items():
         if not os.path.exists(path):
@@ -99,6 +102,11 @@ def _cache_problem(paths, expected, data_index_path):
             return f"{path} does not load ({e})"
         if shape != expected[kind]:
             return f"{path} has shape {shape}, expected {expected[kind]}"
+    doc_idx = np.load(paths["doc_idx"], mmap_mode="r")
+    if len(doc_idx) and (int(doc_idx.min()), int(doc_idx.max())) != (int(np.min(documents)),
+                                                                      int(np.max(documents))):
+        return (f"{paths['doc_idx']} holds documents {int(doc_idx.min())}..{int(doc_idx.max())}, "
+                f"this split {int(np.min(documents))}..{int(np.max(documents))} (another --split)")
     return None
 
 
@@ -139,7 +147,7 @@ def build_index_mappings(name, data_prefix, documents, sizes, num_samples, seq_l
     data_index_path = data_prefix + ".idx"
 
     def build_if_needed():
-        problem = _cache_problem(paths, expected, data_index_path)
+        problem = _cache_problem(paths, expected, data_index_path, documents)
         if problem is None:
             return
         start = time.perf_counter()
@@ -152,7 +160,7 @@ def build_index_mappings(name, data_prefix, documents, sizes, num_samples, seq_l
                       f"over {expected['doc_idx'][0] // len(documents)} epoch(s)")
 
     build_on_rank_zero(build_if_needed, group, what=f"the {name} index maps of {data_prefix}")
-    problem = _cache_problem(paths, expected, data_index_path)
+    problem = _cache_problem(paths, expected, data_index_path, documents)
     if problem is not None:
         raise DataError(f"index maps for the {name} split are unusable after building: "
                         f"{problem}. Is {os.path.dirname(os.path.abspath(data_prefix))} on a "

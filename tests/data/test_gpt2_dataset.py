@@ -180,3 +180,15 @@ def test_index_maps_of_an_empty_dataset_or_train_split_are_an_error(tmp_path):
     prefix = write_token_dataset(tmp_path / "corpus", DOCS)
     with pytest.raises(DataError, match="--split '0,1' leaves no training documents"):
         build_index_mappings_only(prefix, "0,1", [4, 4, 0], 2, seed=1)
+
+
+def test_maps_cached_for_another_split_are_rebuilt_not_reused(tmp_path):
+    """The cache names (Megatron's) say split name, samples, length and seed, not which
+    documents: after --split 4,2,2 the valid maps of --split 5,2,1 have the same shapes (two
+    documents of four tokens), and reusing them validated on training documents."""
+    prefix = write_token_dataset(tmp_path / "corpus", [[d] * 4 for d in range(8)])
+    valid = build_train_valid_test_datasets(prefix, "4,2,2", [4, 4, 4], 3, seed=1)[1]
+    assert set(valid.doc_idx) == {4, 5}
+    valid = build_train_valid_test_datasets(prefix, "5,2,1", [4, 4, 4], 3, seed=1)[1]
+    assert set(valid.doc_idx) == {5, 6}
+    assert {int(t) for i in range(len(valid)) for t in valid[i]["text"]} == {5, 6}
