@@ -21,6 +21,11 @@ def train_valid_test_datasets_provider(ctx, num_samples):
         data_prefix, data.split, num_samples, data.seq_length, ctx.config.parallel.seed,
         skip_warmup=not data.mmap_warmup)
     require_training_documents(train, data_prefix, data.split)
+    if valid is None and ctx.config.training.eval_iters > 0:
+        from megatron.data.rank_zero import log_rank_zero
+        log_rank_zero(f" note: --split {data.split} leaves the valid split no documents (see "
+                      f"the split line above): --eval-iters {ctx.config.training.eval_iters} "
+                      "evaluates nothing and no validation loss is reported")
     check_token_ids(train.indexed_dataset, ctx.model_config.vocab_size,
                     ctx.tokenizer.vocab_size)  # the splits share one .bin
     return train, valid, test

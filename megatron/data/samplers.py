@@ -1,5 +1,6 @@
 """Data order for pretraining: one global sample order, sliced into per-rank micro batches."""
 
+import os
 import signal
 
 import numpy as np
@@ -62,12 +63,24 @@ def collate_text(samples):
     return {"text": torch.from_numpy(np.stack([sample["text"] for sample in samples]))}
 
 
+def _check_worker_count(num_workers):
+    """Each loader worker is a forked process: thousands of them swamp the machine for minutes
+    before anything trains (--num-workers 10000 on 2 cores hung)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    limit = 4 * (cpus or 1)
+    if num_workers > limit:
+        raise DataError(f"--num-workers {num_workers} starts that many loader processes per "
+                        f"rank, on {cpus} CPU(s) here; use at most {limit} (1-4 are plenty: "
+                        "reading tokens from the memory-mapped .bin is cheap)")
+
+
 def build_pretraining_data_loader(dataset, consumed_samples, micro_batch_size,
                                   data_parallel_rank, data_parallel_size, num_workers,
                                   drop_last=True):
     """DataLoader over `dataset` yielding {"text": LongTensor [b, seq+1]} for this DP rank."""
     if dataset is None:
         return None
+    _check_worker_count(num_workers)
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                  data_parallel_rank, data_parallel_size, drop_last)
     # A private generator: creating an iterator draws a worker base seed, which must not

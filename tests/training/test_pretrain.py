@@ -135,6 +135,14 @@ def test_bad_paths_are_clear_errors(corpus, tmp_path, capsys, argv, message):
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
 
+def test_an_empty_valid_split_and_too_many_loader_workers(corpus, tmp_path, capsys):
+    assert run(corpus, tmp_path, "--split", "100,0,0", "--warmup-iters", "0", iters=1) == 0
+    assert "--eval-iters 1 evaluates nothing" in capsys.readouterr().out
+    assert run(corpus, tmp_path, "--num-workers", "100000", "--warmup-iters", "0", iters=1) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --num-workers 100000") and "Traceback" not in err
+
+
 def test_token_ids_beyond_the_vocabulary_stop_before_training(corpus, tmp_path, capsys):
     from tests.data.fakes import write_token_dataset
     other = write_token_dataset(tmp_path / "other_tokenizer", [[5, 600, 7] * 40] * 20)
