@@ -78,6 +78,8 @@ def _check_without_torch(argv, message, code):
     (_RUN + ["--hidden-size", "30"], "--num-attention-heads 4 must divide --hidden-size 30"),
     (_RUN + ["--model-parallel-size", "2"], "world size 1 is not divisible by"),
     (_RUN + ["--model-size", "gpt2-huge"], "--model-size 'gpt2-huge' is not known"),
+    (_RUN + ["--data-path", "0.3", "a", "0.7", "b"],
+     "--data-path takes one dataset prefix, got 0.3 a 0.7 b: weighted blends"),
 ])
 def test_the_trainers_flags_are_checked_before_torch_is_imported(argv, message):
     _check_without_torch(argv, message, 2)

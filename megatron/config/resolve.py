@@ -8,6 +8,7 @@ fills in or checks a flag again. Architecture checks are the model's own
 (`megatron.model.shape.check_shape`, which imports no torch), called from here.
 """
 
+import itertools
 import math
 import sys
 from types import MappingProxyType
@@ -62,6 +63,7 @@ def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provide
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    _refuse_data_blend(argv)
     raw = vars(parser.parse_args(argv))
     given = given_on_command_line(parser, argv)
     if raw["deepspeed_mpi"]:  # rank and world size from the MPI launcher, before they are read
@@ -80,6 +82,24 @@ def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provide
     change = optimizer_change_note(raw)
     notes += (change,) if change else ()
     return freeze(raw, given, world_size, notes, extra)
+
+
+def _refuse_data_blend(argv):
+    """`--data-path 0.3 A 0.7 B` (a later Megatron's weighted blend) would be argparse's
+    "unrecognized arguments" naming the paths: say what is not supported instead."""
+    for i, arg in enumerate(argv[:-2]):
+        if arg != "--data-path":
+            continue
+        values = list(itertools.takewhile(lambda a: not a.startswith("--"), argv[i + 1:]))
+        try:
+            float(values[0])
+        except ValueError:
+            continue
+        if len(values) > 1:
+            raise ConfigError(f"--data-path takes one dataset prefix, got "
+                              f"{' '.join(values)}: weighted blends (W1 PREFIX1 W2 PREFIX2 "
+                              "...) are a later Megatron's; put the corpora's JSON lines in "
+                              "one file and preprocess it into one dataset")
 
 
 def require(condition, message):
