@@ -91,15 +91,16 @@ def _refuse_data_blend(argv):
         if arg != "--data-path":
             continue
         values = list(itertools.takewhile(lambda a: not a.startswith("--"), argv[i + 1:]))
+        if len(values) < 2:
+            continue
         try:
             float(values[0])
         except ValueError:
             continue
-        if len(values) > 1:
-            raise ConfigError(f"--data-path takes one dataset prefix, got "
-                              f"{' '.join(values)}: weighted blends (W1 PREFIX1 W2 PREFIX2 "
-                              "...) are a later Megatron's; put the corpora's JSON lines in "
-                              "one file and preprocess it into one dataset")
+        raise ConfigError(f"--data-path takes one dataset prefix, got {' '.join(values)}: "
+                          "weighted blends (W1 PREFIX1 W2 PREFIX2 ...) are a later Megatron's; "
+                          "put the corpora's JSON lines in one file and preprocess it into "
+                          "one dataset")
 
 
 def require(condition, message):
