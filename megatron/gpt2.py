@@ -12,6 +12,7 @@ def train_valid_test_datasets_provider(ctx, num_samples):
     from megatron.data.gpt2_dataset import (build_train_valid_test_datasets,
                                             require_training_documents)
     from megatron.data.token_range import check_token_ids
+    from megatron.data.tokenization_record import check_dataset_tokenization
     data = ctx.config.data
     data_prefix = data.data_path
     if data.train_data is not None:
@@ -26,6 +27,7 @@ def train_valid_test_datasets_provider(ctx, num_samples):
         log_rank_zero(f" note: --split {data.split} leaves the valid split no documents (see "
                       f"the split line above): --eval-iters {ctx.config.training.eval_iters} "
                       "evaluates nothing and no validation loss is reported")
+    check_dataset_tokenization(train.indexed_dataset, ctx.tokenizer)
     check_token_ids(train.indexed_dataset, ctx.model_config.vocab_size,
                     ctx.tokenizer.vocab_size)  # the splits share one .bin
     return train, valid, test

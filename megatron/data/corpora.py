@@ -3,11 +3,10 @@
 A named corpus is a loose JSON file (one {"text": ...} object per line) under the data root:
 `<repo>/data` by default, or $MEGATRON_DATA_DIR.  The first run tokenizes it into
 `<dir>/<stem>_text_document.bin/.idx` next to the JSON (rank 0 builds, the other ranks wait);
-later runs reuse those files unless the JSON or the tokenizer changed.
+later runs reuse those files unless the JSON or the tokenizer changed (the tokenization record
+beside them says which source and tokenizer made them).
 """
 
-import hashlib
-import json
 import os
 import time
 
@@ -15,15 +14,12 @@ from megatron.data.indexed_dataset import dataset_exists
 from megatron.data.preprocessing import (ConstantFactory, format_summary, output_prefix_for,
                                          tokenize_loose_json)
 from megatron.data.rank_zero import build_on_rank_zero, log_rank_zero
+from megatron.data.tokenization_record import read_record, tokenization_record
 from megatron.errors import DataError
 
 NAMED_CORPORA = {"webtext": os.path.join("webtext", "data.json")}
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_SIDECAR_FORMAT = 1
-# Tokenized to tell tokenizers apart: two vocabularies of one size still split this differently.
-_PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. 1234567890 naïve café, "
-               "Straße; 東京 — «quotes» & <tags>\n\ttabs  spaces")
 
 
 def data_root():
@@ -47,43 +43,6 @@ def resolve_corpus(name_or_path):
                     f"existing file. Known corpora: {known}")
 
 
-def tokenizer_identity(tokenizer):
-    """What a cached tokenization depends on: the tokenizer's class, vocab size, eod and how
-    it splits a probe text (which tells two vocabularies of one size apart)."""
-    probe = json.dumps([int(t) for t in tokenizer.tokenize(_PROBE_TEXT)])
-    return {"tokenizer": type(tokenizer).__name__, "vocab_size": int(tokenizer.vocab_size),
-            "eod": int(tokenizer.eod), "probe_sha1": hashlib.sha1(probe.encode()).hexdigest()}
-
-
-def _source_identity(json_path, json_key):
-    stat = os.stat(json_path)
-    return {"format": _SIDECAR_FORMAT, "source": os.path.abspath(json_path),
-            "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns,
-            "json_key": json_key, "append_eod": True}
-
-
-def sidecar_path(prefix):
-    return prefix + ".source.json"
-
-
-def _is_up_to_date(prefix, wanted):
-    if not dataset_exists(prefix) or not os.path.exists(sidecar_path(prefix)):
-        return False
-    try:
-        with open(sidecar_path(prefix)) as f:
-            recorded = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return recorded == wanted
-
-
-def _write_sidecar(prefix, identity):
-    tmp = f"{sidecar_path(prefix)}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(identity, f, indent=1, sort_keys=True)
-    os.replace(tmp, sidecar_path(prefix))
-
-
 def prepare_loose_json_corpus(json_path, tokenizer, json_key="text", workers=1, group=None):
     """Tokenize `json_path` (eod appended) into `<dir>/<stem>_<key>_document` unless an up-to-date
     tokenization by the same tokenizer exists; return that data prefix.
@@ -96,20 +55,17 @@ def prepare_loose_json_corpus(json_path, tokenizer, json_key="text", workers=1, 
     stem = os.path.splitext(os.path.basename(json_path))[0]
     output_prefix = os.path.join(os.path.dirname(os.path.abspath(json_path)), stem)
     prefix = output_prefix_for(output_prefix, json_key)
-    wanted = {**_source_identity(json_path, json_key), **tokenizer_identity(tokenizer)}
+    wanted = tokenization_record(json_path, json_key, True, tokenizer)
 
     def build_if_needed():
-        if _is_up_to_date(prefix, wanted):
+        if dataset_exists(prefix) and read_record(prefix) == wanted:
             return
         log_rank_zero(f" > tokenizing {json_path} into {prefix}.bin/.idx")
-        if os.path.exists(sidecar_path(prefix)):
-            os.remove(sidecar_path(prefix))  # a crash mid-build must not leave it vouching
         start = time.perf_counter()
         outputs, stats = tokenize_loose_json(json_path, output_prefix, ConstantFactory(tokenizer),
                                              json_keys=(json_key,), append_eod=True,
                                              workers=workers, log_interval=10000)
         log_rank_zero(format_summary(outputs, stats, time.perf_counter() - start))
-        _write_sidecar(prefix, wanted)
 
     build_on_rank_zero(build_if_needed, group, what=f"the tokenized corpus {prefix}")
     if not dataset_exists(prefix):

@@ -22,6 +22,8 @@ from megatron.data.json_lines import MalformedLine, parse_record
 from megatron.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_dtype,
                                            data_file_path, index_file_path)
 from megatron.data.progress import Progress
+from megatron.data.tokenization_record import (record_path, remove_record, tokenization_record,
+                                               write_record)
 from megatron.errors import DataError, MegatronError
 
 _MAX_EXAMPLES = 5  # malformed lines quoted in the final report
@@ -221,12 +223,16 @@ def tokenize_loose_json(input_path, output_prefix, make_tokenizer, json_keys=("t
     tokenizer = make_tokenizer()
     dtype = best_dtype(tokenizer.vocab_size)
     outputs = {key: output_prefix_for(output_prefix, key) for key in json_keys}
+    records = {key: tokenization_record(input_path, key, append_eod, tokenizer)
+               for key in json_keys}  # the source as read, before any change made mid-run
     out_dir = os.path.dirname(os.path.abspath(next(iter(outputs.values()))))
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as error:
         raise DataError(f"--output-prefix {output_prefix}: cannot make the folder {out_dir} "
                         f"({error.strerror})") from None
+    for prefix in outputs.values():
+        remove_record(prefix)
     progress = Progress(os.path.getsize(input_path), log_interval, stream or sys.stderr)
     ranges = split_line_ranges(input_path, workers)
     try:
@@ -260,6 +266,8 @@ def tokenize_loose_json(input_path, output_prefix, make_tokenizer, json_keys=("t
         raise DataError(f"{input_path} holds no usable documents ({stats.malformed} malformed "
                         f"lines, {stats.empty} empty documents{first}); it must be loose JSON, "
                         f"one {{{keys}}} object per line")
+    for key, prefix in outputs.items():
+        write_record(prefix, records[key])
     return outputs, stats
 
 
@@ -390,5 +398,6 @@ def format_summary(outputs, stats, seconds):
     if stats.malformed > len(stats.examples):
         lines.append(f"  ... and {stats.malformed - len(stats.examples)} more malformed lines")
     for prefix in outputs.values():
-        lines.append(f"  wrote {data_file_path(prefix)} and {index_file_path(prefix)}")
+        lines.append(f"  wrote {data_file_path(prefix)}, {index_file_path(prefix)} and "
+                     f"{record_path(prefix)} (source and tokenizer, checked by training)")
     return "\n".join(lines)

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 import megatron.data.corpora as corpora
-from megatron.data.corpora import (corpus_data_prefix, prepare_loose_json_corpus,
-                                   resolve_corpus, sidecar_path)
+from megatron.data.corpora import corpus_data_prefix, prepare_loose_json_corpus, resolve_corpus
 from megatron.data.gpt2_dataset import build_train_valid_test_datasets
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.rank_zero import build_on_rank_zero
+from megatron.data.tokenization_record import record_path
 from megatron.errors import DataError
 from tests.data.fakes import ByteTokenizer, ShiftedByteTokenizer, write_loose_json
 from tests.dist_utils import run_distributed
@@ -49,7 +49,7 @@ def test_json_path_is_tokenized_next_to_it_with_eod(data_dir):
     assert prefix == str(data_dir / "my_text_document")
     docs = [list(d) for d in MMapIndexedDataset(prefix)]
     assert docs == [list(t.encode()) + [256] for t in TEXTS if t]
-    assert os.path.exists(sidecar_path(prefix))
+    assert os.path.exists(record_path(prefix))
 
 
 def test_rebuilds_only_when_source_or_tokenizer_changes(data_dir, monkeypatch):
@@ -67,7 +67,7 @@ def test_rebuilds_only_when_source_or_tokenizer_changes(data_dir, monkeypatch):
     write_loose_json(data_dir / "c.json", [{"text": "new content"}])
     prepare_loose_json_corpus(path, ShiftedByteTokenizer())
     assert len(calls) == 3 and len(MMapIndexedDataset(prefix)) == 1
-    os.remove(sidecar_path(prefix))
+    os.remove(record_path(prefix))
     prepare_loose_json_corpus(path, ShiftedByteTokenizer())
     assert len(calls) == 4
 
@@ -76,7 +76,7 @@ def test_corpus_without_documents(data_dir):
     path = write_loose_json(data_dir / "bad.json", [], raw_lines=[b"not json", b"{}"])
     with pytest.raises(DataError, match="no usable documents"):
         prepare_loose_json_corpus(path, ByteTokenizer())
-    assert not os.path.exists(sidecar_path(str(data_dir / "bad_text_document")))
+    assert not os.path.exists(record_path(str(data_dir / "bad_text_document")))
 
 
 def _distributed_body(rank, world_size, json_path):

@@ -67,7 +67,8 @@ def test_workers_give_byte_identical_output_and_count_bad_lines(tmp_path, monkey
         assert stats.bytes_read == os.path.getsize(corpus)
         outputs[workers] = [open(out["text"] + ext, "rb").read() for ext in (".bin", ".idx")]
         assert sorted(os.listdir(tmp_path / f"w{workers}")) == [
-            "out_text_document.bin", "out_text_document.idx"]  # partials cleaned up
+            "out_text_document.bin", "out_text_document.idx",
+            "out_text_document.source.json"]  # partials cleaned up
     assert outputs[1] == outputs[2] == outputs[3]
     ds = MMapIndexedDataset(str(tmp_path / "w2" / "out_text_document"))
     assert ds.dtype == np.uint16 and len(ds) == 60

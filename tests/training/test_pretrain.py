@@ -152,6 +152,21 @@ def test_token_ids_beyond_the_vocabulary_stop_before_training(corpus, tmp_path, 
     assert "holds token id 600, but the model's vocabulary has 512 entries" in err
 
 
+def test_a_dataset_tokenized_by_another_tokenizer_stops_before_training(corpus, tmp_path,
+                                                                        capsys):
+    """Byte ids fit the 512-token vocabulary, so only the tokenization record tells."""
+    from megatron.data.preprocessing import ConstantFactory, tokenize_loose_json
+    from tests.data.fakes import ByteTokenizer
+    outputs, _ = tokenize_loose_json(corpus["json"], str(tmp_path / "bytes"),
+                                     ConstantFactory(ByteTokenizer()), append_eod=True)
+    capsys.readouterr()
+    assert run(corpus, tmp_path, "--data-path", outputs["text"], iters=3) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert "bytes_text_document.bin was tokenized by ByteTokenizer (vocab 257, eod 256)" in err
+    assert "this run's tokenizer is GPT2BPETokenizer (vocab " in err
+
+
 def test_a_finished_run_continues_with_more_train_iters(corpus, tmp_path, capsys):
     """The README's 'raise TRAIN_ITERS to continue': the decay --train-iters implied follows
     the new length (said once; --warmup-iters 2 was given, so warmup stays), and training
