@@ -80,6 +80,9 @@ def _check_without_torch(argv, message, code):
     (_RUN + ["--model-size", "gpt2-huge"], "--model-size 'gpt2-huge' is not known"),
     (_RUN + ["--data-path", "0.3", "a", "0.7", "b"],
      "--data-path takes one dataset prefix, got 0.3 a 0.7 b: weighted blends"),
+    (_RUN + ["--data-path", "a", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v",
+             "--merge-file", "m", "--split", "-1,50,1"],
+     "error: --split '-1,50,1' needs non-negative weights"),
 ])
 def test_the_trainers_flags_are_checked_before_torch_is_imported(argv, message):
     _check_without_torch(argv, message, 2)

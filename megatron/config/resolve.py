@@ -20,6 +20,7 @@ from megatron.config.from_checkpoint import (describe, optimizer_change_note,
 from megatron.config.sections import (CheckpointConfig, DataConfig, EngineConfig, LoggingConfig,
                                       ModelConfig, OptimizerConfig, ParallelConfig,
                                       PrecisionConfig, TrainConfig, TrainingConfig)
+from megatron.data.splits import parse_splits
 from megatron.errors import ConfigError
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "batch_size",
@@ -64,6 +65,7 @@ def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provide
         parser = extra_args_provider(parser)
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     _refuse_data_blend(argv)
+    argv = _split_value_with_a_dash(argv)
     raw = vars(parser.parse_args(argv))
     given = given_on_command_line(parser, argv)
     if raw["deepspeed_mpi"]:  # rank and world size from the MPI launcher, before they are read
@@ -101,6 +103,22 @@ def _refuse_data_blend(argv):
                           "weighted blends (W1 PREFIX1 W2 PREFIX2 ...) are a later Megatron's; "
                           "put the corpora's JSON lines in one file and preprocess it into "
                           "one dataset")
+
+
+def _split_value_with_a_dash(argv):
+    """`--split -1,50,1` as `--split=-1,50,1`: argparse takes a value starting with "-" (and
+    not a plain negative number) for a flag and says "expected one argument"; joined, the
+    value reaches the --split check, which says what is wrong with it."""
+    joined, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--split" and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and not argv[i + 1].startswith("--"):
+            joined.append(f"--split={argv[i + 1]}")
+            i += 2
+        else:
+            joined.append(argv[i])
+            i += 1
+    return joined
 
 
 def require(condition, message):
@@ -324,6 +342,7 @@ def _data(raw):
                 "tools/train_tokenizer.py --input data.json --output-dir DIR)")
     else:
         require(raw["tokenizer_model"], "SentencePieceTokenizer needs --tokenizer-model")
+    parse_splits(raw["split"])  # its errors now, not after the model is built
     return DataConfig(**{name: raw[name] for name in DataConfig.__dataclass_fields__})
 
 

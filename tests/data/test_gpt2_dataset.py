@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import megatron.data.index_maps as index_maps
-from megatron.data.gpt2_dataset import (build_index_mappings_only, build_train_valid_test_datasets,
-                                        parse_splits, split_document_ranges)
+from megatron.data.gpt2_dataset import build_index_mappings_only, build_train_valid_test_datasets
+from megatron.data.splits import parse_splits, split_document_ranges
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.data.index_maps import build_sample_idx, compute_index_maps, index_map_paths
 from megatron.errors import DataError

@@ -107,6 +107,21 @@ def test_missing_required_flag():
         resolve_config(argv, world_size=1)
 
 
+@pytest.mark.parametrize("split, message", [
+    ("-1,50,1", "--split '-1,50,1' needs non-negative weights"),
+    ("1,2,3,4", "--split '1,2,3,4' has 4 entries"),
+    ("90,x,1", "--split '90,x,1' is not a list of numbers"),
+])
+def test_a_bad_split_is_refused_with_the_flags(split, message):
+    """Before any data or model is built (it used to be found after both); a value starting
+    with a dash is the --split check's error, not argparse's "expected one argument"."""
+    from megatron.errors import DataError
+    with pytest.raises(DataError) as info:
+        parse("--split", split)
+    assert str(info.value).startswith(message)
+    assert parse("--split", "98/2").data.split == "98/2"
+
+
 def test_unknown_flag_is_rejected_not_ignored():
     with pytest.raises(SystemExit):
         parse("--no-such-flag")
