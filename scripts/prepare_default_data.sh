@@ -15,7 +15,9 @@
 # Steps 2-4 are skipped when their outputs exist, so a DATA_DIR prepared elsewhere (or by
 # hand, with the same file names) is used as it is.
 #
-# Reads:  DATA_DIR (default <repo>/data), VOCAB_SIZE (8192), WORKERS (2), VENV (<repo>/.venv).
+# Reads:  DATA_DIR (default <repo>/data), VOCAB_SIZE (8192), WORKERS (2), VENV (<repo>/.venv),
+#         TRAINER_ARGS (an array: the launch script's pretrain_gpt2.py flags, checked after
+#         setup and before the data steps).
 # Sets:   PY (the venv's python), CORPUS, TOKENIZER_DIR, DATA_PREFIX (add _text_document for
 #         --data-path), the function `set_precision_flags ARGS...` (PRECISION_FLAGS from
 #         PRECISION, measured when unset), and `print_compute_estimate LAYERS HIDDEN VOCAB SEQ ITERS
@@ -32,6 +34,12 @@ WORKERS="${WORKERS:-2}"
 
 bash scripts/setup.sh
 PY="${VENV:-$ROOT/.venv}/bin/python"
+
+# A launch script's extra arguments (TRAINER_ARGS, set before sourcing this) are pretrain_gpt2.py
+# flags: a typo stops here in a second, not after minutes of the steps below.
+if [ -n "${TRAINER_ARGS+set}" ] && [ "${#TRAINER_ARGS[@]}" -gt 0 ]; then
+    "$PY" -m megatron.config.check_flags "${TRAINER_ARGS[@]}"
+fi
 
 CORPUS="$DATA_DIR/webtext/data.json"
 TOKENIZER_DIR="$DATA_DIR/tokenizer"

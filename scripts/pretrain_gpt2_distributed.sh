@@ -23,7 +23,8 @@
 #                  data-parallel size = NNODES * GPUS_PER_NODE / (MP_SIZE * PP_SIZE)
 #   VP_LAYERS      --num-layers-per-virtual-pipeline-stage (interleaved 1F1B; unset: plain)
 #   OMP_NUM_THREADS  CPU threads per process (default: cores / GPUS_PER_NODE)
-# Any extra arguments are passed on to pretrain_gpt2.py.  Data: scripts/prepare_default_data.sh,
+# Any extra arguments are passed on to pretrain_gpt2.py (checked as its flags before the data
+# steps).  Data: scripts/prepare_default_data.sh,
 # the same corpus, tokenizer and .bin/.idx as pretrain_gpt2.sh.  Every node prepares what its
 # DATA_DIR lacks, so with a DATA_DIR shared by the nodes run
 # `bash scripts/prepare_default_data.sh` once before launching.
@@ -75,6 +76,7 @@ LOG_INTERVAL="${LOG_INTERVAL:-10}"; EVAL_INTERVAL="${EVAL_INTERVAL:-100}"
 EVAL_ITERS="${EVAL_ITERS:-5}"; SAVE_INTERVAL="${SAVE_INTERVAL:-$TRAIN_ITERS}"
 WORKERS="${WORKERS:-2}"
 
+TRAINER_ARGS=("$@")  # checked as pretrain_gpt2.py flags before the data is prepared
 source scripts/prepare_default_data.sh  # sets PY, TOKENIZER_DIR, DATA_PREFIX
 
 if [ -z "${GPUS_PER_NODE:-}" ]; then

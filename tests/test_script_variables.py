@@ -81,3 +81,22 @@ def test_a_number_too_long_for_bash_arithmetic_is_refused():
     done = _checked("require_whole 1 N", N="1" * 19)
     assert done.returncode == 2
     assert done.stderr.startswith("N must be a whole number >= 1")
+
+
+@pytest.mark.parametrize("script, extra, message", [
+    ("pretrain_gpt2.sh", ["--fp166"], "pretrain_gpt2.py: error: unrecognized arguments: --fp166"),
+    ("pretrain_gpt2_distributed.sh", ["--lr", "fast"],
+     "pretrain_gpt2.py: error: argument --lr: invalid float value: 'fast'"),
+    ("ds_pretrain_gpt2.sh", ["--split", "-1,50,1"],
+     "error: --split '-1,50,1' needs non-negative weights"),
+], ids=["typo", "bad-value", "bad-split"])
+def test_a_bad_trainer_argument_stops_the_script_before_the_data_is_prepared(
+        tmp_path, script, extra, message):
+    """The launch scripts' extra arguments are pretrain_gpt2.py's: checked once setup has made
+    the venv, before minutes of corpus download, tokenizer training and preprocessing."""
+    env = clean_environment(DATA_DIR=str(tmp_path / "data"))
+    done = subprocess.run(["bash", f"scripts/{script}", *extra], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(message), done.stderr
+    assert not (tmp_path / "data").exists()  # nothing prepared

@@ -64,9 +64,7 @@ def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provide
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    _refuse_data_blend(argv)
-    argv = _split_value_with_a_dash(argv)
-    raw = vars(parser.parse_args(argv))
+    argv, raw = parse_command_line(parser, argv)
     given = given_on_command_line(parser, argv)
     if raw["deepspeed_mpi"]:  # rank and world size from the MPI launcher, before they are read
         from zero.config.arguments import apply_mpi_environment
@@ -84,6 +82,14 @@ def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provide
     change = optimizer_change_note(raw)
     notes += (change,) if change else ()
     return freeze(raw, given, world_size, notes, extra)
+
+
+def parse_command_line(parser, argv):
+    """(argv as parsed, its values as a dict): argparse's own errors (an unknown flag, a value
+    of the wrong type) exit with usage; the two it would word misleadingly are ours."""
+    _refuse_data_blend(argv)
+    argv = _split_value_with_a_dash(argv)
+    return argv, vars(parser.parse_args(argv))
 
 
 def _refuse_data_blend(argv):
