@@ -20,15 +20,13 @@ import ipaddress
 import os
 import re
 import sys
-import time
 from urllib.parse import urlsplit
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron.errors import DataError  # noqa: E402
-from tools.openwebtext.external import dedup_lines  # noqa: E402
+from tools.openwebtext.external import filter_then_dedup_lines  # noqa: E402
 from tools.openwebtext.streaming import (MALFORMED, Malformed, input_files,  # noqa: E402
-                                         run_line_filter,
                                          stage_main)
 
 # Hosts whose pages are images, video, social-media shells or file downloads, not prose.
@@ -161,23 +159,10 @@ def build_filter(args):
 
 def run(args, stream=None):
     """Filter, then drop duplicates; returns the StageReport."""
-    started = time.perf_counter()
     url_filter = build_filter(args)
-    files = input_files(args.inputs)
-    filtered = f"{args.output}.filtered.tmp"
-    try:
-        report = run_line_filter("blacklist_urls", files, filtered, _FilterFactory(url_filter),
-                                 args.workers, stream)
-        duplicates = dedup_lines(filtered, args.output, lambda line: line.rstrip(b"\n"),
-                                 stage="blacklist_urls: duplicates")
-    finally:
-        if os.path.exists(filtered):
-            os.remove(filtered)
-    report.seconds = time.perf_counter() - started
-    report.kept -= duplicates
-    if duplicates:
-        report.dropped["duplicate"] += duplicates
-    return report
+    return filter_then_dedup_lines("blacklist_urls", input_files(args.inputs), args.output,
+                                   _FilterFactory(url_filter), args.workers, stream,
+                                   lambda line: line.rstrip(b"\n"), "duplicate")
 
 
 def main(argv=None):

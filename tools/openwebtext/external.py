@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import time
 
-from tools.openwebtext.streaming import AtomicOutput, Progress, process_context
+from tools.openwebtext.streaming import AtomicOutput, Progress, process_context, run_line_filter
 
 BUCKET_BYTES = 64 << 20
 
@@ -30,6 +30,26 @@ def _temp_dir_beside(path, prefix):
 
 def _digest(key):
     return hashlib.blake2b(key, digest_size=16).digest()  # same in every process, unlike hash()
+
+
+def filter_then_dedup_lines(stage, paths, output_path, make_filter, workers, stream,
+                            key_of_line, duplicate_reason):
+    """run_line_filter, then dedup_lines by `key_of_line` into `output_path`: the StageReport
+    counts the duplicates dropped as `duplicate_reason` and the time of both passes."""
+    started = time.perf_counter()
+    filtered = f"{output_path}.filtered.tmp"
+    try:
+        report = run_line_filter(stage, paths, filtered, make_filter, workers, stream)
+        duplicates = dedup_lines(filtered, output_path, key_of_line,
+                                 stage=f"{stage}: {duplicate_reason}s")
+    finally:
+        if os.path.exists(filtered):
+            os.remove(filtered)
+    report.seconds = time.perf_counter() - started
+    report.kept -= duplicates
+    if duplicates:
+        report.dropped[duplicate_reason] += duplicates
+    return report
 
 
 def dedup_lines(in_path, out_path, key_of_line, bucket_bytes=BUCKET_BYTES, stage="dedup"):

@@ -14,14 +14,12 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tools.openwebtext.external import dedup_lines  # noqa: E402
+from tools.openwebtext.external import filter_then_dedup_lines  # noqa: E402
 from tools.openwebtext.streaming import (dump_json_line, input_files,  # noqa: E402
-                                         parse_json_record, run_line_filter,
-                                         stage_main)
+                                         parse_json_record, stage_main)
 
 JSON_SUFFIXES = (".json", ".jsonl")
 
@@ -52,22 +50,9 @@ def get_args(argv=None):
 
 
 def run(args, stream=None):
-    started = time.perf_counter()
-    files = input_files(args.json_path, JSON_SUFFIXES)
-    merged = f"{args.output_file}.merged.tmp"
-    try:
-        report = run_line_filter("merge_jsons", files, merged, _make_page_filter, args.workers,
-                                 stream)
-        duplicates = dedup_lines(merged, args.output_file, url_of_json_line,
-                                 stage="merge_jsons: duplicate urls")
-    finally:
-        if os.path.exists(merged):
-            os.remove(merged)
-    report.seconds = time.perf_counter() - started
-    report.kept -= duplicates
-    if duplicates:
-        report.dropped["duplicate url"] += duplicates
-    return report
+    return filter_then_dedup_lines("merge_jsons", input_files(args.json_path, JSON_SUFFIXES),
+                                   args.output_file, _make_page_filter, args.workers, stream,
+                                   url_of_json_line, "duplicate url")
 
 
 def main(argv=None):
