@@ -83,6 +83,9 @@ def _check_without_torch(argv, message, code):
     (_RUN + ["--data-path", "a", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v",
              "--merge-file", "m", "--split", "-1,50,1"],
      "error: --split '-1,50,1' needs non-negative weights"),
+    (_RUN + ["--scaled-masked-softmax-fusion"],
+     "error: Megatron-LM flag not taken here (drop it): --scaled-masked-softmax-fusion: "
+     "attention is torch's scaled_dot_product_attention"),
 ])
 def test_the_trainers_flags_are_checked_before_torch_is_imported(argv, message):
     _check_without_torch(argv, message, 2)

@@ -2,13 +2,15 @@
 
 Each flag's default is written here once. A default of None means "not given": the value is
 then derived from other flags in `megatron/config/resolve.py`, as the help text says. Flags of
-the original trainers that this one does not implement are not accepted (argparse says so)
-rather than parsed and ignored.
+the original trainers that this one does not implement are not accepted rather than parsed and
+ignored: `megatron_flags.py` names Megatron-LM's with what to do instead.
 """
 
 import argparse
 import copy
 import math
+
+from megatron.config.megatron_flags import add_always_so_flags
 
 
 def build_parser():
@@ -16,7 +18,8 @@ def build_parser():
                                      allow_abbrev=False)
     for add_group in (_network, _regularization, _training, _learning_rate, _checkpointing,
                       _mixed_precision, _distributed, _validation, _data, _logging,
-                      _reliability, _deepspeed, _zero, _activation_checkpointing, _tiling):
+                      _reliability, _deepspeed, _zero, _activation_checkpointing, _tiling,
+                      add_always_so_flags):
         add_group(parser)
     return parser
 

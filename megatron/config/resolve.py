@@ -15,6 +15,7 @@ from types import MappingProxyType
 
 from megatron.config import activation, engine
 from megatron.config.flags import build_parser, given_on_command_line
+from megatron.config.megatron_flags import always_so_notes, refuse_flags_not_taken
 from megatron.config.from_checkpoint import (describe, optimizer_change_note,
                                              values_from_checkpoint)
 from megatron.config.sections import (CheckpointConfig, DataConfig, EngineConfig, LoggingConfig,
@@ -78,7 +79,8 @@ def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provide
         from megatron.runtime.launch import discover_launch_environment
         world_size = discover_launch_environment().world_size
     extra = {key: value for key, value in raw.items() if key not in known}
-    notes = (describe(raw["load"], taken),) if taken else ()
+    notes = always_so_notes(raw)
+    notes += (describe(raw["load"], taken),) if taken else ()
     change = optimizer_change_note(raw)
     notes += (change,) if change else ()
     return freeze(raw, given, world_size, notes, extra)
@@ -87,6 +89,7 @@ def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provide
 def parse_command_line(parser, argv):
     """(argv as parsed, its values as a dict): argparse's own errors (an unknown flag, a value
     of the wrong type) exit with usage; the two it would word misleadingly are ours."""
+    refuse_flags_not_taken(argv)
     _refuse_data_blend(argv)
     argv = _split_value_with_a_dash(argv)
     return argv, vars(parser.parse_args(argv))

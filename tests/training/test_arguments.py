@@ -122,6 +122,34 @@ def test_a_bad_split_is_refused_with_the_flags(split, message):
     assert parse("--split", "98/2").data.split == "98/2"
 
 
+def test_megatron_flags_not_taken_are_one_error_that_says_what_to_do_instead():
+    with pytest.raises(ConfigError) as info:
+        parse("--apply-query-key-layer-scaling", "--train-tokens", "300000",
+              "--num-unique-layers=2")
+    message = str(info.value)
+    assert message.startswith("Megatron-LM flags not taken here (drop them): ")
+    assert "--train-tokens: lengths in tokens are not built: give --train-iters" in message
+    assert "--num-unique-layers: sharing weights between layers is not built" in message
+    assert "--apply-query-key-layer-scaling: an fp16 guard" in message
+    with pytest.raises(ConfigError, match=r"flag not taken here \(drop it\): --bias-gelu-fusion: "
+                                          r".*--compile fuses"):
+        parse("--bias-gelu-fusion")
+
+
+def test_megatron_flags_for_what_is_always_so_are_taken_and_said():
+    from megatron.config.flags import build_parser
+    from megatron.config.megatron_flags import ALWAYS_SO, NOT_TAKEN
+    known = {s for action in build_parser()._actions for s in action.option_strings}
+    assert not known & set(NOT_TAKEN) and set(ALWAYS_SO) <= known
+    assert parse().notes == ()
+    notes = parse("--openai-gelu", "--use-cpu-initialization").notes
+    assert notes == ("--openai-gelu asks for what this trainer always does: the MLP's GeLU is "
+                     "always GPT-2's tanh form",
+                     "--use-cpu-initialization asks for what this trainer always does: weights "
+                     "are always initialised on the CPU, each as the full tensor from the seeded "
+                     "generator, then cut for their rank")
+
+
 def test_unknown_flag_is_rejected_not_ignored():
     with pytest.raises(SystemExit):
         parse("--no-such-flag")

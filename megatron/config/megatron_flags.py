@@ -1,0 +1,84 @@
+"""Megatron-LM 1.1.5 (DeepSpeed's fork) flags that are not flags of this trainer, each with
+what to do instead: a ported command line gets one error naming them all, not argparse's
+"unrecognized arguments". Two ask for what this trainer always does; those are taken and
+said once at start-up.
+"""
+
+from megatron.errors import ConfigError
+
+_FUSED_ATTENTION = ("attention is torch's scaled_dot_product_attention, one fused kernel "
+                    "wherever torch has one; there is no separate softmax to fuse")
+_FP32_SCORES = ("an fp16 guard for Megatron's own attention kernel; here torch's attention "
+                "computes the softmax in fp32 from the scaled scores (on a CPU, prefer --bf16)")
+_TOKEN_LENGTHS = ("lengths in tokens are not built: give --train-iters and --lr-decay-iters "
+                  "(tokens = iterations x global batch x --seq-length)")
+_AUTORESUME = ("NVIDIA's cluster autoresume is not built: --exit-signal-handler saves and "
+               "exits on SIGTERM, --exit-duration-in-mins before the allocation ends, and "
+               "--load resumes")
+
+# flag -> why it is not taken and what to do instead
+NOT_TAKEN = {
+    "--num-unique-layers": "sharing weights between layers is not built; every layer has its "
+                           "own",
+    "--param-sharing-style": "sharing weights between layers is not built; every layer has its "
+                             "own",
+    "--apply-residual-connection-post-layernorm": "the model is GPT-2's pre-LayerNorm block; "
+                                                  "the post-LayerNorm residual is not built",
+    "--onnx-safe": "the MLP's GeLU is GPT-2's tanh form; the erf form for ONNX export is not "
+                   "built",
+    "--train-tokens": _TOKEN_LENGTHS,
+    "--lr-decay-tokens": _TOKEN_LENGTHS,
+    "--scaled-upper-triang-masked-softmax-fusion": _FUSED_ATTENTION,
+    "--scaled-masked-softmax-fusion": _FUSED_ATTENTION,
+    "--bias-gelu-fusion": "Megatron's TorchScript fusion; --compile fuses each layer's bias, "
+                          "GeLU, dropout and residual add",
+    "--bias-dropout-fusion": "Megatron's TorchScript fusion; --compile fuses each layer's "
+                             "bias, GeLU, dropout and residual add",
+    "--apply-query-key-layer-scaling": _FP32_SCORES,
+    "--attention-softmax-in-fp32": _FP32_SCORES,
+    "--fp16-lm-cross-entropy": "the loss is computed in fp32 from 16-bit logits (on a CPU in "
+                               "chunks, without an fp32 copy of them); an fp16 loss is not "
+                               "built",
+    "--lazy-mpu-init": "process groups started by an outside framework are not built; torchrun "
+                       "or the launcher's variables start every rank",
+    "--scattered-embeddings": "scattering the embedding and attention outputs over tensor-"
+                              "parallel ranks is not built (--partition-activations splits the "
+                              "checkpointed activations)",
+    "--mask-prob": "a BERT flag; this trainer trains GPT-2",
+    "--short-seq-prob": "a BERT flag; this trainer trains GPT-2",
+    "--adlr-autoresume": _AUTORESUME,
+    "--adlr-autoresume-interval": _AUTORESUME,
+}
+
+# flag -> what this trainer always does, which the flag asks for
+ALWAYS_SO = {
+    "--openai-gelu": "the MLP's GeLU is always GPT-2's tanh form",
+    "--use-cpu-initialization": "weights are always initialised on the CPU, each as the full "
+                                "tensor from the seeded generator, then cut for their rank",
+}
+
+
+def refuse_flags_not_taken(argv):
+    """ConfigError naming every NOT_TAKEN flag in `argv` (`--flag` or `--flag=value`)."""
+    given = [flag for flag in NOT_TAKEN
+             if any(arg == flag or arg.startswith(flag + "=") for arg in argv)]
+    if given:
+        reasons = "; ".join(f"{flag}: {NOT_TAKEN[flag]}" for flag in given)
+        raise ConfigError(f"Megatron-LM flag{'s' if len(given) > 1 else ''} not taken here "
+                          f"(drop {'them' if len(given) > 1 else 'it'}): {reasons}")
+
+
+def add_always_so_flags(parser):
+    group = parser.add_argument_group("Megatron-LM flags for what this trainer always does")
+    for flag, what in ALWAYS_SO.items():
+        group.add_argument(flag, action="store_true", help=f"accepted: {what}")
+
+
+def always_so_notes(raw):
+    """One note per ALWAYS_SO flag given (its dest set in the parsed `raw`)."""
+    return tuple(f"{flag} asks for what this trainer always does: {what}"
+                 for flag, what in ALWAYS_SO.items() if raw.get(_dest(flag)))
+
+
+def _dest(flag):
+    return flag.lstrip("-").replace("-", "_")
