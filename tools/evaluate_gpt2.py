@@ -18,6 +18,7 @@ quantisation costs is seen before it is deployed.
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,13 +50,19 @@ def get_args(argv=None):
     g.add_argument("--strict-lambada", action="store_true",
                    help="LAMBADA: the target is the whole last word, not its last BPE token")
     g.add_argument("--results-file", default=None, help="write the metrics as JSON here")
+    g.add_argument("--batch-size", type=int, default=1,
+                   help="windows (WIKITEXT103) or passages (LAMBADA) per forward pass; the "
+                        "metrics do not depend on it")
+    g.add_argument("--log-interval", type=int, default=None,
+                   help="print progress every this many batches (default: no progress lines)")
     args = parser.parse_args(argv)
     if args.strict_lambada and args.task != "LAMBADA":
         raise ConfigError("--strict-lambada applies to --task LAMBADA")
     if args.overlapping_eval is not None and args.task != "WIKITEXT103":
         raise ConfigError("--overlapping-eval applies to --task WIKITEXT103")
     for flag, value in (("--seq-length", args.seq_length),
-                        ("--overlapping-eval", args.overlapping_eval)):
+                        ("--overlapping-eval", args.overlapping_eval),
+                        ("--batch-size", args.batch_size), ("--log-interval", args.log_interval)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     if args.results_file:
@@ -80,20 +87,37 @@ def evaluate(args, model, tokenizer, contents):
     score = zeroshot.model_score_fn(model, tokenizer.vocab_size)
     results = []
     for path, content in zip(args.valid_data, contents):
+        progress = _progress_printer(args, path)
         if args.task == "WIKITEXT103":
             text = content
             result = zeroshot.evaluate_wikitext(score, tokenizer, text, seq_length,
-                                                args.overlapping_eval)
+                                                args.overlapping_eval, args.batch_size, progress)
             results.append({"file": path, "avg_loss": result.avg_loss, "ppl": result.ppl,
                             "adjusted_ppl": result.adjusted_ppl,
                             "num_tokenized_tokens": result.num_tokenized_tokens,
                             "num_original_tokens": result.num_original_tokens})
         else:
             correct, total = zeroshot.evaluate_lambada(score, tokenizer, content, seq_length,
-                                                       args.strict_lambada)
+                                                       args.strict_lambada, args.batch_size,
+                                                       progress)
             results.append({"file": path, "accuracy": correct / total, "correct": correct,
                             "total": total, "strict": args.strict_lambada})
     return results
+
+
+def _progress_printer(args, path):
+    """progress(done, total) printing every --log-interval batches on the first rank."""
+    if args.log_interval is None or (dist.is_initialized() and dist.get_rank() != 0):
+        return None
+    what = "windows" if args.task == "WIKITEXT103" else "passages"
+    every = args.log_interval * args.batch_size
+    started = time.perf_counter()
+
+    def progress(done, total):
+        if done % every == 0 or done == total:
+            print(f" {args.task} {path} | {what} {done}/{total} | elapsed "
+                  f"{time.perf_counter() - started:.1f} s", flush=True)
+    return progress
 
 
 def with_quantization_change(results, baseline, scheme):

@@ -45,8 +45,12 @@ def add_inference_arguments(parser):
     g.add_argument("--vocab-file", default=None, help="default: from the checkpoint")
     g.add_argument("--merge-file", default=None, help="default: from the checkpoint")
     g.add_argument("--tokenizer-model", default=None, help="default: from the checkpoint")
-    g.add_argument("--precision", choices=sorted(DTYPES), default="fp32",
-                   help="dtype of the weights at inference (default fp32)")
+    precision = g.add_mutually_exclusive_group()
+    precision.add_argument("--precision", choices=sorted(DTYPES), default="fp32",
+                           help="dtype of the weights at inference (default fp32)")
+    for name in ("fp16", "bf16"):  # Megatron's spelling, which its scripts pass
+        precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name,
+                               help=f"--precision {name}")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--threads", type=int, default=None, help="CPU threads per process")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -56,7 +60,19 @@ def add_inference_arguments(parser):
         "generation and evaluation scripts pass) are checked against it")
     for flag, kind in SHAPE_FLAGS.items():
         g.add_argument(flag, type=kind, default=None)
+    g = parser.add_argument_group("Megatron flags for what inference always does")
+    for flag, what in INFERENCE_ALWAYS_SO.items():
+        g.add_argument(flag, action="store_true", help=f"accepted: {what}")
     return add_quantization_arguments(parser)
+
+
+# Megatron flags its generation and evaluation scripts pass, asking for what inference does
+INFERENCE_ALWAYS_SO = {
+    "--no-load-optim": "inference never loads optimizer states",
+    "--no-load-rng": "inference never loads the checkpoint's RNG states",
+    "--checkpoint-activations": "inference keeps no activations for a backward pass (there "
+                                "is none), which is all the flag saves",
+}
 
 
 # flag -> type; each is a key of the args a checkpoint records

@@ -15,6 +15,7 @@ LAMBADA (`lambada_test.jsonl`, one {"text": passage} per line):
     passage counts as correct when every target token is the argmax.
 """
 
+import itertools
 import json
 import math
 import os
@@ -114,8 +115,10 @@ def window_starts(num_tokens, seq_length, stride):
     return windows
 
 
-def evaluate_wikitext(score_fn, tokenizer, text, seq_length, overlapping_eval=None):
-    """WikitextResult; score_fn(tokens [1, s]) -> log-probs [1, s, v] of the next token."""
+def evaluate_wikitext(score_fn, tokenizer, text, seq_length, overlapping_eval=None,
+                      batch_size=1, progress=None):
+    """WikitextResult; score_fn(tokens [b, s]) -> log-probs [b, s, v] of the next token.
+    `batch_size` windows per call; progress(windows done, windows) after each call."""
     stride = seq_length if overlapping_eval is None else overlapping_eval
     if not 0 < stride <= seq_length:
         raise DataError(f"--overlapping-eval {stride} must lie in [1, --seq-length "
@@ -124,14 +127,35 @@ def evaluate_wikitext(score_fn, tokenizer, text, seq_length, overlapping_eval=No
     tokens = tokenizer.tokenize(wikitext_detokenizer(text))
     if len(tokens) < 2:
         raise DataError("the text tokenizes to fewer than two tokens")
+    windows = window_starts(len(tokens), seq_length, stride)
+    # inputs, and the rows that predict the targets (row j predicts token start + j + 1)
+    requests = ((tokens[start:last], range(first - 1 - start, last - start))
+                for start, first, last in windows)
     total = 0.0
-    for start, first, last in window_starts(len(tokens), seq_length, stride):
-        window = torch.tensor([tokens[start:last]], dtype=torch.long)  # inputs
+    for (start, first, last), log_probs in zip(
+            windows, scored_rows(score_fn, requests, batch_size, len(windows), progress)):
         targets = torch.tensor(tokens[first:last + 1], dtype=torch.long)
-        log_probs = score_fn(window)[0]  # [s, v]; row j predicts token start + j + 1
-        rows = torch.arange(first - 1 - start, last - start)
-        total -= log_probs[rows, targets].double().sum().item()
+        total -= log_probs.gather(1, targets[:, None]).double().sum().item()
     return WikitextResult(total, len(tokens), num_original)
+
+
+def scored_rows(score_fn, requests, batch_size, count, progress=None):
+    """For each (input ids, rows) of `requests`, in order: the log-probs [len(rows), v] of
+    those rows. `batch_size` requests go through score_fn at once, right-padded to the
+    longest: attention is causal, so a row never sees the padding after it."""
+    if batch_size < 1:
+        raise DataError(f"--batch-size must be at least 1, got {batch_size}")
+    requests, done = iter(requests), 0
+    while batch := list(itertools.islice(requests, batch_size)):
+        inputs = torch.zeros(len(batch), max(len(ids) for ids, _ in batch), dtype=torch.long)
+        for i, (ids, _) in enumerate(batch):
+            inputs[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        log_probs = score_fn(inputs)
+        for i, (_, rows) in enumerate(batch):
+            yield log_probs[i, torch.as_tensor(rows, dtype=torch.long)]
+        done += len(batch)
+        if progress is not None:
+            progress(done, count)
 
 
 def read_lambada(path):
@@ -160,18 +184,24 @@ def lambada_example(tokenizer, text, strict):
     return tokens[:-1], tokens[-1:]
 
 
-def evaluate_lambada(score_fn, tokenizer, texts, seq_length, strict=False):
-    """(correct, total) passages whose target tokens are all predicted by argmax."""
-    correct = 0
+def evaluate_lambada(score_fn, tokenizer, texts, seq_length, strict=False, batch_size=1,
+                     progress=None):
+    """(correct, total) passages whose target tokens are all predicted by argmax;
+    `batch_size` passages per score_fn call, progress(passages done, passages) after each."""
+    examples = []
     for text in texts:
         context, targets = lambada_example(tokenizer, text, strict)
         if not context or not targets:
             raise DataError(f"LAMBADA passage too short to split into context and target: "
                             f"{text[:60]!r}")
         sequence = (context + targets)[-(seq_length + 1):]  # keep the end: it holds the target
-        log_probs = score_fn(torch.tensor([sequence[:-1]], dtype=torch.long))[0]
-        predicted = log_probs[-len(targets):].argmax(dim=-1).tolist()
-        correct += predicted == targets
+        examples.append((sequence[:-1], targets))
+    requests = ((inputs, range(len(inputs) - len(targets), len(inputs)))
+                for inputs, targets in examples)
+    correct = 0
+    for (_, targets), log_probs in zip(
+            examples, scored_rows(score_fn, requests, batch_size, len(examples), progress)):
+        correct += log_probs.argmax(dim=-1).tolist() == targets
     return correct, len(texts)
 
 

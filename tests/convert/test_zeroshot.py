@@ -103,12 +103,14 @@ def test_lambada_accuracy_equals_hand_computation(setup, tmp_path):
     path = tmp_path / "lambada_test.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in passages))
     for strict in (False, True):
-        out = tmp_path / f"r{strict}.json"
-        argv = ["--load", setup["load"], "--task", "LAMBADA", "--valid-data", str(path),
-                "--results-file", str(out)] + (["--strict-lambada"] if strict else [])
-        assert tool.main(argv) == 0
-        result = json.loads(out.read_text())["results"][0]
-        assert (result["correct"], result["total"]) == (expected[strict], 4)
+        for batch in ("1", "3"):  # passages of other lengths in one batch
+            out = tmp_path / f"r{strict}.json"
+            argv = ["--load", setup["load"], "--task", "LAMBADA", "--valid-data", str(path),
+                    "--results-file", str(out), "--batch-size", batch] + \
+                (["--strict-lambada"] if strict else [])
+            assert tool.main(argv) == 0
+            result = json.loads(out.read_text())["results"][0]
+            assert (result["correct"], result["total"]) == (expected[strict], 4)
 
 
 def test_lambada_strict_targets_the_whole_last_word(setup):
@@ -156,9 +158,52 @@ def test_window_flags_and_the_results_file_are_checked_before_loading(tmp_path, 
             str(wiki)]
     cases = [(["--seq-length", "0"], "--seq-length must be at least 1, got 0"),
              (["--overlapping-eval", "0"], "--overlapping-eval must be at least 1, got 0"),
+             (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+             (["--log-interval", "0"], "--log-interval must be at least 1, got 0"),
              (["--results-file", str(tmp_path / "nodir" / "r.json")], "nodir does not exist"),
              (["--results-file", str(wiki)], "is also an input file")]
     for flags, message in cases:
         assert tool.main(base + flags) == 2
         assert message in capsys.readouterr().err
     assert wiki.read_text() == WIKI
+
+
+def test_batched_scoring_gives_each_sequence_its_own_log_probs(setup):
+    """Right padding to the longest of a batch changes no row: compared with one sequence
+    per forward, for sequences of different lengths and rows anywhere in them."""
+    model, vocab = setup["model"], setup["tokenizer"].vocab_size
+    score = zeroshot.model_score_fn(model, vocab)
+    requests = [(list(range(3, 3 + n)), range(n - k, n)) for n, k in
+                ((5, 2), (12, 12), (1, 1), (9, 3), (16, 4))]
+    alone = list(zeroshot.scored_rows(score, requests, 1, len(requests)))
+    seen = []
+    batched = list(zeroshot.scored_rows(score, requests, 3, len(requests),
+                                        progress=lambda done, total: seen.append((done, total))))
+    assert seen == [(3, 5), (5, 5)]
+    for (ids, rows), one, many in zip(requests, alone, batched):
+        assert one.shape == many.shape == (len(rows), vocab)
+        torch.testing.assert_close(many, one, rtol=1e-5, atol=1e-5)
+
+
+def test_megatrons_evaluation_command_line_runs_and_batches_change_no_metric(setup, tmp_path,
+                                                                          capsys):
+    """The flags Megatron's evaluate_zeroshot_gpt2.sh passes (--batch-size 8
+    --checkpoint-activations --log-interval 10 --fp16 --no-load-optim --no-load-rng)."""
+    wiki = tmp_path / "wiki.test.tokens"
+    wiki.write_text(WIKI * 3)
+    base = ["--load", setup["load"], "--task", "WIKITEXT103", "--valid-data", str(wiki),
+            "--seq-length", "8", "--overlapping-eval", "3"]
+    results = {}
+    for name, flags in (("one", []), ("batched", ["--batch-size", "4", "--log-interval", "2"]),
+                        ("megatron", ["--batch-size", "8", "--checkpoint-activations",
+                                      "--log-interval", "10", "--fp16", "--no-load-optim",
+                                      "--no-load-rng"])):
+        out = tmp_path / f"{name}.json"
+        assert tool.main(base + flags + ["--results-file", str(out)]) == 0, name
+        results[name] = json.loads(out.read_text())["results"][0]
+    printed = capsys.readouterr().out
+    assert " WIKITEXT103 " in printed and "windows 8/" in printed and "| elapsed " in printed
+    assert results["batched"]["ppl"] == pytest.approx(results["one"]["ppl"], rel=1e-5)
+    assert results["megatron"]["ppl"] == pytest.approx(results["one"]["ppl"], rel=2e-2)
+    with pytest.raises(SystemExit):  # two precisions: argparse's usage error
+        tool.get_args(base + ["--fp16", "--precision", "bf16"])
