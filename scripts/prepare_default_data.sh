@@ -35,10 +35,13 @@ WORKERS="${WORKERS:-2}"
 bash scripts/setup.sh
 PY="${VENV:-$ROOT/.venv}/bin/python"
 
-# A launch script's extra arguments (TRAINER_ARGS, set before sourcing this) are pretrain_gpt2.py
-# flags: a typo stops here in a second, not after minutes of the steps below.
-if [ -n "${TRAINER_ARGS+set}" ] && [ "${#TRAINER_ARGS[@]}" -gt 0 ]; then
+# A launch script's extra arguments (TRAINER_ARGS, an array set before sourcing this) are
+# pretrain_gpt2.py flags: a typo stops here in a second, not after minutes of the steps below
+# (and --help answers here too). A TRAINER_ARGS from the environment is a string: not ours.
+if [[ "$(declare -p TRAINER_ARGS 2>/dev/null)" == "declare -a"* ]] \
+        && [ "${#TRAINER_ARGS[@]}" -gt 0 ]; then
     "$PY" -m megatron.config.check_flags "${TRAINER_ARGS[@]}"
+    case " ${TRAINER_ARGS[*]} " in *" --help "*|*" -h "*) exit 0 ;; esac
 fi
 
 CORPUS="$DATA_DIR/webtext/data.json"

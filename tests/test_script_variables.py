@@ -100,3 +100,12 @@ def test_a_bad_trainer_argument_stops_the_script_before_the_data_is_prepared(
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(message), done.stderr
     assert not (tmp_path / "data").exists()  # nothing prepared
+
+
+def test_help_answers_before_the_data_is_prepared(tmp_path):
+    env = clean_environment(DATA_DIR=str(tmp_path / "data"), TRAINER_ARGS="not an array")
+    done = subprocess.run(["bash", "scripts/pretrain_gpt2.sh", "--help"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage: pretrain_gpt2.py" in done.stdout and "--num-layers" in done.stdout
+    assert not (tmp_path / "data").exists()

@@ -6,10 +6,13 @@ said once at start-up.
 
 from megatron.errors import ConfigError
 
-_FUSED_ATTENTION = ("attention is torch's scaled_dot_product_attention, one fused kernel "
-                    "wherever torch has one; there is no separate softmax to fuse")
-_FP32_SCORES = ("an fp16 guard for Megatron's own attention kernel; here torch's attention "
-                "computes the softmax in fp32 from the scaled scores (on a CPU, prefer --bf16)")
+_FUSED_ATTENTION = ("attention is torch's scaled_dot_product_attention wherever torch has a "
+                    "fused kernel for it; on a CPU with attention dropout it is a few passes "
+                    "(scale and mask inside the q·kᵀ product, then softmax and dropout), "
+                    "which --compile fuses")
+_FP32_SCORES = ("an fp16 guard for Megatron's own attention kernel; here the scale is applied "
+                "inside the q·kᵀ product and the softmax accumulates in fp32 (on a CPU, "
+                "prefer --bf16)")
 _TOKEN_LENGTHS = ("lengths in tokens are not built: give --train-iters and --lr-decay-iters "
                   "(tokens = iterations x global batch x --seq-length)")
 _AUTORESUME = ("NVIDIA's cluster autoresume is not built: --exit-signal-handler saves and "
@@ -53,15 +56,18 @@ NOT_TAKEN = {
 # flag -> what this trainer always does, which the flag asks for
 ALWAYS_SO = {
     "--openai-gelu": "the MLP's GeLU is always GPT-2's tanh form",
-    "--use-cpu-initialization": "weights are always initialised on the CPU, each as the full "
-                                "tensor from the seeded generator, then cut for their rank",
+    "--use-cpu-initialization": "weights are always initialised on the CPU from the seeded "
+                                "generator, as for the whole tensor, each rank keeping its "
+                                "part",
 }
 
 
-def refuse_flags_not_taken(argv):
-    """ConfigError naming every NOT_TAKEN flag in `argv` (`--flag` or `--flag=value`)."""
-    given = [flag for flag in NOT_TAKEN
-             if any(arg == flag or arg.startswith(flag + "=") for arg in argv)]
+def refuse_flags_not_taken(argv, parser):
+    """ConfigError naming every NOT_TAKEN flag in `argv` (`--flag` or `--flag=value`) that
+    `parser` does not define (a script's extra_args_provider may add one of them)."""
+    defined = {s for action in parser._actions for s in action.option_strings}
+    given = [flag for flag in NOT_TAKEN if flag not in defined
+             and any(arg == flag or arg.startswith(flag + "=") for arg in argv)]
     if given:
         reasons = "; ".join(f"{flag}: {NOT_TAKEN[flag]}" for flag in given)
         raise ConfigError(f"Megatron-LM flag{'s' if len(given) > 1 else ''} not taken here "

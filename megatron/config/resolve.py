@@ -89,7 +89,7 @@ def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provide
 def parse_command_line(parser, argv):
     """(argv as parsed, its values as a dict): argparse's own errors (an unknown flag, a value
     of the wrong type) exit with usage; the two it would word misleadingly are ours."""
-    refuse_flags_not_taken(argv)
+    refuse_flags_not_taken(argv, parser)
     _refuse_data_blend(argv)
     argv = _split_value_with_a_dash(argv)
     return argv, vars(parser.parse_args(argv))

@@ -19,7 +19,8 @@ def parse_splits(splits_string):
     if len(weights) > 3:
         raise DataError(f"--split {splits_string!r} has {len(weights)} entries; it takes at "
                         f"most 3 (train,valid,test)")
-    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+    if any(not math.isfinite(w) or w < 0 for w in weights) or \
+            not 0 < sum(weights) < math.inf:
         raise DataError(f"--split {splits_string!r} needs non-negative weights with a positive "
                         f"sum, e.g. '949,50,1'")
     weights += [0.0] * (3 - len(weights))

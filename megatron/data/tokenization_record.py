@@ -4,15 +4,15 @@ Every tokenization (tools/preprocess_data.py, a `--train-data` corpus) writes
 `<prefix>.source.json`: the source file, its JSON key, whether an end-of-document token ends
 each document, and the tokenizer's identity. Training reads it back: a dataset tokenized by
 another tokenizer is one clear error even when its ids happen to fit this vocabulary, and a
-dataset without document boundaries is said once. Datasets made elsewhere (no record) get the
-boundary check from their first documents instead.
+dataset without document boundaries is said once. Datasets made elsewhere (no record, or one
+written for other `.bin/.idx` files) get the boundary check from their first documents instead.
 """
 
 import hashlib
 import json
 import os
 
-from megatron.data.indexed_dataset import BUILD_HINT, data_file_path
+from megatron.data.indexed_dataset import BUILD_HINT, data_file_path, index_file_path
 from megatron.errors import DataError, TokenizerError
 from megatron.tokenizer.file_utils import atomic_write_bytes
 
@@ -52,18 +52,39 @@ def tokenization_record(json_path, json_key, append_eod, tokenizer):
 
 
 def read_record(prefix):
-    """The record beside `prefix` as a dict, or None (absent, unreadable or not a record)."""
+    """The record beside `prefix` as a dict, or None: absent, unreadable, not a record, or
+    stale (the `.bin/.idx` are not the files it was written for: rewritten by a tool that
+    writes no record, or copied over)."""
     try:
         with open(record_path(prefix)) as f:
             record = json.load(f)
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) else None
+    if not isinstance(record, dict) or record.pop(_FILES, None) != _files_stamp(prefix):
+        return None
+    return record
 
 
 def write_record(prefix, record):
+    """Write `record` for the `.bin/.idx` of `prefix` as they are now (so that read_record
+    tells when they change)."""
+    stamped = {**record, _FILES: _files_stamp(prefix)}
     atomic_write_bytes(record_path(prefix),
-                       json.dumps(record, indent=1, sort_keys=True).encode("utf-8"))
+                       json.dumps(stamped, indent=1, sort_keys=True).encode("utf-8"))
+
+
+_FILES = "dataset_files"
+
+
+def _files_stamp(prefix):
+    stamp = {}
+    for path in (data_file_path(prefix), index_file_path(prefix)):
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return None
+        stamp[os.path.splitext(path)[1][1:]] = [stat.st_size, stat.st_mtime_ns]
+    return stamp
 
 
 def remove_record(prefix):
@@ -81,7 +102,7 @@ def check_dataset_tokenization(dataset, tokenizer):
         if not record.get("append_eod", True):
             _note_no_boundaries(dataset.prefix, "it was tokenized without --append-eod")
     elif len(dataset) and not _any_document_ends_with(dataset, int(tokenizer.eod)):
-        sampled = min(len(dataset), _DOCUMENTS_SAMPLED)
+        sampled = min(len(dataset.doc_idx) - 1, _DOCUMENTS_SAMPLED)
         _note_no_boundaries(dataset.prefix, f"none of its first {sampled} documents ends with "
                                             f"this tokenizer's end-of-document id "
                                             f"{tokenizer.eod} (tokenized without --append-eod, "
@@ -105,9 +126,12 @@ def _check_same_tokenizer(prefix, record, mine):
 
 
 def _any_document_ends_with(dataset, eod):
-    for index in range(min(len(dataset), _DOCUMENTS_SAMPLED)):
-        size = int(dataset.sizes[index])
-        if size and int(dataset.get(index, offset=size - 1, length=1)[0]) == eod:
+    """Whether one of the first documents ends with `eod` (a document's last item is the one
+    before the next document's first: items are sentences in a sentence-split dataset)."""
+    for next_start in dataset.doc_idx[1:_DOCUMENTS_SAMPLED + 1]:
+        last_item = int(next_start) - 1
+        size = int(dataset.sizes[last_item])
+        if size and int(dataset.get(last_item, offset=size - 1, length=1)[0]) == eod:
             return True
     return False
 

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
@@ -98,3 +99,37 @@ class _PartialByteVocabulary(ByteTokenizer):
 def test_a_tokenizer_that_cannot_tokenize_the_probe_still_has_an_identity():
     identity = tokenizer_identity(_PartialByteVocabulary())
     assert identity["probe_sha1"] is None and identity["vocab_size"] == 257
+
+
+def test_a_record_of_other_files_is_stale_and_counts_as_none(tmp_path, capsys):
+    """.bin/.idx rewritten by a tool that writes no record (Megatron-LM's own, or copied
+    over): the old record no longer vouches for them, either way."""
+    _, dataset = tokenized(tmp_path, ByteTokenizer())
+    assert read_record(dataset.prefix) is not None
+    write_token_dataset(dataset.prefix, [[3, 4, 256], [5, 256]])
+    assert read_record(dataset.prefix) is None
+    check_dataset_tokenization(MMapIndexedDataset(dataset.prefix), ShiftedByteTokenizer())
+    assert capsys.readouterr().out == ""  # no record: its documents end with eod 256
+
+
+def test_boundaries_are_sampled_at_document_ends_not_sentence_ends(tmp_path, capsys):
+    """A sentence-split dataset: several items per document, eod (when there is one) only
+    after the last; the note counts documents."""
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    def sentences(name, eod):
+        prefix = str(tmp_path / name)
+        with MMapIndexedDatasetBuilder(prefix + ".bin", np.uint16) as builder:
+            for document in ([[5, 6], [7] + eod], [[8, 9], [10], [11] + eod]):
+                for sentence in document:
+                    builder.add_item(np.asarray(sentence))
+                builder.end_document()
+            builder.finalize(prefix + ".idx")
+        return MMapIndexedDataset(prefix)
+
+    dataset = sentences("with_eod", [256])
+    assert len(dataset) == 5 and list(dataset.doc_idx) == [0, 2, 5]
+    check_dataset_tokenization(dataset, ByteTokenizer())
+    assert capsys.readouterr().out == ""
+    check_dataset_tokenization(sentences("without", []), ByteTokenizer())
+    assert "none of its first 2 documents ends with" in capsys.readouterr().out

@@ -111,6 +111,7 @@ def test_missing_required_flag():
     ("-1,50,1", "--split '-1,50,1' needs non-negative weights"),
     ("1,2,3,4", "--split '1,2,3,4' has 4 entries"),
     ("90,x,1", "--split '90,x,1' is not a list of numbers"),
+    ("1e308,1e308", "--split '1e308,1e308' needs non-negative weights with a positive sum"),
 ])
 def test_a_bad_split_is_refused_with_the_flags(split, message):
     """Before any data or model is built (it used to be found after both); a value starting
@@ -146,8 +147,19 @@ def test_megatron_flags_for_what_is_always_so_are_taken_and_said():
     assert notes == ("--openai-gelu asks for what this trainer always does: the MLP's GeLU is "
                      "always GPT-2's tanh form",
                      "--use-cpu-initialization asks for what this trainer always does: weights "
-                     "are always initialised on the CPU, each as the full tensor from the seeded "
-                     "generator, then cut for their rank")
+                     "are always initialised on the CPU from the seeded generator, as for the "
+                     "whole tensor, each rank keeping its part")
+
+
+def test_a_script_may_define_a_flag_megatron_has_and_this_trainer_does_not():
+    def with_mask_prob(parser):
+        parser.add_argument("--mask-prob", type=float, default=0.15)
+        return parser
+    config = resolve_config(BASE + ["--mask-prob", "0.2"], world_size=1,
+                            extra_args_provider=with_mask_prob)
+    assert config.extra["mask_prob"] == 0.2
+    with pytest.raises(ConfigError, match="--mask-prob: a BERT flag"):
+        parse("--mask-prob", "0.2")
 
 
 def test_unknown_flag_is_rejected_not_ignored():
