@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.errors import DataError
+from zero.comm.agreement import any_rank_failed
 
 
 def distributed_ready():
@@ -34,16 +35,8 @@ def build_on_rank_zero(build, group=None, what="shared files"):
             build()
         except Exception as e:  # re-raised below, after telling the other ranks
             error = e
-    failed = torch.tensor([0 if error is None else 1], dtype=torch.int32,
-                          device=_collective_device(group))
-    dist.all_reduce(failed, group=group)
+    failed = any_rank_failed(error is not None, group)
     if error is not None:
         raise error
-    if failed.item():
+    if failed:
         raise DataError(f"rank 0 failed to build {what}; its error message says why")
-
-
-def _collective_device(group):
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

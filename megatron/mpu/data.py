@@ -7,18 +7,12 @@ broadcasts: the sizes of every tensor, then all tensors flattened into one.
 import torch
 import torch.distributed as dist
 
+from zero.comm.agreement import collective_device
 from megatron.mpu.initialize import (get_model_parallel_group, get_model_parallel_rank,
                                      get_model_parallel_src_rank,
                                      get_model_parallel_world_size)
 
 _MAX_DATA_DIM = 4
-
-
-def _comm_device(group):
-    """NCCL moves CUDA tensors only; gloo moves CPU tensors."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _broadcast_sizes(keys, data, group, device):
@@ -49,7 +43,7 @@ def broadcast_data(keys, data, datatype):
     if get_model_parallel_world_size() == 1:
         return {key: data[key] for key in keys}
     group = get_model_parallel_group()
-    device = _comm_device(group)
+    device = collective_device(group)
     shapes = _broadcast_sizes(keys, data, group, device)
     numels = [torch.Size(shapes[key]).numel() for key in keys]
     if get_model_parallel_rank() == 0:

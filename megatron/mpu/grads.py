@@ -14,6 +14,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from zero.comm.agreement import collective_device
 from megatron.mpu.initialize import (get_model_parallel_group, get_model_parallel_rank,
                                      get_model_parallel_world_size)
 
@@ -49,8 +50,7 @@ def get_grad_norm(parameters, norm_type=2):
              and (getattr(p, "model_parallel", False) or count_replicated)]
     total = _local_norm_contribution(grads, norm_type)
     if get_model_parallel_world_size() > 1:
-        if dist.get_backend(get_model_parallel_group()) == "nccl":
-            total = total.cuda()
+        total = total.to(collective_device(get_model_parallel_group()))
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         dist.all_reduce(total, op=op, group=get_model_parallel_group())
     if math.isinf(norm_type):

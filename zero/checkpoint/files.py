@@ -10,9 +10,9 @@ from collections import OrderedDict
 from mmap import MAP_PRIVATE
 
 import torch
-import torch.distributed as dist
 
 from zero.checkpoint.partitions import DS_VERSION
+from zero.comm.agreement import any_rank_failed
 from zero.errors import CheckpointError
 
 logger = logging.getLogger("zero.checkpoint")
@@ -145,14 +145,10 @@ def on_rank0_then_agree(engine, action, what):
 
 def all_agree(engine, error, what):
     """Every rank learns whether any rank failed, so no rank waits forever or goes on alone."""
-    failed = torch.tensor([0.0 if error is None else 1.0])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
-            failed = failed.cuda()
-        dist.all_reduce(failed)
+    failed = any_rank_failed(error is not None)
     if isinstance(error, OSError):
         raise CheckpointError(f"could not {what}: {error}") from None
     if error is not None:
         raise error
-    if failed.item() > 0:
+    if failed:
         raise CheckpointError(f"could not {what}: another rank failed (see its error)")

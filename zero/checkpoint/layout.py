@@ -43,6 +43,7 @@ from zero.checkpoint.files import (all_agree, engine_counters, fsync_dir, layer_
                                    model_states_name, module_state_on_cpu, on_rank0_then_agree,
                                    optim_files, optim_states_name, report_skipped_keys,
                                    shared_params, torch_load, try_)
+from zero.comm.agreement import collective_device
 from zero.errors import CheckpointError
 from zero.fault_injection import kill_point
 from zero.fault_injection import writer as fault_writer
@@ -94,9 +95,7 @@ def _check_same_tag_on_every_rank(tag):
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
     code = zlib.crc32(tag.encode())
-    extremes = torch.tensor([code, -code], dtype=torch.int64)
-    if dist.get_backend() == "nccl":
-        extremes = extremes.cuda()
+    extremes = torch.tensor([code, -code], dtype=torch.int64, device=collective_device())
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
     if extremes[0].item() != -extremes[1].item():
         raise CheckpointError(f"save_checkpoint: rank {dist.get_rank()} saves under tag "

@@ -10,7 +10,6 @@ import os
 import shutil
 import tempfile
 
-import torch.distributed as dist
 
 from zero.errors import ConfigError
 
@@ -67,15 +66,11 @@ def fresh_swap_dir(swap_dir):
 
 def agree_on_errors(error):
     """Every rank learns whether any rank's check failed, so no rank trains on alone."""
-    import torch
-    failed = torch.tensor([0.0 if error is None else 1.0])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
-            failed = failed.cuda()
-        dist.all_reduce(failed)
+    from zero.comm.agreement import any_rank_failed
+    failed = any_rank_failed(error is not None)
     if error is not None:
         raise error
-    if failed.item() > 0:
+    if failed:
         raise ConfigError("optimizer offload: the nvme_path check failed on another rank "
                           "(see its error); nothing was written")
 
