@@ -182,6 +182,28 @@ def check_checkpoint_args(saved_args, run_args, path):
                               + "\n  ".join(differences) +
                               "\nUse the flags it was trained with, or --finetune from a "
                               "matching shape." + hint)
+    _check_same_tokenizer(saved_args, run_args, path)
+
+
+# what the run records of its tokenizer: the ids the embedding rows stand for
+TOKENIZER_ARGS = ("orig_vocab_size", "tokenizer_probe_sha1")
+
+
+def _check_same_tokenizer(saved_args, run_args, path):
+    """CheckpointError when the checkpoint records another tokenizer than this run's: two
+    vocabularies that pad to the same size still give the embedding rows other meanings."""
+    differs = [key for key in TOKENIZER_ARGS
+               if saved_args.get(key) is not None and run_args.get(key) is not None
+               and saved_args[key] != run_args[key]]
+    if differs:
+        def described(args):
+            return (f"{args.get('orig_vocab_size')} tokens, probe hash "
+                    f"{str(args.get('tokenizer_probe_sha1'))[:8]}")
+        raise CheckpointError(
+            f"checkpoint {path} was trained with another tokenizer ({described(saved_args)}) "
+            f"than this run's ({described(run_args)}): its embedding rows would stand for "
+            "other tokens. Pass the tokenizer files it was trained with (--vocab-file and "
+            "--merge-file, or --tokenizer-model)")
 
 
 def load_checkpoint(module, engine, checkpoint, run_args, device, convert=None):

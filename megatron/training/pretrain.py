@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron.checkpointing.retention import new_run_id, other_runs_checkpoints
 from megatron.checkpointing.save_dir import claim_output_folders
+from megatron.data.tokenization_record import tokenizer_identity
 from megatron.errors import Interrupted
 from megatron.model import GPTConfig
 from megatron.runtime.activation_checkpointing import checkpoint_function
@@ -40,7 +41,8 @@ class TrainContext:
     def run_args(self):
         """The flat args dict checkpoints record: the config's flags and the vocab sizes."""
         return {**self.config.as_flat_dict(), "padded_vocab_size": self.model_config.vocab_size,
-                "orig_vocab_size": self.tokenizer.vocab_size}
+                "orig_vocab_size": self.tokenizer.vocab_size,
+                "tokenizer_probe_sha1": tokenizer_identity(self.tokenizer)["probe_sha1"]}
 
 
 def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func, config):

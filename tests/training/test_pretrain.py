@@ -167,6 +167,33 @@ def test_a_dataset_tokenized_by_another_tokenizer_stops_before_training(corpus, 
     assert "this run's tokenizer is GPT2BPETokenizer (vocab " in err
 
 
+def test_resuming_with_another_tokenizer_of_the_same_padded_size_is_refused(corpus, tmp_path,
+                                                                            capsys):
+    """A second BPE of 480 tokens pads to the same 512 rows as the corpus's: only the
+    tokenizer the checkpoint records tells that its embedding rows mean other tokens."""
+    from megatron.data.preprocessing import ConstantFactory, tokenize_loose_json
+    from megatron.tokenizer import build_tokenizer
+    from megatron.tokenizer.bpe_trainer import (count_pretokens, train_byte_level_bpe,
+                                                write_gpt2_files)
+    texts = [f"Other words {i}: alpha beta gamma delta epsilon zeta eta theta." * 8
+             for i in range(200)]
+    vocab, merges = write_gpt2_files(train_byte_level_bpe(count_pretokens(texts), 480),
+                                     str(tmp_path / "other_tok"))
+    other = build_tokenizer("GPT2BPETokenizer", vocab, merges)
+    assert other.vocab_size <= 512
+    outputs, _ = tokenize_loose_json(corpus["json"], str(tmp_path / "other"),
+                                     ConstantFactory(other), append_eod=True)
+    save = str(tmp_path / "ckpt")
+    assert run(corpus, tmp_path, "--save", save, iters=2) == 0
+    capsys.readouterr()
+    assert run(corpus, tmp_path, "--load", save, "--data-path", outputs["text"],
+               "--vocab-file", vocab, "--merge-file", merges, iters=4) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: checkpoint ") and "Traceback" not in err
+    assert "was trained with another tokenizer" in err
+    assert "its embedding rows would stand for other tokens" in err
+
+
 def test_a_finished_run_continues_with_more_train_iters(corpus, tmp_path, capsys):
     """The README's 'raise TRAIN_ITERS to continue': the decay --train-iters implied follows
     the new length (said once; --warmup-iters 2 was given, so warmup stays), and training
