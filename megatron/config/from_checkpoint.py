@@ -76,10 +76,14 @@ def values_from_checkpoint(raw, given):
         # A tokenizer named on the command line replaces the recorded one as a whole.
         skip.update(("tokenizer_type", *_TOKENIZER_FILE_KEYS))
     taken = {}
+    hidden_size = raw.get("hidden_size") or saved.get("hidden_size")
     for key in FROM_CHECKPOINT:
         value = saved.get(key)
         if key in skip or value is None or raw.get(key) == value:
             continue
+        if key == "ffn_hidden_size" and raw.get(key) is None and hidden_size is not None \
+                and value == 4 * hidden_size:
+            continue  # what the default derives anyway: not worth a word on every resume
         if key in _TOKENIZER_FILE_KEYS and not os.path.isfile(value):
             raise CheckpointError(
                 f"checkpoint {raw['load']} records --{key.replace('_', '-')} {value}, which does "
@@ -94,17 +98,36 @@ def describe(load_dir, taken):
         f"--{key.replace('_', '-')} {value}" for key, value in taken.items())
 
 
-def optimizer_change_note(raw):
-    """One line when --optimizer differs from the one the checkpoint was trained with (its
-    Adam states, fp32 moments or quantised codes, are decoded to fp32 moments as they load, and
-    Adam8bit and Adam4bit quantise them at their first step)."""
-    if raw.get("deepspeed") or raw.get("no_load_optim") or raw.get("finetune"):
-        return None
-    saved = saved_args_of(raw.get("load"))
+# optimizer settings that a loaded optimizer state brings with it (torch's load_state_dict
+# takes the saved parameter groups' values, as Megatron's resume does)
+_SAVED_WITH_OPTIMIZER_STATE = ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
+
+
+def optimizer_resume_notes(raw):
+    """Lines for what resuming does to the optimizer that the flags alone do not show: another
+    --optimizer than the checkpoint's (its Adam states are converted as they load), flags the
+    loaded state overrides, and --no-load-optim's fresh start."""
+    if raw.get("finetune"):
+        return ()
+    saved = saved_args_of(raw.get("load"), raw.get("deepspeed", False))
     if saved is None:
-        return None
+        return ()
+    if raw.get("no_load_optim"):
+        return (" note: --no-load-optim: the optimizer state and the learning-rate schedule "
+                "start fresh, as in Megatron (Adam's moments at zero, warm-up again from step "
+                "0) while the iteration count continues from the checkpoint's",)
+    if raw.get("deepspeed"):  # the JSON's optimizer section, checked by the engine
+        return ()
+    notes = []
     before = saved.get("optimizer", "adam")
-    if before == raw["optimizer"]:
-        return None
-    return (f" note: the checkpoint was trained with --optimizer {before}; its Adam states "
-            f"are converted for --optimizer {raw['optimizer']} as they load")
+    if before != raw["optimizer"]:
+        notes.append(f" note: the checkpoint was trained with --optimizer {before}; its Adam "
+                     f"states are converted for --optimizer {raw['optimizer']} as they load")
+    overridden = [f"--{key.replace('_', '-')} {raw[key]} (the checkpoint's: {saved[key]})"
+                  for key in _SAVED_WITH_OPTIMIZER_STATE
+                  if saved.get(key) is not None and saved[key] != raw.get(key)]
+    if overridden:
+        notes.append(f" note: {', '.join(overridden)}: the loaded optimizer state keeps the "
+                     "checkpoint's values, as in Megatron; resume with --no-load-optim to use "
+                     "the command line's")
+    return tuple(notes)

@@ -82,7 +82,7 @@ def add_always_so_flags(parser):
 
 def always_so_notes(raw):
     """One note per ALWAYS_SO flag given (its dest set in the parsed `raw`)."""
-    return tuple(f"{flag} asks for what this trainer always does: {what}"
+    return tuple(f" note: {flag} asks for what this trainer always does: {what}"
                  for flag, what in ALWAYS_SO.items() if raw.get(_dest(flag)))
 
 

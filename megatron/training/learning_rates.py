@@ -126,6 +126,14 @@ class AnnealingLR:
         self.step(0)
 
     def _choose(self, ours, checkpoint_value, flag):
+        if ours != checkpoint_value and (self.override_lr_scheduler
+                                         or self.use_checkpoint_lr_scheduler):
+            kept, dropped, why = (ours, checkpoint_value, "--override-lr-scheduler") \
+                if self.override_lr_scheduler else \
+                (checkpoint_value, ours, "--use-checkpoint-lr-scheduler")
+            source = "command line's" if self.override_lr_scheduler else "checkpoint's"
+            self.resume_notes.append(f"learning-rate schedule: {flag} {kept!r}, the {source} "
+                                     f"({why}), not {dropped!r}")
         if self.override_lr_scheduler:
             return ours
         if not self.use_checkpoint_lr_scheduler and ours != checkpoint_value:

@@ -144,9 +144,9 @@ def test_megatron_flags_for_what_is_always_so_are_taken_and_said():
     assert not known & set(NOT_TAKEN) and set(ALWAYS_SO) <= known
     assert parse().notes == ()
     notes = parse("--openai-gelu", "--use-cpu-initialization").notes
-    assert notes == ("--openai-gelu asks for what this trainer always does: the MLP's GeLU is "
-                     "always GPT-2's tanh form",
-                     "--use-cpu-initialization asks for what this trainer always does: weights "
+    assert notes == (" note: --openai-gelu asks for what this trainer always does: the MLP's "
+                     "GeLU is always GPT-2's tanh form",
+                     " note: --use-cpu-initialization asks for what this trainer always does: weights "
                      "are always initialised on the CPU from the seeded generator, as for the "
                      "whole tensor, each rank keeping its part")
 

@@ -84,6 +84,11 @@ def test_checkpoint_values_win_with_use_checkpoint_flag():
     resumed.load_state_dict(saved.state_dict())
     assert (resumed.max_lr, resumed.decay_style) == (2.0, "linear")
     assert resumed.get_lr() == pytest.approx(1.0)  # 2.0 * (1 - 0.5)
+    assert resumed.resume_notes == [  # Megatron's " > using checkpoint value ..." lines
+        "learning-rate schedule: --lr 2.0, the checkpoint's (--use-checkpoint-lr-scheduler), "
+        "not 1.0",
+        "learning-rate schedule: --lr-decay-style 'linear', the checkpoint's "
+        "(--use-checkpoint-lr-scheduler), not 'cosine'"]
 
 
 def test_command_line_values_win_with_override_flag():
@@ -94,6 +99,9 @@ def test_command_line_values_win_with_override_flag():
     resumed.load_state_dict(saved.state_dict())
     assert resumed.num_steps == 60
     assert resumed.get_lr() == pytest.approx(0.5)
+    assert resumed.resume_notes == [
+        "learning-rate schedule: --lr 1.0, the command line's (--override-lr-scheduler), "
+        "not 2.0"]
 
 
 def test_conflict_without_flags_is_a_config_error():
@@ -141,7 +149,12 @@ def test_lengths_derived_from_train_iters_follow_a_longer_run():
                       use_checkpoint_lr_scheduler=True,
                       follows_train_iters=("end_iter", "warmup_iter"))
     kept.load_state_dict(saved.state_dict())
-    assert (kept.decay_steps, kept.warmup_steps, kept.resume_notes) == (100, 10, [])
+    assert (kept.decay_steps, kept.warmup_steps) == (100, 10)
+    assert kept.resume_notes == [
+        "learning-rate schedule: --warmup / --warmup-iters 10, the checkpoint's "
+        "(--use-checkpoint-lr-scheduler), not 30",
+        "learning-rate schedule: --lr-decay-iters 100, the checkpoint's "
+        "(--use-checkpoint-lr-scheduler), not 300"]
 
 
 def test_a_length_the_user_set_still_must_agree():

@@ -194,6 +194,24 @@ def test_resuming_with_another_tokenizer_of_the_same_padded_size_is_refused(corp
     assert "its embedding rows would stand for other tokens" in err
 
 
+def test_resuming_says_what_the_optimizer_state_decides(corpus, tmp_path, capsys):
+    """The loaded state keeps its own weight decay and Adam settings (as in Megatron), and
+    --no-load-optim starts the optimizer and the schedule afresh: both said at start."""
+    save = str(tmp_path / "ckpt")
+    assert run(corpus, tmp_path, "--save", save, iters=2) == 0
+    capsys.readouterr()
+    assert run(corpus, tmp_path, "--load", save, "--weight-decay", "0.5", "--adam-eps", "1e-6",
+               iters=3) == 0
+    out = capsys.readouterr().out
+    assert (" note: --weight-decay 0.5 (the checkpoint's: 0.01), --adam-eps 1e-06 (the "
+            "checkpoint's: 1e-08): the loaded optimizer state keeps the checkpoint's values"
+            in out)
+    assert run(corpus, tmp_path, "--load", save, "--no-load-optim", iters=3) == 0
+    out = capsys.readouterr().out
+    assert " note: --no-load-optim: the optimizer state and the learning-rate schedule start " \
+           "fresh, as in Megatron" in out and "weight-decay" not in out
+
+
 def test_a_finished_run_continues_with_more_train_iters(corpus, tmp_path, capsys):
     """The README's 'raise TRAIN_ITERS to continue': the decay --train-iters implied follows
     the new length (said once; --warmup-iters 2 was given, so warmup stays), and training
