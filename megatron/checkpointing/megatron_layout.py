@@ -28,6 +28,8 @@ leaves the previous checkpoint and tracker intact.
 import os
 import re
 
+import torch
+
 from megatron import mpu
 from megatron.checkpointing.files import (atomic_torch_save, barrier,
                                           is_global_rank0, safe_load)
@@ -237,12 +239,12 @@ def load_checkpoint(module, engine, checkpoint, run_args, device, convert=None):
         _check_model_parallel_size(load_dir, run_args, directory,
                                    state["args"].get("model_parallel_size"))
         check_checkpoint_args(state["args"], run_args, path)
-    _load_model_weights(module, state, path)
+    weights = _load_model_weights(module, state, path)
     engine.optimizer.refresh_masters_from_model()  # 16-bit weights: the fp32 masters follow
     if checkpoint.finetune or release:
         return {"iteration": 0, "consumed_train_samples": 0, "skipped_iters": 0}
     if not checkpoint.no_load_optim:
-        _load_optimizer(engine, state, run_args, path)
+        _load_optimizer(engine, state, run_args, path, _fp32_weights_by_param(module, weights))
     if not checkpoint.no_load_rng:
         set_rng_states(state, device, path)
         if converted is not None:  # every stage got stage 0's states: give them their own
@@ -257,7 +259,15 @@ def load_checkpoint(module, engine, checkpoint, run_args, device, convert=None):
     return train_state
 
 
-def _load_optimizer(engine, state, run_args, path):
+def _fp32_weights_by_param(module, weights):
+    """{id(parameter): its fp32 weight in the checkpoint} for the 16-bit parameters whose
+    checkpoint weight is fp32 (a checkpoint of an fp32 run, resumed in bf16 or fp16): their
+    masters are those weights, not the weights rounded to 16 bits and back."""
+    return {id(param): weights[name] for name, param in module.named_parameters()
+            if param.dtype != torch.float32 and weights[name].dtype == torch.float32}
+
+
+def _load_optimizer(engine, state, run_args, path, fp32_weights):
     mismatch = optimizer_state_tiling_mismatch(state.get("args", {}), run_args)
     if mismatch:
         raise CheckpointError(f"{path}: {mismatch}")
@@ -265,7 +275,7 @@ def _load_optimizer(engine, state, run_args, path):
         if key not in state:
             raise CheckpointError(f"{path} has no {key} state (saved with --no-save-optim); "
                                   "load it with --no-load-optim or --finetune")
-    load_megatron_optimizer_state(engine, state["optimizer"], path)
+    load_megatron_optimizer_state(engine, state["optimizer"], path, fp32_weights)
     engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
 
@@ -368,3 +378,4 @@ def _load_model_weights(module, state, path):
         raise CheckpointError(f"model weights in {path} do not fit the model built from the "
                               "flags:\n  " + "\n  ".join(lines))
     module.load_state_dict(flat)
+    return flat

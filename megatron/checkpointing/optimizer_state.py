@@ -37,8 +37,10 @@ def megatron_optimizer_state(engine):
             "grad_scaler": scaler.state_dict() if scaler is not None else None}
 
 
-def load_megatron_optimizer_state(engine, saved, path):
-    """Restore the engine's optimizer (moments, fp32 masters, loss scale) from `saved`."""
+def load_megatron_optimizer_state(engine, saved, path, fp32_weights=None):
+    """Restore the engine's optimizer (moments, fp32 masters, loss scale) from `saved`.
+    `fp32_weights` ({id(parameter): tensor}) are the masters of parameters that `saved`
+    has none for (fp32 in the checkpoint's run, 16-bit in this one)."""
     if not isinstance(saved, dict) or "optimizer" not in saved:
         raise CheckpointError(f"{path}: the optimizer state has no 'optimizer' entry: it was "
                               "not saved by this trainer. Load with --no-load-optim")
@@ -55,6 +57,10 @@ def load_megatron_optimizer_state(engine, saved, path):
                            "master": None if group_masters is None else group_masters[i]}
                           for i, index in enumerate(indices)])
         param_groups.append({k: v for k, v in group.items() if k != "params"})
+    for group, entries in zip(engine.optimizer.groups, per_group):
+        for param, entry in zip(group.params, entries):
+            if entry["master"] is None and id(param) in (fp32_weights or {}):
+                entry["master"] = fp32_weights[id(param)]
     try:
         load_per_parameter_state(engine.optimizer, param_groups, per_group)
     except CheckpointError as error:

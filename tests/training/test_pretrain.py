@@ -212,6 +212,25 @@ def test_resuming_says_what_the_optimizer_state_decides(corpus, tmp_path, capsys
            "fresh, as in Megatron" in out and "weight-decay" not in out
 
 
+def test_an_fp32_checkpoint_resumed_in_bf16_keeps_its_weights_as_the_masters(corpus, tmp_path):
+    """The fp32 run saves no separate masters; the bf16 run's are its fp32 weights, not
+    those weights rounded to bf16 (an lr of 0 keeps them as loaded until the next save)."""
+    save, resumed = str(tmp_path / "fp32"), str(tmp_path / "bf16")
+    assert run(corpus, tmp_path, "--save", save, iters=2) == 0
+    assert run(corpus, tmp_path, "--load", save, "--save", resumed, "--bf16",
+               "--override-lr-scheduler", "--lr", "0", "--min-lr", "0", iters=3) == 0
+    fp32 = torch.load(os.path.join(save, "iter_0000002", "mp_rank_00", "model_optim_rng.pt"),
+                      weights_only=True)
+    bf16 = torch.load(os.path.join(resumed, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"),
+                      weights_only=True)
+    embedding = fp32["model"]["language_model"]["embedding"]["word_embeddings"]["weight"]
+    masters = [m for group in bf16["optimizer"]["fp32_from_fp16_params"] for m in group]
+    assert all(m is not None and m.dtype == torch.float32 for m in masters)
+    matching = [m for m in masters if m.shape == embedding.shape]
+    assert len(matching) == 1 and torch.equal(matching[0], embedding)
+    assert not torch.equal(embedding.bfloat16().float(), embedding)  # rounding would show
+
+
 def test_a_finished_run_continues_with_more_train_iters(corpus, tmp_path, capsys):
     """The README's 'raise TRAIN_ITERS to continue': the decay --train-iters implied follows
     the new length (said once; --warmup-iters 2 was given, so warmup stays), and training
