@@ -17,7 +17,7 @@ from zero.checkpoint.stage3 import model_states_name as stage3_model_states_name
 from megatron import mpu
 from megatron.checkpointing.files import atomic_write_text, barrier, is_global_rank0
 from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, TRACKER_FILENAME,
-                                                    check_checkpoint_args,
+                                                    check_checkpoint_args, finetunes,
                                                     get_checkpoint_tracker_filename,
                                                     optimizer_state_tiling_mismatch,
                                                     resuming_own_save)
@@ -65,12 +65,14 @@ def load_checkpoint(engine, checkpoint, run_args, device):
         states_name = stage3_model_states_name(0, mpu.get_model_parallel_rank())
     else:
         states_name = model_states_name(engine.checkpoint_rank)
-    fresh_optimizer = checkpoint.no_load_optim or checkpoint.finetune
-    _check_saved_args(os.path.join(load_dir, tag, states_name), run_args, fresh_optimizer)
+    saved_args = _check_saved_args(os.path.join(load_dir, tag, states_name), run_args,
+                                   checkpoint.no_load_optim or checkpoint.finetune)
+    finetune = finetunes(checkpoint, saved_args, tag)
+    fresh_optimizer = checkpoint.no_load_optim or finetune
     path, client_state = engine.load_checkpoint(
         load_dir, tag=tag, load_optimizer_states=not fresh_optimizer,
-        load_lr_scheduler_states=not fresh_optimizer, load_module_only=checkpoint.finetune)
-    if checkpoint.finetune:
+        load_lr_scheduler_states=not fresh_optimizer, load_module_only=finetune)
+    if finetune:
         return {"iteration": 0, "consumed_train_samples": 0, "skipped_iters": 0}
     if not checkpoint.no_load_rng:
         set_rng_states(client_state, device, path)
@@ -98,9 +100,10 @@ def _explain_missing_latest(checkpoint):
 
 def _check_saved_args(model_states_path, run_args, fresh_optimizer):
     """Shape-defining flags must match the checkpoint's, and the tiling flags too unless the
-    optimizer starts fresh: say which differ before loading."""
+    optimizer starts fresh: say which differ before loading. Returns the saved args ({} when
+    there are none)."""
     if not os.path.isfile(model_states_path):
-        return  # the engine names what is missing
+        return {}  # the engine names what is missing
     try:
         states = load_plain(model_states_path, mmap=True)
     except Exception as exc:
@@ -113,3 +116,5 @@ def _check_saved_args(model_states_path, run_args, fresh_optimizer):
             optimizer_state_tiling_mismatch(states["args"], run_args)
         if mismatch:
             raise CheckpointError(f"{os.path.dirname(model_states_path)}: {mismatch}")
+        return states["args"]
+    return {}

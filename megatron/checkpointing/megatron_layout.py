@@ -241,7 +241,7 @@ def load_checkpoint(module, engine, checkpoint, run_args, device, convert=None):
         check_checkpoint_args(state["args"], run_args, path)
     weights = _load_model_weights(module, state, path)
     engine.optimizer.refresh_masters_from_model()  # 16-bit weights: the fp32 masters follow
-    if checkpoint.finetune or release:
+    if finetunes(checkpoint, state.get("args", {}), f"iteration {iteration}") or release:
         return {"iteration": 0, "consumed_train_samples": 0, "skipped_iters": 0}
     if not checkpoint.no_load_optim:
         _load_optimizer(engine, state, run_args, path, _fp32_weights_by_param(module, weights))
@@ -294,6 +294,21 @@ def _explain_missing_file(load_dir, iteration, path, directory, run_args):
     raise CheckpointError(f"{get_checkpoint_tracker_filename(load_dir)} names iteration "
                           f"{iteration}, but {path} is missing: the checkpoint is "
                           "incomplete. Resume from an earlier iteration or save again")
+
+
+def finetunes(checkpoint, saved_args, which):
+    """Whether this load is --finetune's (the weights alone, everything else fresh). Not when
+    --load is the run's own --save and its checkpoint was written by a --finetune run: that
+    is the fine-tuning job restarting (a requeue, torchrun's restart), which resumes (said)."""
+    if not checkpoint.finetune:
+        return False
+    if resuming_own_save(checkpoint) and saved_args.get("finetune"):
+        if is_global_rank0():
+            print(f" note: --finetune with --load = --save: {checkpoint.load} holds this "
+                  f"fine-tuning's own checkpoint ({which}), so the run resumes "
+                  "it (give --save another folder to fine-tune afresh)", flush=True)
+        return False
+    return True
 
 
 def resuming_own_save(checkpoint):

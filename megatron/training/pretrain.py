@@ -75,8 +75,13 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
             loaded = backend.load()
             if loaded:
                 train_state.update(loaded)
-                runtime.print0(f" loaded checkpoint from {config.checkpoint.load} at "
-                               f"iteration {train_state['iteration']}")
+                if config.checkpoint.finetune and train_state["iteration"] == 0:
+                    runtime.print0(f" loaded the weights of {config.checkpoint.load} for "
+                                   "--finetune: the optimizer, learning-rate schedule, data "
+                                   "position and RNG start fresh")
+                else:
+                    runtime.print0(f" loaded checkpoint from {config.checkpoint.load} at "
+                                   f"iteration {train_state['iteration']}")
                 for note in backend.resume_notes():
                     runtime.print0(f" note: {note}")
                 if train_state["iteration"] >= config.training.train_iters:

@@ -231,6 +231,25 @@ def test_an_fp32_checkpoint_resumed_in_bf16_keeps_its_weights_as_the_masters(cor
     assert not torch.equal(embedding.bfloat16().float(), embedding)  # rounding would show
 
 
+def test_a_restarted_finetune_over_its_own_save_resumes_instead_of_starting_again(
+        corpus, tmp_path, capsys):
+    save = str(tmp_path / "ckpt")
+    assert run(corpus, tmp_path, "--save", save, iters=2, log_dir="pretrain") == 0
+    capsys.readouterr()
+    finetune = ["--load", save, "--save", save, "--finetune"]
+    assert run(corpus, tmp_path, *finetune, iters=2, log_dir="finetune") == 0
+    out = capsys.readouterr().out
+    assert f" loaded the weights of {save} for --finetune: the optimizer" in out
+    assert sorted(losses(tmp_path, "finetune")) == [1, 2]  # from iteration 0
+    # the same command again (a requeued job): its own fine-tuned checkpoint is resumed
+    assert run(corpus, tmp_path, *finetune, iters=3, log_dir="finetune") == 0
+    out = capsys.readouterr().out
+    assert (f" note: --finetune with --load = --save: {save} holds this fine-tuning's own "
+            "checkpoint (iteration 2), so the run resumes it") in out
+    assert f" loaded checkpoint from {save} at iteration 2" in out
+    assert sorted(losses(tmp_path, "finetune")) == [1, 2, 3]
+
+
 def test_a_finished_run_continues_with_more_train_iters(corpus, tmp_path, capsys):
     """The README's 'raise TRAIN_ITERS to continue': the decay --train-iters implied follows
     the new length (said once; --warmup-iters 2 was given, so warmup stays), and training
