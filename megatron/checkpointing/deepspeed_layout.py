@@ -85,14 +85,18 @@ def load_checkpoint(engine, checkpoint, run_args, device):
     return train_state
 
 
+def holds_deepspeed_checkpoint(load_dir):
+    return bool(load_dir) and read_latest(load_dir) is not None
+
+
 def _explain_missing_latest(checkpoint):
     load_dir = checkpoint.load
     if os.path.isfile(get_checkpoint_tracker_filename(load_dir)):
         raise CheckpointError(
             f"--load {load_dir} holds a Megatron-layout checkpoint ({TRACKER_FILENAME}, "
             "iter_*/) but no DeepSpeed 'latest' file: it was saved without --deepspeed. Resume "
-            "it without --deepspeed, or start this run from its weights with a fresh --save "
-            "directory")
+            "it without --deepspeed, or start this run from its weights with --finetune (ZeRO "
+            "stages 0-2) and a --save directory of its own")
     if os.path.isdir(load_dir) and os.listdir(load_dir) and not resuming_own_save(checkpoint):
         raise CheckpointError(f"--load {load_dir} has no 'latest' file; point --load at a "
                               "directory written by --save with --deepspeed")

@@ -296,6 +296,10 @@ def _explain_missing_file(load_dir, iteration, path, directory, run_args):
                           "incomplete. Resume from an earlier iteration or save again")
 
 
+def holds_megatron_checkpoint(load_dir):
+    return bool(load_dir) and os.path.isfile(get_checkpoint_tracker_filename(load_dir))
+
+
 def finetunes(checkpoint, saved_args, which):
     """Whether this load is --finetune's (the weights alone, everything else fresh). Not when
     --load is the run's own --save and its checkpoint was written by a --finetune run: that

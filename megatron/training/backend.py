@@ -23,6 +23,7 @@ import torch
 from megatron import mpu
 from megatron.checkpointing import deepspeed_layout, megatron_layout
 from megatron.checkpointing.retention import DEEPSPEED_LAYOUT, MEGATRON_LAYOUT
+from megatron.errors import CheckpointError
 from megatron.training.learning_rates import AnnealingLR
 from megatron.training.param_groups import get_param_groups
 
@@ -208,8 +209,19 @@ class ZeroBackend(Backend):
                                          self.ctx.run_args, train_state, self.ctx.runtime.device)
 
     def load(self):
-        return deepspeed_layout.load_checkpoint(self.engine, self.ctx.config.checkpoint,
-                                                self.ctx.run_args, self.ctx.runtime.device)
+        checkpoint = self.ctx.config.checkpoint
+        if checkpoint.finetune and megatron_layout.holds_megatron_checkpoint(checkpoint.load) \
+                and not deepspeed_layout.holds_deepspeed_checkpoint(checkpoint.load):
+            # the weights alone, which this layout's loader puts into the engine's module
+            if self.ctx.config.engine.zero_stage == 3:
+                raise CheckpointError(
+                    f"--finetune from the Megatron-layout checkpoint {checkpoint.load} needs "
+                    "ZeRO stage 0-2 (stage 3 partitions the weights as they are built); "
+                    "fine-tune at stage 2 first, or resume it without --deepspeed")
+            return megatron_layout.load_checkpoint(self.module, self.engine, checkpoint,
+                                                   self.ctx.run_args, self.ctx.runtime.device)
+        return deepspeed_layout.load_checkpoint(self.engine, checkpoint, self.ctx.run_args,
+                                                self.ctx.runtime.device)
 
     checkpoint_tag = staticmethod(deepspeed_layout.checkpoint_tag)
 

@@ -118,6 +118,18 @@ def test_megatron_checkpoint_under_deepspeed_is_a_clear_error(corpus, tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "saved without --deepspeed" in err
     assert "Traceback" not in err
+    assert "start this run from its weights with --finetune (ZeRO stages 0-2)" in err
+    # which works: the first loss is the one the same fine-tuning gets without --deepspeed
+    assert run(corpus, tmp_path / "c", 2, *ds, "--load", save, "--finetune",
+               "--save", tmp_path / "ds_ckpt") == 0
+    assert "loaded the weights of" in capsys.readouterr().out
+    assert run(corpus, tmp_path / "d", 2, "--load", save, "--finetune") == 0
+    ds_losses, megatron_losses = read_losses(tmp_path / "c"), read_losses(tmp_path / "d")
+    assert sorted(ds_losses) == [1, 2]
+    assert ds_losses[1][0] == pytest.approx(megatron_losses[1][0], rel=1e-6)
+    stage3 = ["--deepspeed", "--deepspeed_config", stage_config(tmp_path, 3)]
+    assert run(corpus, tmp_path / "e", 2, *stage3, "--load", save, "--finetune") == 2
+    assert "needs ZeRO stage 0-2" in capsys.readouterr().err
 
 
 def test_config_optimizer_and_scheduler_sections_are_used(corpus, tmp_path):
