@@ -101,17 +101,23 @@ def describe(load_dir, taken):
 # optimizer settings that a loaded optimizer state brings with it (torch's load_state_dict
 # takes the saved parameter groups' values, as Megatron's resume does)
 _SAVED_WITH_OPTIMIZER_STATE = ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
+# what decides the order of the training samples, which a resume continues by count
+_SAMPLE_ORDER = ("data_path", "train_data", "split", "seq_length", "seed")
 
 
-def optimizer_resume_notes(raw):
-    """Lines for what resuming does to the optimizer that the flags alone do not show: another
-    --optimizer than the checkpoint's (its Adam states are converted as they load), flags the
-    loaded state overrides, and --no-load-optim's fresh start."""
+def resume_notes(raw):
+    """Lines for what resuming the checkpoint at --load does that the flags alone do not show:
+    the optimizer (another --optimizer's states converted, settings the loaded state keeps,
+    --no-load-optim's fresh start) and a sample order that changed under the same count."""
     if raw.get("finetune"):
         return ()
     saved = saved_args_of(raw.get("load"), raw.get("deepspeed", False))
     if saved is None:
         return ()
+    return _optimizer_notes(raw, saved) + _sample_order_notes(raw, saved)
+
+
+def _optimizer_notes(raw, saved):
     if raw.get("no_load_optim"):
         return (" note: --no-load-optim: the optimizer state and the learning-rate schedule "
                 "start fresh, as in Megatron (Adam's moments at zero, warm-up again from step "
@@ -131,3 +137,21 @@ def optimizer_resume_notes(raw):
                      "checkpoint's values, as in Megatron; resume with --no-load-optim to use "
                      "the command line's")
     return tuple(notes)
+
+
+def _sample_order_notes(raw, saved):
+    def same(key):
+        ours, theirs = raw.get(key), saved.get(key)
+        if key in ("data_path", "train_data") and ours and theirs:  # a relative path too
+            return os.path.realpath(str(ours)) == os.path.realpath(str(theirs))
+        return ours == theirs
+    changed = [f"--{key.replace('_', '-')} {raw.get(key)} (the checkpoint's: {saved[key]})"
+               for key in _SAMPLE_ORDER if key in saved and not same(key)]
+    if not changed:
+        return ()
+    note = (f" note: {', '.join(changed)}: training continues at the checkpoint's count of "
+            "consumed samples, in another order of samples (as in Megatron: some are seen "
+            "again, some never)")
+    if any(item.startswith(("--split", "--data-path", "--train-data")) for item in changed):
+        note += ("; validation and test may now hold documents the model trained on")
+    return (note,)

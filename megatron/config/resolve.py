@@ -16,7 +16,7 @@ from types import MappingProxyType
 from megatron.config import activation, engine
 from megatron.config.flags import build_parser, given_on_command_line
 from megatron.config.megatron_flags import always_so_notes, refuse_flags_not_taken
-from megatron.config.from_checkpoint import (describe, optimizer_resume_notes,
+from megatron.config.from_checkpoint import (describe, resume_notes,
                                              values_from_checkpoint)
 from megatron.config.sections import (CheckpointConfig, DataConfig, EngineConfig, LoggingConfig,
                                       ModelConfig, OptimizerConfig, ParallelConfig,
@@ -81,7 +81,7 @@ def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provide
     extra = {key: value for key, value in raw.items() if key not in known}
     notes = always_so_notes(raw)
     notes += (describe(raw["load"], taken),) if taken else ()
-    notes += optimizer_resume_notes(raw)
+    notes += resume_notes(raw)
     return freeze(raw, given, world_size, notes, extra)
 
 

@@ -250,6 +250,21 @@ def test_a_restarted_finetune_over_its_own_save_resumes_instead_of_starting_agai
     assert sorted(losses(tmp_path, "finetune")) == [1, 2, 3]
 
 
+def test_resuming_with_another_sample_order_says_so(corpus, tmp_path, capsys):
+    save = str(tmp_path / "ckpt")
+    assert run(corpus, tmp_path, "--save", save, iters=2) == 0
+    capsys.readouterr()
+    assert run(corpus, tmp_path, "--load", save, iters=3) == 0  # unchanged: no note
+    assert "count of consumed samples" not in capsys.readouterr().out
+    assert run(corpus, tmp_path, "--load", save, "--split", "50,50,0", "--seed", "7",
+               iters=4) == 0
+    out = capsys.readouterr().out
+    assert (" note: --split 50,50,0 (the checkpoint's: 90,9,1), --seed 7 (the checkpoint's: "
+            "1234): training continues at the checkpoint's count of consumed samples, in "
+            "another order of samples") in out
+    assert "validation and test may now hold documents the model trained on" in out
+
+
 def test_a_finished_run_continues_with_more_train_iters(corpus, tmp_path, capsys):
     """The README's 'raise TRAIN_ITERS to continue': the decay --train-iters implied follows
     the new length (said once; --warmup-iters 2 was given, so warmup stays), and training
