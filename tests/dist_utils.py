@@ -168,7 +168,7 @@ def run_distributed(fn, world_size, args=(), timeout=240):
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        results, errors = {}, []
+        results, errors, reported = {}, [], set()
         deadline = time.monotonic() + timeout
         while len(results) < world_size and not errors:
             try:
@@ -190,10 +190,17 @@ def run_distributed(fn, world_size, args=(), timeout=240):
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
+                reported.add(rank)
         for p in procs:
             p.join(timeout=5 if errors else timeout)
             if p.is_alive():
                 p.terminate()
+        silent = {r: p.exitcode for r, p in enumerate(procs)
+                  if p.exitcode and p.exitcode > 0 and r not in results and r not in reported}
+        if silent and not any(e.startswith("rank(s) exited without a result") for e in errors):
+            # the cause, when another rank's error (a broken rendezvous) was read first
+            errors.insert(0, f"rank(s) exited without a result, exit codes {silent} (any "
+                             "output of theirs is above)")
         if errors:
             dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode}
             raise AssertionError("\n".join(errors) + f"\nexit codes of ranks that died: {dead}")

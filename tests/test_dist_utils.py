@@ -22,6 +22,12 @@ def _rank_1_dies(rank, world_size):
     time.sleep(600)
 
 
+def _rank_1_dies_and_rank_0_then_fails(rank, world_size):
+    if rank == 1:
+        os._exit(3)
+    raise RuntimeError("the rendezvous broke")  # what rank 0 meets when its peer is gone
+
+
 def _environment_variable(rank, world_size, name):
     return os.environ.get(name)
 
@@ -46,6 +52,14 @@ def test_a_rank_that_dies_without_a_result_ends_the_run_at_once():
     with pytest.raises(AssertionError, match=r"exited without a result, exit codes \{1: 3\}"):
         run_distributed(_rank_1_dies, 2, timeout=120)
     assert time.monotonic() - start < 100  # the timeout, and rank 0's sleep, are longer
+
+
+def test_a_silent_death_is_named_even_when_another_ranks_error_is_read_first():
+    with pytest.raises(AssertionError) as failure:
+        run_distributed(_rank_1_dies_and_rank_0_then_fails, 2, timeout=120)
+    message = str(failure.value)
+    assert message.startswith("rank(s) exited without a result, exit codes {1: 3}")
+    assert "the rendezvous broke" in message
 
 
 def _preloaded_trainer_and_start_method(rank, world_size):

@@ -65,10 +65,10 @@ def load_checkpoint(engine, checkpoint, run_args, device):
         states_name = stage3_model_states_name(0, mpu.get_model_parallel_rank())
     else:
         states_name = model_states_name(engine.checkpoint_rank)
-    saved_args = _check_saved_args(os.path.join(load_dir, tag, states_name), run_args,
-                                   checkpoint.no_load_optim or checkpoint.finetune)
-    finetune = finetunes(checkpoint, saved_args, tag)
+    states_path = os.path.join(load_dir, tag, states_name)
+    finetune = finetunes(checkpoint, _saved_args(states_path), tag)
     fresh_optimizer = checkpoint.no_load_optim or finetune
+    _check_saved_args(states_path, run_args, fresh_optimizer)
     path, client_state = engine.load_checkpoint(
         load_dir, tag=tag, load_optimizer_states=not fresh_optimizer,
         load_lr_scheduler_states=not fresh_optimizer, load_module_only=finetune)
@@ -102,23 +102,27 @@ def _explain_missing_latest(checkpoint):
                               "directory written by --save with --deepspeed")
 
 
-def _check_saved_args(model_states_path, run_args, fresh_optimizer):
-    """Shape-defining flags must match the checkpoint's, and the tiling flags too unless the
-    optimizer starts fresh: say which differ before loading. Returns the saved args ({} when
-    there are none)."""
+def _saved_args(model_states_path):
+    """The args a model states file records ({} when it has none or is missing: the engine
+    names what is missing)."""
     if not os.path.isfile(model_states_path):
-        return {}  # the engine names what is missing
+        return {}
     try:
         states = load_plain(model_states_path, mmap=True)
     except Exception as exc:
         raise CheckpointError(f"cannot read checkpoint {model_states_path}: "
                               f"{load_failure_reason(exc)}. The file is corrupt or not a "
                               "plain-tensor checkpoint") from None
-    if isinstance(states.get("args"), dict):
-        check_checkpoint_args(states["args"], run_args, model_states_path)
+    return states["args"] if isinstance(states.get("args"), dict) else {}
+
+
+def _check_saved_args(model_states_path, run_args, fresh_optimizer):
+    """Shape-defining flags must match the checkpoint's, and the tiling flags too unless the
+    optimizer starts fresh: say which differ before loading."""
+    saved_args = _saved_args(model_states_path)
+    if saved_args:
+        check_checkpoint_args(saved_args, run_args, model_states_path)
         mismatch = None if fresh_optimizer else \
-            optimizer_state_tiling_mismatch(states["args"], run_args)
+            optimizer_state_tiling_mismatch(saved_args, run_args)
         if mismatch:
             raise CheckpointError(f"{os.path.dirname(model_states_path)}: {mismatch}")
-        return states["args"]
-    return {}

@@ -194,6 +194,8 @@ TOKENIZER_ARGS = ("orig_vocab_size", "tokenizer_probe_sha1")
 def _check_same_tokenizer(saved_args, run_args, path):
     """CheckpointError when the checkpoint records another tokenizer than this run's: two
     vocabularies that pad to the same size still give the embedding rows other meanings."""
+    if saved_args.get("tokenizer_type") is None:
+        return  # its orig_vocab_size counts embedding rows (a Hugging Face conversion)
     differs = [key for key in TOKENIZER_ARGS
                if saved_args.get(key) is not None and run_args.get(key) is not None
                and saved_args[key] != run_args[key]]
@@ -264,7 +266,8 @@ def _fp32_weights_by_param(module, weights):
     checkpoint weight is fp32 (a checkpoint of an fp32 run, resumed in bf16 or fp16): their
     masters are those weights, not the weights rounded to 16 bits and back."""
     return {id(param): weights[name] for name, param in module.named_parameters()
-            if param.dtype != torch.float32 and weights[name].dtype == torch.float32}
+            if param.dtype != torch.float32 and name in weights  # tiles: untiled names saved
+            and weights[name].dtype == torch.float32}
 
 
 def _load_optimizer(engine, state, run_args, path, fp32_weights):

@@ -13,7 +13,7 @@ its value, and loading rejects it later when it disagrees with the checkpoint.
 
 import os
 
-from megatron.errors import CheckpointError
+from megatron.errors import CheckpointError, MegatronError
 
 # Shape, vocab and tokenizer: what the model needs to be rebuilt as it was saved.
 FROM_CHECKPOINT = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -142,8 +142,15 @@ def _optimizer_notes(raw, saved):
 def _sample_order_notes(raw, saved):
     def same(key):
         ours, theirs = raw.get(key), saved.get(key)
-        if key in ("data_path", "train_data") and ours and theirs:  # a relative path too
-            return os.path.realpath(str(ours)) == os.path.realpath(str(theirs))
+        if key in ("data_path", "train_data") and ours and theirs:  # as written, or resolved
+            return os.path.normpath(str(ours)) == os.path.normpath(str(theirs)) or \
+                os.path.realpath(str(ours)) == os.path.realpath(str(theirs))
+        if key == "split" and ours and theirs:  # "969, 30, 1" is "969,30,1"
+            from megatron.data.splits import parse_splits
+            try:
+                return parse_splits(str(ours)) == parse_splits(str(theirs))
+            except MegatronError:  # a bad recorded split: the strings decide
+                return ours == theirs
         return ours == theirs
     changed = [f"--{key.replace('_', '-')} {raw.get(key)} (the checkpoint's: {saved[key]})"
                for key in _SAMPLE_ORDER if key in saved and not same(key)]

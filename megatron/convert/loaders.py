@@ -38,7 +38,7 @@ FORMAT_HELP = ("megatron (latest_checkpointed_iteration.txt + iter_*/mp_rank_*/"
 MODEL_ARG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                   "max_position_embeddings", "layernorm_epsilon", "orig_vocab_size",
                   "make_vocab_size_divisible_by", "tokenizer_type", "vocab_file", "merge_file",
-                  "tokenizer_model", "init_method_std", "seq_length")
+                  "tokenizer_model", "init_method_std", "seq_length", "tokenizer_probe_sha1")
 _TOKENIZER_FILES = {"vocab_file": "vocab.json", "merge_file": "merges.txt"}
 
 

@@ -14,6 +14,7 @@ for forward passes; nothing else of the engine.
 """
 
 import contextlib
+import dataclasses
 import functools
 
 import math
@@ -218,7 +219,9 @@ class ZeroBackend(Backend):
                     f"--finetune from the Megatron-layout checkpoint {checkpoint.load} needs "
                     "ZeRO stage 0-2 (stage 3 partitions the weights as they are built); "
                     "fine-tune at stage 2 first, or resume it without --deepspeed")
-            return megatron_layout.load_checkpoint(self.module, self.engine, checkpoint,
+            # weights only, even over its own --save: its optimizer state is Megatron's layout
+            weights_only = dataclasses.replace(checkpoint, save=None)
+            return megatron_layout.load_checkpoint(self.module, self.engine, weights_only,
                                                    self.ctx.run_args, self.ctx.runtime.device)
         return deepspeed_layout.load_checkpoint(self.engine, checkpoint, self.ctx.run_args,
                                                 self.ctx.runtime.device)

@@ -265,6 +265,15 @@ def test_resuming_with_another_sample_order_says_so(corpus, tmp_path, capsys):
     assert "validation and test may now hold documents the model trained on" in out
 
 
+def test_a_tiled_bf16_run_resumes(corpus, tmp_path):
+    """Tiled parameters have other names than the untiled weights a checkpoint holds."""
+    save = str(tmp_path / "ckpt")
+    tiled = ["--bf16", "--memory-centric-tiled-linear", "--tile-factor", "2"]
+    assert run(corpus, tmp_path, *tiled, "--save", save, iters=2) == 0
+    assert run(corpus, tmp_path, *tiled, "--load", save, iters=3) == 0
+    assert sorted(losses(tmp_path)) == [1, 2, 3]
+
+
 def test_a_finished_run_continues_with_more_train_iters(corpus, tmp_path, capsys):
     """The README's 'raise TRAIN_ITERS to continue': the decay --train-iters implied follows
     the new length (said once; --warmup-iters 2 was given, so warmup stays), and training
