@@ -57,9 +57,9 @@ def test_a_rank_that_dies_without_a_result_ends_the_run_at_once():
 def test_a_silent_death_is_named_even_when_another_ranks_error_is_read_first():
     with pytest.raises(AssertionError) as failure:
         run_distributed(_rank_1_dies_and_rank_0_then_fails, 2, timeout=120)
-    message = str(failure.value)
-    assert message.startswith("rank(s) exited without a result, exit codes {1: 3}")
-    assert "the rendezvous broke" in message
+    # rank 0's own error (in its function, or in the rendezvous when rank 1 left first) may
+    # or may not have been read by then: the silent death comes first either way
+    assert str(failure.value).startswith("rank(s) exited without a result, exit codes {1: 3}")
 
 
 def _preloaded_trainer_and_start_method(rank, world_size):
