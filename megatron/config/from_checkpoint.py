@@ -13,6 +13,7 @@ its value, and loading rejects it later when it disagrees with the checkpoint.
 
 import os
 
+from megatron.data.splits import parse_splits
 from megatron.errors import CheckpointError, MegatronError
 
 # Shape, vocab and tokenizer: what the model needs to be rebuilt as it was saved.
@@ -146,7 +147,6 @@ def _sample_order_notes(raw, saved):
             return os.path.normpath(str(ours)) == os.path.normpath(str(theirs)) or \
                 os.path.realpath(str(ours)) == os.path.realpath(str(theirs))
         if key == "split" and ours and theirs:  # "969, 30, 1" is "969,30,1"
-            from megatron.data.splits import parse_splits
             try:
                 return parse_splits(str(ours)) == parse_splits(str(theirs))
             except MegatronError:  # a bad recorded split: the strings decide

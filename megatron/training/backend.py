@@ -217,8 +217,8 @@ class ZeroBackend(Backend):
             if self.ctx.config.engine.zero_stage == 3:
                 raise CheckpointError(
                     f"--finetune from the Megatron-layout checkpoint {checkpoint.load} needs "
-                    "ZeRO stage 0-2 (stage 3 partitions the weights as they are built); "
-                    "fine-tune at stage 2 first, or resume it without --deepspeed")
+                    "ZeRO stage 0-2 (stage 3 partitions the weights as they are built): "
+                    "fine-tune at stage 0-2, or resume it without --deepspeed")
             # weights only, even over its own --save: its optimizer state is Megatron's layout
             weights_only = dataclasses.replace(checkpoint, save=None)
             return megatron_layout.load_checkpoint(self.module, self.engine, weights_only,
