@@ -5,7 +5,8 @@ import os
 import numpy as np
 import torch
 
-from megatron.data.index_maps import build_index_mappings, index_map_paths
+from megatron.data.index_maps import (build_index_mappings, index_map_paths,
+                                      sample_counts_spanning)
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.rank_zero import log_rank_zero
 from megatron.data.splits import split_document_ranges
@@ -26,6 +27,13 @@ class GPT2Dataset(torch.utils.data.Dataset):
         self.doc_idx, self.sample_idx, self.shuffle_idx = build_index_mappings(
             name, data_prefix, documents, indexed_dataset.sizes, num_samples, seq_length, seed,
             group)
+        self.num_epochs = len(self.doc_idx) // len(documents)  # the documents' repeats
+        self._tokens_per_epoch = int(np.sum(indexed_dataset.sizes[documents], dtype=np.int64))
+
+    def sample_counts_spanning(self, num_epochs):
+        """(fewest, most) sample counts whose order of samples is this split's order over
+        `num_epochs` epochs."""
+        return sample_counts_spanning(num_epochs, self._tokens_per_epoch, self.seq_length)
 
     def __len__(self):
         # All samples of the epochs the maps cover; at least the number asked for.

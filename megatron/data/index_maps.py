@@ -36,6 +36,14 @@ def num_epochs_needed(tokens_per_epoch, seq_length, num_samples):
     return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
 
 
+def sample_counts_spanning(num_epochs, tokens_per_epoch, seq_length):
+    """(fewest, most) sample counts whose maps span exactly `num_epochs` epochs: the counts
+    served in the same order (the shuffle depends on the epoch count, not on the count)."""
+    most = (num_epochs * tokens_per_epoch - 1) // seq_length
+    fewest = 1 if num_epochs == 1 else ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length + 1
+    return fewest, most
+
+
 def build_doc_idx(documents, num_epochs, rng):
     doc_idx = np.tile(np.asarray(documents, dtype=np.int32), num_epochs)
     rng.shuffle(doc_idx)  # all epochs shuffled together, as Megatron 1.1.5 does

@@ -92,6 +92,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
         if runtime.is_rank0:
             _say_if_the_save_folder_holds_other_runs(config, backend, train_state)
         datasets = train_valid_test_datasets_provider(ctx, num_samples_per_split(config))
+        _follow_train_epochs(datasets[0], train_state, ctx)
         logger = TrainingLogger(config.logging.log_dir, config.logging.tensorboard_dir,
                                 runtime.is_rank0, start_iteration=train_state["iteration"])
         guards = TrainingGuards(config, runtime, train_state)  # signals, NaNs, dead peers
@@ -144,6 +145,31 @@ def num_samples_per_split(config):
     return [training.train_iters * training.global_batch_size,
             training.eval_iters * training.global_batch_size * (1 if evaluations else 0),
             training.eval_iters * training.global_batch_size]
+
+
+def _follow_train_epochs(train, train_state, ctx):
+    """Record in `train_state` how many epochs the train split's maps span; when resuming a
+    checkpoint whose run spanned another number, say so: the maps shuffle the samples of all
+    epochs together (as Megatron's do), so the order is another one from the first sample."""
+    num_epochs = getattr(train, "num_epochs", None)
+    if num_epochs is None:  # a provider's dataset that does not say
+        train_state.pop("train_epochs", None)
+        return
+    before = train_state.get("train_epochs")
+    train_state["train_epochs"] = num_epochs
+    if before is None or before == num_epochs or train_state["iteration"] == 0:
+        return
+    note = (f" note: the train split's samples now span {num_epochs} epoch(s) of its "
+            f"documents (the checkpoint's run: {before}), and the samples of all epochs are "
+            "shuffled together, as in Megatron: training continues at the checkpoint's count "
+            "of consumed samples in another order (some are seen again, some never)")
+    global_batch = ctx.config.training.global_batch_size
+    fewest, most = train.sample_counts_spanning(before)
+    lowest = max(-(-fewest // global_batch), train_state["iteration"] + 1)
+    if lowest <= most // global_batch:
+        note += (f"; --train-iters {lowest} to {most // global_batch} at global batch size "
+                 f"{global_batch} would keep the checkpoint's order")
+    ctx.runtime.print0(note)
 
 
 def _how_to_resume(config):

@@ -89,6 +89,28 @@ def test_samples_are_windows_of_the_document_stream_over_epochs(tmp_path):
         np.testing.assert_array_equal(sample, stream[k * seq: k * seq + seq + 1])
 
 
+@pytest.mark.parametrize("seq_length", [1, 4, 7, 23, 50])
+def test_sample_counts_spanning_an_epoch_count_share_one_order(seq_length):
+    """Every count in the range gives the same maps (the order a resume continues); the
+    counts just outside it need another number of epochs, so another order."""
+    sizes = np.array([len(d) for d in DOCS], dtype=np.int32)
+    documents = np.arange(len(DOCS), dtype=np.int32)
+    tokens = int(sizes.sum())
+    for epochs in (1, 2, 5):
+        fewest, most = index_maps.sample_counts_spanning(epochs, tokens, seq_length)
+        if fewest > most:  # a sequence longer than an epoch: no count spans exactly this
+            continue
+        assert {index_maps.num_epochs_needed(tokens, seq_length, n)
+                for n in range(fewest, most + 1)} == {epochs}
+        assert index_maps.num_epochs_needed(tokens, seq_length, most + 1) > epochs
+        if epochs > 1:
+            assert index_maps.num_epochs_needed(tokens, seq_length, fewest - 1) < epochs
+        fewest_maps = compute_index_maps(documents, sizes, fewest, seq_length, seed=3)
+        most_maps = compute_index_maps(documents, sizes, most, seq_length, seed=3)
+        for fewest_map, most_map in zip(fewest_maps, most_maps):
+            np.testing.assert_array_equal(fewest_map, most_map)
+
+
 def test_splits_use_contiguous_document_ranges(tmp_path):
     prefix = write_token_dataset(tmp_path / "corpus", DOCS)
     train, valid, test = build_train_valid_test_datasets(prefix, "6/1/1", [10, 5, 5], 3, seed=1)

@@ -265,6 +265,35 @@ def test_resuming_with_another_sample_order_says_so(corpus, tmp_path, capsys):
     assert "validation and test may now hold documents the model trained on" in out
 
 
+def test_resuming_over_more_epochs_says_the_order_changes(corpus, tmp_path, capsys):
+    from megatron.data.index_maps import num_epochs_needed, sample_counts_spanning
+    from megatron.data.indexed_dataset import MMapIndexedDataset
+    from megatron.data.splits import split_document_ranges
+    sizes = MMapIndexedDataset(corpus["prefix"]).sizes
+    first, end = split_document_ranges("10,89,1", len(sizes))[:2]
+    tokens_per_epoch = int(sizes[first:end].sum())
+    most = sample_counts_spanning(1, tokens_per_epoch, 32)[1]
+    assert 2 * 4 <= most < 40 * 4  # 2 iterations fit in one epoch, 40 need more
+    epochs = num_epochs_needed(tokens_per_epoch, 32, 40 * 4)
+    save = str(tmp_path / "ckpt")
+    small_train_split = ["--split", "10,89,1", "--save", save]
+    assert run(corpus, tmp_path, *small_train_split, iters=2) == 0
+    capsys.readouterr()
+    assert run(corpus, tmp_path, *small_train_split, "--load", save, "--exit-interval", "3",
+               iters=40) == 0
+    out = capsys.readouterr().out
+    assert (f" note: the train split's samples now span {epochs} epoch(s) of its documents "
+            "(the checkpoint's run: 1), and the samples of all epochs are shuffled together, "
+            "as in Megatron: training continues at the checkpoint's count of consumed samples "
+            "in another order") in out
+    assert (f"; --train-iters 3 to {most // 4} at global batch size 4 would keep the "
+            "checkpoint's order") in out
+    # the checkpoint saved at iteration 3 records the new count: resuming it says nothing
+    assert run(corpus, tmp_path, *small_train_split, "--load", save, "--exit-interval", "4",
+               iters=40) == 0
+    assert "epoch(s) of its documents" not in capsys.readouterr().out
+
+
 def test_a_tiled_bf16_run_resumes(corpus, tmp_path):
     """Tiled parameters have other names than the untiled weights a checkpoint holds."""
     save = str(tmp_path / "ckpt")
