@@ -1,5 +1,5 @@
-"""Entry-point helper: user mistakes print one `error:` line, programming errors a traceback,
-Ctrl-C a line and exit code 130."""
+"""Entry-point helper: user mistakes (and paths the user may not write or read) print one
+`error:` line, programming errors a traceback, Ctrl-C a line and exit code 130."""
 
 import sys
 
@@ -26,6 +26,12 @@ def run_cli(main, *args, **kwargs):
     except user_error_types() as error:
         if launched_rank() == 0 or not isinstance(error, SAME_ON_EVERY_RANK):
             print(f"error: {error}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
+    except PermissionError as error:  # a folder the user pointed at that is not theirs
+        path = error.filename if error.filename2 is None else error.filename2
+        print(f"error: {error.strerror or 'permission denied'}: {path}: this user cannot "
+              f"write (or read) there; give a path it can, or fix the folder's permissions",
+              file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt as interrupt:
         message = str(interrupt) if isinstance(interrupt, Interrupted) else "interrupted"

@@ -44,6 +44,15 @@ def test_ctrl_c_is_exit_code_130_without_a_traceback(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_path_the_user_may_not_write_is_one_error_line(capsys):
+    def write():
+        raise PermissionError(13, "Permission denied", "/data/ro/corpus.bin.tmp.7")
+    assert run_cli(write) == 2
+    assert capsys.readouterr().err == (
+        "error: Permission denied: /data/ro/corpus.bin.tmp.7: this user cannot write (or read) "
+        "there; give a path it can, or fix the folder's permissions\n")
+
+
 def test_success_is_0():
     assert run_cli(lambda: None) == 0
 

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.convert import read_sharded_checkpoint, reshard_checkpoint  # noqa: E402
 from megatron.convert.deepspeed_source import read_deepspeed_checkpoint  # noqa: E402
-from megatron.errors import MegatronError  # noqa: E402
+from megatron.cli import run_cli  # noqa: E402
 
 
 def get_args(argv=None):
@@ -108,12 +108,7 @@ def run(args):
 
 
 def main(argv=None):
-    try:
-        run(get_args(argv))
-    except MegatronError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+    return run_cli(lambda: run(get_args(argv)))
 
 
 if __name__ == "__main__":

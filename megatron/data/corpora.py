@@ -37,6 +37,10 @@ def resolve_corpus(name_or_path):
         return path
     if os.path.isfile(name_or_path):
         return name_or_path
+    if dataset_exists(name_or_path):
+        raise DataError(f"--train-data {name_or_path!r} is a tokenized dataset (.bin/.idx); "
+                        f"train on it with --data-path {name_or_path} (--train-data takes "
+                        "loose JSON)")
     known = ", ".join(f"{name} -> {os.path.join(data_root(), rel)}"
                       for name, rel in sorted(NAMED_CORPORA.items()))
     raise DataError(f"--train-data {name_or_path!r} is neither a known corpus name nor an "

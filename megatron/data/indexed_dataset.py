@@ -16,6 +16,7 @@ Byte compatible with Megatron-LM / fairseq `MMapIndexedDataset` (and megatron-co
 document, so items and documents coincide there.
 """
 
+import glob
 import os
 import struct
 from array import array
@@ -173,6 +174,21 @@ class DatasetIndexError(DataError, IndexError):
     """An item index or token range past the end; also an IndexError so iteration stops."""
 
 
+def _missing_dataset_hint(prefix):
+    """The likeliest intended prefix next to a missing one: the same without a .bin/.idx
+    extension, or preprocess_data.py's `--output-prefix` given without the `_{key}_document`
+    it appends; else how to build one."""
+    stem, extension = os.path.splitext(prefix)
+    if extension in (".bin", ".idx") and dataset_exists(stem):
+        return f"drop the {extension} extension: --data-path {stem}"
+    built = sorted(path[:-len(".idx")] for path in glob.glob(glob.escape(prefix) + "_*_document.idx")
+                   if os.path.exists(path[:-len(".idx")] + ".bin"))
+    if built:
+        return (f"tools/preprocess_data.py names its outputs --output-prefix + _<json key>"
+                f"_document: --data-path {built[0]}")
+    return BUILD_HINT
+
+
 class MMapIndexedDataset:
     """Read-only view of `<prefix>.bin/.idx`; items come back as numpy arrays without copies."""
 
@@ -182,11 +198,9 @@ class MMapIndexedDataset:
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         for path in (idx_path, bin_path):
             if not os.path.exists(path):
-                stem, extension = os.path.splitext(prefix)
-                hint = (f"drop the {extension} extension: --data-path {stem}"
-                        if extension in (".bin", ".idx") and dataset_exists(stem) else BUILD_HINT)
                 raise DataError(f"indexed dataset {prefix!r}: {path} does not exist. "
-                                f"--data-path takes the prefix without .bin/.idx; {hint}")
+                                f"--data-path takes the prefix without .bin/.idx; "
+                                f"{_missing_dataset_hint(prefix)}")
         self._index = _Index(idx_path)
         bin_size = os.path.getsize(bin_path)
         described = self._index.data_bytes()

@@ -1,12 +1,25 @@
 """One line of a loose-JSON corpus (`{"text": ..., ...}` per line) read into its record.
 
-Every way a line can be unreadable (bytes that are not UTF-8, JSON that is invalid, nested
+A leading UTF-8 byte-order mark is ignored. Every way a line can be unreadable (bytes that are not UTF-8, JSON that is invalid, nested
 deeper than Python parses or holds a number Python will not convert, a value that is not an
 object, a key missing or not a string) raises `MalformedLine` with a short reason, so the
 tools that read corpora skip and count such lines instead of dying with a traceback.
 """
 
 import json
+
+# the first bytes of the compressed formats corpora are shipped in
+_COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
+                     b"\x28\xb5\x2f\xfd": "zstd"}
+
+
+def compression_of(path):
+    """The compression format `path` is in ("gzip", "bzip2", "xz", "zstd"), or None: a
+    compressed corpus read as lines would be all malformed lines, not one clear error."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    return next((name for magic, name in _COMPRESSED_MAGIC.items() if head.startswith(magic)),
+                None)
 
 
 class MalformedLine(ValueError):
@@ -23,7 +36,8 @@ class MalformedLine(ValueError):
 def parse_record(line, required=()):
     """The JSON object on raw line `line` (bytes), with a string under every `required` key."""
     try:
-        text = line.decode("utf-8").rstrip("\r\n")
+        text = line.decode("utf-8").rstrip("\r\n").lstrip("\ufeff")  # a byte-order mark:
+        # editors write it at the start of a file, and `cat` of such files at a line's start
     except UnicodeDecodeError as e:
         raise MalformedLine("invalid UTF-8", f"byte {e.start} of the line") from None
     try:

@@ -18,7 +18,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from megatron.data.json_lines import MalformedLine, parse_record
+from megatron.data.json_lines import MalformedLine, compression_of, parse_record
 from megatron.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_dtype,
                                            data_file_path, index_file_path)
 from megatron.data.progress import Progress
@@ -212,13 +212,13 @@ def tokenize_loose_json(input_path, output_prefix, make_tokenizer, json_keys=("t
     skipped and counted, the first few reported by line number; with `strict` the first one
     stops the run (DataError naming its line). Returns ({key: prefix}, TokenizeStats).
     """
-    if not os.path.isfile(input_path):
-        what = "a directory" if os.path.isdir(input_path) else "no such file"
-        raise DataError(f"--input {input_path}: {what} (expected a loose JSON file, one object "
-                        f"per line, e.g. {{\"text\": \"...\"}})")
+    _check_input(input_path)
     if workers < 1:
         raise DataError(f"--workers must be at least 1, got {workers}")
     json_keys = tuple(json_keys)
+    if len(set(json_keys)) < len(json_keys):
+        raise DataError(f"--json-keys {' '.join(json_keys)} names a key twice (each key is "
+                        "one output dataset)")
     context = _process_context()  # before tqdm may start its monitor thread
     tokenizer = make_tokenizer()
     dtype = best_dtype(tokenizer.vocab_size)
@@ -269,6 +269,24 @@ def tokenize_loose_json(input_path, output_prefix, make_tokenizer, json_keys=("t
     for key, prefix in outputs.items():
         write_record(prefix, records[key])
     return outputs, stats
+
+
+def _check_input(input_path):
+    """DataError unless `input_path` is an uncompressed regular file (read by byte ranges)."""
+    if not os.path.isfile(input_path):
+        if os.path.isdir(input_path):
+            what = "a directory"
+        elif os.path.exists(input_path) or input_path == "-":
+            what = ("not a regular file (a pipe or a device?): it is read by byte ranges, so "
+                    "write it to a file first")
+        else:
+            what = "no such file"
+        raise DataError(f"--input {input_path}: {what} (expected a loose JSON file, one object "
+                        f"per line, e.g. {{\"text\": \"...\"}})")
+    compression = compression_of(input_path)
+    if compression is not None:
+        raise DataError(f"--input {input_path} is {compression}-compressed: decompress it to a "
+                        "file first (it is read by byte ranges, as loose JSON lines)")
 
 
 def _process_context():

@@ -145,6 +145,18 @@ def test_prefix_given_with_extension(good):
         MMapIndexedDataset(good + ".bin")
 
 
+def test_the_output_prefix_given_for_the_dataset_names_the_dataset(tmp_path):
+    """preprocess_data.py --output-prefix data/corpus writes data/corpus_text_document."""
+    written = write_token_dataset(tmp_path / "corpus_text_document", [[1, 2]])
+    with pytest.raises(DataError, match=r"names its outputs --output-prefix \+ _<json key>"
+                                        r"_document: --data-path .*corpus_text_document$"):
+        MMapIndexedDataset(str(tmp_path / "corpus"))
+    from megatron.data.corpora import resolve_corpus
+    with pytest.raises(DataError, match=r"--train-data .* is a tokenized dataset \(.bin/.idx\); "
+                                        r"train on it with --data-path .*corpus_text_document "):
+        resolve_corpus(written)
+
+
 def test_wrong_magic(good):
     with open(good + ".idx", "r+b") as f:
         f.write(b"GARBAGE!!")

@@ -275,3 +275,43 @@ def test_a_folder_given_as_input_says_so(tmp_path, monkeypatch):
         _run_tool(_load_tool(), ["--input", str(tmp_path), "--output-prefix",
                                  str(tmp_path / "x"), "--tokenizer-type", "GPT2BPETokenizer",
                                  "--vocab-file", "v", "--merge-file", "m"], monkeypatch)
+
+
+def test_an_output_prefix_ending_in_the_appended_suffix_is_refused(tmp_path, monkeypatch):
+    from megatron.errors import ConfigError
+    corpus, _ = _corpus(tmp_path, num_docs=3)
+    with pytest.raises(ConfigError, match=r"--output-prefix .*/x_text_document ends in "
+                                          r"_text_document, which is appended to it .*; give "
+                                          r"--output-prefix .*/x$"):
+        _run_tool(_load_tool(), ["--input", corpus, "--output-prefix",
+                                 str(tmp_path / "x_text_document"), "--tokenizer-type",
+                                 "GPT2BPETokenizer", "--vocab-file", "v", "--merge-file", "m"],
+                  monkeypatch)
+    assert not list(tmp_path.glob("x_*"))
+
+
+def test_compressed_piped_and_twice_keyed_inputs_are_one_error(tmp_path):
+    import gzip
+    corpus = write_loose_json(tmp_path / "c.json", [{"text": "x"}])
+    packed = tmp_path / "c.json.gz"
+    packed.write_bytes(gzip.compress(open(corpus, "rb").read()))
+    make = ConstantFactory(ByteTokenizer())
+    with pytest.raises(DataError, match=r"c.json.gz is gzip-compressed: decompress it to a file"):
+        tokenize_loose_json(str(packed), str(tmp_path / "o"), make)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match=r"pipe: not a regular file \(a pipe or a device\?\)"):
+        tokenize_loose_json(str(fifo), str(tmp_path / "o"), make)
+    with pytest.raises(DataError, match="--json-keys text text names a key twice"):
+        tokenize_loose_json(corpus, str(tmp_path / "o"), make, json_keys=("text", "text"))
+    assert not list(tmp_path.glob("o_*"))
+
+
+def test_a_byte_order_mark_does_not_cost_a_document(tmp_path):
+    corpus = tmp_path / "bom.json"
+    corpus.write_bytes(b'\xef\xbb\xbf{"text": "one"}\n\xef\xbb\xbf{"text": "two"}\n')
+    outputs, stats = tokenize_loose_json(str(corpus), str(tmp_path / "o"),
+                                         ConstantFactory(ByteTokenizer()), stream=io.StringIO())
+    assert stats.documents == 2 and stats.malformed == 0
+    assert [bytes(d.astype(np.uint8)) for d in MMapIndexedDataset(outputs["text"])] == \
+        [b"one", b"two"]

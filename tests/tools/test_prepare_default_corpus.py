@@ -60,3 +60,37 @@ def test_default_script_from_nothing(tmp_path):
     assert (tmp_path / "data" / "webtext" / "data.json").exists()
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     assert "metrics.jsonl" in result.stdout and "iteration        4/       4" in result.stdout
+
+
+def _prepare(*argv):
+    return subprocess.run([sys.executable, os.path.join(REPO, "tools", "prepare_default_corpus.py"),
+                           *argv], capture_output=True, text=True)
+
+
+def test_bad_paths_are_one_error_line(tmp_path):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "testing_gut.txt").write_text(PLAY)
+    folder = tmp_path / "webtext"
+    folder.mkdir()
+    result = _prepare("--input-dir", str(texts), "--output", str(folder))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"error: --output {folder} is a folder; give the corpus file's path" in result.stderr
+    assert not list(tmp_path.rglob("*.tmp*"))
+    result = _prepare("--input-dir", str(tmp_path / "nowhere"), "--output", str(folder / "d.json"))
+    assert result.returncode == 2
+    assert f"error: --input-dir {tmp_path / 'nowhere'} is not a folder" in result.stderr
+    result = _prepare("--input-dir", str(folder), "--output", str(folder / "d.json"))
+    assert result.returncode == 2 and f"error: no *_gut.txt texts in {folder}" in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_output_folder_is_one_error_line(tmp_path):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "testing_gut.txt").write_text(PLAY)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    result = _prepare("--input-dir", str(texts), "--output", str(locked / "data.json"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "error: Permission denied: " in result.stderr and str(locked) in result.stderr
