@@ -35,7 +35,7 @@ def merged(tmp_path_factory):
     expected = owt_corpus.write_pages(root / "pages")
     output = root / "merged.json"
     report = merge_jsons.run(ns(json_path=[str(root / "pages")], output_file=str(output),
-                                workers=2))
+                                workers=2, bucket_mb=64.0))
     return output, expected, report
 
 
@@ -56,7 +56,7 @@ def test_blacklist_urls_drops_each_reason_and_keeps_order(tmp_path):
         reports.append(blacklist_urls.run(ns(
             inputs=[str(tmp_path / "lists")], output=str(out), workers=workers,
             domain_blacklist=[str(tmp_path / "domains.txt")], extension_blacklist=[],
-            no_default_blacklists=False, min_length=13)))
+            no_default_blacklists=False, min_length=13, bucket_mb=0.0001)))
         assert out.read_text(encoding="utf-8").splitlines() == [
             "https://news.example.com/story/1", "https://café.example.fr/menu",
             "https://news.example.com/story/2"]
@@ -227,3 +227,71 @@ def test_bad_inputs_are_one_line_errors(tmp_path, argv, message):
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: ")
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_pages_without_urls_stop_at_merge_with_the_reason(tmp_path):
+    (tmp_path / "pages").mkdir()
+    (tmp_path / "pages" / "p.jsonl").write_text(
+        "".join(json.dumps({"text": f"page {i}"}) + "\n" for i in range(5)))
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "openwebtext", "run_pipeline.py"),
+         "--pages", str(tmp_path / "pages"), "--work-dir", str(tmp_path / "w"),
+         "--skip-preprocess", "--min-tokens", "0", "--language", "any"],
+        capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: stage merge_jsons kept none of the 5 lines it read (5 dropped as "
+        "\"malformed: no string under 'url'\"); every page needs a \"url\" string (pages "
+        "downloaded twice are dropped by it): give each line one")
+    assert not (tmp_path / "w" / "cleaned.json").exists()
+    assert not (tmp_path / "w" / ".stages" / "merge_jsons.json").exists()  # reruns, fixed
+
+
+def test_outputs_inside_the_pages_folder_are_refused(tmp_path):
+    (tmp_path / "pages").mkdir()
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "openwebtext", "run_pipeline.py"),
+         "--pages", str(tmp_path / "pages"), "--work-dir", str(tmp_path / "pages" / "w"),
+         "--skip-preprocess", "--min-tokens", "0"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: --work-dir {tmp_path / 'pages' / 'w'} is inside "
+                                    f"--pages {tmp_path / 'pages'}: the next run would read")
+
+
+def test_missing_tokenizer_files_stop_the_pipeline_before_its_first_stage(tmp_path):
+    (tmp_path / "pages").mkdir()
+    (tmp_path / "pages" / "p.json").write_text('{"text": "a page", "url": "https://a.b/c"}\n')
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "openwebtext", "run_pipeline.py"),
+         "--pages", str(tmp_path / "pages"), "--work-dir", str(tmp_path / "w")],
+        capture_output=True, text=True)
+    assert result.returncode == 2 and "needs --vocab-file" in result.stderr
+    assert "[merge_jsons] running" not in result.stdout
+
+
+def test_language_codes_are_langdetect_codes_in_any_case():
+    assert cleanup_dataset._languages(["EN", "zh-CN"]) == {"en", "zh-cn"}
+    assert cleanup_dataset._languages(["ANY"]) is None
+    from megatron.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"--language english: not a language langdetect "
+                                          r"detects; it detects af, ar, .*en, .*\(or give 'any'\)"):
+        cleanup_dataset._languages(["en", "english"])
+
+
+def test_page_folders_are_read_with_subfolders_and_compressed_pages_are_named(tmp_path, capsys):
+    import gzip
+    from megatron.errors import DataError
+    from tools.openwebtext.streaming import input_files
+    pages = tmp_path / "pages"
+    (pages / "sub").mkdir(parents=True)
+    (pages / "sub" / ".hidden").mkdir()
+    for name in ("a.json", "sub/b.jsonl", ".swap.json", "sub/.hidden/c.json"):
+        (pages / name).write_text('{"text": "t", "url": "u"}\n')
+    (pages / "d.json.gz").write_bytes(gzip.compress(b'{"text": "t", "url": "v"}\n'))
+    assert input_files([str(pages)], (".json", ".jsonl")) == [str(pages / "a.json"),
+                                                              str(pages / "sub" / "b.jsonl")]
+    assert capsys.readouterr().err == (f"note: skipped 1 file(s) that are not *.json, *.jsonl: "
+                                       f"{pages / 'd.json.gz'}; decompress the compressed ones "
+                                       "first\n")
+    with pytest.raises(DataError, match=r"d.json.gz is gzip-compressed: decompress it first"):
+        input_files([str(pages / "d.json.gz")])

@@ -25,7 +25,8 @@ from urllib.parse import urlsplit
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron.errors import DataError  # noqa: E402
-from tools.openwebtext.external import filter_then_dedup_lines  # noqa: E402
+from tools.openwebtext.external import (add_bucket_arg, bucket_bytes,  # noqa: E402
+                                        filter_then_dedup_lines)
 from tools.openwebtext.streaming import (MALFORMED, Malformed, input_files,  # noqa: E402
                                          stage_main)
 
@@ -143,6 +144,7 @@ def get_args(argv=None):
     parser.add_argument("--min-length", type=int, default=8,
                         help="URLs of at most this many characters are dropped")
     parser.add_argument("--workers", type=int, default=1)
+    add_bucket_arg(parser, "deduplication")
     return parser.parse_args(argv)
 
 
@@ -159,10 +161,10 @@ def build_filter(args):
 
 def run(args, stream=None):
     """Filter, then drop duplicates; returns the StageReport."""
-    url_filter = build_filter(args)
+    url_filter, buckets = build_filter(args), bucket_bytes(args)
     return filter_then_dedup_lines("blacklist_urls", input_files(args.inputs), args.output,
                                    _FilterFactory(url_filter), args.workers, stream,
-                                   lambda line: line.rstrip(b"\n"), "duplicate")
+                                   lambda line: line.rstrip(b"\n"), "duplicate", buckets)
 
 
 def main(argv=None):

@@ -138,13 +138,28 @@ def add_cleanup_args(parser):
     add_tokenizer_args(parser)
 
 
+def _languages(codes):
+    """The --language codes as langdetect spells them (lower case), None for 'any'; a code
+    langdetect never returns would silently drop every document."""
+    codes = [code.lower() for code in codes]
+    if codes == ["any"]:
+        return None
+    import langdetect
+    profiles = os.path.join(os.path.dirname(langdetect.__file__), "profiles")
+    known = sorted(os.listdir(profiles)) if os.path.isdir(profiles) else None
+    unknown = [code for code in codes if known is not None and code not in known]
+    if unknown:
+        raise ConfigError(f"--language {' '.join(unknown)}: not a language langdetect detects; "
+                          f"it detects {', '.join(known)} (or give 'any')")
+    return frozenset(codes)
+
+
 def make_cleanup_factory(args):
     if args.min_tokens < 0:
         raise ConfigError(f"--min-tokens must be >= 0, got {args.min_tokens}")
     if args.language_chars < 1:
         raise ConfigError(f"--language-chars must be >= 1, got {args.language_chars}")
-    languages = None if [lang.lower() for lang in args.language] == ["any"] else \
-        frozenset(args.language)
+    languages = _languages(args.language)
     tokenizer_factory = TokenizerFactory(args.tokenizer_type, args.vocab_file, args.merge_file,
                                          args.tokenizer_model)
     if args.min_tokens:

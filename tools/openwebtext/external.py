@@ -12,9 +12,23 @@ import shutil
 import tempfile
 import time
 
+from megatron.errors import ConfigError
 from tools.openwebtext.streaming import AtomicOutput, Progress, process_context, run_line_filter
 
 BUCKET_BYTES = 64 << 20
+
+
+def add_bucket_arg(parser, what):
+    parser.add_argument("--bucket-mb", type=float, default=BUCKET_BYTES / (1 << 20),
+                        help=f"size of the temporary buckets the {what} holds in memory one at "
+                             "a time")
+
+
+def bucket_bytes(args):
+    """--bucket-mb in bytes; ConfigError unless positive."""
+    if not args.bucket_mb > 0:
+        raise ConfigError(f"--bucket-mb must be positive, got {args.bucket_mb}")
+    return max(1, int(args.bucket_mb * (1 << 20)))
 
 
 def _bucket_count(path, bucket_bytes):
@@ -33,14 +47,14 @@ def _digest(key):
 
 
 def filter_then_dedup_lines(stage, paths, output_path, make_filter, workers, stream,
-                            key_of_line, duplicate_reason):
+                            key_of_line, duplicate_reason, bucket_bytes=BUCKET_BYTES):
     """run_line_filter, then dedup_lines by `key_of_line` into `output_path`: the StageReport
     counts the duplicates dropped as `duplicate_reason` and the time of both passes."""
     started = time.perf_counter()
     filtered = f"{output_path}.filtered.tmp"
     try:
         report = run_line_filter(stage, paths, filtered, make_filter, workers, stream)
-        duplicates = dedup_lines(filtered, output_path, key_of_line,
+        duplicates = dedup_lines(filtered, output_path, key_of_line, bucket_bytes,
                                  stage=f"{stage}: {duplicate_reason}s")
     finally:
         if os.path.exists(filtered):

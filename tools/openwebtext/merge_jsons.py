@@ -17,7 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tools.openwebtext.external import filter_then_dedup_lines  # noqa: E402
+from tools.openwebtext.external import (add_bucket_arg, bucket_bytes,  # noqa: E402
+                                        filter_then_dedup_lines)
 from tools.openwebtext.streaming import (dump_json_line, input_files,  # noqa: E402
                                          parse_json_record, stage_main)
 
@@ -46,13 +47,15 @@ def get_args(argv=None):
                         "file; repeat for more")
     parser.add_argument("--output-file", "--output_file", dest="output_file", required=True)
     parser.add_argument("--workers", type=int, default=1)
+    add_bucket_arg(parser, "URL deduplication")
     return parser.parse_args(argv)
 
 
 def run(args, stream=None):
+    buckets = bucket_bytes(args)
     return filter_then_dedup_lines("merge_jsons", input_files(args.json_path, JSON_SUFFIXES),
                                    args.output_file, _make_page_filter, args.workers, stream,
-                                   url_of_json_line, "duplicate url")
+                                   url_of_json_line, "duplicate url", buckets)
 
 
 def main(argv=None):

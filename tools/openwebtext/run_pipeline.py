@@ -27,10 +27,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron.cli import run_cli  # noqa: E402
+from megatron.data.preprocessing import TokenizerFactory  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 from tools.openwebtext import (blacklist_urls, cleanup_dataset, find_duplicates,  # noqa: E402
                                group_duplicates_url, merge_jsons, remove_group_duplicates,
                                shuffle_jsons)
+from tools.openwebtext.external import bucket_bytes  # noqa: E402
 from tools.openwebtext.stages import (Stage, files_identity, format_table,  # noqa: E402
                                       run_stages, tokenize_stage)
 
@@ -60,7 +62,8 @@ def get_args(argv=None):
     group = parser.add_argument_group("shuffle and runtime")
     group.add_argument("--seed", type=int, default=1234, help="shuffle seed")
     group.add_argument("--bucket-mb", type=float, default=64.0,
-                       help="shuffle/dedup bucket size held in memory")
+                       help="size of the temporary buckets the URL deduplication and the "
+                            "shuffle hold in memory one at a time")
     group.add_argument("--workers", type=int, default=1, help="processes per stage")
     group.add_argument("--force", action="store_true", help="rerun every stage")
     return parser.parse_args(argv)
@@ -85,7 +88,8 @@ def build_stages(args):
                 inputs=args.urls, output=path["clean_urls.txt"],
                 domain_blacklist=args.domain_blacklist,
                 extension_blacklist=args.extension_blacklist, no_default_blacklists=False,
-                min_length=args.min_url_length, workers=args.workers)),
+                min_length=args.min_url_length, workers=args.workers,
+                bucket_mb=args.bucket_mb)),
             independent=True))  # pages were downloaded from these URLs; nothing reads its file
     cleanup_args = ns(input=path["merged.json"], output=path["cleaned.json"],
                       min_tokens=args.min_tokens, language=args.language,
@@ -102,7 +106,7 @@ def build_stages(args):
     stages += [
         Stage("merge_jsons", [path["merged.json"]], {"pages": files_identity(args.pages)},
               lambda: merge_jsons.run(ns(json_path=args.pages, output_file=path["merged.json"],
-                                         workers=args.workers))),
+                                         workers=args.workers, bucket_mb=args.bucket_mb))),
         Stage("cleanup_dataset", [path["cleaned.json"]],
               {"min_tokens": args.min_tokens, "language": sorted(args.language),
                "language_chars": args.language_chars, "seed": args.langdetect_seed,
@@ -136,10 +140,27 @@ def build_stages(args):
     return stages
 
 
+def _check_outputs_outside_the_pages(args):
+    """Outputs written under a --pages folder would be read back as pages by the next run."""
+    outputs = {"--work-dir": args.work_dir, "--output-json": args.output_json}
+    for page_dir in filter(os.path.isdir, args.pages):
+        root = os.path.realpath(page_dir)
+        for flag, path in outputs.items():
+            resolved = os.path.realpath(path) if path is not None else None
+            if resolved is not None and (resolved == root or resolved.startswith(root + os.sep)):
+                raise ConfigError(f"{flag} {path} is inside --pages {page_dir}: the next run "
+                                  "would read this run's outputs as pages; put it elsewhere")
+
+
 def run(args):
     if args.workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {args.workers}")
     find_duplicates.check_dedup_args(args)
+    bucket_bytes(args)  # checked now, not when the first stage that takes it runs
+    _check_outputs_outside_the_pages(args)
+    if args.min_tokens or not args.skip_preprocess:  # missing tokenizer files: now, not hours in
+        TokenizerFactory(args.tokenizer_type, args.vocab_file, args.merge_file,
+                         args.tokenizer_model)()
     started = time.perf_counter()
     reports = run_stages(build_stages(args), os.path.join(args.work_dir, ".stages"), args.force)
     print(format_table(reports, time.perf_counter() - started), flush=True)

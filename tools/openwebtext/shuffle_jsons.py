@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron.errors import ConfigError  # noqa: E402
-from tools.openwebtext.external import shuffle_lines  # noqa: E402
+from tools.openwebtext.external import add_bucket_arg, bucket_bytes, shuffle_lines  # noqa: E402
 from tools.openwebtext.streaming import StageReport, input_files, stage_main  # noqa: E402
 
 
@@ -24,18 +24,17 @@ def get_args(argv=None):
     parser.add_argument("input")
     parser.add_argument("output")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--bucket-mb", type=float, default=64.0,
-                        help="size of the buckets shuffled in memory")
+    add_bucket_arg(parser, "shuffle")
     parser.add_argument("--workers", type=int, default=1)
     return parser.parse_args(argv)
 
 
 def run(args, stream=None):
-    if args.bucket_mb <= 0 or args.workers < 1:
-        raise ConfigError("--bucket-mb must be positive and --workers at least 1")
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {args.workers}")
+    buckets = bucket_bytes(args)
     path = input_files([args.input])[0]
-    lines, seconds = shuffle_lines(path, args.output, args.seed, args.workers,
-                                   max(1, int(args.bucket_mb * (1 << 20))))
+    lines, seconds = shuffle_lines(path, args.output, args.seed, args.workers, buckets)
     size = os.path.getsize(args.output)
     return StageReport("shuffle_jsons", read=lines, kept=lines, bytes_in=os.path.getsize(path),
                        bytes_out=size, seconds=seconds)

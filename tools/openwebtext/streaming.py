@@ -25,7 +25,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 from megatron.cli import run_cli
-from megatron.data.json_lines import MalformedLine, parse_record
+from megatron.data.json_lines import MalformedLine, compression_of, parse_record
 from megatron.data.preprocessing import split_line_ranges
 from megatron.errors import DataError
 
@@ -111,22 +111,43 @@ def dump_json_line(record):
 
 
 def input_files(paths, patterns=None):
-    """Files named, plus the files inside named directories (sorted; `patterns` are suffixes)."""
-    files = []
+    """Files named, plus the files under named directories, subfolders too (sorted; `patterns`
+    are suffixes). Files a directory holds that do not match are named in one note; a
+    compressed file is an error (its lines would all be malformed)."""
+    files, skipped = [], []
     for path in paths:
         if os.path.isdir(path):
-            names = sorted(n for n in os.listdir(path)
-                           if patterns is None or n.endswith(tuple(patterns)))
-            files += [os.path.join(path, n) for n in names
-                      if os.path.isfile(os.path.join(path, n))]
+            for name in _files_under(path):
+                matches = patterns is None or name.endswith(tuple(patterns))
+                (files if matches else skipped).append(name)
         elif os.path.isfile(path):
             files.append(path)
         else:
             raise DataError(f"input {path} does not exist")
+    if skipped:
+        print(f"note: skipped {len(skipped)} file(s) that are not *{', *'.join(patterns)}: "
+              f"{', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''}"
+              + ("; decompress the compressed ones first" if any(
+                  compression_of(name) for name in skipped) else ""),
+              file=sys.stderr, flush=True)
     if not files:
         raise DataError(f"no input files in {', '.join(paths)}"
                         + (f" (looked for *{', *'.join(patterns)})" if patterns else ""))
+    for name in files:
+        compression = compression_of(name)
+        if compression is not None:
+            raise DataError(f"input {name} is {compression}-compressed: decompress it first "
+                            "(the stages read loose JSON lines)")
     return files
+
+
+def _files_under(directory):
+    found = []
+    for root, dirs, names in os.walk(directory):
+        # hidden ones are editors' and this pipeline's own (its stage markers, temporaries)
+        dirs[:] = sorted(name for name in dirs if not name.startswith("."))
+        found += [os.path.join(root, name) for name in sorted(names) if not name.startswith(".")]
+    return found
 
 
 def plan_segments(paths, workers, segment_bytes=SEGMENT_BYTES):
