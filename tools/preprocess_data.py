@@ -48,7 +48,8 @@ def get_args(argv=None):
     group.add_argument("--strict", action="store_true",
                        help="stop at the first malformed line instead of skipping it")
     group.add_argument("--log-interval", type=int, default=100,
-                       help="print progress every this many documents")
+                       help="print a progress line every this many documents (on a "
+                            "terminal with tqdm installed: a progress bar instead)")
     return parser.parse_args(argv)
 
 

@@ -1,4 +1,5 @@
-"""Progress of a long preprocessing run: a tqdm bar when tqdm is installed, else plain lines."""
+"""Progress of a long preprocessing run: a tqdm bar on a terminal when tqdm is installed,
+else (a log file, a batch job) plain lines every --log-interval documents."""
 
 import time
 
@@ -6,8 +7,8 @@ import time
 class Progress:
     """Counts documents and input bytes; shows docs/s and MB/s.
 
-    The plain fallback prints one line each time another `log_interval` documents are done
-    (Megatron's `--log-interval`); tqdm redraws its bar at its own pace instead.
+    Plain lines come each time another `log_interval` documents are done (Megatron's
+    `--log-interval`); on a terminal tqdm redraws its bar at its own pace instead.
     """
 
     def __init__(self, total_bytes, log_interval, stream):
@@ -20,6 +21,8 @@ class Progress:
         self._bar = self._make_bar()
 
     def _make_bar(self):
+        if not getattr(self._stream, "isatty", lambda: False)():
+            return None  # a bar's redraws are noise in a log file
         try:
             from tqdm import tqdm
         except ImportError:

@@ -67,6 +67,9 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                                     data.tokenizer_model)
         ctx = TrainContext(config, tokenizer, runtime,
                            model_config(config, tokenizer.vocab_size))
+        # the data first: its mistakes (a missing dataset, another tokenizer's) are the common
+        # ones, and finding them must not wait for a large model to be built
+        datasets = train_valid_test_datasets_provider(ctx, num_samples_per_split(config))
         backend = build_backend(ctx, model_provider)
         seed_pipeline_stage(config.parallel.seed, runtime.device)
         train_state = {"iteration": 0, "consumed_train_samples": 0, "skipped_iters": 0,
@@ -91,7 +94,6 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                                    "scripts: TRAIN_ITERS) to train on")
         if runtime.is_rank0:
             _say_if_the_save_folder_holds_other_runs(config, backend, train_state)
-        datasets = train_valid_test_datasets_provider(ctx, num_samples_per_split(config))
         _follow_train_epochs(datasets[0], train_state, ctx)
         logger = TrainingLogger(config.logging.log_dir, config.logging.tensorboard_dir,
                                 runtime.is_rank0, start_iteration=train_state["iteration"])

@@ -184,9 +184,8 @@ def test_cli_prints_error_without_traceback(tmp_path):
     assert "missing.json: no such file" in result.stderr
 
 
-def test_plain_progress_prints_every_log_interval(monkeypatch):
-    monkeypatch.setattr(Progress, "_make_bar", lambda self: None)
-    stream = io.StringIO()
+def test_plain_progress_prints_every_log_interval_off_a_terminal():
+    stream = io.StringIO()  # a log file: plain lines, even with tqdm installed
     progress = Progress(total_bytes=1000, log_interval=10, stream=stream)
     for _ in range(7):
         progress.update(4, 100)  # 28 documents: crosses 10 and 20
@@ -196,9 +195,14 @@ def test_plain_progress_prints_every_log_interval(monkeypatch):
     assert "docs/s" in lines[1]
 
 
-def test_tqdm_progress_shows_rates():
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_tqdm_progress_shows_rates_on_a_terminal():
     pytest.importorskip("tqdm")
-    stream = io.StringIO()
+    stream = _Terminal()
     progress = Progress(total_bytes=2_000_000, log_interval=10, stream=stream)
     progress.update(5, 2_000_000)
     progress.close()
