@@ -131,7 +131,7 @@ def _save_atomic(path, array):
             os.remove(tmp)
         raise DataError(f"cannot write the index map {path}: {e}. The maps are cached next to "
                         f"the data; make that directory writable, or pre-build the maps once "
-                        f"with build_index_mappings_only where it is") from None
+                        f"with tools/build_index_maps.py where it is") from None
 
 
 def _not_older_than(path, reference):

@@ -8,6 +8,7 @@ therefore byte-identical for every worker count, and no single writer process is
 (Megatron's one-writer design topped out near 15 MB/s).
 """
 
+import glob
 import multiprocessing
 import os
 import queue as queue_module
@@ -233,6 +234,7 @@ def tokenize_loose_json(input_path, output_prefix, make_tokenizer, json_keys=("t
                         f"({error.strerror})") from None
     for prefix in outputs.values():
         remove_record(prefix)
+        _remove_what_killed_runs_left(prefix, stream or sys.stderr)
     progress = Progress(os.path.getsize(input_path), log_interval, stream or sys.stderr)
     ranges = split_line_ranges(input_path, workers)
     try:
@@ -263,12 +265,43 @@ def tokenize_loose_json(input_path, output_prefix, make_tokenizer, json_keys=("t
                 os.remove(path)
         first = "".join(f"; line {line}: {reason}" for line, reason in stats.examples[:1])
         keys = ", ".join(f'"{key}": "..."' for key in json_keys)
-        raise DataError(f"{input_path} holds no usable documents ({stats.malformed} malformed "
-                        f"lines, {stats.empty} empty documents{first}); it must be loose JSON, "
-                        f"one {{{keys}}} object per line")
+        what = ("is empty" if os.path.getsize(input_path) == 0 else
+                f"holds no usable documents ({stats.malformed} malformed lines, {stats.empty} "
+                f"empty documents{first})")
+        raise DataError(f"{input_path} {what}; it must be loose JSON, one {{{keys}}} object "
+                        "per line")
     for key, prefix in outputs.items():
         write_record(prefix, records[key])
     return outputs, stats
+
+
+def _remove_what_killed_runs_left(prefix, stream):
+    """Delete the temporary files and worker parts (named after their writer's pid) of runs
+    into `prefix` that were killed (SIGKILL, an out-of-memory kill, a cancelled job): they can
+    be as large as the dataset, and nothing else removes them. A live writer's are kept."""
+    left = [path for pattern in (".bin.tmp.*", ".idx.tmp.*", ".parts.*")
+            for path in glob.glob(glob.escape(prefix) + pattern)
+            if not _process_alive(path.rsplit(".", 1)[-1])]
+    for path in left:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
+    if left:
+        print(f"note: removed {len(left)} temporary file(s) an interrupted earlier run left: "
+              f"{', '.join(left)}", file=stream, flush=True)
+
+
+def _process_alive(pid):
+    if not pid.isdigit():
+        return True  # not one of ours: leave it
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _check_input(input_path):

@@ -319,3 +319,29 @@ def test_a_byte_order_mark_does_not_cost_a_document(tmp_path):
     assert stats.documents == 2 and stats.malformed == 0
     assert [bytes(d.astype(np.uint8)) for d in MMapIndexedDataset(outputs["text"])] == \
         [b"one", b"two"]
+
+
+def test_what_a_killed_run_left_is_removed_and_a_live_runs_is_kept(tmp_path):
+    corpus = write_loose_json(tmp_path / "c.json", [{"text": "x"}])
+    prefix = str(tmp_path / "o_text_document")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    for leftover in (f"{prefix}.bin.tmp.{dead}", f"{prefix}.idx.tmp.{dead}",
+                     f"{prefix}.bin.tmp.{os.getppid()}"):
+        open(leftover, "wb").close()
+    os.makedirs(f"{prefix}.parts.{dead}/inner")
+    stream = io.StringIO()
+    tokenize_loose_json(corpus, str(tmp_path / "o"), ConstantFactory(ByteTokenizer()),
+                        stream=stream)
+    assert sorted(os.listdir(tmp_path)) == sorted([
+        "c.json", "o_text_document.bin", "o_text_document.idx", "o_text_document.source.json",
+        f"o_text_document.bin.tmp.{os.getppid()}"])  # a live process's: kept
+    assert "note: removed 3 temporary file(s) an interrupted earlier run left: " in \
+        stream.getvalue()
+
+
+def test_an_empty_input_says_it_is_empty(tmp_path):
+    (tmp_path / "empty.json").write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty.json is empty; it must be loose JSON"):
+        tokenize_loose_json(str(tmp_path / "empty.json"), str(tmp_path / "o"),
+                            ConstantFactory(ByteTokenizer()))
