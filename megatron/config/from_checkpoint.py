@@ -23,7 +23,7 @@ FROM_CHECKPOINT = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attentio
                    "merge_file", "tokenizer_model")
 # --model-size fills these itself; given, it counts as giving them.
 _NAMED_SIZE_KEYS = ("num_layers", "hidden_size", "num_attention_heads")
-_TOKENIZER_FILE_KEYS = ("vocab_file", "merge_file", "tokenizer_model")
+TOKENIZER_FILE_KEYS = ("vocab_file", "merge_file", "tokenizer_model")
 # The model-states file of tensor-parallel rank 0 in DeepSpeed's layout: stages 0-2, stage 3.
 _DEEPSPEED_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
@@ -73,9 +73,9 @@ def values_from_checkpoint(raw, given):
     skip = set(given)
     if "model_size" in given:
         skip.update(_NAMED_SIZE_KEYS)
-    if given & {"tokenizer_type", *_TOKENIZER_FILE_KEYS}:
+    if given & {"tokenizer_type", *TOKENIZER_FILE_KEYS}:
         # A tokenizer named on the command line replaces the recorded one as a whole.
-        skip.update(("tokenizer_type", *_TOKENIZER_FILE_KEYS))
+        skip.update(("tokenizer_type", *TOKENIZER_FILE_KEYS))
     taken = {}
     hidden_size = raw.get("hidden_size") or saved.get("hidden_size")
     for key in FROM_CHECKPOINT:
@@ -85,7 +85,7 @@ def values_from_checkpoint(raw, given):
         if key == "ffn_hidden_size" and raw.get(key) is None and hidden_size is not None \
                 and value == 4 * hidden_size:
             continue  # what the default derives anyway: not worth a word on every resume
-        if key in _TOKENIZER_FILE_KEYS and not os.path.isfile(value):
+        if key in TOKENIZER_FILE_KEYS and not os.path.isfile(value):
             raise CheckpointError(
                 f"checkpoint {raw['load']} records --{key.replace('_', '-')} {value}, which does "
                 "not exist here; give the tokenizer files on the command line")

@@ -31,6 +31,8 @@ from megatron.convert.optimizer_state import (FullOptimizerState, map_optimizer_
                                               merge_optimizer_states, optimizer_state_of)
 from megatron.convert.tp_layout import (WORD_EMBEDDINGS, merge_shards, parameter_layout,
                                         resize_vocab_rows, shard_of)
+from megatron.config.from_checkpoint import TOKENIZER_FILE_KEYS
+from megatron.data.tokenization_record import tokenizer_identity
 from megatron.errors import CheckpointError, ConfigError
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 from zero.activation_checkpointing.rng_tracker import (
@@ -161,13 +163,15 @@ def resolve_vocab_size(args, vocab_size=None, tokenizer_files=None):
         raise CheckpointError(f"--vocab-size {vocab_size} disagrees with the vocab size the "
                               f"checkpoint records ({trained_with}); drop --vocab-size")
     if vocab_size is None and tokenizer_files:
-        vocab_size = tokenizer_vocab_size(args, tokenizer_files)
+        tokenizer = tokenizer_of(args, tokenizer_files)
+        vocab_size = tokenizer.vocab_size
         if trained_with and vocab_size != trained_with:
             # a different tokenizer of a size that pads alike would decode every id wrongly
             raise CheckpointError(
                 f"the tokenizer files given ({_describe(tokenizer_files)}) hold {vocab_size} "
                 f"tokens, but the checkpoint was trained with a tokenizer of {trained_with}; "
                 "give the tokenizer files the model was trained with")
+        check_trained_tokenizer(args, tokenizer, _describe(tokenizer_files))
     if vocab_size is None:
         vocab_size = recorded or tokenizer_vocab_size(args, {})
     divisible_by = args.get("make_vocab_size_divisible_by", 128)
@@ -186,8 +190,39 @@ def _describe(tokenizer_files):
     return ", ".join(str(path) for path in tokenizer_files.values() if path)
 
 
+def check_recorded_tokenizer_files(args):
+    """ConfigError naming the tokenizer files checkpoint `args` record that are not found
+    here (a relative path recorded where training ran, or a folder since moved)."""
+    missing = [f"--{key.replace('_', '-')} {args[key]}" for key in TOKENIZER_FILE_KEYS
+               if args.get(key) and not os.path.isfile(args[key])]
+    if missing:
+        raise ConfigError(f"the checkpoint records {', '.join(missing)}, which is not found from "
+                          f"{os.getcwd()} (a path relative to where training ran?); give the "
+                          "tokenizer files on the command line (--vocab-file and --merge-file, "
+                          "or --tokenizer-model)")
+
+
+def check_trained_tokenizer(args, tokenizer, files):
+    """CheckpointError when `tokenizer` (built from `files`) splits text otherwise than the
+    tokenizer the checkpoint `args` record (their probe hash): another vocabulary of the same
+    size, or files rewritten in place, would decode every id as other text."""
+    recorded = args.get("tokenizer_probe_sha1") if args.get("tokenizer_type") else None
+    probe = tokenizer_identity(tokenizer)["probe_sha1"] if recorded else None
+    if probe is not None and probe != recorded:
+        raise CheckpointError(
+            f"the tokenizer files {files} split text differently from the tokenizer the "
+            f"checkpoint was trained with (probe hash {probe[:8]}, the checkpoint's "
+            f"{recorded[:8]}), though both hold {tokenizer.vocab_size} tokens: every id would "
+            "stand for other text. Give the tokenizer files the model was trained with")
+
+
 def tokenizer_vocab_size(args, overrides):
     """The vocab size of the tokenizer `args` names (`overrides` replace its file paths)."""
+    return tokenizer_of(args, overrides).vocab_size
+
+
+def tokenizer_of(args, overrides):
+    """The tokenizer `args` names (`overrides` replace its file paths)."""
     tokenizer_type = args.get("tokenizer_type")
     flags = {"vocab_file": "--vocab-file", "merge_file": "--merge-file",
              "tokenizer_model": "--tokenizer-model"}
@@ -203,7 +238,7 @@ def tokenizer_vocab_size(args, overrides):
             "tokenizer files with " + " ".join(flags[key] for key in needed) +
             " (or, where the tool has it, the unpadded size with --vocab-size N)")
     return build_tokenizer(tokenizer_type, paths["vocab_file"], paths["merge_file"],
-                           paths["tokenizer_model"]).vocab_size
+                           paths["tokenizer_model"])
 
 
 # ------------------------------------------------------------------------- entry points

@@ -19,16 +19,17 @@ import torch
 from megatron.checkpointing.files import atomic_write_text
 from megatron.tokenizer.file_utils import permissions_as_new_file
 from megatron.checkpointing.megatron_layout import CHECKPOINT_VERSION, to_nested_state_dict
+from megatron.config.from_checkpoint import TOKENIZER_FILE_KEYS
 from megatron.convert.checkpoint_files import write_sharded_checkpoint
 from megatron.convert.hf import hf_config_from_model_args, megatron_to_hf_state_dict
-from megatron.convert.reshard import check_target_size, check_target_stages
+from megatron.convert.reshard import (check_recorded_tokenizer_files, check_target_size,
+                                      check_target_stages)
 from megatron.convert.tp_layout import (WORD_EMBEDDINGS, parameter_layout, resize_vocab_rows,
                                         split_full)
 from megatron.errors import CheckpointError, ConfigError
 from megatron.tokenizer import vocab_size_with_padding
 
 SAVERS = ("megatron", "hf")
-_TOKENIZER_KEYS = ("vocab_file", "merge_file", "tokenizer_model")
 
 
 def save_model_weights(weights, save_dir, saver, target_tp=1, dtype=torch.float32, target_pp=1):
@@ -36,6 +37,8 @@ def save_model_weights(weights, save_dir, saver, target_tp=1, dtype=torch.float3
     if saver not in SAVERS:
         raise ConfigError(f"unknown --saver {saver!r}; choose one of {', '.join(SAVERS)}")
     check_save_dir(save_dir)
+    # the converted checkpoint carries copies of them: a missing one would be left out
+    check_recorded_tokenizer_files(weights.args)
     if saver == "megatron":
         return save_megatron(weights, save_dir, target_tp, dtype, target_pp)
     if target_tp != 1 or target_pp != 1:
@@ -62,7 +65,7 @@ def check_save_dir(save_dir):
 def _copy_tokenizer_files(args, save_dir):
     """Copy the tokenizer files that exist into save_dir; returns {arg key: new path}."""
     copied = {}
-    for key in _TOKENIZER_KEYS:
+    for key in TOKENIZER_FILE_KEYS:
         path = args.get(key)
         if path and os.path.isfile(path):
             target = os.path.join(save_dir, os.path.basename(path))

@@ -17,6 +17,7 @@ import torch
 
 from megatron import mpu
 from megatron.convert.loaders import FORMATS, load_model_weights
+from megatron.convert.reshard import check_recorded_tokenizer_files, check_trained_tokenizer
 from megatron.convert.tp_layout import (WORD_EMBEDDINGS, parameter_layout, resize_vocab_rows,
                                         shard_of)
 from megatron.errors import ConfigError
@@ -155,11 +156,15 @@ def load_inference_model(args, device=torch.device("cpu")):
     model_args.update({k: os.path.abspath(v) for k, v in overrides.items()})
     if args.tokenizer_type:
         model_args["tokenizer_type"] = args.tokenizer_type
+    check_recorded_tokenizer_files(model_args)
     tokenizer = _build_tokenizer(model_args)
     if tokenizer.vocab_size != weights.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the "
                           f"checkpoint's vocab has {weights.vocab_size}; give the tokenizer "
                           "files the model was trained with")
+    check_trained_tokenizer(weights.args, tokenizer, ", ".join(
+        model_args[key] for key in ("vocab_file", "merge_file", "tokenizer_model")
+        if model_args.get(key)))
     model = build_model_from_weights(weights, DTYPES[args.precision], device)
     return model, tokenizer, model_args
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megatron.config.from_checkpoint import TOKENIZER_FILE_KEYS
 from megatron.checkpointing.retention import new_run_id, other_runs_checkpoints
 from megatron.checkpointing.save_dir import claim_output_folders
 from megatron.data.tokenization_record import tokenizer_identity
@@ -39,10 +40,14 @@ class TrainContext:
 
     @property
     def run_args(self):
-        """The flat args dict checkpoints record: the config's flags and the vocab sizes."""
-        return {**self.config.as_flat_dict(), "padded_vocab_size": self.model_config.vocab_size,
+        """The flat args dict checkpoints record: the config's flags and the vocab sizes. The
+        tokenizer files' paths are absolute, so the tools find them from any folder."""
+        flat = self.config.as_flat_dict()
+        return {**flat, "padded_vocab_size": self.model_config.vocab_size,
                 "orig_vocab_size": self.tokenizer.vocab_size,
-                "tokenizer_probe_sha1": tokenizer_identity(self.tokenizer)["probe_sha1"]}
+                "tokenizer_probe_sha1": tokenizer_identity(self.tokenizer)["probe_sha1"],
+                **{key: os.path.abspath(flat[key]) for key in TOKENIZER_FILE_KEYS
+                   if flat.get(key)}}
 
 
 def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func, config):

@@ -121,3 +121,76 @@ def test_deepspeed_checkpoint_resumes_with_training_flags_only(corpus, tmp_path,
     note = [line for line in capsys.readouterr().out.splitlines() if "taking from" in line]
     assert len(note) == 1 and "--hidden-size 32" in note[0]
     assert sorted(read_losses(tmp_path / "resumed")) == [3]
+
+
+def _tokenizer_with_two_ids_swapped(corpus, folder):
+    """The corpus's BPE with two tokens' ids swapped: the same size, other ids for text."""
+    import json
+    import shutil
+    vocab = json.load(open(corpus["vocab"], encoding="utf-8"))
+    first, second = "Ġthe", "Ġking"  # " the" is in the tokenizer's probe text
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    os.makedirs(folder)
+    with open(os.path.join(folder, "vocab.json"), "w", encoding="utf-8") as f:
+        json.dump(vocab, f)
+    shutil.copy(corpus["merges"], os.path.join(folder, "merges.txt"))
+    return os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
+
+
+def test_the_tools_refuse_another_tokenizer_of_the_same_size(corpus, tmp_path, capsys):
+    from tests.training.test_pretrain import run
+    save = str(tmp_path / "ckpt")
+    assert run(corpus, tmp_path, "--save", save, iters=2) == 0
+    vocab, merges = _tokenizer_with_two_ids_swapped(corpus, str(tmp_path / "swapped"))
+    capsys.readouterr()
+    generate = load_tool("generate_samples")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the king said\n")
+    other = ["--vocab-file", vocab, "--merge-file", merges]
+    assert generate.main(["--load", save, "--sample-input-file", str(prompts), "--greedy",
+                          "--out-seq-length", "4", *other]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the tokenizer files {vocab}, {merges} split text differently "
+                          "from the tokenizer the checkpoint was trained with (probe hash ")
+    assert "Give the tokenizer files the model was trained with" in err
+    assert tool.main(["--load-dir", save, "--save-dir", str(tmp_path / "conv"), "--saver",
+                      "megatron", *other]) == 2
+    assert "split text differently" in capsys.readouterr().err
+    assert not (tmp_path / "conv").exists()
+
+
+def test_tokenizer_paths_are_recorded_absolute_and_relative_ones_are_explained(
+        corpus, tmp_path, capsys, monkeypatch):
+    import torch
+    from tests.training.test_pretrain import TINY
+    root = os.path.dirname(corpus["vocab"])  # .../tok
+    monkeypatch.chdir(os.path.dirname(root))
+    save = str(tmp_path / "ckpt")
+    assert pretrain_gpt2.main(TINY + [
+        "--batch-size", "4", "--train-iters", "2", "--data-path", corpus["prefix"],
+        "--vocab-file", "tok/vocab.json", "--merge-file", "tok/merges.txt", "--save", save,
+        "--log-dir", str(tmp_path / "run")]) == 0
+    path = os.path.join(save, "iter_0000002", "mp_rank_00", "model_optim_rng.pt")
+    state = torch.load(path, weights_only=True)
+    assert (state["args"]["vocab_file"], state["args"]["merge_file"]) == (
+        corpus["vocab"], corpus["merges"])
+    # a checkpoint written before paths were made absolute, used from another folder
+    state["args"].update(vocab_file="tok/vocab.json", merge_file="tok/merges.txt")
+    torch.save(state, path)
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    generate = load_tool("generate_samples")
+    assert generate.main(["--load", save, "--num-samples", "1", "--genfile",
+                          str(tmp_path / "g.jsonl"), "--out-seq-length", "4"]) == 2
+    recorded = (f"error: the checkpoint records --vocab-file tok/vocab.json, --merge-file "
+                f"tok/merges.txt, which is not found from {tmp_path} (a path relative to where "
+                "training ran?); give the tokenizer files on the command line")
+    assert capsys.readouterr().err.startswith(recorded)
+    assert tool.main(["--load-dir", save, "--save-dir", str(tmp_path / "conv"), "--saver",
+                      "megatron"]) == 2
+    assert capsys.readouterr().err.startswith(recorded)
+    assert not (tmp_path / "conv").exists()
+    assert tool.main(["--load-dir", save, "--save-dir", str(tmp_path / "conv"), "--saver",
+                      "megatron", "--vocab-file", corpus["vocab"], "--merge-file",
+                      corpus["merges"]]) == 0
+    assert (tmp_path / "conv" / "vocab.json").exists()
