@@ -229,6 +229,28 @@ def test_zero_to_fp32_reads_stage0_checkpoints(tmp_path, precision):
         assert torch.equal(consolidated[name], master), name
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero_to_fp32_without_the_optim_states_files_says_the_weights_are_rounded(
+        tmp_path, capsys, precision):
+    engine = _engine(stage=2, precision=precision)
+    cases.train_steps(engine, 2)
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    for optim in (tmp_path / "t").glob("*_optim_states.pt"):
+        os.remove(optim)  # copied without them: only the model states file
+    capsys.readouterr()
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="t")
+    for name, param in engine.module.named_parameters():
+        assert torch.equal(consolidated[name], param.detach().float()), name
+    note = capsys.readouterr().err
+    if precision == "fp32":
+        assert note == ""  # the module's own weights are the fp32 masters
+    else:
+        assert note == (f"note: {tmp_path / 't'} holds no *_optim_states.pt files (saved without "
+                        "the optimizer state, or copied without them), so the weights are the "
+                        "model states' bfloat16 copies, not the fp32 master weights; copy the "
+                        "optim-states files too for those\n")
+
+
 def test_zero_to_fp32_reads_the_stage3_layout(tmp_path):
     """A stage-3 checkpoint built by hand as DeepSpeed lays it out (2 ranks)."""
     weights = {"a": torch.arange(5.0), "b": torch.arange(6.0).view(2, 3) + 10}

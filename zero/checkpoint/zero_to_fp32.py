@@ -56,7 +56,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None,
                               "tensor-parallel shards with a model-specific tool)")
     model_states = _load(model_files[0])
     if not optim_files:
-        state_dict = _stage0_params(model_states)
+        state_dict = _stage0_params(model_states, ckpt_dir)
     else:
         optim = [_load(f)["optimizer_state_dict"] for f in optim_files]
         stage = optim[0]["zero_stage"]
@@ -239,19 +239,30 @@ def _stage3_params(model_files, optim, world):
     return state_dict
 
 
-def _stage0_params(model_states):
+def _stage0_params(model_states, ckpt_dir):
     """No optim files: 16-bit stage 0 keeps the fp32 group in `optimizer`; fp32 stage 0 trains
-    the module's own fp32 weights."""
+    the module's own fp32 weights. Otherwise (saved without optimizer state, or copied without
+    the optim-states files) the module's weights are all there is, rounded if 16-bit: said in
+    one note on stderr, since the result is no longer the exact fp32 masters."""
     optimizer = model_states.get("optimizer") or {}
     if "single_partition_of_fp32_groups" in optimizer:
         slices = [[t] for t in optimizer["single_partition_of_fp32_groups"]]
         return _unpack_groups(model_states["param_shapes"], slices, 1)
     state_dict = OrderedDict()
+    rounded = set()
     for shapes in model_states.get("param_shapes", []):
         for name in shapes:
-            state_dict[name] = model_states["module"][name].float().clone()
+            weight = model_states["module"][name]
+            if weight.dtype != torch.float32:
+                rounded.add(str(weight.dtype).replace("torch.", ""))
+            state_dict[name] = weight.float().clone()
     if not state_dict:
         raise CheckpointError("the checkpoint holds neither optim-states files nor fp32 groups")
+    if rounded:
+        print(f"note: {ckpt_dir} holds no *_optim_states.pt files (saved without the optimizer "
+              f"state, or copied without them), so the weights are the model states' "
+              f"{'/'.join(sorted(rounded))} copies, not the fp32 master weights; copy the "
+              "optim-states files too for those", file=sys.stderr, flush=True)
     return state_dict
 
 
