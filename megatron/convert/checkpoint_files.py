@@ -5,6 +5,7 @@
     <dir>/iter_0000200/mp_rank_{00..N-1}_{000..P-1}/model_optim_rng.pt   with pipeline stages
 """
 
+import glob
 import os
 import re
 import shutil
@@ -122,6 +123,25 @@ def _read_staged(load_dir, iteration, release, directory, stages):
     return ShardedCheckpoint(load_dir, iteration, release, shards, saved_stages)
 
 
+def inside_a_checkpoint(path):
+    """When `path` is a folder inside a checkpoint (a Megatron iteration or rank folder, a
+    DeepSpeed step folder): the sentence that names the checkpoint folder to give instead;
+    else None."""
+    path = os.path.abspath(path)
+    name, parent = os.path.basename(path), os.path.dirname(path)
+    if re.fullmatch(r"iter_\d{7}|release", name):
+        what, folder = "an iteration folder of a Megatron-layout checkpoint", parent
+    elif re.fullmatch(r"mp_rank_\d{2}(_\d{3})?", name):
+        what, folder = "a rank folder of a Megatron-layout checkpoint", os.path.dirname(parent)
+    elif re.fullmatch(r"global_step\d+", name) or glob.glob(os.path.join(path,
+                                                                          "*_model_states.pt")):
+        what, folder = "a step folder of a DeepSpeed checkpoint", parent
+    else:
+        return None
+    return (f"{path} is {what}: give the checkpoint folder above it, {folder} (its tracker "
+            "names the step to read; tools/merge_mp_partitions.py --iteration N reads another)")
+
+
 def _resolve_iteration(load_dir, iteration):
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"the checkpoint folder {load_dir} is not a directory")
@@ -133,6 +153,8 @@ def _resolve_iteration(load_dir, iteration):
                                   f"saved iterations here: {', '.join(found) or 'none'}")
         return iteration, False
     tracked, release = read_tracker(load_dir)
+    if tracked is None and inside_a_checkpoint(load_dir):
+        raise CheckpointError(inside_a_checkpoint(load_dir))
     if tracked is None:
         raise CheckpointError(f"--load {load_dir} is not a checkpoint directory: it has no "
                               f"{TRACKER_FILENAME}. Point --load at a directory written by "

@@ -28,8 +28,9 @@ import os
 import torch
 
 from megatron.checkpointing.files import safe_load
-from megatron.checkpointing.megatron_layout import CHECKPOINT_VERSION, to_nested_state_dict
-from megatron.convert.checkpoint_files import ShardedCheckpoint
+from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, read_tracker,
+                                                    to_nested_state_dict)
+from megatron.convert.checkpoint_files import ShardedCheckpoint, inside_a_checkpoint
 from megatron.convert.pipeline_layout import join_stages, stage_layer_numbers
 from megatron.errors import CheckpointError
 from megatron.model.gpt2_model import pipeline_layer_slots
@@ -47,7 +48,13 @@ def _tag(load_dir, iteration):
         return f"global_step{iteration}"
     latest = os.path.join(load_dir, "latest")
     if not os.path.isfile(latest):
+        if inside_a_checkpoint(load_dir):
+            raise CheckpointError(inside_a_checkpoint(load_dir))
         tags = _saved_tags(load_dir)
+        if not tags and read_tracker(load_dir)[0] is not None:
+            raise CheckpointError(f"{load_dir} holds a Megatron-layout checkpoint (written "
+                                  "without --deepspeed): read it without --deepspeed "
+                                  "(convert_checkpoint.py: --loader megatron)")
         raise CheckpointError(f"{load_dir} has no 'latest' file naming the DeepSpeed tag to "
                               f"read (tags here: {', '.join(tags) or 'none'}): it was not "
                               "saved with --deepspeed, or its tracker is lost; write the tag "

@@ -21,7 +21,7 @@ import torch
 
 from megatron.checkpointing.files import safe_load
 from megatron.checkpointing.megatron_layout import TRACKER_FILENAME
-from megatron.convert.checkpoint_files import read_sharded_checkpoint
+from megatron.convert.checkpoint_files import inside_a_checkpoint, read_sharded_checkpoint
 from megatron.convert.deepspeed_source import read_deepspeed_checkpoint
 from megatron.convert.hf import (check_hf_shapes, hf_to_megatron_state_dict,
                                  model_args_from_hf_config)
@@ -68,6 +68,8 @@ def detect_format(load_dir):
         return "megatron"
     if "config.json" in names:
         return "hf"
+    if inside_a_checkpoint(load_dir):
+        raise CheckpointError(inside_a_checkpoint(load_dir))
     raise CheckpointError(f"cannot tell the checkpoint format of {load_dir} (it holds "
                           f"{', '.join(sorted(names)[:6]) or 'nothing'}); understood formats: "
                           f"{FORMAT_HELP}")

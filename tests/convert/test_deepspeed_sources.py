@@ -124,3 +124,15 @@ def test_tp2_checkpoint_missing_a_rank_is_a_clear_error(two_process_checkpoints,
     assert err.startswith("error: ") and "model_parallel_size 2" in err and \
         "mp_rank_01_model_states.pt" in err
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_step_folder_given_for_the_checkpoint_names_the_folder_above(tmp_path):
+    from megatron.convert.loaders import detect_format
+    from megatron.errors import CheckpointError
+    step = tmp_path / "ckpt" / "global_step3"
+    step.mkdir(parents=True)
+    (step / "mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=rf"global_step3 is a step folder of a DeepSpeed "
+                                              rf"checkpoint: give the checkpoint folder above it, "
+                                              rf"{tmp_path / 'ckpt'} \(its tracker"):
+        detect_format(str(step))

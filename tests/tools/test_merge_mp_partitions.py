@@ -160,6 +160,15 @@ def test_bad_inputs_are_clear_errors(tp2_run, tmp_path, capsys):
     err = _tool_error(capsys, "--load", save, "--iteration", "7")
     assert "iter_0000003" in err
 
+    for inner in (os.path.join(save, "iter_0000003"),
+                  os.path.join(save, "iter_0000003", "mp_rank_01")):
+        err = _tool_error(capsys, "--load", inner, "--save", str(tmp_path / "o3"))
+        assert err.startswith(f"error: {inner} is a") and \
+            f"give the checkpoint folder above it, {os.path.abspath(save)} (its tracker" in err
+    err = _tool_error(capsys, "--load", save, "--deepspeed", "--save", str(tmp_path / "o4"))
+    assert err.startswith(f"error: {save} holds a Megatron-layout checkpoint (written without "
+                          "--deepspeed): read it without --deepspeed")
+
     not_ours = copy_checkpoint(save, tmp_path / "not_ours")
     torch.save({"weights": torch.zeros(2)}, os.path.join(
         not_ours, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"))
