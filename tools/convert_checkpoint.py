@@ -18,6 +18,7 @@ state, use tools/merge_mp_partitions.py).  Conversions are exact in fp32.
 
 import argparse
 import os
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,9 +69,14 @@ def run(args):
     if tokenizer_files and not weights.args.get("tokenizer_type"):
         weights.args["tokenizer_type"] = ("SentencePieceTokenizer" if args.tokenizer_model
                                           else "GPT2BPETokenizer")
-    paths = save_model_weights(weights, args.save_dir, args.saver,
-                               args.target_tensor_parallel_size, _DTYPES[args.dtype],
-                               args.target_pipeline_model_parallel_size)
+    made = not os.path.exists(args.save_dir)  # else an empty folder (check_save_dir)
+    try:
+        paths = save_model_weights(weights, args.save_dir, args.saver,
+                                   args.target_tensor_parallel_size, _DTYPES[args.dtype],
+                                   args.target_pipeline_model_parallel_size)
+    except BaseException:  # an error or Ctrl-C: no half-converted folder to trip over later
+        _empty(args.save_dir, remove=made)
+        raise
     a = weights.args
     print(f" converted {args.load_dir} ({weights.source_format}, iteration {weights.iteration}) "
           f"-> {args.save_dir} ({args.saver})")
@@ -90,6 +96,22 @@ def run(args):
               f"--model-parallel-size {args.target_tensor_parallel_size}"
               f"{pipeline}{tokenizer} "
               "--data-path ... --batch-size ... --train-iters ... --lr ...")
+
+
+def _empty(folder, remove):
+    """Delete what a failed conversion wrote into `folder` (empty before), and the folder
+    itself if the conversion made it."""
+    if not os.path.isdir(folder):
+        return
+    if remove:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
 
 
 def main(argv=None):

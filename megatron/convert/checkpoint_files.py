@@ -199,19 +199,37 @@ def write_sharded_checkpoint(save_dir, iteration, release, shards, pipeline_stag
     staging = os.path.join(save_dir, f".{os.path.basename(final)}.tmp.{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     names, rank = [], 0
-    # not enumerate(shards): its reused result tuple would keep the last rank's shards alive
-    # while the next rank's are made
-    for shard in shards:
-        files = split_stages(shard, pipeline_stages)
-        del shard
-        for stage in range(len(files)):
-            path = get_checkpoint_name(save_dir, iteration, rank, release, pp_rank=stage,
-                                       pipeline_parallel=staged)
-            atomic_torch_save(files[stage], os.path.join(staging, os.path.relpath(path, final)))
-            names.append(path)
-        del files  # before the next rank's are made
-        rank += 1
-    os.replace(staging, final)
+    try:
+        # not enumerate(shards): its reused result tuple would keep the last rank's shards
+        # alive while the next rank's are made
+        for shard in shards:
+            files = split_stages(shard, pipeline_stages)
+            del shard
+            for stage in range(len(files)):
+                path = get_checkpoint_name(save_dir, iteration, rank, release, pp_rank=stage,
+                                           pipeline_parallel=staged)
+                atomic_torch_save(files[stage],
+                                  os.path.join(staging, os.path.relpath(path, final)))
+                names.append(path)
+            del files  # before the next rank's are made
+            rank += 1
+        os.replace(staging, final)
+    except BaseException:  # an error or Ctrl-C: no half-written copy of a checkpoint stays
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _advance_tracker(save_dir, iteration, release)
+    return names
+
+
+def _advance_tracker(save_dir, iteration, release):
+    """Point the tracker at the iteration just written, unless it names a later one (an older
+    --iteration converted into a folder holding a newer one): the tracker never goes back,
+    as in training, and a note says which iteration --load will read."""
+    tracked, tracked_release = read_tracker(save_dir)
+    if not release and not tracked_release and tracked is not None and tracked > iteration:
+        print(f" note: {save_dir} also holds iteration {tracked}, which its tracker keeps "
+              f"naming: --load {save_dir} reads iteration {tracked}, not {iteration}",
+              flush=True)
+        return
     atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME),
                       "release" if release else str(iteration))
-    return names

@@ -194,3 +194,30 @@ def test_tokenizer_paths_are_recorded_absolute_and_relative_ones_are_explained(
                       "megatron", "--vocab-file", corpus["vocab"], "--merge-file",
                       corpus["merges"]]) == 0
     assert (tmp_path / "conv" / "vocab.json").exists()
+
+
+def test_an_interrupted_conversion_removes_the_folder_it_made(corpus, tmp_path, monkeypatch,
+                                                              capsys):
+    import megatron.convert.checkpoint_files as checkpoint_files
+    from tests.training.test_pretrain import run
+    save = str(tmp_path / "ckpt")
+    assert run(corpus, tmp_path, "--save", save, iters=2) == 0
+    calls = []
+
+    def interrupt_at_the_second_file(state, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "wb").close()
+
+    monkeypatch.setattr(checkpoint_files, "atomic_torch_save", interrupt_at_the_second_file)
+    for made, out in ((True, tmp_path / "new"), (False, tmp_path / "empty")):
+        if not made:
+            out.mkdir()
+        calls.clear()
+        assert tool.main(["--load-dir", save, "--save-dir", str(out), "--saver", "megatron",
+                          "--target-tensor-parallel-size", "2"]) == 130
+        assert len(calls) == 2
+        assert (not out.exists()) if made else os.listdir(out) == []
+    assert "Traceback" not in capsys.readouterr().err

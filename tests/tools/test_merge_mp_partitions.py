@@ -175,6 +175,42 @@ def test_bad_inputs_are_clear_errors(tp2_run, tmp_path, capsys):
     assert "not saved by pretrain_gpt2.py" in _tool_error(capsys, "--load", not_ours)
 
 
+def test_an_older_iteration_written_beside_a_newer_one_keeps_the_tracker(tp2_run, tmp_path,
+                                                                          capsys):
+    older = copy_checkpoint(tp2_run["save"], tmp_path / "older")
+    os.rename(os.path.join(older, "iter_0000003"), os.path.join(older, "iter_0000001"))
+    with open(os.path.join(older, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("1")
+    out = convert(tp2_run["save"], str(tmp_path / "out"), 1)
+    capsys.readouterr()
+    convert(older, out, 1)
+    assert (f" note: {out} also holds iteration 3, which its tracker keeps naming: --load {out} "
+            "reads iteration 3, not 1") in capsys.readouterr().out
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "3"
+    assert os.path.isdir(os.path.join(out, "iter_0000001"))
+
+
+def test_an_interrupted_conversion_leaves_no_partial_copy(tp2_run, tmp_path, monkeypatch,
+                                                         capsys):
+    import megatron.convert.checkpoint_files as checkpoint_files
+    written = []
+
+    def save_then_interrupt(state, path):
+        if written:
+            raise KeyboardInterrupt
+        written.append(path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(state, path)
+
+    monkeypatch.setattr(checkpoint_files, "atomic_torch_save", save_then_interrupt)
+    out = tmp_path / "out"
+    assert tool.main(["--load", tp2_run["save"], "--save", str(out),
+                      "--target-model-parallel-size", "2"]) == 130
+    assert written and "Traceback" not in capsys.readouterr().err
+    assert not out.exists() or os.listdir(out) == []
+
+
 def test_command_line_runs_as_a_script(tmp_path):
     result = subprocess.run([sys.executable, TOOL, "--load", str(tmp_path / "nowhere")],
                             capture_output=True, text=True, cwd=str(tmp_path))
