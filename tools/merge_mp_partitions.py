@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.convert import read_sharded_checkpoint, reshard_checkpoint  # noqa: E402
 from megatron.convert.deepspeed_source import read_deepspeed_checkpoint  # noqa: E402
 from megatron.cli import run_cli  # noqa: E402
+from megatron.errors import ConfigError  # noqa: E402
 
 
 def get_args(argv=None):
@@ -79,6 +80,8 @@ def get_args(argv=None):
 
 
 def run(args):
+    if args.iteration is not None and args.iteration < 0:
+        raise ConfigError(f"--iteration must be at least 0, got {args.iteration}")
     tokenizer_files = {"vocab_file": args.vocab_file, "merge_file": args.merge_file,
                        "tokenizer_model": args.tokenizer_model}
     result = reshard_checkpoint(args.load, args.save, args.target_model_parallel_size,

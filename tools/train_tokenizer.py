@@ -1,4 +1,4 @@
-"""Train a tokenizer from loose-JSON corpora (one JSON object per line).
+r"""Train a tokenizer from loose-JSON corpora (one JSON object per line).
 
     python tools/train_tokenizer.py --input corpus.json --tokenizer-type GPT2BPETokenizer \
         --vocab-size 8192 --output-dir tokenizer/
@@ -31,7 +31,7 @@ MALFORMED_EXAMPLES_SHOWN = 5
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
                         help="loose-JSON files")
@@ -56,6 +56,8 @@ def validate_args(args):
             raise DataError(f"--input file '{path}' {what}")
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise ConfigError(f"--output-dir '{args.output_dir}' exists and is not a directory")
+    if args.vocab_size < 1:
+        raise ConfigError(f"--vocab-size must be positive, got {args.vocab_size}")
     if args.tokenizer_type == "GPT2BPETokenizer" and args.vocab_size < 257:
         raise ConfigError(f"--vocab-size {args.vocab_size} is too small: GPT2BPETokenizer needs "
                           "at least 257 (256 byte symbols + <|endoftext|>)")
@@ -150,6 +152,16 @@ def print_summary(reader, args, vocab_size, paths, seconds):
 
 
 def train_tokenizer(args):
+    made = not os.path.exists(args.output_dir)
+    try:
+        _train(args)
+    except BaseException:  # a failed run leaves no empty folder it made
+        if made and os.path.isdir(args.output_dir) and not os.listdir(args.output_dir):
+            os.rmdir(args.output_dir)
+        raise
+
+
+def _train(args):
     validate_args(args)
     reader = LooseJsonReader(args.input, args.json_keys)
     start = time.perf_counter()

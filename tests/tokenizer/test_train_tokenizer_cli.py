@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from megatron.tokenizer import build_tokenizer
 
 from .conftest import UNICODE_SNIPPETS, varied_text
@@ -88,12 +90,19 @@ def test_user_errors_exit_2_with_message(tmp_path, capsys):
         (["--input", str(tmp_path), "--tokenizer-type", "GPT2BPETokenizer", *out], "is a directory"),
         (["--input", str(empty), "--tokenizer-type", "GPT2BPETokenizer", *out], "no usable documents in .*empty.json.*1 malformed"),
         (["--input", corpus, "--tokenizer-type", "SentencePieceTokenizer", "--vocab-size", "100000", *out], "Vocabulary size too high"),
+        (["--input", corpus, "--tokenizer-type", "SentencePieceTokenizer", "--vocab-size", "0", *out], "--vocab-size must be positive, got 0"),
     ]
     for args, message in cases:
         assert tool.main(args) == 2, args
         err = capsys.readouterr().err
         assert err.startswith("error: ") and re.search(message, err), (message, err)
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert not (tmp_path / "out").exists()  # a failed run leaves no folder it made
+    with pytest.raises(SystemExit):  # no abbreviations: --vocab is not --vocab-size
+        tool.parse_args(["--input", corpus, "--tokenizer-type", "GPT2BPETokenizer", "--vocab",
+                         "300", *out])
+    assert "unrecognized arguments: --vocab" in capsys.readouterr().err
+    help_text = tool.parse_args.__globals__["__doc__"]
+    assert "GPT2BPETokenizer \\\n        --vocab-size 8192" in help_text  # one command a line
 
 
 def test_retraining_into_a_tokenizers_folder_says_when_it_replaced_a_different_one(tmp_path,
