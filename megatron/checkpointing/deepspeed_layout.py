@@ -95,8 +95,8 @@ def _explain_missing_latest(checkpoint):
         raise CheckpointError(
             f"--load {load_dir} holds a Megatron-layout checkpoint ({TRACKER_FILENAME}, "
             "iter_*/) but no DeepSpeed 'latest' file: it was saved without --deepspeed. Resume "
-            "it without --deepspeed, or start this run from its weights with --finetune (ZeRO "
-            "stages 0-2) and a --save directory of its own")
+            "it without --deepspeed, or start this run from its weights with --finetune and a "
+            "--save directory of its own")
     if os.path.isdir(load_dir) and os.listdir(load_dir) and not resuming_own_save(checkpoint):
         raise CheckpointError(f"--load {load_dir} has no 'latest' file; point --load at a "
                               "directory written by --save with --deepspeed")

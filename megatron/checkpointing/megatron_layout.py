@@ -388,16 +388,42 @@ def _check_model_parallel_size(load_dir, run_args, directory, saved_size):
 
 def _load_model_weights(module, state, path):
     flat = to_flat_state_dict(state["model"])
-    expected = module.state_dict()
+    expected = _full_shapes(module)
     missing = sorted(set(expected) - set(flat))
     unexpected = sorted(set(flat) - set(expected))
-    wrong_shape = [f"{k}: checkpoint {tuple(flat[k].shape)}, model {tuple(expected[k].shape)}"
-                   for k in expected if k in flat and flat[k].shape != expected[k].shape]
+    wrong_shape = [f"{k}: checkpoint {tuple(flat[k].shape)}, model {tuple(expected[k])}"
+                   for k in expected if k in flat and flat[k].shape != expected[k]]
     if missing or unexpected or wrong_shape:
         lines = ([f"missing: {', '.join(missing[:8])}"] if missing else []) + \
                 ([f"unexpected: {', '.join(unexpected[:8])}"] if unexpected else []) + \
                 [f"shape {w}" for w in wrong_shape[:8]]
         raise CheckpointError(f"model weights in {path} do not fit the model built from the "
                               "flags:\n  " + "\n  ".join(lines))
-    module.load_state_dict(flat)
+    if any(hasattr(p, "ds_id") for p in module.parameters()):
+        _load_partitioned(module, flat)
+    else:
+        module.load_state_dict(flat)
     return flat
+
+
+def _full_shapes(module):
+    """{state-dict key: shape} of the full tensors, also for parameters ZeRO stage 3 keeps
+    partitioned (whose state_dict() entries are empty placeholders)."""
+    shapes = {key: tensor.shape for key, tensor in module.state_dict().items()}
+    for name, param in module.named_parameters():
+        shapes[name] = getattr(param, "ds_shape", param.shape)
+    return shapes
+
+
+@torch.no_grad()
+def _load_partitioned(module, flat):
+    """Load `flat` into a module whose parameters ZeRO stage 3 partitions: one parameter
+    gathered at a time (never the whole model), filled on every rank (each read the file) and
+    re-partitioned from data-parallel rank 0's copy; the engine's fp32 masters follow."""
+    from zero import GatheredParameters
+    for name, param in module.named_parameters():
+        with GatheredParameters([param], modifier_rank=0):
+            param.copy_(flat[name])
+    for name, buffer in module.named_buffers():
+        if name in flat:
+            buffer.copy_(flat[name])

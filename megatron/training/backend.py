@@ -24,7 +24,6 @@ import torch
 from megatron import mpu
 from megatron.checkpointing import deepspeed_layout, megatron_layout
 from megatron.checkpointing.retention import DEEPSPEED_LAYOUT, MEGATRON_LAYOUT
-from megatron.errors import CheckpointError
 from megatron.training.learning_rates import AnnealingLR
 from megatron.training.param_groups import get_param_groups
 
@@ -213,13 +212,9 @@ class ZeroBackend(Backend):
         checkpoint = self.ctx.config.checkpoint
         if checkpoint.finetune and megatron_layout.holds_megatron_checkpoint(checkpoint.load) \
                 and not deepspeed_layout.holds_deepspeed_checkpoint(checkpoint.load):
-            # the weights alone, which this layout's loader puts into the engine's module
-            if self.ctx.config.engine.zero_stage == 3:
-                raise CheckpointError(
-                    f"--finetune from the Megatron-layout checkpoint {checkpoint.load} needs "
-                    "ZeRO stage 0-2 (stage 3 partitions the weights as they are built): "
-                    "fine-tune at stage 0-2, or resume it without --deepspeed")
-            # weights only, even over its own --save: its optimizer state is Megatron's layout
+            # the weights alone, which this layout's loader puts into the engine's module (at
+            # stage 3 a parameter at a time); weights only, even over its own --save: its
+            # optimizer state is Megatron's layout
             weights_only = dataclasses.replace(checkpoint, save=None)
             return megatron_layout.load_checkpoint(self.module, self.engine, weights_only,
                                                    self.ctx.run_args, self.ctx.runtime.device)

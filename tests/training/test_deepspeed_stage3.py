@@ -43,7 +43,15 @@ def reference(corpus, tmp_path_factory):
 
 def test_dp2_stage3_matches_single_process_and_resumes_exactly(corpus, tmp_path, reference):
     save = tmp_path / "ckpt"
-    phases = [_argv(corpus, tmp_path, "stage3", 6, "--remote-device", "cpu"),
+    # a Megatron-layout checkpoint, and fine-tuning from it without --deepspeed
+    megatron = tmp_path / "megatron_ckpt"
+    plain = [*NO_DROPOUT, "--global-batch-size", 8]
+    assert run(corpus, tmp_path / "megatron", 2, *plain, "--save", megatron, micro=8) == 0
+    assert run(corpus, tmp_path / "finetune_plain", 3, *plain, "--load", megatron,
+               "--finetune", micro=8) == 0
+    phases = [
+              # its weights loaded into partitioned parameters, one gathered at a time
+              _argv(corpus, tmp_path, "finetune", 3, "--load", megatron, "--finetune"),_argv(corpus, tmp_path, "stage3", 6, "--remote-device", "cpu"),
               _argv(corpus, tmp_path, "split", 6, "--save", save, "--exit-interval", 3,
                     micro=2),
               _argv(corpus, tmp_path, "split", 6, "--save", save, "--load", save, micro=2),
@@ -58,6 +66,8 @@ def test_dp2_stage3_matches_single_process_and_resumes_exactly(corpus, tmp_path,
     assert_same_training(reference, read_losses(tmp_path / "tiled"))
     assert_same_training(reference, read_losses(tmp_path / "offload"))
     assert_same_training(reference, read_losses(tmp_path / "split"))
+    assert_same_training(read_losses(tmp_path / "finetune_plain"),
+                         read_losses(tmp_path / "finetune"))
     assert sorted(p.name for p in (save / "global_step3").iterdir()) == [
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
