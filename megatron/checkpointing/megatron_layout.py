@@ -400,7 +400,7 @@ def _load_model_weights(module, state, path):
         raise CheckpointError(f"model weights in {path} do not fit the model built from the "
                               "flags:\n  " + "\n  ".join(lines))
     if any(hasattr(p, "ds_id") for p in module.parameters()):
-        _load_partitioned(module, flat)
+        _load_partitioned(module, flat, path)
     else:
         module.load_state_dict(flat)
     return flat
@@ -411,17 +411,23 @@ def _full_shapes(module):
     partitioned (whose state_dict() entries are empty placeholders)."""
     shapes = {key: tensor.shape for key, tensor in module.state_dict().items()}
     for name, param in module.named_parameters():
-        shapes[name] = getattr(param, "ds_shape", param.shape)
+        if name in shapes and hasattr(param, "ds_shape"):
+            shapes[name] = param.ds_shape
     return shapes
 
 
 @torch.no_grad()
-def _load_partitioned(module, flat):
+def _load_partitioned(module, flat, path):
     """Load `flat` into a module whose parameters ZeRO stage 3 partitions: one parameter
     gathered at a time (never the whole model), filled on every rank (each read the file) and
     re-partitioned from data-parallel rank 0's copy; the engine's fp32 masters follow."""
     from zero import GatheredParameters
-    for name, param in module.named_parameters():
+    params = dict(module.named_parameters())
+    if not set(params) <= set(flat):  # tiles: their state-dict keys are the untiled weights
+        raise CheckpointError(f"the weights of {path} cannot be loaded into the tiled layers "
+                              "(--memory-centric-tiled-linear) of a ZeRO stage 3 model: "
+                              "fine-tune untiled at stage 3, or tiled at stages 0-2")
+    for name, param in params.items():
         with GatheredParameters([param], modifier_rank=0):
             param.copy_(flat[name])
     for name, buffer in module.named_buffers():
