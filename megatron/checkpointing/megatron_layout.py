@@ -388,6 +388,12 @@ def _check_model_parallel_size(load_dir, run_args, directory, saved_size):
 
 def _load_model_weights(module, state, path):
     flat = to_flat_state_dict(state["model"])
+    partitioned = any(hasattr(p, "ds_id") for p in module.parameters())
+    if partitioned and any(".tiled." in name for name, _ in module.named_parameters()):
+        # a tile's state-dict entry joins tiles that stage 3 holds as empty placeholders
+        raise CheckpointError(f"the weights of {path} cannot be loaded into the tiled layers "
+                              "(--memory-centric-tiled-linear) of a ZeRO stage 3 model: "
+                              "fine-tune untiled at stage 3, or tiled at stages 0-2")
     expected = _full_shapes(module)
     missing = sorted(set(expected) - set(flat))
     unexpected = sorted(set(flat) - set(expected))
@@ -399,8 +405,8 @@ def _load_model_weights(module, state, path):
                 [f"shape {w}" for w in wrong_shape[:8]]
         raise CheckpointError(f"model weights in {path} do not fit the model built from the "
                               "flags:\n  " + "\n  ".join(lines))
-    if any(hasattr(p, "ds_id") for p in module.parameters()):
-        _load_partitioned(module, flat, path)
+    if partitioned:
+        _load_partitioned(module, flat)
     else:
         module.load_state_dict(flat)
     return flat
@@ -417,17 +423,12 @@ def _full_shapes(module):
 
 
 @torch.no_grad()
-def _load_partitioned(module, flat, path):
+def _load_partitioned(module, flat):
     """Load `flat` into a module whose parameters ZeRO stage 3 partitions: one parameter
     gathered at a time (never the whole model), filled on every rank (each read the file) and
     re-partitioned from data-parallel rank 0's copy; the engine's fp32 masters follow."""
     from zero import GatheredParameters
-    params = dict(module.named_parameters())
-    if not set(params) <= set(flat):  # tiles: their state-dict keys are the untiled weights
-        raise CheckpointError(f"the weights of {path} cannot be loaded into the tiled layers "
-                              "(--memory-centric-tiled-linear) of a ZeRO stage 3 model: "
-                              "fine-tune untiled at stage 3, or tiled at stages 0-2")
-    for name, param in params.items():
+    for name, param in module.named_parameters():
         with GatheredParameters([param], modifier_rank=0):
             param.copy_(flat[name])
     for name, buffer in module.named_buffers():

@@ -133,6 +133,11 @@ def test_megatron_checkpoint_under_deepspeed_is_a_clear_error(corpus, tmp_path, 
     stage3_losses = read_losses(tmp_path / "e")
     assert stage3_losses[1][0] == pytest.approx(megatron_losses[1][0], rel=1e-6)
     assert stage3_losses[2][0] == pytest.approx(ds_losses[2][0], rel=1e-5)
+    capsys.readouterr()
+    assert run(corpus, tmp_path / "f", 2, *stage3, "--load", save, "--finetune",
+               "--memory-centric-tiled-linear", "--tile-factor", 2) == 2
+    assert "cannot be loaded into the tiled layers (--memory-centric-tiled-linear) of a ZeRO " \
+        "stage 3 model" in capsys.readouterr().err
 
 
 def test_config_optimizer_and_scheduler_sections_are_used(corpus, tmp_path):
