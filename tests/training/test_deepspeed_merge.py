@@ -67,7 +67,9 @@ def test_deepspeed_flag_on_a_megatron_checkpoint_is_a_clear_error(corpus, tmp_pa
     capsys.readouterr()
     code = _tool().main(["--deepspeed", "--load", str(save), "--save", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("error: ") and "no 'latest' file" in err
+    assert code == 2 and err == (f"error: {save} holds a Megatron-layout checkpoint (written "
+                                 "without --deepspeed): read it without --deepspeed "
+                                 "(convert_checkpoint.py: --loader megatron)\n")
     code = _tool().main(["--deepspeed", "--load", str(save), "--iteration", "7",
                          "--save", str(tmp_path / "out")])
     assert code == 2 and "global_step7 does not exist" in capsys.readouterr().err
