@@ -88,6 +88,15 @@ def _validate(args):
     if args.genfile and args.num_samples == 0:
         raise ConfigError("--genfile is where --num-samples N writes N unconditional samples; "
                           "add --num-samples N")
+    if args.num_samples > 0 and args.sample_input_file:
+        raise ConfigError("--num-samples N writes unconditional samples (no prompts) and "
+                          "--sample-input-file continues prompts: give one of them")
+    sampling = [flag for flag, given in (
+        ("--top_k", args.top_k != 0), ("--top_p", args.top_p != 0.0),
+        ("--temperature", args.temperature not in (0.0, 1.0))) if given]  # 0: greedy's own
+    if args.greedy and sampling:
+        raise ConfigError(f"--greedy takes the most likely token, which {', '.join(sampling)} "
+                          "do not change: drop them, or drop --greedy to sample")
     if args.sample_input_file and args.sample_output_file is None:
         args.sample_output_file = args.sample_input_file + ".out.jsonl"
     if launched_rank() != 0:
@@ -184,6 +193,9 @@ def generate_unconditional(generator, tokenizer, params, args):
 def run(args):
     prompts = read_prompts(args.sample_input_file) \
         if args.sample_input_file and launched_rank() == 0 else None
+    if prompts == []:  # before the model is loaded
+        raise ConfigError(f"--sample-input-file {args.sample_input_file} holds no prompts (no "
+                          "line that is not blank)")
     runtime = initialize_inference(args)
     try:
         model, tokenizer, _ = load_inference_model(args, runtime.device)

@@ -250,12 +250,23 @@ def test_generate_samples_checks_its_files_before_loading_the_model(tmp_path, ca
          "nodir does not exist"),
         (["--genfile", str(tmp_path / "s.jsonl")], "add --num-samples N"),
         (["--temperature", "nan"], "--temperature must be a number > 0 (got nan)"),
+        (["--num-samples", "2", "--genfile", str(tmp_path / "s.jsonl"), "--sample-input-file",
+          str(prompts)], "--num-samples N writes unconditional samples (no prompts) and "
+                         "--sample-input-file continues prompts: give one of them"),
+        (["--greedy", "--top_k", "3", "--temperature", "5"],
+         "--greedy takes the most likely token, which --top_k, --temperature do not change"),
     ]
     for flags, message in cases:
         assert tool.main(["--load", missing, *flags]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err, (flags, err)
     assert prompts.read_text() == "the king said\n"
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    for empty in ("blank.txt", "empty.txt"):
+        (tmp_path / empty).touch()
+        assert tool.main(["--load", missing, "--sample-input-file", str(tmp_path / empty)]) == 2
+        assert capsys.readouterr().err == (f"error: --sample-input-file {tmp_path / empty} "
+                                           "holds no prompts (no line that is not blank)\n")
 
 
 def test_generate_samples_says_what_the_model_length_cuts(corpus, tmp_path, capsys):
