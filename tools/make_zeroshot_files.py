@@ -74,12 +74,16 @@ def main(argv=None):
         return _error(f"--input {args.input} holds no {{\"text\": ...}} documents "
                       f"({malformed} malformed lines)")
     held_out = texts[-args.num_documents:]
+    passages = [p for t in held_out for p in lambada_passages(t, args.passage_words)]
+    if not passages:  # before anything is written over an earlier pair of files
+        return _error(f"the last {len(held_out)} documents of --input {args.input} are "
+                      f"shorter than --passage-words {args.passage_words}: no LAMBADA passage; "
+                      "give a smaller --passage-words or more --num-documents")
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         wiki_path = os.path.join(args.output_dir, "wiki.test.tokens")
         with open(wiki_path, "w", encoding="utf-8") as f:
             f.write(" \n" + "".join(wikitext_document(i + 1, t) for i, t in enumerate(held_out)))
-        passages = [p for t in held_out for p in lambada_passages(t, args.passage_words)]
         lambada_path = os.path.join(args.output_dir, "lambada_test.jsonl")
         with open(lambada_path, "w", encoding="utf-8") as f:
             for passage in passages[:args.max_passages]:

@@ -164,10 +164,13 @@ def read_lambada(path):
         if not line.strip():
             continue
         try:
-            texts.append(json.loads(line)["text"])
+            text = json.loads(line)["text"]
         except (ValueError, KeyError, TypeError):
-            raise DataError(f"{path}:{number} is not a JSON object with a 'text' field "
-                            "(lambada_test.jsonl format)") from None
+            text = None
+        if not isinstance(text, str) or not text.strip():
+            raise DataError(f"{path}:{number} is not a JSON object with a non-blank 'text' "
+                            "string (lambada_test.jsonl format)")
+        texts.append(text)
     if not texts:
         raise DataError(f"{path} holds no passages")
     return texts
@@ -194,6 +197,10 @@ def evaluate_lambada(score_fn, tokenizer, texts, seq_length, strict=False, batch
         if not context or not targets:
             raise DataError(f"LAMBADA passage too short to split into context and target: "
                             f"{text[:60]!r}")
+        if len(targets) > seq_length:
+            raise DataError(f"the last word of LAMBADA passage {text[:60]!r} is "
+                            f"{len(targets)} tokens, more than --seq-length {seq_length} can "
+                            f"score: give --seq-length {len(targets)} or more")
         sequence = (context + targets)[-(seq_length + 1):]  # keep the end: it holds the target
         examples.append((sequence[:-1], targets))
     requests = ((inputs, range(len(inputs) - len(targets), len(inputs)))

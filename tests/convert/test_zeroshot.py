@@ -135,6 +135,18 @@ def test_bad_evaluation_inputs(setup, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(DataError):
         zeroshot.evaluate_wikitext(None, setup["tokenizer"], WIKI, 8, overlapping_eval=9)
+    for record in ('{"text": 5}', '{"text": null}', '{"text": "   "}'):
+        bad.write_text('{"text": "the king said brotherhood"}\n' + record + "\n")
+        assert tool.main(["--load", setup["load"], "--task", "LAMBADA", "--valid-data",
+                          str(bad), "--strict-lambada"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {bad}:2 is not a JSON object with a non-blank 'text' "
+                              "string") and "Traceback" not in err, record
+    bad.write_text('{"text": "the king said \u201cbrotherhood\u201d"}\n')
+    assert tool.main(["--load", setup["load"], "--task", "LAMBADA", "--valid-data", str(bad),
+                      "--strict-lambada", "--seq-length", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "more than --seq-length 1 can score: give --seq-length" in err, err
 
 
 def test_a_file_of_the_other_task_or_not_text_is_refused_before_loading(tmp_path, capsys):

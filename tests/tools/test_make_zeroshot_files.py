@@ -46,11 +46,14 @@ def test_writes_both_files_from_the_last_documents_and_counts_what_it_skipped(co
     (["--passage-words", "-5"], "--passage-words must be at least 2, got -5"),
     (["--num-documents", "0"], "--num-documents must be at least 1, got 0"),
     (["--max-passages", "0"], "--max-passages must be at least 1, got 0"),
+    (["--passage-words", "100000"], "shorter than --passage-words 100000: no LAMBADA passage; "
+                                    "give a smaller --passage-words or more --num-documents"),
 ])
 def test_sizes_that_make_nothing_useful_are_refused(corpus, tmp_path, capsys, flags, message):
     assert tool.main(["--input", str(corpus), "--output-dir", str(tmp_path / "zs"),
                       *flags]) == 2
-    assert capsys.readouterr().err == f"error: {message}\n"
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.endswith(f"{message}\n"), err
     assert not (tmp_path / "zs").exists()
 
 
