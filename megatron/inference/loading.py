@@ -126,7 +126,10 @@ def initialize_inference(args):
     quantization_config(args)  # its flag errors before any work
     world_size = discover_launch_environment().world_size
     tp = args.model_parallel_size
-    if tp < 1 or world_size % tp != 0:
+    for flag, value in (("--model-parallel-size", tp), ("--threads", args.threads)):
+        if value is not None and value < 1:  # as the trainer checks them
+            raise ConfigError(f"{flag} must be positive, got {value}")
+    if world_size % tp != 0:
         raise ConfigError(f"world size {world_size} is not divisible by --model-parallel-size "
                           f"{tp}; start a multiple of {tp} processes, e.g. torchrun "
                           f"--nproc_per_node {tp}")
@@ -150,6 +153,8 @@ def load_inference_model(args, device=torch.device("cpu")):
     weights = load_model_weights(args.load, loader, tokenizer_files=overrides or None)
     check_shape_flags(args, weights.args, args.load)
     if _first_rank():
+        iteration = "" if weights.source_format == "hf" else f", iteration {weights.iteration}"
+        print(f" loaded {args.load} ({weights.source_format}{iteration})", flush=True)
         for note in weights.notes:
             print(f" note: {note}", flush=True)
     model_args = dict(weights.args)
