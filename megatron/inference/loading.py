@@ -161,6 +161,7 @@ def load_inference_model(args, device=torch.device("cpu")):
     model_args.update({k: os.path.abspath(v) for k, v in overrides.items()})
     if args.tokenizer_type:
         model_args["tokenizer_type"] = args.tokenizer_type
+    _check_files_fit_the_tokenizer(model_args.get("tokenizer_type"), overrides)
     check_recorded_tokenizer_files(model_args)
     tokenizer = _build_tokenizer(model_args)
     if tokenizer.vocab_size != weights.vocab_size:
@@ -172,6 +173,17 @@ def load_inference_model(args, device=torch.device("cpu")):
         if model_args.get(key)))
     model = build_model_from_weights(weights, DTYPES[args.precision], device)
     return model, tokenizer, model_args
+
+
+def _check_files_fit_the_tokenizer(tokenizer_type, overrides):
+    """Tokenizer files of the other kind than the tokenizer in use would be ignored."""
+    takes = {"GPT2BPETokenizer": ("vocab_file", "merge_file"),
+             "SentencePieceTokenizer": ("tokenizer_model",)}.get(tokenizer_type)
+    ignored = [f"--{key.replace('_', '-')}" for key in overrides if takes and key not in takes]
+    if ignored:
+        raise ConfigError(f"{' '.join(ignored)} names a file that the {tokenizer_type} in "
+                          "use does not read (the checkpoint's, unless --tokenizer-type says "
+                          "otherwise); give the files of that tokenizer")
 
 
 def build_model_from_weights(weights, dtype=torch.float32, device=torch.device("cpu")):

@@ -234,6 +234,9 @@ def test_generate_samples_bad_flags(corpus, tmp_path, capsys):
     assert tool.main(["--load", load, "--top_k", "3", "--top_p", "0.5"]) == 2
     assert tool.main(["--load", str(tmp_path), "--greedy"]) == 2
     assert "understood formats" in capsys.readouterr().err
+    assert tool.main(["--load", load, "--greedy", "--tokenizer-model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("error: --tokenizer-model names a file that the "
+                                              "GPT2BPETokenizer in use does not read")
     for flag, value in (("--threads", "-3"), ("--threads", "0"), ("--model-parallel-size", "0")):
         assert tool.main(["--load", load, "--greedy", flag, value]) == 2
         assert capsys.readouterr().err == f"error: {flag} must be positive, got {value}\n"
