@@ -9,8 +9,9 @@
 #   bash scripts/generate_text.sh --quantize int8         # int8 weights (also int8-dynamic, int4)
 #
 # Variables: CHECKPOINT_DIR (default checkpoints/gpt2_small; Megatron, --deepspeed or Hugging
-# Face layout), MP_SIZE (1), TOP_K (40), TEMPERATURE (1.0), OUT_SEQ_LENGTH (64, small for a
-# 2-core CPU).  Extra arguments go to tools/generate_samples.py (e.g. --greedy, --recompute).
+# Face layout), MP_SIZE (1), TOP_K (40), TEMPERATURE (1.0; neither is passed with --greedy),
+# OUT_SEQ_LENGTH (64, small for a 2-core CPU).  Extra arguments go to tools/generate_samples.py
+# (e.g. --greedy, --recompute).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -25,8 +26,20 @@ if [ ! -d "$CHECKPOINT_DIR" ]; then
     echo "error: no checkpoint at $CHECKPOINT_DIR; train one with bash scripts/pretrain_gpt2.sh" >&2
     exit 2
 fi
-ARGS=(--load "$CHECKPOINT_DIR" --model-parallel-size "$MP_SIZE" --top_k "${TOP_K:-40}"
-      --temperature "${TEMPERATURE:-1.0}" --out-seq-length "${OUT_SEQ_LENGTH:-64}")
+ARGS=(--load "$CHECKPOINT_DIR" --model-parallel-size "$MP_SIZE"
+      --out-seq-length "${OUT_SEQ_LENGTH:-64}")
+# Sampling defaults, unless --greedy is asked for (which takes no sampling flags; a TOP_K or
+# TEMPERATURE set with it still goes through, for the tool to refuse)
+GREEDY=0
+for arg in "$@"; do
+    if [ "$arg" = "--greedy" ]; then GREEDY=1; fi
+done
+if [ "$GREEDY" = 0 ] || [ -n "${TOP_K+set}" ]; then
+    ARGS+=(--top_k "${TOP_K:-40}")
+fi
+if [ "$GREEDY" = 0 ] || [ -n "${TEMPERATURE+set}" ]; then
+    ARGS+=(--temperature "${TEMPERATURE:-1.0}")
+fi
 if [ "$MP_SIZE" -gt 1 ]; then
     exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$MP_SIZE" \
         tools/generate_samples.py "${ARGS[@]}" "$@"

@@ -95,8 +95,9 @@ def _validate(args):
         ("--top_k", args.top_k != 0), ("--top_p", args.top_p != 0.0),
         ("--temperature", args.temperature not in (0.0, 1.0))) if given]  # 0: greedy's own
     if args.greedy and sampling:
-        raise ConfigError(f"--greedy takes the most likely token, which {', '.join(sampling)} "
-                          "do not change: drop them, or drop --greedy to sample")
+        raise ConfigError(f"--greedy takes the most likely token, which {' and '.join(sampling)}"
+                          f" would not change: drop {'it' if len(sampling) == 1 else 'them'}, "
+                          "or drop --greedy to sample")
     if args.sample_input_file and args.sample_output_file is None:
         args.sample_output_file = args.sample_input_file + ".out.jsonl"
     if launched_rank() != 0:

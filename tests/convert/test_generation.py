@@ -260,7 +260,8 @@ def test_generate_samples_checks_its_files_before_loading_the_model(tmp_path, ca
           str(prompts)], "--num-samples N writes unconditional samples (no prompts) and "
                          "--sample-input-file continues prompts: give one of them"),
         (["--greedy", "--top_k", "3", "--temperature", "5"],
-         "--greedy takes the most likely token, which --top_k, --temperature do not change"),
+         "--greedy takes the most likely token, which --top_k and --temperature would not "
+         "change: drop them, or drop --greedy to sample"),
     ]
     for flags, message in cases:
         assert tool.main(["--load", missing, *flags]) == 2
