@@ -44,7 +44,8 @@ def get_args(argv=None):
     parser = inference_parser(__doc__.split("\n")[0])
     g = parser.add_argument_group("text generation")
     g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--greedy", action="store_true", help="argmax instead of sampling")
+    g.add_argument("--greedy", action="store_true",
+                   help="argmax instead of sampling (so no --top_k, --top_p or --temperature)")
     g.add_argument("--top_p", type=float, default=0.0, help="nucleus sampling mass (0: off)")
     g.add_argument("--top_k", type=int, default=0, help="sample from the k best (0: off)")
     g.add_argument("--out-seq-length", type=int, default=256, help="new tokens at most")
@@ -88,9 +89,15 @@ def _validate(args):
     if args.genfile and args.num_samples == 0:
         raise ConfigError("--genfile is where --num-samples N writes N unconditional samples; "
                           "add --num-samples N")
-    if args.num_samples > 0 and args.sample_input_file:
+    if args.num_samples > 0 and args.sample_input_file:  # Megatron's tool ignores the prompts
         raise ConfigError("--num-samples N writes unconditional samples (no prompts) and "
-                          "--sample-input-file continues prompts: give one of them")
+                          "--sample-input-file continues prompts: drop --num-samples and "
+                          "--genfile to continue the prompts, or drop --sample-input-file for "
+                          "unconditional samples")
+    if args.sample_output_file and not args.sample_input_file:
+        raise ConfigError("--sample-output-file is where the continuations of "
+                          "--sample-input-file's prompts go; add --sample-input-file, or drop "
+                          "--sample-output-file (--num-samples N writes to --genfile)")
     sampling = [flag for flag, given in (
         ("--top_k", args.top_k != 0), ("--top_p", args.top_p != 0.0),
         ("--temperature", args.temperature not in (0.0, 1.0))) if given]  # 0: greedy's own

@@ -153,9 +153,10 @@ def _resolve_iteration(load_dir, iteration):
                                   f"saved iterations here: {', '.join(found) or 'none'}")
         return iteration, False
     tracked, release = read_tracker(load_dir)
-    if tracked is None and inside_a_checkpoint(load_dir):
-        raise CheckpointError(inside_a_checkpoint(load_dir))
     if tracked is None:
+        hint = inside_a_checkpoint(load_dir)
+        if hint:
+            raise CheckpointError(hint)
         raise CheckpointError(f"--load {load_dir} is not a checkpoint directory: it has no "
                               f"{TRACKER_FILENAME}. Point --load at a directory written by "
                               "pretrain_gpt2.py --save, or name an iteration with --iteration")

@@ -48,8 +48,9 @@ def _tag(load_dir, iteration):
         return f"global_step{iteration}"
     latest = os.path.join(load_dir, "latest")
     if not os.path.isfile(latest):
-        if inside_a_checkpoint(load_dir):
-            raise CheckpointError(inside_a_checkpoint(load_dir))
+        hint = inside_a_checkpoint(load_dir)
+        if hint:
+            raise CheckpointError(hint)
         tags = _saved_tags(load_dir)
         if not tags and read_tracker(load_dir)[0] is not None:
             raise CheckpointError(f"{load_dir} holds a Megatron-layout checkpoint (written "

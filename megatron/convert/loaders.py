@@ -68,8 +68,9 @@ def detect_format(load_dir):
         return "megatron"
     if "config.json" in names:
         return "hf"
-    if inside_a_checkpoint(load_dir):
-        raise CheckpointError(inside_a_checkpoint(load_dir))
+    hint = inside_a_checkpoint(load_dir)
+    if hint:
+        raise CheckpointError(hint)
     raise CheckpointError(f"cannot tell the checkpoint format of {load_dir} (it holds "
                           f"{', '.join(sorted(names)[:6]) or 'nothing'}); understood formats: "
                           f"{FORMAT_HELP}")

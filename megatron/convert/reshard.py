@@ -203,7 +203,7 @@ def check_recorded_tokenizer_files(args):
 
 
 def check_trained_tokenizer(args, tokenizer, files):
-    """CheckpointError when `tokenizer` (built from `files`) splits text otherwise than the
+    """CheckpointError when `tokenizer` (built from `files`) splits text differently from the
     tokenizer the checkpoint `args` record (their probe hash): another vocabulary of the same
     size, or files rewritten in place, would decode every id as other text."""
     recorded = args.get("tokenizer_probe_sha1") if args.get("tokenizer_type") else None

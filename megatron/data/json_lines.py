@@ -1,6 +1,7 @@
 """One line of a loose-JSON corpus (`{"text": ..., ...}` per line) read into its record.
 
-A leading UTF-8 byte-order mark is ignored. Every way a line can be unreadable (bytes that are not UTF-8, JSON that is invalid, nested
+A leading UTF-8 byte-order mark is ignored. Every way a line can be unreadable (bytes that
+are not UTF-8, JSON that is invalid, nested
 deeper than Python parses or holds a number Python will not convert, a value that is not an
 object, a key missing or not a string) raises `MalformedLine` with a short reason, so the
 tools that read corpora skip and count such lines instead of dying with a traceback.

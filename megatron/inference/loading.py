@@ -16,6 +16,7 @@ import os
 import torch
 
 from megatron import mpu
+from megatron.config.from_checkpoint import TOKENIZER_FILE_KEYS
 from megatron.convert.loaders import FORMATS, load_model_weights
 from megatron.convert.reshard import check_recorded_tokenizer_files, check_trained_tokenizer
 from megatron.convert.tp_layout import (WORD_EMBEDDINGS, parameter_layout, resize_vocab_rows,
@@ -169,8 +170,7 @@ def load_inference_model(args, device=torch.device("cpu")):
                           f"checkpoint's vocab has {weights.vocab_size}; give the tokenizer "
                           "files the model was trained with")
     check_trained_tokenizer(weights.args, tokenizer, ", ".join(
-        model_args[key] for key in ("vocab_file", "merge_file", "tokenizer_model")
-        if model_args.get(key)))
+        model_args[key] for key in TOKENIZER_FILE_KEYS if model_args.get(key)))
     model = build_model_from_weights(weights, DTYPES[args.precision], device)
     return model, tokenizer, model_args
 

@@ -191,16 +191,21 @@ def evaluate_lambada(score_fn, tokenizer, texts, seq_length, strict=False, batch
                      progress=None):
     """(correct, total) passages whose target tokens are all predicted by argmax;
     `batch_size` passages per score_fn call, progress(passages done, passages) after each."""
-    examples = []
+    split = []
     for text in texts:
         context, targets = lambada_example(tokenizer, text, strict)
         if not context or not targets:
             raise DataError(f"LAMBADA passage too short to split into context and target: "
                             f"{text[:60]!r}")
-        if len(targets) > seq_length:
-            raise DataError(f"the last word of LAMBADA passage {text[:60]!r} is "
-                            f"{len(targets)} tokens, more than --seq-length {seq_length} can "
-                            f"score: give --seq-length {len(targets)} or more")
+        split.append((context, targets))
+    needed = max((len(targets) for _, targets in split), default=0)
+    if needed > seq_length:  # a window of seq_length inputs scores at most seq_length targets
+        longest = next(i for i, (_, targets) in enumerate(split) if len(targets) == needed)
+        raise DataError(f"the last word of LAMBADA passage {texts[longest][:60]!r} is {needed} "
+                        f"tokens, more than --seq-length {seq_length} can score: give "
+                        f"--seq-length {needed} or more (the longest target of the passages)")
+    examples = []
+    for context, targets in split:
         sequence = (context + targets)[-(seq_length + 1):]  # keep the end: it holds the target
         examples.append((sequence[:-1], targets))
     requests = ((inputs, range(len(inputs) - len(targets), len(inputs)))

@@ -258,10 +258,18 @@ def test_generate_samples_checks_its_files_before_loading_the_model(tmp_path, ca
         (["--temperature", "nan"], "--temperature must be a number > 0 (got nan)"),
         (["--num-samples", "2", "--genfile", str(tmp_path / "s.jsonl"), "--sample-input-file",
           str(prompts)], "--num-samples N writes unconditional samples (no prompts) and "
-                         "--sample-input-file continues prompts: give one of them"),
+                         "--sample-input-file continues prompts: drop --num-samples and "
+                         "--genfile to continue the prompts, or drop --sample-input-file for "
+                         "unconditional samples"),
+        (["--sample-output-file", str(tmp_path / "o.jsonl")],
+         "add --sample-input-file, or drop --sample-output-file"),
+        (["--num-samples", "2", "--genfile", str(tmp_path / "s.jsonl"), "--sample-output-file",
+          str(tmp_path / "o.jsonl")], "add --sample-input-file, or drop --sample-output-file"),
         (["--greedy", "--top_k", "3", "--temperature", "5"],
          "--greedy takes the most likely token, which --top_k and --temperature would not "
          "change: drop them, or drop --greedy to sample"),
+        (["--greedy", "--top_p", "0.9"], "--greedy takes the most likely token, which --top_p "
+                                         "would not change: drop it, or drop --greedy"),
     ]
     for flags, message in cases:
         assert tool.main(["--load", missing, *flags]) == 2
