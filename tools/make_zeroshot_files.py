@@ -76,9 +76,16 @@ def main(argv=None):
     held_out = texts[-args.num_documents:]
     passages = [p for t in held_out for p in lambada_passages(t, args.passage_words)]
     if not passages:  # before anything is written over an earlier pair of files
-        return _error(f"the last {len(held_out)} documents of --input {args.input} are "
-                      f"shorter than --passage-words {args.passage_words}: no LAMBADA passage; "
-                      "give a smaller --passage-words or more --num-documents")
+        longest = max(len(t.split()) for t in held_out)
+        if longest < args.passage_words:
+            return _error(f"the last {len(held_out)} documents of --input {args.input} are "
+                          f"shorter than --passage-words {args.passage_words} (the longest has "
+                          f"{longest} words): no LAMBADA passage; give a smaller "
+                          "--passage-words or more --num-documents")
+        return _error(f"no stretch of --passage-words {args.passage_words} words in the last "
+                      f"{len(held_out)} documents of --input {args.input} ends, within its last "
+                      "half, on a word of 3 or more letters (a target to predict): no LAMBADA "
+                      "passage; give other --passage-words or more --num-documents")
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         wiki_path = os.path.join(args.output_dir, "wiki.test.tokens")

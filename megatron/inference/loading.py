@@ -121,6 +121,7 @@ def check_output_file(flag, path, inputs=()):
 
 def initialize_inference(args):
     """Process group (torchrun or a single process), TP groups, seeds; returns a Runtime."""
+    from megatron.config.resolve import MAX_INT
     from megatron.config.sections import ParallelConfig
     from megatron.runtime.initialize import initialize_megatron
     from megatron.runtime.launch import discover_launch_environment
@@ -130,6 +131,8 @@ def initialize_inference(args):
     for flag, value in (("--model-parallel-size", tp), ("--threads", args.threads)):
         if value is not None and value < 1:  # as the trainer checks them
             raise ConfigError(f"{flag} must be positive, got {value}")
+        if value is not None and value > MAX_INT:
+            raise ConfigError(f"{flag} {value} is out of range (at most {MAX_INT})")
     if world_size % tp != 0:
         raise ConfigError(f"world size {world_size} is not divisible by --model-parallel-size "
                           f"{tp}; start a multiple of {tp} processes, e.g. torchrun "

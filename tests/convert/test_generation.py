@@ -240,6 +240,9 @@ def test_generate_samples_bad_flags(corpus, tmp_path, capsys):
     for flag, value in (("--threads", "-3"), ("--threads", "0"), ("--model-parallel-size", "0")):
         assert tool.main(["--load", load, "--greedy", flag, value]) == 2
         assert capsys.readouterr().err == f"error: {flag} must be positive, got {value}\n"
+    assert tool.main(["--load", load, "--greedy", "--threads", str(2 ** 40)]) == 2  # ValueError
+    assert capsys.readouterr().err == (f"error: --threads {2 ** 40} is out of range (at most "
+                                       f"{2 ** 31 - 1})\n")
 
 
 def test_generate_samples_checks_its_files_before_loading_the_model(tmp_path, capsys):

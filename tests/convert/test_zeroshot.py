@@ -149,6 +149,26 @@ def test_bad_evaluation_inputs(setup, tmp_path, capsys):
     assert "more than --seq-length 1 can score: give --seq-length" in err, err
 
 
+def test_a_seq_length_too_short_for_the_targets_names_the_one_that_scores_them_all(setup,
+                                                                                  tmp_path,
+                                                                                  capsys):
+    tokenizer = setup["tokenizer"]
+    passages = ["the king said brotherly", "the king said \u201cbrotherhood\u201d"]
+    lengths = [len(zeroshot.lambada_example(tokenizer, p, strict=True)[1]) for p in passages]
+    assert 1 < lengths[0] < lengths[1], lengths  # the first is too long too, not the longest
+    path = tmp_path / "lambada_test.jsonl"
+    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in passages))
+    argv = ["--load", setup["load"], "--task", "LAMBADA", "--valid-data", str(path),
+            "--strict-lambada", "--seq-length"]
+    for seq_length in range(1, lengths[1]):  # was an IndexError
+        assert tool.main(argv + [str(seq_length)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: the last word of LAMBADA passage {passages[1]!r} is {lengths[1]} tokens, "
+            f"more than --seq-length {seq_length} can score: give --seq-length {lengths[1]} or "
+            "more (the longest target of the passages)\n")
+    assert tool.main(argv + [str(lengths[1])]) == 0
+
+
 def test_a_file_of_the_other_task_or_not_text_is_refused_before_loading(tmp_path, capsys):
     lambada = tmp_path / "lambada.jsonl"
     lambada.write_text(json.dumps({"text": "the king said brotherhood"}) + "\n")

@@ -46,8 +46,9 @@ def test_writes_both_files_from_the_last_documents_and_counts_what_it_skipped(co
     (["--passage-words", "-5"], "--passage-words must be at least 2, got -5"),
     (["--num-documents", "0"], "--num-documents must be at least 1, got 0"),
     (["--max-passages", "0"], "--max-passages must be at least 1, got 0"),
-    (["--passage-words", "100000"], "shorter than --passage-words 100000: no LAMBADA passage; "
-                                    "give a smaller --passage-words or more --num-documents"),
+    (["--passage-words", "100000"], "shorter than --passage-words 100000 (the longest has 80 "
+                                    "words): no LAMBADA passage; give a smaller "
+                                    "--passage-words or more --num-documents"),
 ])
 def test_sizes_that_make_nothing_useful_are_refused(corpus, tmp_path, capsys, flags, message):
     assert tool.main(["--input", str(corpus), "--output-dir", str(tmp_path / "zs"),
@@ -55,6 +56,25 @@ def test_sizes_that_make_nothing_useful_are_refused(corpus, tmp_path, capsys, fl
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.endswith(f"{message}\n"), err
     assert not (tmp_path / "zs").exists()
+
+
+def test_no_passage_is_an_error_that_leaves_the_earlier_files(corpus, tmp_path, capsys):
+    out = tmp_path / "zs"
+    assert tool.main(["--input", str(corpus), "--output-dir", str(out)]) == 0
+    before = {name: (out / name).read_text() for name in os.listdir(out)}
+    assert before["lambada_test.jsonl"]
+    short_words = tmp_path / "short_words.json"  # long enough, but no word to predict
+    short_words.write_text(json.dumps({"text": "to be or so it is as an " * 20}) + "\n")
+    cases = [(corpus, ["--passage-words", "81"], "shorter than --passage-words 81 (the longest "
+                                                 "has 80 words): no LAMBADA passage"),
+             (short_words, [], "no stretch of --passage-words 60 words in the last 1 documents "
+                               f"of --input {short_words} ends, within its last half, on a word "
+                               "of 3 or more letters (a target to predict): no LAMBADA passage")]
+    for path, flags, message in cases:  # wrote an empty lambada_test.jsonl, exit code 0
+        assert tool.main(["--input", str(path), "--output-dir", str(out), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, err
+    assert {name: (out / name).read_text() for name in os.listdir(out)} == before
 
 
 def test_bad_paths_are_one_line_errors(corpus, tmp_path, capsys):
