@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import zero
-from tests.training.test_deepspeed import parse, write_config
+from tests.training.test_deepspeed import write_config
+from tests.training.test_deepspeed_config import parse
 from zero.compiler import compile_module
 from zero.config.deepspeed_config import DeepSpeedConfig
 

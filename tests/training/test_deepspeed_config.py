@@ -1,0 +1,195 @@
+"""pretrain_gpt2.py --deepspeed: the DeepSpeed JSON and the Megatron flags resolved into one
+config, and the mistakes in either refused with one error line."""
+
+import os
+
+import pytest
+
+import zero
+from megatron.config import resolve_config
+from megatron.errors import ConfigError
+from tests.training.test_deepspeed import (NO_DROPOUT, read_losses, run, stage_config,
+                                           trainer_argv, write_config)
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--batch-size", "4", "--train-iters", "10", "--lr", "1e-3",
+        "--data-path", "x", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v",
+        "--merge-file", "m"]
+
+
+def parse(*extra, world_size=1):
+    return resolve_config(BASE + [str(e) for e in extra], world_size=world_size)
+
+
+def test_flags_override_the_config_and_fill_its_batch_sizes(tmp_path):
+    config = write_config(tmp_path, zero_optimization={"stage": 2, "reduce_bucket_size": 10},
+                          bf16={"enabled": True})
+    parsed = parse("--deepspeed", "--deepspeed_config", config, "--global-batch-size", 16,
+                   "--zero-stage", 1, "--zero-reduce-bucket-size", "5e7",
+                   "--zero-allgather-bucket-size", 1000, "--zero-contigious-gradients",
+                   "--zero-reduce-scatter", world_size=2)
+    final = parsed.engine.ds_config.raw
+    assert final["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 50_000_000,
+                                          "allgather_bucket_size": 1000,
+                                          "contiguous_gradients": True,
+                                          "reduce_scatter": True}
+    assert final["train_micro_batch_size_per_gpu"] == 4
+    assert final["gradient_accumulation_steps"] == 2  # 16 / (4 x 2 ranks)
+    assert parsed.precision.params_dtype == "bfloat16"
+    assert parsed.precision.bf16 and not parsed.precision.fp16
+    assert parsed.optimizer.clip_grad == 0.0  # no gradient_clipping: DeepSpeed's default
+    assert "gradient_clipping" not in final
+    assert parsed.engine.ds_config.zero_optimization.reduce_bucket_size == 50_000_000
+    spelled = parse("--deepspeed", "--deepspeed_config", config,
+                    "--zero-contiguous-gradients")
+    assert spelled.engine.ds_config.zero_optimization.contiguous_gradients is True
+
+
+def test_global_batch_comes_from_the_config_when_not_given(tmp_path):
+    config = write_config(tmp_path, train_batch_size=24, train_micro_batch_size_per_gpu=4)
+    parsed = parse("--deepspeed", "--deepspeed_config", config, world_size=2)
+    assert parsed.training.global_batch_size == 24
+    assert parsed.training.num_micro_batches == 3  # 24 / (4 x 2)
+    parsed = parse("--deepspeed", "--deepspeed_config", config, "--clip-grad", 0.5,
+                   world_size=2)
+    assert parsed.optimizer.clip_grad == 0.5
+    assert parsed.engine.ds_config.gradient_clipping == 0.5
+
+
+def test_the_micro_batch_comes_from_the_config_without_batch_size(tmp_path):
+    without = [a for i, a in enumerate(BASE) if "--batch-size" not in BASE[max(i - 1, 0):i + 1]]
+    micro = write_config(tmp_path, "micro.json", train_micro_batch_size_per_gpu=6)
+    parsed = resolve_config(without + ["--deepspeed", "--deepspeed_config", micro])
+    assert (parsed.training.batch_size, parsed.training.global_batch_size) == (6, 6)
+    total = write_config(tmp_path, "total.json", train_batch_size=24,
+                         gradient_accumulation_steps=3)
+    parsed = resolve_config(without + ["--deepspeed", "--deepspeed_config", total],
+                            world_size=2)
+    assert (parsed.training.batch_size, parsed.training.num_micro_batches) == (4, 3)
+    neither = write_config(tmp_path, "neither.json", zero_optimization={"stage": 1})
+    with pytest.raises(ConfigError, match="--batch-size is required: DeepSpeed config .*"
+                                          "neither.json sets no batch size either"):
+        resolve_config(without + ["--deepspeed", "--deepspeed_config", neither])
+    with pytest.raises(ConfigError, match="^--batch-size is required$"):
+        resolve_config(without)
+
+
+def test_help_says_what_deepspeed_chooses(capsys):
+    from megatron.config.flags import build_parser
+    text = build_parser().format_help()
+    assert "no impact" not in text and "save DeepSpeed's checkpoint layout" in text
+
+
+def test_deepspeed_mpi_takes_rank_and_world_size_from_mpi(tmp_path, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.setenv(name, "0")  # recorded, so the variables the flag sets are removed
+        monkeypatch.delenv(name)       # again after the test
+    monkeypatch.setenv("PMI_RANK", "1")
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    config = write_config(tmp_path, train_micro_batch_size_per_gpu=4)
+    parsed = resolve_config(BASE + ["--deepspeed", "--deepspeed_config", config,
+                                    "--deepspeed_mpi"])
+    assert os.environ["RANK"] == "1" and os.environ["WORLD_SIZE"] == "2"
+    assert parsed.parallel.world_size == 2 and parsed.training.global_batch_size == 8
+
+
+BAD_FLAGS = {
+    "micro-batch-mismatch": (
+        {"train_micro_batch_size_per_gpu": 8}, [],
+        "--batch-size 4 disagrees with DeepSpeed config {config}: train_batch_size 16 = "
+        "train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps 1 x data-parallel "
+        "size 2"),
+    "global-batch-mismatch": (
+        {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4},
+        ["--global-batch-size", "32"],
+        "--global-batch-size 32 disagrees with DeepSpeed config {config}: train_batch_size 16"),
+    "precision-mismatch": ({"bf16": {"enabled": True}}, ["--fp16"],
+                           "--fp16 is given but 'fp16.enabled' is not true"),
+    "clip-mismatch": ({"gradient_clipping": 1.0}, ["--clip-grad", "0.5"],
+                      "--clip-grad 0.5 disagrees with 'gradient_clipping': 1.0"),
+    "zero-stage-4": ({}, ["--zero-stage", "4"], "--zero-stage 4 is not a ZeRO stage"),
+    "remote-device-below-stage-3": (
+        {"zero_optimization": {"stage": 2}}, ["--remote-device", "cpu"],
+        "--remote-device places ZeRO stage 3 parameter partitions (zero.Init), but the ZeRO "
+        "stage is 2"),
+    "offload-at-stage-0": (
+        {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, [],
+        "'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3, but "
+        "'zero_optimization.stage' is 0"),
+    "offload-param-below-stage-3": (
+        {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, [],
+        "'zero_optimization.offload_param' needs ZeRO stage 3"),
+    "bad-bucket": ({}, ["--zero-reduce-bucket-size", "0"],
+                   "--zero-reduce-bucket-size must be a positive number"),
+    "loss-scale-without-fp16": ({}, ["--loss-scale", "128"],
+                                "--loss-scale has no effect: 'fp16.enabled' is not true"),
+    "loss-scale-window-mismatch": ({"fp16": {"enabled": True, "loss_scale_window": 100}},
+                                   ["--loss-scale-window", "200"],
+                                   "--loss-scale-window 200 disagrees with "
+                                   "'fp16.loss_scale_window'"),
+    "fp32-allreduce-mismatch": ({}, ["--fp32-allreduce"],
+                                "--fp32-allreduce True disagrees with 'communication_data_type'"),
+    "ddp-impl": ({}, ["--DDP-impl", "torch"], "--DDP-impl has no effect under --deepspeed"),
+    "no-save-optim": ({}, ["--no-save-optim"], "--no-save-optim has no effect under --deepspeed"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_FLAGS))
+def test_inconsistent_flags_and_config_are_config_errors(tmp_path, name):
+    entries, extra, message = BAD_FLAGS[name]
+    config = write_config(tmp_path, **entries)
+    # flag conflicts are the trainer's ConfigError; config-only conflicts are zero's
+    with pytest.raises((ConfigError, zero.ConfigError)) as error:
+        parse("--deepspeed", "--deepspeed_config", config, *extra, world_size=2)
+    assert message.format(config=config) in str(error.value)
+
+
+def test_deepspeed_flags_need_each_other():
+    with pytest.raises(ConfigError, match="--deepspeed needs --deepspeed_config"):
+        parse("--deepspeed")
+    with pytest.raises(ConfigError, match=r"--deepspeed_config, --zero-stage only act\(s\) "
+                                          r"with --deepspeed"):
+        parse("--deepspeed_config", "x.json", "--zero-stage", "1")
+
+
+@pytest.mark.parametrize("entries, path, message", [
+    ({"zero_optimizaton": {"stage": 2}}, None,
+     "unknown key 'zero_optimizaton' at the top level; did you mean 'zero_optimization'?"),
+    ({}, "/nonexistent/ds.json", "DeepSpeed config file '/nonexistent/ds.json' does not exist"),
+], ids=["unknown-key", "missing-file"])
+def test_config_mistakes_are_one_error_line(corpus, tmp_path, capsys, entries, path, message):
+    config = path or write_config(tmp_path, **entries)
+    assert run(corpus, tmp_path / "log", 2, "--deepspeed", "--deepspeed_config", config) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+    if path is None:
+        assert f"DeepSpeed config {config}:" in err  # the user's file, not "(dict)"
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_activation_checkpointing_options_need_recomputation(corpus, tmp_path, capsys):
+    """The section acts (tests/training/test_activation_checkpointing.py) on the checkpoints of
+    --checkpoint-activations; without those it would do nothing, so it is refused."""
+    config = stage_config(tmp_path, 1, activation_checkpointing={"partition_activations": True})
+    assert run(corpus, tmp_path / "log", 2, "--deepspeed", "--deepspeed_config", config) == 2
+    err = capsys.readouterr().err
+    assert "'activation_checkpointing.partition_activations' acts on the checkpoints of " \
+           "--checkpoint-activations, which is off" in err, err
+
+
+def test_gradient_checkpointing_key_turns_on_recomputation(corpus, tmp_path):
+    """Our extension: "gradient_checkpointing": true recomputes each layer in backward, which
+    changes nothing numerically (dropout 0 here) but must be switched on."""
+    plain = stage_config(tmp_path, 1)
+    recompute = write_config(tmp_path, "recompute.json", gradient_checkpointing=True,
+                             zero_optimization={"stage": 1}, gradient_clipping=1.0)
+    assert run(corpus, tmp_path / "a", 2, *NO_DROPOUT, "--deepspeed", "--deepspeed_config",
+               plain) == 0
+    assert run(corpus, tmp_path / "b", 2, *NO_DROPOUT, "--deepspeed", "--deepspeed_config",
+               recompute) == 0
+    a, b = read_losses(tmp_path / "a"), read_losses(tmp_path / "b")
+    assert all(a[i][0] == pytest.approx(b[i][0], rel=1e-6) for i in a)
+    argv = trainer_argv(corpus, tmp_path / "c", 2, "--deepspeed", "--deepspeed_config",
+                        recompute, "--tokenizer-type", "GPT2BPETokenizer")
+    assert resolve_config(argv, world_size=1).activation_checkpointing.checkpoint_activations
