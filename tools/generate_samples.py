@@ -50,8 +50,9 @@ def get_args(argv=None):
     g.add_argument("--top_k", type=int, default=0, help="sample from the k best (0: off)")
     g.add_argument("--out-seq-length", type=int, default=256, help="new tokens at most")
     g.add_argument("--seq-length", type=int, default=None,
-                   help="accepted as Megatron's scripts pass it: at most the checkpoint's "
-                        "--max-position-embeddings (prompt + new tokens are bounded by that)")
+                   help="prompt + new tokens at most, as in Megatron (a longer prompt keeps its "
+                        "last tokens); default and at most: the checkpoint's "
+                        "--max-position-embeddings")
     g.add_argument("--recompute", action="store_true",
                    help="no KV cache: recompute the whole prefix every step")
     g.add_argument("--compile", action="store_true",
@@ -82,6 +83,9 @@ def _validate(args):
         raise ConfigError("--top_k and --top_p are alternatives; give one of them")
     if args.out_seq_length < 1 or args.batch_size < 1 or args.num_samples < 0:
         raise ConfigError("--out-seq-length and --batch-size must be >= 1, --num-samples >= 0")
+    if args.seq_length is not None and args.seq_length < 2:
+        raise ConfigError(f"--seq-length bounds the prompt and the new tokens together: at "
+                          f"least 2 (got {args.seq_length})")
     if args.compile and args.recompute:
         raise ConfigError("--compile compiles the KV-cached decode step; drop --recompute")
     if args.num_samples > 0 and not args.genfile:
@@ -159,10 +163,16 @@ def generate_from_file(generator, tokenizer, params, args, prompts):
         print(f" wrote {len(records)} samples to {args.sample_output_file}", flush=True)
         cut = sum("context_truncated_to_tokens" in record for record in records)
         if cut:
-            print(f" note: {cut} of the prompts did not fit the model's "
-                  f"{generator.max_positions} positions with room for a new token and kept "
-                  "only their last tokens (context_truncated_to_tokens in their records)",
-                  flush=True)
+            print(f" note: {cut} of the prompts did not fit {_length_limit(args, generator)} "
+                  "with room for a new token and kept only their last tokens "
+                  "(context_truncated_to_tokens in their records)", flush=True)
+
+
+def _length_limit(args, generator):
+    """What bounds prompt + new tokens, in words."""
+    if args.seq_length is None:
+        return f"the model's {generator.max_length} positions"
+    return f"--seq-length {generator.max_length}"
 
 
 def generate_interactive(generator, tokenizer, params):
@@ -209,13 +219,14 @@ def run(args):
         model, tokenizer, _ = load_inference_model(args, runtime.device)
         quantize_for_inference(args, model)
         generator = TextGenerator(model, tokenizer.eod, tokenizer.vocab_size,
-                                  use_cache=not args.recompute, compile=args.compile)
+                                  use_cache=not args.recompute, compile=args.compile,
+                                  max_length=args.seq_length)
         params = SamplingParams(args.greedy, args.temperature, args.top_k, args.top_p,
                                 args.out_seq_length)
-        if args.out_seq_length >= generator.max_positions and _is_writer():
-            print(f" note: --out-seq-length {args.out_seq_length}, but the model has "
-                  f"{generator.max_positions} positions for the prompt and the new tokens "
-                  f"together: at most {generator.max_positions - 1} new tokens", flush=True)
+        if args.out_seq_length >= generator.max_length and _is_writer():
+            print(f" note: --out-seq-length {args.out_seq_length}, but the prompt and the new "
+                  f"tokens together fit {_length_limit(args, generator)}: at most "
+                  f"{generator.max_length - 1} new tokens", flush=True)
         if args.num_samples > 0:
             generate_unconditional(generator, tokenizer, params, args)
         elif args.sample_input_file:

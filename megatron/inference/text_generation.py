@@ -63,16 +63,22 @@ _CACHE_QUANTUM = 256  # compiled decoding: cache sizes are multiples of this
 class TextGenerator:
     """Generates continuations for a GPT2Model built with parallel_output=False."""
 
-    def __init__(self, model, eod, vocab_size, use_cache=True, compile=False):
+    def __init__(self, model, eod, vocab_size, use_cache=True, compile=False, max_length=None):
         """compile: torch.compile the one-token decode step over a fixed-shape KV cache (the
-        cache holds a multiple of 256 positions, so a few sizes cover every prompt)."""
+        cache holds a multiple of 256 positions, so a few sizes cover every prompt).
+        max_length: prompt + new tokens at most (Megatron's --seq-length); at most, and by
+        default, the model's position embeddings."""
         if compile and not use_cache:
             raise ValueError("compiling the decode step needs the KV cache (drop --recompute)")
+        model_positions = model.config.max_position_embeddings
+        if max_length is not None and not 1 < max_length <= model_positions:
+            raise ValueError(f"max_length {max_length} must be in 2..{model_positions} (the "
+                             "model's positions)")
         self.model = model
         self.eod = eod
         self.vocab_size = vocab_size  # logits of padding rows are never sampled
         self.use_cache = use_cache
-        self.max_positions = model.config.max_position_embeddings
+        self.max_length = model_positions if max_length is None else max_length
         # On a GPU a one-token step is a few hundred small kernels whose launches take longer
         # than their work: CUDA graphs ("reduce-overhead") replay them in one launch. Not yet
         # under tensor parallelism (NCCL all-reduces captured in a graph are untested here).
@@ -86,12 +92,12 @@ class TextGenerator:
     def _cache_for(self, batch, positions):
         if self._decode_step is None:
             return KVCache.for_model(self.model, batch, positions)
-        capacity = min(self.max_positions, -(-positions // _CACHE_QUANTUM) * _CACHE_QUANTUM)
+        capacity = min(self.max_length, -(-positions // _CACHE_QUANTUM) * _CACHE_QUANTUM)
         kept = self._kept_caches.get((batch, capacity))
         if kept is None:
             # a new cache is a new input to the compiled step: one compile per size. A CUDA
             # graph is recorded for the cache's addresses, so there each size keeps its cache
-            # (at most max_positions / 256 of them); elsewhere only the last one is kept.
+            # (at most max_length / 256 of them); elsewhere only the last one is kept.
             if not self._cuda_graphs:
                 self._kept_caches.clear()
             kept = self._kept_caches[batch, capacity] = KVCache.for_model(
@@ -115,7 +121,7 @@ class TextGenerator:
         batch, length = context_tokens.shape
         if length < 1:
             raise ValueError("the context needs at least one token")
-        max_new = max(0, min(params.out_seq_length, self.max_positions - length))
+        max_new = max(0, min(params.out_seq_length, self.max_length - length))
         device = context_tokens.device
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         generated = torch.full((batch, max_new), self.eod, dtype=torch.long, device=device)
@@ -192,8 +198,8 @@ def generate_text(generator, tokenizer, prompt, params) -> dict:
     """{"context", "text", "length", "finished"} for one prompt ('' starts from eod)."""
     ids: List[int] = tokenizer.tokenize(prompt) if prompt else [tokenizer.eod]
     # Keep room for at least one new token; a longer prompt keeps its last tokens.
-    truncated = len(ids) > generator.max_positions - 1
-    ids = ids[-(generator.max_positions - 1):]
+    truncated = len(ids) > generator.max_length - 1
+    ids = ids[-(generator.max_length - 1):]
     context = torch.tensor([ids], dtype=torch.long)
     new, finished = generator.generate(context, params)
     tokens = [t for t in new[0].tolist() if t != tokenizer.eod]

@@ -102,6 +102,18 @@ def test_generation_stops_at_the_model_length():
     assert new.shape[1] <= 12 - 7
 
 
+def test_max_length_bounds_the_prompt_and_the_new_tokens():
+    model = build_model_from_weights(random_weights(positions=24))
+    generator = TextGenerator(model, eod=300, vocab_size=301, max_length=10)
+    new, _ = generator.generate(_context(), GREEDY)
+    assert new.shape[1] == 10 - 7
+    full, _ = TextGenerator(model, eod=300, vocab_size=301).generate(_context(), GREEDY)
+    assert torch.equal(new, full[:, :3])  # the same tokens, fewer of them
+    for bad in (1, 25):
+        with pytest.raises(ValueError, match="must be in 2..24"):
+            TextGenerator(model, eod=300, vocab_size=301, max_length=bad)
+
+
 def test_reading_the_finished_flags_every_few_steps_gives_the_same_tokens(monkeypatch):
     """As on a GPU, where the flags are read every 8 steps: the steps run after every row
     finished are cut off, so the result is that of a read after every step."""
@@ -295,12 +307,33 @@ def test_generate_samples_says_what_the_model_length_cuts(corpus, tmp_path, caps
                       "--sample-input-file", str(prompts),
                       "--sample-output-file", str(tmp_path / "out.jsonl")]) == 0
     said = capsys.readouterr().out
-    assert "--out-seq-length 100, but the model has 48 positions" in said
+    assert "--out-seq-length 100, but the prompt and the new tokens together fit the model's " \
+        "48 positions: at most 47 new tokens" in said
     assert "1 of the prompts did not fit the model's 48 positions" in said
     (tmp_path / "bad.txt").write_bytes(b"the king \xff\n")
     assert tool.main(["--load", load, "--greedy", "--sample-input-file",
                       str(tmp_path / "bad.txt")]) == 2
     assert "is not UTF-8 text (byte 9)" in capsys.readouterr().err
+
+
+def test_generate_samples_seq_length_bounds_prompt_and_new_tokens(corpus, tmp_path, capsys):
+    """As in Megatron, --seq-length bounds the prompt and the new tokens together."""
+    load = _checkpoint(corpus, tmp_path)  # 48 positions
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the king said " * 10 + "\n")
+    out = tmp_path / "out.jsonl"
+    assert tool.main(["--load", load, "--seq-length", "16", "--out-seq-length", "100",
+                      "--greedy", "--sample-input-file", str(prompts),
+                      "--sample-output-file", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "--out-seq-length 100, but the prompt and the new tokens together fit " \
+        "--seq-length 16: at most 15 new tokens" in said
+    assert "1 of the prompts did not fit --seq-length 16 with room for a new token" in said
+    record = json.loads(out.read_text())
+    assert record["context_truncated_to_tokens"] == 15 and record["length"] <= 1
+    assert tool.main(["--load", load, "--seq-length", "1", "--greedy"]) == 2
+    assert capsys.readouterr().err == ("error: --seq-length bounds the prompt and the new "
+                                       "tokens together: at least 2 (got 1)\n")
 
 
 def test_generate_samples_takes_megatrons_shape_flags_and_checks_them(corpus, tmp_path,

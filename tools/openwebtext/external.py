@@ -20,8 +20,8 @@ BUCKET_BYTES = 64 << 20
 
 def add_bucket_arg(parser, what):
     parser.add_argument("--bucket-mb", type=float, default=BUCKET_BYTES / (1 << 20),
-                        help=f"size of the temporary buckets the {what} holds in memory one at "
-                             "a time")
+                        help=f"size of the temporary buckets of the {what}, held in memory one "
+                             "at a time")
 
 
 def bucket_bytes(args):

@@ -32,7 +32,7 @@ from megatron.errors import ConfigError  # noqa: E402
 from tools.openwebtext import (blacklist_urls, cleanup_dataset, find_duplicates,  # noqa: E402
                                group_duplicates_url, merge_jsons, remove_group_duplicates,
                                shuffle_jsons)
-from tools.openwebtext.external import bucket_bytes  # noqa: E402
+from tools.openwebtext.external import add_bucket_arg, bucket_bytes  # noqa: E402
 from tools.openwebtext.stages import (Stage, files_identity, format_table,  # noqa: E402
                                       run_stages, tokenize_stage)
 
@@ -61,9 +61,7 @@ def get_args(argv=None):
     find_duplicates.add_dedup_args(parser)
     group = parser.add_argument_group("shuffle and runtime")
     group.add_argument("--seed", type=int, default=1234, help="shuffle seed")
-    group.add_argument("--bucket-mb", type=float, default=64.0,
-                       help="size of the temporary buckets the URL deduplication and the "
-                            "shuffle hold in memory one at a time")
+    add_bucket_arg(group, "URL deduplication and the shuffle")
     group.add_argument("--workers", type=int, default=1, help="processes per stage")
     group.add_argument("--force", action="store_true", help="rerun every stage")
     return parser.parse_args(argv)
