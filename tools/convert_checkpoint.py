@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron.cli import run_cli  # noqa: E402
+from megatron.convert.hf import HF_TOKENIZER_FILES  # noqa: E402
 from megatron.convert.loaders import FORMATS, load_model_weights  # noqa: E402
 from megatron.convert.savers import SAVERS, check_save_dir, save_model_weights  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
@@ -86,6 +87,8 @@ def run(args):
     for note in weights.notes:
         print(f" note: {note}")
     print(f" wrote {len(paths)} file(s)")
+    if args.saver == "hf":
+        _say_what_tokenizer_the_hf_folder_holds(a, args.save_dir)
     if args.saver == "megatron":
         # The checkpoint records the model's shape and tokenizer: --load supplies them.
         stages = args.target_pipeline_model_parallel_size
@@ -96,6 +99,19 @@ def run(args):
               f"--model-parallel-size {args.target_tensor_parallel_size}"
               f"{pipeline}{tokenizer} "
               "--data-path ... --batch-size ... --train-iters ... --lr ...")
+
+
+def _say_what_tokenizer_the_hf_folder_holds(model_args, save_dir):
+    names = HF_TOKENIZER_FILES.get(model_args.get("tokenizer_type"), {}).values()
+    if not names or not all(os.path.isfile(os.path.join(save_dir, n)) for n in names):
+        print(f" note: {save_dir} holds no tokenizer (the checkpoint records none, or its "
+              "files are gone): give --vocab-file and --merge-file, or --tokenizer-model, to "
+              "copy one in")
+    elif model_args["tokenizer_type"] == "SentencePieceTokenizer":
+        print(f" note: the SentencePiece model is {os.path.join(save_dir, 'tokenizer.model')}; "
+              "Hugging Face's GPT-2 tokenizer classes do not read it: tokenize with "
+              "sentencepiece.SentencePieceProcessor(model_file=...). This tool and the "
+              "generation and evaluation tools read it back from the folder")
 
 
 def _empty(folder, remove):

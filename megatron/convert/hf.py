@@ -18,6 +18,12 @@ import torch
 
 from megatron.errors import CheckpointError
 
+# The tokenizer files of an HF folder, by tokenizer type: {model arg key: file name}.
+HF_TOKENIZER_FILES = {
+    "GPT2BPETokenizer": {"vocab_file": "vocab.json", "merge_file": "merges.txt"},
+    "SentencePieceTokenizer": {"tokenizer_model": "tokenizer.model"},
+}
+
 # Megatron flat key -> HF key, for everything that is a plain copy or a transpose.
 _GLOBAL_KEYS = {
     "language_model.embedding.word_embeddings.weight": "transformer.wte.weight",

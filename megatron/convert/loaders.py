@@ -23,7 +23,7 @@ from megatron.checkpointing.files import safe_load
 from megatron.checkpointing.megatron_layout import TRACKER_FILENAME
 from megatron.convert.checkpoint_files import inside_a_checkpoint, read_sharded_checkpoint
 from megatron.convert.deepspeed_source import read_deepspeed_checkpoint
-from megatron.convert.hf import (check_hf_shapes, hf_to_megatron_state_dict,
+from megatron.convert.hf import (HF_TOKENIZER_FILES, check_hf_shapes, hf_to_megatron_state_dict,
                                  model_args_from_hf_config)
 from megatron.convert.reshard import (merge_checkpoint, resize_vocab, resolve_vocab_size,
                                       tokenizer_vocab_size)
@@ -39,7 +39,6 @@ MODEL_ARG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidde
                   "max_position_embeddings", "layernorm_epsilon", "orig_vocab_size",
                   "make_vocab_size_divisible_by", "tokenizer_type", "vocab_file", "merge_file",
                   "tokenizer_model", "init_method_std", "seq_length", "tokenizer_probe_sha1")
-_TOKENIZER_FILES = {"vocab_file": "vocab.json", "merge_file": "merges.txt"}
 
 
 @dataclass
@@ -142,11 +141,14 @@ def load_hf(load_dir, vocab_size=None, tokenizer_files=None):
     state = hf_to_megatron_state_dict(hf_state, args["num_layers"], args["num_attention_heads"])
     args["make_vocab_size_divisible_by"] = 128
     args["seq_length"] = args["max_position_embeddings"]
-    for key, name in _TOKENIZER_FILES.items():
-        path = os.path.join(load_dir, name)
-        args[key] = os.path.abspath(path) if os.path.isfile(path) else None
-    args["tokenizer_type"] = "GPT2BPETokenizer" if args["vocab_file"] and args["merge_file"] \
-        else None
+    args["tokenizer_type"] = None
+    for tokenizer_type, files in HF_TOKENIZER_FILES.items():  # GPT-2 BPE first
+        paths = {key: os.path.join(load_dir, name) for key, name in files.items()}
+        if args["tokenizer_type"] is None and all(map(os.path.isfile, paths.values())):
+            args["tokenizer_type"] = tokenizer_type
+            args.update({key: os.path.abspath(path) for key, path in paths.items()})
+        else:
+            args.update(dict.fromkeys(files))
     tokenizer_files = {key: path for key, path in (tokenizer_files or {}).items() if path}
     if tokenizer_files:
         args.update({key: os.path.abspath(path) for key, path in tokenizer_files.items()})

@@ -6,8 +6,9 @@ or fine-tuning.  Its `args` record the model's shape, vocab and tokenizer, which
 `check_checkpoint_args` compares with the flags and the generation/evaluation tools read.
 Tokenizer files travel along (copied next to the checkpoint), so the folder is self-contained.
 
-HF: config.json, model.safetensors (no lm_head.weight: it is tied to transformer.wte) and,
-with a GPT-2 BPE tokenizer, vocab.json and merges.txt.
+HF: config.json, model.safetensors (no lm_head.weight: it is tied to transformer.wte) and
+the tokenizer: vocab.json and merges.txt (GPT-2 BPE), or tokenizer.model (SentencePiece, which
+Hugging Face's GPT-2 tokenizer classes do not read; the HF loader here does).
 """
 
 import json
@@ -21,13 +22,14 @@ from megatron.tokenizer.file_utils import permissions_as_new_file
 from megatron.checkpointing.megatron_layout import CHECKPOINT_VERSION, to_nested_state_dict
 from megatron.config.from_checkpoint import TOKENIZER_FILE_KEYS
 from megatron.convert.checkpoint_files import write_sharded_checkpoint
-from megatron.convert.hf import hf_config_from_model_args, megatron_to_hf_state_dict
+from megatron.convert.hf import (HF_TOKENIZER_FILES, hf_config_from_model_args,
+                                 megatron_to_hf_state_dict)
 from megatron.convert.reshard import (check_recorded_tokenizer_files, check_target_size,
                                       check_target_stages)
 from megatron.convert.tp_layout import (WORD_EMBEDDINGS, parameter_layout, resize_vocab_rows,
                                         split_full)
 from megatron.errors import CheckpointError, ConfigError
-from megatron.tokenizer import vocab_size_with_padding
+from megatron.tokenizer import SentencePieceTokenizer, vocab_size_with_padding
 
 SAVERS = ("megatron", "hf")
 
@@ -113,13 +115,15 @@ def save_hf(weights, save_dir, dtype=torch.float32):
     os.makedirs(save_dir, exist_ok=True)
     written = []
     eod = None
+    for key, name in HF_TOKENIZER_FILES.get(args.get("tokenizer_type"), {}).items():
+        path = args.get(key)
+        if path and os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(save_dir, name))
+            written.append(os.path.join(save_dir, name))
     if args.get("tokenizer_type") == "GPT2BPETokenizer":
-        for key, name in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
-            path = args.get(key)
-            if path and os.path.isfile(path):
-                shutil.copyfile(path, os.path.join(save_dir, name))
-                written.append(os.path.join(save_dir, name))
         eod = _eod_id(os.path.join(save_dir, "vocab.json"))
+    elif written:  # SentencePiece: its eod, as the trainer's tokenizer finds it
+        eod = SentencePieceTokenizer(written[0]).eod
     weights_path = os.path.join(save_dir, "model.safetensors")
     save_file(hf_state, weights_path + ".tmp", metadata={"format": "pt"})
     permissions_as_new_file(weights_path + ".tmp")  # safetensors creates it 0600

@@ -15,7 +15,7 @@ from megatron.convert.loaders import load_model_weights
 from megatron.convert.savers import save_model_weights
 from megatron.convert.tp_layout import WORD_EMBEDDINGS
 from megatron.inference.loading import build_model_from_weights
-from tests.convert.conftest import random_weights, tokenized_weights
+from tests.convert.conftest import load_tool, random_weights, tokenized_weights
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -274,3 +274,45 @@ def test_an_hf_tokenizer_larger_than_the_embedding_is_refused(corpus, tmp_path, 
     assert _tool("--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "out",
                  "--saver", "megatron", "--vocab-size", 0) == 2
     assert "--vocab-size must be positive, got 0" in capsys.readouterr().err
+
+
+def test_a_sentencepiece_tokenizer_travels_through_an_hf_folder(corpus, tmp_path, capsys):
+    """--saver hf copies a SentencePiece model as tokenizer.model (with its eod as the
+    config's eos id) and says that HF's GPT-2 classes do not read it; the folder converts
+    back with its tokenizer and generates from --load alone."""
+    from megatron.tokenizer.sentencepiece_tokenizer import (SentencePieceTokenizer,
+                                                            train_sentencepiece)
+    texts = [json.loads(line)["text"] for line in open(corpus["json"])]
+    model_file = str(tmp_path / "sp.model")
+    train_sentencepiece(texts, 400, model_file)
+    tokenizer = SentencePieceTokenizer(model_file)
+    weights = random_weights(hidden_size=32, num_heads=4, positions=24,
+                             vocab_size=tokenizer.vocab_size,
+                             tokenizer_type="SentencePieceTokenizer", tokenizer_model=model_file)
+    save_model_weights(weights, str(tmp_path / "meg"), "megatron")
+    assert _tool("--load-dir", tmp_path / "meg", "--save-dir", tmp_path / "hf",
+                 "--saver", "hf") == 0
+    said = capsys.readouterr().out
+    assert (f"note: the SentencePiece model is {tmp_path / 'hf' / 'tokenizer.model'}; Hugging "
+            "Face's GPT-2 tokenizer classes do not read it") in said
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == open(model_file, "rb").read()
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["eos_token_id"] == config["bos_token_id"] == tokenizer.eod
+    back = load_model_weights(str(tmp_path / "hf"))
+    assert back.args["tokenizer_type"] == "SentencePieceTokenizer"
+    assert back.args["tokenizer_model"] == str(tmp_path / "hf" / "tokenizer.model")
+    assert back.args["vocab_file"] is None and back.vocab_size == tokenizer.vocab_size
+    generate = load_tool("generate_samples")
+    genfile = tmp_path / "samples.jsonl"
+    assert generate.main(["--load", str(tmp_path / "hf"), "--num-samples", "1", "--genfile",
+                          str(genfile), "--out-seq-length", "4", "--greedy"]) == 0
+    assert len(genfile.read_text().splitlines()) == 1
+
+
+def test_an_hf_folder_without_a_tokenizer_says_so(tmp_path, capsys):
+    save_model_weights(random_weights(), str(tmp_path / "meg"), "megatron")
+    assert _tool("--load-dir", tmp_path / "meg", "--save-dir", tmp_path / "hf",
+                 "--saver", "hf") == 0
+    assert (f"note: {tmp_path / 'hf'} holds no tokenizer (the checkpoint records none, or its "
+            "files are gone): give --vocab-file and --merge-file, or --tokenizer-model, to copy "
+            "one in") in capsys.readouterr().out
