@@ -1,7 +1,9 @@
-"""Megatron-LM 1.1.5 (DeepSpeed's fork) flags that are not flags of this trainer, each with
-what to do instead: a ported command line gets one error naming them all, not argparse's
-"unrecognized arguments". Two ask for what this trainer always does; those are taken and
-said once at start-up.
+"""Megatron-LM flags that are not flags of this trainer, each with what to do instead: a
+ported command line gets one error naming them all, not argparse's "unrecognized arguments".
+They come from Megatron-LM 1.1.5 (DeepSpeed's fork) and from the earlier Megatron-LM of
+DeepSpeed's GPT-2 tutorial (DeepSpeedExamples' `Megatron-LM/`, whose `--train-data webtext`
+this trainer takes). Some ask for what this trainer always does; those are taken and said
+once at start-up.
 """
 
 from megatron.errors import ConfigError
@@ -15,6 +17,15 @@ _FP32_SCORES = ("an fp16 guard for Megatron's own attention kernel; here the sca
                 "prefer --bf16)")
 _TOKEN_LENGTHS = ("lengths in tokens are not built: give --train-iters and --lr-decay-iters "
                   "(tokens = iterations x global batch x --seq-length)")
+_OLD_LOADERS = ("a data loader of the tutorial's Megatron-LM that is not built: tokenize with "
+                "tools/preprocess_data.py and give --data-path, or give a loose-JSON corpus "
+                "(a \"text\" key per line) as --train-data")
+_OLD_TOKENIZER = ("the tutorial's Megatron-LM downloaded GPT-2's tokenizer files; nothing is "
+                  "downloaded here: give --tokenizer-type GPT2BPETokenizer --vocab-file "
+                  "vocab.json --merge-file merges.txt (python tools/train_tokenizer.py makes "
+                  "them), or --tokenizer-type SentencePieceTokenizer --tokenizer-model FILE")
+_OLD_EVAL_DATA = ("validation and test data are --split's shares of the training data; "
+                  "tools/evaluate_gpt2.py scores a checkpoint on another corpus")
 _AUTORESUME = ("NVIDIA's cluster autoresume is not built: --exit-signal-handler saves and "
                "exits on SIGTERM, --exit-duration-in-mins before the allocation ends, and "
                "--load resumes")
@@ -51,6 +62,27 @@ NOT_TAKEN = {
     "--short-seq-prob": "a BERT flag; this trainer trains GPT-2",
     "--adlr-autoresume": _AUTORESUME,
     "--adlr-autoresume-interval": _AUTORESUME,
+    # DeepSpeed's GPT-2 tutorial (the earlier Megatron-LM's arguments)
+    "--cache-dir": _OLD_TOKENIZER,
+    "--tokenizer-path": _OLD_TOKENIZER,
+    "--tokenizer-model-type": _OLD_TOKENIZER,
+    "--text-key": "--train-data reads each line's \"text\"; for another key tokenize with "
+                  "tools/preprocess_data.py --json-keys KEY and give --data-path",
+    "--eval-text-key": _OLD_EVAL_DATA,
+    "--valid-data": _OLD_EVAL_DATA,
+    "--test-data": _OLD_EVAL_DATA,
+    "--eval-batch-size": "validation uses the training batch size (--batch-size)",
+    "--eval-seq-length": "validation uses the training --seq-length",
+    "--presplit-sentences": "a BERT flag; this trainer trains GPT-2",
+    "--max-preds-per-seq": "a BERT flag; this trainer trains GPT-2",
+    "--eval-max-preds-per-seq": "a BERT flag; this trainer trains GPT-2",
+    "--delim": _OLD_LOADERS,
+    "--use-npy-data-loader": _OLD_LOADERS,
+    "--train-data-path": _OLD_LOADERS,
+    "--val-data-path": _OLD_LOADERS,
+    "--test-data-path": _OLD_LOADERS,
+    "--input-data-sizes-file": _OLD_LOADERS,
+    "--use-tfrecords": _OLD_LOADERS,
 }
 
 # flag -> what this trainer always does, which the flag asks for
@@ -59,6 +91,12 @@ ALWAYS_SO = {
     "--use-cpu-initialization": "weights are always initialised on the CPU from the seeded "
                                 "generator, as for the whole tensor, each rank keeping its "
                                 "part",
+    "--resume-dataloader": "a resume always continues the data at the checkpoint's count of "
+                           "consumed samples",
+    "--lazy-loader": "the tokenized .bin is always memory-mapped and read as samples are "
+                     "drawn",
+    "--loose-json": "--train-data FILE.json is always read as loose JSON (one object a line)",
+    "--shuffle": "the training samples are always shuffled, by --seed",
 }
 
 

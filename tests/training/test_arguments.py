@@ -151,6 +151,24 @@ def test_megatron_flags_for_what_is_always_so_are_taken_and_said():
                      "whole tensor, each rank keeping its part")
 
 
+def test_the_deepspeed_tutorials_megatron_command_line_is_taken_or_answered():
+    """DeepSpeed's GPT-2 tutorial ran an earlier Megatron-LM: its data flags either ask for
+    what this trainer always does (a note each) or are one error that says what to do."""
+    notes = parse("--resume-dataloader", "--lazy-loader", "--loose-json", "--shuffle").notes
+    assert [note[:note.index(" does") + 5] for note in notes] == [
+        f" note: {flag} asks for what this trainer always does"
+        for flag in ("--resume-dataloader", "--lazy-loader", "--loose-json", "--shuffle")]
+    with pytest.raises(ConfigError) as info:
+        parse("--cache-dir", "cache", "--valid-data", "wiki.json", "--eval-batch-size=4")
+    message = str(info.value)
+    assert message.startswith("Megatron-LM flags not taken here (drop them): --cache-dir: the "
+                              "tutorial's Megatron-LM downloaded GPT-2's tokenizer files; "
+                              "nothing is downloaded here: give --tokenizer-type "
+                              "GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt")
+    assert "--valid-data: validation and test data are --split's shares" in message
+    assert "--eval-batch-size: validation uses the training batch size" in message
+
+
 def test_a_script_may_define_a_flag_megatron_has_and_this_trainer_does_not():
     def with_mask_prob(parser):
         parser.add_argument("--mask-prob", type=float, default=0.15)
