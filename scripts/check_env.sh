@@ -10,6 +10,8 @@
 #   require_number LR MIN_LR           # each a non-negative decimal number: 3, 0.5, 1e-3
 #   require_one_of PRECISION bf16 fp16 fp32   # one of the values listed
 #   require_below NODE_RANK NNODES     # the first < the second (both already checked)
+#   note_unread PP_SIZE PP PIPELINE_MODEL_PARALLEL_SIZE   # the others set: a note naming the first
+#   refuse_script_flags PP_SIZE=--pipeline-model-parallel-size -- "$@"   # the flag in "$@": error
 
 _env_error() { echo "$1" >&2; exit 2; }
 
@@ -52,4 +54,32 @@ require_below() {
     if (( 10#${!small} >= 10#${!large} )); then
         _env_error "$small=${!small} must be below $large=${!large} (counted from 0)"
     fi
+}
+
+note_unread() {
+    # Names other launchers use for a variable this script reads as $1: set, they would be
+    # ignored without a word (and the run laid out by the default).
+    local read="$1" name
+    shift
+    for name in "$@"; do
+        if [ -n "${!name:-}" ]; then
+            echo " note: $name=${!name} is not read by this script; $read is (e.g. $read=${!name})" >&2
+        fi
+    done
+}
+
+refuse_script_flags() {
+    # VAR=--flag pairs, then --, then the script's extra arguments: the script lays out the
+    # launch from VAR (process counts, batch, checkpoint folder), so the flag given after it
+    # would override the trainer's value behind the script's back.
+    local pairs=() pair arg
+    while [ "$1" != "--" ]; do pairs+=("$1"); shift; done
+    shift
+    for arg in "$@"; do
+        for pair in "${pairs[@]}"; do
+            if [ "$arg" = "${pair#*=}" ] || [[ "$arg" == "${pair#*=}="* ]]; then
+                _env_error "${pair#*=} is set by this script from ${pair%%=*} (it lays out the processes with it): set ${pair%%=*}=N instead of passing the flag"
+            fi
+        done
+    done
 }

@@ -24,7 +24,8 @@
 #   VP_LAYERS      --num-layers-per-virtual-pipeline-stage (interleaved 1F1B; unset: plain)
 #   OMP_NUM_THREADS  CPU threads per process (default: cores / GPUS_PER_NODE)
 # Any extra arguments are passed on to pretrain_gpt2.py (checked as its flags before the data
-# steps).  Data: scripts/prepare_default_data.sh,
+# steps), except the three layout flags above: they are MP_SIZE, PP_SIZE and VP_LAYERS here,
+# which size the launch.  Data: scripts/prepare_default_data.sh,
 # the same corpus, tokenizer and .bin/.idx as pretrain_gpt2.sh.  Every node prepares what its
 # DATA_DIR lacks, so with a DATA_DIR shared by the nodes run
 # `bash scripts/prepare_default_data.sh` once before launching.
@@ -58,6 +59,13 @@ require_whole 1 NNODES MASTER_PORT MP_SIZE PP_SIZE VP_LAYERS GPUS_PER_NODE OMP_N
 require_whole 0 NODE_RANK WARMUP_ITERS EVAL_ITERS
 require_number LR MIN_LR
 require_one_of PRECISION bf16 fp16 fp32
+refuse_script_flags MP_SIZE=--model-parallel-size PP_SIZE=--pipeline-model-parallel-size \
+    VP_LAYERS=--num-layers-per-virtual-pipeline-stage -- "$@"
+note_unread MP_SIZE TP TP_SIZE MP TENSOR_MODEL_PARALLEL_SIZE
+note_unread PP_SIZE PP PIPELINE_MODEL_PARALLEL_SIZE
+note_unread VP_LAYERS VP VPP VP_SIZE
+note_unread GPUS_PER_NODE NPROC_PER_NODE NUM_GPUS NUM_GPUS_PER_WORKER
+note_unread NNODES NUM_NODES NUM_WORKERS
 
 NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-localhost}"; MASTER_PORT="${MASTER_PORT:-6000}"

@@ -102,6 +102,39 @@ def test_a_bad_trainer_argument_stops_the_script_before_the_data_is_prepared(
     assert not (tmp_path / "data").exists()  # nothing prepared
 
 
+@pytest.mark.parametrize("script, extra, message", [
+    ("pretrain_gpt2_model_parallel.sh", ["--pipeline-model-parallel-size", "2"],
+     "--pipeline-model-parallel-size is set by this script from PP_SIZE (it lays out the "
+     "processes with it): set PP_SIZE=N instead of passing the flag"),
+    ("ds_zero2_pretrain_gpt2_model_parallel.sh", ["--lr", "1e-3", "--model-parallel-size=2"],
+     "--model-parallel-size is set by this script from MP_SIZE (it lays out the processes with "
+     "it): set MP_SIZE=N instead of passing the flag"),
+    ("pretrain_gpt2_distributed.sh", ["--num-layers-per-virtual-pipeline-stage", "1"],
+     "--num-layers-per-virtual-pipeline-stage is set by this script from VP_LAYERS (it lays "
+     "out the processes with it): set VP_LAYERS=N instead of passing the flag"),
+], ids=["pp", "tp-equals", "vp"])
+def test_a_layout_flag_the_script_sets_from_a_variable_is_refused(tmp_path, script, extra,
+                                                                   message):
+    """The script sizes data parallelism, the global batch and the checkpoint folder from
+    MP_SIZE/PP_SIZE/VP_LAYERS: the same flag passed after them would change the layout
+    behind its back."""
+    env = clean_environment(PYTHON="false", VENV=str(tmp_path / "venv"))
+    done = subprocess.run(["bash", f"scripts/{script}", *extra], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [message]
+
+
+def test_another_launchers_name_for_a_variable_gets_a_note(tmp_path):
+    env = clean_environment(PYTHON="false", VENV=str(tmp_path / "venv"), PP="2", TP_SIZE="2",
+                            DATA_DIR=str(tmp_path / "data"))
+    done = subprocess.run(["bash", "scripts/pretrain_gpt2_model_parallel.sh"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60)
+    lines = done.stderr.splitlines()
+    assert " note: TP_SIZE=2 is not read by this script; MP_SIZE is (e.g. MP_SIZE=2)" in lines
+    assert " note: PP=2 is not read by this script; PP_SIZE is (e.g. PP_SIZE=2)" in lines
+
+
 def test_help_answers_before_the_data_is_prepared(tmp_path):
     env = clean_environment(DATA_DIR=str(tmp_path / "data"), TRAINER_ARGS="not an array")
     done = subprocess.run(["bash", "scripts/pretrain_gpt2.sh", "--help"], cwd=REPO, env=env,
