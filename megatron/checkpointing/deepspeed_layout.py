@@ -14,7 +14,6 @@ from zero.checkpoint.files import load_failure_reason, load_plain, model_states_
 from zero.checkpoint.layout import read_latest
 from zero.checkpoint.stage3 import model_states_name as stage3_model_states_name
 
-from megatron import mpu
 from megatron.checkpointing.files import atomic_write_text, barrier, is_global_rank0
 from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, TRACKER_FILENAME,
                                                     check_checkpoint_args, finetunes,
@@ -61,10 +60,13 @@ def load_checkpoint(engine, checkpoint, run_args, device):
     if tag is None:
         _explain_missing_latest(checkpoint)
         return None
+    # Every model states file records the run's args: read the first one's, which a
+    # checkpoint of any layout has, so that every rank makes the same checks (a rank whose
+    # own file is missing, at another layout, would otherwise fail differently).
     if engine.zero_optimization_stage() == 3:  # one model states file per DP rank
-        states_name = stage3_model_states_name(0, mpu.get_model_parallel_rank())
+        states_name = stage3_model_states_name(0, 0)
     else:
-        states_name = model_states_name(engine.checkpoint_rank)
+        states_name = model_states_name(0)
     states_path = os.path.join(load_dir, tag, states_name)
     finetune = finetunes(checkpoint, _saved_args(states_path), tag)
     fresh_optimizer = checkpoint.no_load_optim or finetune

@@ -165,17 +165,12 @@ def check_checkpoint_args(saved_args, run_args, path):
             saved = 4 * saved_args.get("hidden_size", run_args["hidden_size"])
         if saved != ours:
             differences.append(f"--{key.replace('_', '-')}: checkpoint {saved}, flags {ours}")
+    if differences and all(d.startswith(_LAYOUT_FLAGS) for d in differences):
+        raise CheckpointError(f"checkpoint {path} was saved at another parallel layout:\n  "
+                              + "\n  ".join(differences) + "\n" + _convert_layout_hint(run_args))
     if differences:
         hint = ""
-        if any(d.startswith(("--pipeline-model-parallel-size",
-                             "--num-layers-per-virtual-pipeline-stage")) for d in differences):
-            hint = (" A checkpoint's pipeline stages hold other layers: load it with the sizes "
-                    "it was saved with, or convert it (tools/merge_mp_partitions.py, --deepspeed "
-                    "for DeepSpeed's layout).")
-        elif any(d.startswith("--model-parallel-size") for d in differences):
-            hint = (" To change the tensor-parallel size of a checkpoint, convert it with "
-                    "tools/merge_mp_partitions.py.")
-        elif run_args.get("load") and run_args.get("save") and \
+        if run_args.get("load") and run_args.get("save") and \
                 os.path.realpath(run_args["load"]) == os.path.realpath(run_args["save"]):
             hint = (f"\nThis run saves where it loads ({run_args['save']}), and that folder "
                     "holds an earlier run of another model: to train the new model, give it "
@@ -185,6 +180,27 @@ def check_checkpoint_args(saved_args, run_args, path):
                               "\nUse the flags it was trained with, or --finetune from a "
                               "matching shape." + hint)
     _check_same_tokenizer(saved_args, run_args, path)
+
+
+_LAYOUT_FLAGS = ("--model-parallel-size", "--pipeline-model-parallel-size",
+                 "--num-layers-per-virtual-pipeline-stage")
+
+
+def _convert_layout_hint(run_args):
+    """How to take a checkpoint to this run's tensor-parallel size and pipeline stages."""
+    tp = run_args.get("model_parallel_size") or 1
+    pp = run_args.get("pipeline_model_parallel_size") or 1
+    load = run_args.get("load") or "<checkpoint>"
+    target = f"{load.rstrip('/')}_mp{tp}" + (f"_pp{pp}" if pp > 1 else "")
+    command = (f"Resume it with the sizes it was saved with, or convert it to these: python "
+               f"tools/merge_mp_partitions.py{' --deepspeed' if run_args.get('deepspeed') else ''}"
+               f" --load {load} --target-model-parallel-size {tp} "
+               f"--target-pipeline-model-parallel-size {pp} --save {target}, then --load {target}")
+    if not run_args.get("deepspeed"):
+        return command + " (the optimizer state is converted too)"
+    return (command + " --no-load-optim and without --deepspeed, or with --deepspeed --finetune "
+            "(it writes Megatron's layout: the weights and the iteration, not DeepSpeed's "
+            "optimizer partitions)")
 
 
 # what the run records of its tokenizer: the ids the embedding rows stand for

@@ -238,6 +238,27 @@ def test_deepspeed_pipeline_resume_is_exact(corpus, deepspeed_pp2_dp2, tmp_path)
         assert relative_difference(resumed[it][0], uninterrupted[it][0]) < 1e-4, it
 
 
+def test_a_deepspeed_pipeline_checkpoint_at_other_stages_names_the_conversion(
+        corpus, deepspeed_pp2_dp2, tmp_path):
+    """DeepSpeed's layout is not converted as it loads: resuming it without its stages is one
+    error on every rank that gives the command converting it (not an error about a
+    tensor-parallel file, from the ranks whose own file is missing)."""
+    out, _ = deepspeed_pp2_dp2
+    _, results = train(corpus, tmp_path, 1, ITERS, "--batch-size", 1, "--deepspeed",
+                       "--deepspeed_config", _zero_json(tmp_path / "ds.json", gas=8),
+                       "--load", out / "ckpt", expect_ok=False)
+    code, output = results[0]
+    assert code == 2, output[-3000:]
+    ckpt = out / "ckpt"
+    assert "was saved at another parallel layout:\n  --pipeline-model-parallel-size: " \
+        "checkpoint 2, flags 1\n" in output
+    assert (f"convert it to these: python tools/merge_mp_partitions.py --deepspeed --load "
+            f"{ckpt} --target-model-parallel-size 1 --target-pipeline-model-parallel-size 1 "
+            f"--save {ckpt}_mp1, then --load {ckpt}_mp1 --no-load-optim and without "
+            "--deepspeed, or with --deepspeed --finetune") in output
+    assert "--finetune from a matching shape" not in output
+
+
 def test_deepspeed_pipeline_checkpoint_converts(deepspeed_pp2_dp2, tmp_path):
     """The converters read the layer files (fp32 masters from the ZeRO partitions of each
     stage) and join the stages: the full model's layer 1 is the second stage's layer."""
