@@ -257,6 +257,12 @@ def test_a_deepspeed_pipeline_checkpoint_at_other_stages_names_the_conversion(
             f"--save {ckpt}_mp1, then --load {ckpt}_mp1 --no-load-optim and without "
             "--deepspeed, or with --deepspeed --finetune") in output
     assert "--finetune from a matching shape" not in output
+    from zero.checkpoint.zero_to_fp32 import (CheckpointError,
+                                              get_fp32_state_dict_from_zero_checkpoint)
+    with pytest.raises(CheckpointError, match=r"holds 2 model-parallel ranks \(tensor slices x "
+                                              r"pipeline stages, mp_rank_\*\).*tools/convert_"
+                                              r"checkpoint.py --loader deepspeed"):
+        get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
 
 
 def test_deepspeed_pipeline_checkpoint_converts(deepspeed_pp2_dp2, tmp_path):

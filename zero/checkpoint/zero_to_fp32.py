@@ -51,9 +51,13 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None,
     tp_ranks = [f for f in model_files if re.match(r"mp_rank_\d+_model_states\.pt$",
                                                    os.path.basename(f))]
     if len(tp_ranks) > 1:
-        raise CheckpointError(f"{ckpt_dir} holds {len(tp_ranks)} tensor-parallel ranks; this "
-                              "script consolidates data-parallel partitions only (merge the "
-                              "tensor-parallel shards with a model-specific tool)")
+        raise CheckpointError(f"{ckpt_dir} holds {len(tp_ranks)} model-parallel ranks "
+                              "(tensor slices x pipeline stages, mp_rank_*); this script "
+                              "consolidates data-parallel partitions only. Merge them with a "
+                              "model-specific tool: for this trainer's GPT-2, "
+                              "tools/convert_checkpoint.py --loader deepspeed (to one file or a "
+                              "Hugging Face folder) or tools/merge_mp_partitions.py --deepspeed "
+                              "(to a Megatron-layout checkpoint)")
     model_states = _load(model_files[0])
     if not optim_files:
         state_dict = _stage0_params(model_states, ckpt_dir)
