@@ -297,6 +297,9 @@ def test_device_none_means_no_offload():
     ({"train_batch_size": 1, "optimizer": {"type": "Adam", "parameters": {}}},
      ["section 'optimizer'", "did you mean 'params'"]),
     ({"train_batch_size": 1, "xyzzy": 1}, ["'xyzzy'", "valid keys:", "train_batch_size"]),
+    ({"train_batch_size": 1, "pipeline": {"stages": 2, "activation_checkpoint_interval": 1}},
+     ["unknown key 'pipeline' at the top level: DeepSpeed's PipelineEngine section is not "
+      "read", "--pipeline-model-parallel-size for the stages", "drop the section"]),
 ])
 def test_unknown_keys_name_key_section_and_suggestion(config, pieces):
     message = error_of(config)

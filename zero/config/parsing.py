@@ -12,6 +12,8 @@ DeepSpeed's pydantic sections follow, plus ours:
 - `DEFAULT_ONLY = {key: default}` lists DeepSpeed keys zero does not implement: they are
   accepted only when they ask for DeepSpeed's default (e.g. `"auto_cast": false`), so a config
   that works in DeepSpeed still loads, but no option is ever parsed and then ignored;
+- `KEY_HINTS = {key: what to do instead}` words the error for a DeepSpeed key that is not
+  built here but has a counterpart;
 - a section may define `translate_deprecated(raw, source, path) -> raw` to map old spellings,
   and `check(source, path)` for checks that involve several keys.
 """
@@ -93,6 +95,9 @@ def unknown_key_message(key, path, cls, key_homes):
     if homes:
         where = " or ".join("the top level" if not h else f"section '{h}'" for h in homes)
         message += f" ('{key}' is a key of {where})"
+    hint = getattr(cls, "KEY_HINTS", {}).get(key)
+    if hint:
+        return f"{message}: {hint}"
     if not close and not homes:
         canonical = sorted(f.name for f in dataclasses.fields(cls))
         message += f"; valid keys: {', '.join(canonical)}"

@@ -355,6 +355,13 @@ class TopLevelConfig:
 
     DEFAULT_ONLY = UNIMPLEMENTED_TOP_LEVEL
     DEPRECATED_KEYS = ("allgather_size",)
+    KEY_HINTS = {
+        "pipeline": "DeepSpeed's PipelineEngine section is not read; the pipeline is laid out "
+                    "by the model (pretrain_gpt2.py: --pipeline-model-parallel-size for the "
+                    "stages, --num-layers-per-virtual-pipeline-stage for interleaving, "
+                    "--checkpoint-activations --checkpoint-num-layers N for the activation "
+                    "checkpoint interval); drop the section",
+    }
 
     @staticmethod
     def translate_deprecated(raw, source, path):
