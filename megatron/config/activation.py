@@ -61,7 +61,7 @@ def activation_checkpointing(raw, enabled, section, num_layers, model_parallel_s
     notes, options = [], None
     if raw["deepspeed_activation_checkpointing"] or asked:
         if not raw["deepspeed_activation_checkpointing"]:
-            notes.append(f"note: {', '.join(asked)} turn(s) on "
+            notes.append(f" note: {', '.join(asked)} turn(s) on "
                          "--deepspeed-activation-checkpointing")
         options = _recompute_options(chosen, section, num_layers // per_layer *
                                      (2 if raw["split_transformers"] else 1),
@@ -73,10 +73,10 @@ def activation_checkpointing(raw, enabled, section, num_layers, model_parallel_s
 def _recompute_options(chosen, section, num_checkpoints, model_parallel_size, notes):
     given = section.number_checkpoints
     if given is not None and given != num_checkpoints:
-        notes.append(f"note: 'activation_checkpointing.number_checkpoints' {given} replaced by "
+        notes.append(f" note: 'activation_checkpointing.number_checkpoints' {given} replaced by "
                      f"{num_checkpoints}, the checkpoints one forward makes")
     if chosen["partition_activations"] and model_parallel_size == 1:
-        notes.append("note: partitioned activations split checkpoints across tensor-parallel "
+        notes.append(" note: partitioned activations split checkpoints across tensor-parallel "
                      "ranks; with --model-parallel-size 1 each rank keeps them whole (no-op)")
     return RecomputeOptions(
         partition_activations=chosen["partition_activations"],

@@ -290,13 +290,20 @@ def _check_pipeline(raw, parallel, training, ds_config):
                 "backward; ZeRO stage 2 reduces them at every micro batch. Use ZeRO stage 0 "
                 "or 1 with --num-layers-per-virtual-pipeline-stage")
     notes = []
+    per_virtual = parallel.num_layers_per_virtual_pipeline_stage
+    if per_virtual is not None and chunks == 1:
+        smaller = "a divisor of it below that interleaves" if per_virtual > 1 else \
+            "interleaving needs 2 or more layers a stage"
+        notes.append(f" note: --num-layers-per-virtual-pipeline-stage {per_virtual} is all of "
+                     f"each stage's {per_virtual} layers: one model chunk a stage, so the "
+                     f"schedule is plain 1F1B ({smaller})")
     base, extra = divmod(raw["num_layers"], pp)
     if extra:
-        notes.append(f"--num-layers {raw['num_layers']} over {pp} pipeline stages: the first "
-                     f"{extra} stage(s) hold {base + 1} layers, the others {base}")
+        notes.append(f" note: --num-layers {raw['num_layers']} over {pp} pipeline stages: the "
+                     f"first {extra} stage(s) hold {base + 1} layers, the others {base}")
     if m < pp:
         suggested = 4 * pp * training.batch_size * parallel.data_parallel_size
-        notes.append(f"{m} micro batch(es) per step over {pp} pipeline stages: each stage "
+        notes.append(f" note: {m} micro batch(es) per step over {pp} pipeline stages: each stage "
                      f"idles {(pp - 1) / (m + pp - 1):.0%} of the step ((P-1)/(m+P-1)); "
                      f"--global-batch-size {suggested} ({4 * pp} micro batches) brings that "
                      f"to {(pp - 1) / (5 * pp - 1):.0%}")

@@ -21,10 +21,10 @@ def setup_activation_checkpointing(recompute, notes, device, is_rank0):
         use_rng_tracker(checkpointing.get_cuda_rng_tracker())
         if device.type == "cpu":
             if recompute.checkpoint_in_cpu:
-                notes.append("note: --checkpoint-in-cpu: the model runs on the CPU, so "
+                notes.append(" note: --checkpoint-in-cpu: the model runs on the CPU, so "
                              "checkpoints already live in host memory")
             if recompute.synchronize:
-                notes.append("note: --synchronize-each-layer: CPU kernels are synchronous; "
+                notes.append(" note: --synchronize-each-layer: CPU kernels are synchronous; "
                              "there is no device queue to wait for")
     if is_rank0:
         for note in notes:

@@ -257,6 +257,14 @@ def test_interleaved_chunks_per_stage():
                    "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "8",
                    world_size=2)
     assert config.parallel.virtual_pipeline_model_parallel_size == 2
+    assert not any("virtual" in note for note in config.notes)
+    whole = parse("--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                  "--num-layers-per-virtual-pipeline-stage", "2", "--batch-size", "1",
+                  "--global-batch-size", "3", world_size=2)  # 3 micro batches: not refused
+    assert whole.parallel.virtual_pipeline_model_parallel_size == 1
+    assert " note: --num-layers-per-virtual-pipeline-stage 2 is all of each stage's 2 layers: " \
+        "one model chunk a stage, so the schedule is plain 1F1B (a divisor of it below that " \
+        "interleaves)" in whole.notes
 
 
 def test_pipeline_refuses_contiguous_activation_checkpoints():
