@@ -158,6 +158,7 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     recompute = activation.activation_checkpointing(
         raw, settled.checkpoint_activations, settled.ds_config.activation_checkpointing,
         model.num_layers, parallel.model_parallel_size)
+    notes += _checkpoints_per_model_chunk(parallel, model.num_layers, recompute)
     options = recompute.deepspeed_activation_checkpointing
     require(not (parallel.pipeline_model_parallel_size > 1 and options is not None
                  and options.contiguous_checkpointing),
@@ -308,6 +309,26 @@ def _check_pipeline(raw, parallel, training, ds_config):
                      f"--global-batch-size {suggested} ({4 * pp} micro batches) brings that "
                      f"to {(pp - 1) / (5 * pp - 1):.0%}")
     return tuple(notes)
+
+
+def _checkpoints_per_model_chunk(parallel, num_layers, recompute):
+    """A note when --checkpoint-num-layers, which divides --num-layers, does not divide the
+    layers of each pipeline stage's model chunk: there the last checkpoint is shorter."""
+    pp = parallel.pipeline_model_parallel_size
+    chunks = parallel.virtual_pipeline_model_parallel_size
+    if pp == 1 or not recompute.checkpoint_activations:
+        return ()
+    per_stage, extra = divmod(num_layers, pp)
+    sizes = {num_layers // (pp * chunks)} if chunks > 1 else {per_stage, per_stage + bool(extra)}
+    units, what = (2, "layer halves") if recompute.split_transformers else (1, "layers")
+    k = recompute.checkpoint_num_layers
+    if all(size * units % k == 0 for size in sizes):
+        return ()
+    where = "model chunk" if chunks > 1 else "pipeline stage"
+    counts = " or ".join(str(size * units) for size in sorted(sizes, reverse=True))
+    return (f" note: --checkpoint-num-layers {k} does not divide the {counts} {what} of a "
+            f"{where}: each {where} checkpoints {k} at a time and its last checkpoint holds "
+            "the rest",)
 
 
 def _training(raw, parallel):

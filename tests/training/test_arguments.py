@@ -267,6 +267,21 @@ def test_interleaved_chunks_per_stage():
         "interleaves)" in whole.notes
 
 
+def test_checkpoint_num_layers_that_does_not_divide_a_stage_gets_a_note():
+    def note_of(*extra):
+        notes = parse("--pipeline-model-parallel-size", *extra, "--checkpoint-activations",
+                      "--batch-size", "1", "--global-batch-size", "8", world_size=4).notes
+        return [n for n in notes if "--checkpoint-num-layers" in n]
+    assert note_of("2", "--num-layers", "4", "--checkpoint-num-layers", "4") == [
+        " note: --checkpoint-num-layers 4 does not divide the 2 layers of a pipeline stage: "
+        "each pipeline stage checkpoints 4 at a time and its last checkpoint holds the rest"]
+    assert "the 2 or 1 layers of a pipeline stage" in note_of(
+        "4", "--num-layers", "6", "--checkpoint-num-layers", "2")[0]
+    assert note_of("2", "--num-layers", "4", "--checkpoint-num-layers", "4",
+                   "--split-transformers") == []  # 4 halves a stage
+    assert note_of("2", "--num-layers", "4", "--checkpoint-num-layers", "2") == []
+
+
 def test_pipeline_refuses_contiguous_activation_checkpoints():
     """One forward's checkpoints in one buffer cannot hold a stage's micro batches in flight."""
     with pytest.raises(ConfigError, match="a pipeline stage holds several micro batches"):
