@@ -41,6 +41,9 @@ def add_inference_arguments(parser):
     g.add_argument("--model-parallel-size", type=int, default=1,
                    help="tensor-parallel size of this run (any: the checkpoint is resharded "
                         "in memory); launch that many processes with torchrun")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="taken as Megatron's scripts pass it: inference runs no pipeline "
+                        "stages; a checkpoint's stages are joined as it loads")
     g.add_argument("--tokenizer-type", default=None,
                    choices=["GPT2BPETokenizer", "SentencePieceTokenizer"],
                    help="default: the one recorded in the checkpoint")
@@ -128,7 +131,8 @@ def initialize_inference(args):
     quantization_config(args)  # its flag errors before any work
     world_size = discover_launch_environment().world_size
     tp = args.model_parallel_size
-    for flag, value in (("--model-parallel-size", tp), ("--threads", args.threads)):
+    for flag, value in (("--model-parallel-size", tp), ("--threads", args.threads),
+                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)):
         if value is not None and value < 1:  # as the trainer checks them
             raise ConfigError(f"{flag} must be positive, got {value}")
         if value is not None and value > MAX_INT:
@@ -159,6 +163,12 @@ def load_inference_model(args, device=torch.device("cpu")):
     if _first_rank():
         iteration = "" if weights.source_format == "hf" else f", iteration {weights.iteration}"
         print(f" loaded {args.load} ({weights.source_format}{iteration})", flush=True)
+        if args.pipeline_model_parallel_size > 1:
+            print(f" note: --pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
+                  "inference runs the whole model on each tensor-parallel rank (the "
+                  "checkpoint's stages are joined as it loads); launch --model-parallel-size "
+                  f"{args.model_parallel_size} process(es), more only repeat the work",
+                  flush=True)
         for note in weights.notes:
             print(f" note: {note}", flush=True)
     model_args = dict(weights.args)

@@ -219,9 +219,10 @@ def test_generate_samples_tool_modes(corpus, tmp_path, monkeypatch, capsys):
     assert shown.count(tool.PROMPT) == 3 and f"Megatron-LM: {greedy[0]['text']}" in shown
 
 
-def test_generation_from_pipeline_stages_equals_one_file(corpus, tmp_path):
+def test_generation_from_pipeline_stages_equals_one_file(corpus, tmp_path, capsys):
     """A checkpoint of TP 2 x PP 2 files generates what its single-file form does: the
-    loader joins the stages as it reads them."""
+    loader joins the stages as it reads them (Megatron's --pipeline-model-parallel-size,
+    which its scripts pass, is taken with a note)."""
     weights, _ = tokenized_weights(corpus, hidden_size=32, num_heads=4, positions=48)
     staged, whole = str(tmp_path / "staged"), str(tmp_path / "whole")
     save_model_weights(weights, staged, "megatron", target_tp=2, target_pp=2)
@@ -232,11 +233,16 @@ def test_generation_from_pipeline_stages_equals_one_file(corpus, tmp_path):
     outputs = []
     for load in (staged, whole):
         out = tmp_path / f"{os.path.basename(load)}.jsonl"
-        assert tool.main(["--load", load, "--out-seq-length", "8", "--greedy",
+        stages = ["--pipeline-model-parallel-size", "2"] if load == staged else []
+        assert tool.main(["--load", load, "--out-seq-length", "8", "--greedy", *stages,
                           "--sample-input-file", str(prompts),
                           "--sample-output-file", str(out)]) == 0
         outputs.append(out.read_text())
     assert outputs[0] == outputs[1]
+    assert capsys.readouterr().out.count(" note: --pipeline-model-parallel-size 2: inference "
+                                         "runs the whole model on each tensor-parallel rank") == 1
+    assert tool.main(["--load", staged, "--pipeline-model-parallel-size", "0", "--greedy"]) == 2
+    assert "--pipeline-model-parallel-size must be positive, got 0" in capsys.readouterr().err
 
 
 def test_generate_samples_bad_flags(corpus, tmp_path, capsys):
