@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron.cli import run_cli  # noqa: E402
+from megatron.convert.checkpoint_files import trainer_command  # noqa: E402
 from megatron.convert.hf import HF_TOKENIZER_FILES  # noqa: E402
 from megatron.convert.loaders import FORMATS, load_model_weights  # noqa: E402
 from megatron.convert.savers import SAVERS, check_save_dir, save_model_weights  # noqa: E402
@@ -91,14 +92,15 @@ def run(args):
         _say_what_tokenizer_the_hf_folder_holds(a, args.save_dir)
     if args.saver == "megatron":
         # The checkpoint records the model's shape and tokenizer: --load supplies them.
-        stages = args.target_pipeline_model_parallel_size
-        pipeline = f" --pipeline-model-parallel-size {stages}" if stages > 1 else ""
+        command = trainer_command(args.save_dir, args.target_tensor_parallel_size,
+                                  args.target_pipeline_model_parallel_size)
         tokenizer = "" if a.get("tokenizer_type") else \
             " --tokenizer-type ... --vocab-file ... --merge-file ... (none recorded)"
-        print(f" continue pretraining with: python pretrain_gpt2.py --load {args.save_dir} "
-              f"--model-parallel-size {args.target_tensor_parallel_size}"
-              f"{pipeline}{tokenizer} "
-              "--data-path ... --batch-size ... --train-iters ... --lr ...")
+        print(f" continue pretraining with: {command}{tokenizer} "
+              "--data-path ... --batch-size ... --train-iters ... --lr ... (the weights "
+              "only: training starts at iteration 0 with a fresh optimizer and learning-rate "
+              "schedule; for a training run's checkpoint tools/merge_mp_partitions.py keeps "
+              "its optimizer and iteration)")
 
 
 def _say_what_tokenizer_the_hf_folder_holds(model_args, save_dir):

@@ -41,6 +41,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.convert import read_sharded_checkpoint, reshard_checkpoint  # noqa: E402
+from megatron.convert.checkpoint_files import trainer_command  # noqa: E402
 from megatron.convert.deepspeed_source import read_deepspeed_checkpoint  # noqa: E402
 from megatron.cli import run_cli  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
@@ -102,10 +103,8 @@ def run(args):
         f"{result.target_padded_vocab_size}",
         f" optimizer state: {optimizer}",
         f" wrote {len(result.paths)} file(s) under {os.path.dirname(result.paths[0])}/..",
-        f" resume with: python pretrain_gpt2.py --load {args.save} "
-        f"--model-parallel-size {result.target_tp}"
-        + (f" --pipeline-model-parallel-size {result.target_pp}" if result.target_pp > 1
-           else "") + f"{' --no-load-optim' if args.deepspeed else ''} ...",
+        f" resume with: {trainer_command(args.save, result.target_tp, result.target_pp)}"
+        f"{' --no-load-optim' if args.deepspeed else ''} ...",
     ]), flush=True)
     return result
 

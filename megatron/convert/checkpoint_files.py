@@ -234,3 +234,13 @@ def _advance_tracker(save_dir, iteration, release):
         return
     atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME),
                       "release" if release else str(iteration))
+
+
+def trainer_command(load, tp, pp=1):
+    """The pretrain_gpt2.py command that loads `load` at tensor-parallel size `tp` and `pp`
+    pipeline stages: under torchrun with tp x pp processes (a multiple adds data
+    parallelism) unless that is one."""
+    launch = "python pretrain_gpt2.py" if tp * pp == 1 else \
+        f"torchrun --nproc_per_node {tp * pp} pretrain_gpt2.py"
+    stages = f" --pipeline-model-parallel-size {pp}" if pp > 1 else ""
+    return f"{launch} --load {load} --model-parallel-size {tp}{stages}"

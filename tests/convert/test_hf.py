@@ -92,11 +92,15 @@ def test_round_trip_megatron_tp2_to_hf_to_megatron_tp1_is_exact(tmp_path):
     assert tp2[0]["args"]["padded_vocab_size"] == 304  # 301 -> multiple of 8 x 2
 
 
-def test_megatron_tp_change_through_the_tool_keeps_logits(tmp_path):
+def test_megatron_tp_change_through_the_tool_keeps_logits(tmp_path, capsys):
     weights = random_weights(seed=4)
     save_model_weights(weights, str(tmp_path / "tp1"), "megatron")
     assert _tool("--load-dir", tmp_path / "tp1", "--save-dir", tmp_path / "tp2", "--saver",
                  "megatron", "--target-tensor-parallel-size", "2") == 0
+    said = capsys.readouterr().out  # launched with as many processes as the layout needs
+    assert (f" continue pretraining with: torchrun --nproc_per_node 2 pretrain_gpt2.py --load "
+            f"{tmp_path / 'tp2'} --model-parallel-size 2 --tokenizer-type") in said
+    assert "training starts at iteration 0 with a fresh optimizer" in said
     again = load_model_weights(str(tmp_path / "tp2"))
     assert again.args["orig_vocab_size"] == 301
     for name, tensor in weights.state_dict.items():

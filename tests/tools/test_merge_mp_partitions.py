@@ -235,6 +235,8 @@ def test_bad_flags_are_clear_errors(tp2_run, tmp_path, capsys):
     # Megatron's spelling of the source size is accepted when it agrees; default --save.
     assert tool.main(["--load", save, "--model-parallel-size", "2",
                       "--target-model-parallel-size", "2"]) == 0
+    assert (f" resume with: torchrun --nproc_per_node 2 pretrain_gpt2.py --load {save}_mp2 "
+            "--model-parallel-size 2 ...") in capsys.readouterr().out
     assert os.path.isfile(os.path.join(save + "_mp2", "iter_0000003", "mp_rank_01",
                                        "model_optim_rng.pt"))
     shutil.rmtree(save + "_mp2")
