@@ -12,6 +12,12 @@ describe the same thing fill what the JSON leaves out, or must agree with it:
     gradient_accumulation_steps       <->  --global-batch-size / (--batch-size x data-parallel)
     fp16.enabled / bf16.enabled       <->  --fp16 / --bf16 (absent flags: the JSON decides)
     gradient_clipping                 <->  --clip-grad (absent flag: the JSON decides)
+    optimizer.params weight_decay,    <->  --weight-decay, --adam-beta1/2, --adam-eps (a given
+      betas, eps ("auto" or absent:        flag fills "auto" or an absent key, else must agree)
+      the flag's value)
+    optimizer.params.lr               <-   --lr, through Megatron's schedule, unless the JSON
+                                           has a 'scheduler' section (then the schedule flags
+                                           are not used: a note)
     zero_optimization.stage, ...      <-   --zero-stage, --zero-reduce-scatter,
                                            --zero-contigious-gradients,
                                            --zero-reduce-bucket-size,
@@ -76,6 +82,14 @@ _MUST_AGREE = {
     "fp32_allreduce": ("--fp32-allreduce", "communication_data_type",
                        lambda c: c.communication_data_type == "fp32"),
 }
+# Megatron optimizer flags -> the key of the JSON optimizer's params they describe
+_OPTIMIZER_FLAGS = {"lr": ("--lr", "lr"), "weight_decay": ("--weight-decay", "weight_decay"),
+                    "adam_beta1": ("--adam-beta1", "betas"),
+                    "adam_beta2": ("--adam-beta2", "betas"), "adam_eps": ("--adam-eps", "eps")}
+_ADAM_TYPES = ("adam", "adamw", "adam8bit", "adamw8bit", "adam4bit", "adamw4bit")
+# the flags of Megatron's learning-rate schedule, which a JSON 'scheduler' section replaces
+_SCHEDULE_FLAGS = {"lr_decay_style": "--lr-decay-style", "lr_decay_iters": "--lr-decay-iters",
+                   "min_lr": "--min-lr", "warmup": "--warmup", "warmup_iters": "--warmup-iters"}
 MAX_DDP_BUCKET_MB = 2 ** 20
 DEFAULT_DDP_BUCKET_MB = 25.0
 DEFAULT_CLIP_GRAD = 1.0
@@ -91,6 +105,7 @@ class Settled:
     bf16: bool
     clip_grad: float
     checkpoint_activations: bool
+    notes: tuple = ()  # one-line notes for the start-up log
 
 
 def settle_engine(raw, given, data_parallel_size, num_micro_batches):
@@ -151,6 +166,7 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
         if section in (None, AUTO) or isinstance(section, dict):  # else the parse says why
             final["compile"] = {**(section if isinstance(section, dict) else {}),
                                 "enabled": True}
+    notes = _settle_optimizer_params(final, raw, given, source)
     config = _parse(final, dp, source)
     _check_agreement(raw, given, config, source)
     global_batch, micro_batches = _settle_batch(raw, config, dp, source)
@@ -160,7 +176,55 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
                           f"{config.gradient_clipping} in DeepSpeed config {source}; the config "
                           "decides under --deepspeed: drop --clip-grad or change the config")
     return Settled(config, global_batch, micro_batches, fp16, bf16, config.gradient_clipping,
-                   raw["checkpoint_activations"] or config.gradient_checkpointing)
+                   raw["checkpoint_activations"] or config.gradient_checkpointing, notes)
+
+
+def _settle_optimizer_params(final, raw, given, source):
+    """The JSON optimizer's params against the Megatron optimizer flags: "auto" (Hugging
+    Face's spelling) and a key the JSON leaves out take a given flag's value; a value the
+    JSON sets must equal a given flag's. A 'scheduler' section replaces Megatron's schedule
+    (its flags get a note); without one, Megatron's schedule sets the lr from --lr."""
+    from zero.config.parsing import AUTO, show
+    notes = []
+    if isinstance(final.get("scheduler"), dict):  # a note: the launch scripts pass these
+        unused = [flag for dest, flag in _SCHEDULE_FLAGS.items() if dest in given]
+        if unused:
+            notes.append(f" note: {', '.join(unused)} not used: the 'scheduler' section of "
+                         f"DeepSpeed config {source} sets the learning rate under --deepspeed, "
+                         "not Megatron's schedule")
+    section = final.get("optimizer")
+    if not isinstance(section, dict) or not isinstance(section.get("params", {}), dict):
+        return tuple(notes)  # none: the flags build the optimizer; a bad one: the parse says
+    params = section.setdefault("params", {})
+    adam = str(section.get("type", "")).lower() in _ADAM_TYPES
+    flag_values = {"lr": raw["lr"], "weight_decay": raw["weight_decay"], "eps": raw["adam_eps"],
+                   "betas": [raw["adam_beta1"], raw["adam_beta2"]]}
+    for key, value in flag_values.items():
+        if params.get(key) == AUTO:
+            params[key] = value
+    for dest, (flag, key) in _OPTIMIZER_FLAGS.items():
+        if dest not in given or dest == "lr":
+            continue
+        if key != "weight_decay" and not adam:
+            raise ConfigError(f"{flag} sets an Adam hyperparameter, but the optimizer of "
+                              f"DeepSpeed config {source} is \"{section.get('type')}\"; drop "
+                              "the flag")
+        if key not in params:
+            params[key] = flag_values[key]
+            continue
+        json_value = params[key][dest == "adam_beta2"] if key == "betas" \
+            and isinstance(params[key], list) and len(params[key]) == 2 else params[key]
+        if json_value != raw[dest]:
+            raise ConfigError(f"{flag} {raw[dest]} disagrees with 'optimizer.params.{key}': "
+                              f"{show(params[key])} in DeepSpeed config {source}, which decides "
+                              "under --deepspeed; drop the flag or change the config")
+    json_lr = params.get("lr")
+    if "scheduler" not in final and raw["lr"] is not None and json_lr is not None \
+            and json_lr != raw["lr"]:
+        notes.append(f" note: 'optimizer.params.lr' {show(json_lr)} in DeepSpeed config "
+                     f"{source} is replaced by Megatron's schedule from --lr {raw['lr']} (the "
+                     "config has no 'scheduler' section)")
+    return tuple(notes)
 
 
 def _parse(config_dict, data_parallel_size, source):

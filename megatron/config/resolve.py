@@ -154,6 +154,7 @@ def freeze(raw, given, world_size, notes=(), extra=None):
             f"{model.max_position_embeddings}")
     checkpoint = _checkpoint(raw)
     _check_optimizer_choice(raw, settled.ds_config)
+    notes += settled.notes
     notes += _check_pipeline(raw, parallel, training, settled.ds_config)
     recompute = activation.activation_checkpointing(
         raw, settled.checkpoint_activations, settled.ds_config.activation_checkpointing,

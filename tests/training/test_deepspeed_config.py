@@ -193,3 +193,43 @@ def test_gradient_checkpointing_key_turns_on_recomputation(corpus, tmp_path):
     argv = trainer_argv(corpus, tmp_path / "c", 2, "--deepspeed", "--deepspeed_config",
                         recompute, "--tokenizer-type", "GPT2BPETokenizer")
     assert resolve_config(argv, world_size=1).activation_checkpointing.checkpoint_activations
+
+
+def test_the_json_optimizer_and_the_megatron_optimizer_flags_meet(tmp_path):
+    """"auto" and keys the JSON leaves out take a given flag's value; a value it sets must
+    equal a given flag's; its lr, without a 'scheduler' section, is replaced by --lr (a
+    note); with one, Megatron's schedule flags get a note that they are not used."""
+    config = write_config(tmp_path, optimizer={"type": "AdamW", "params": {
+        "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}})
+    parsed = parse("--deepspeed", "--deepspeed_config", config, "--weight-decay", 0.3,
+                   "--adam-beta2", 0.95, "--adam-eps", 1e-5)
+    assert parsed.engine.ds_config.optimizer.params == {
+        "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-5, "weight_decay": 0.3}
+    assert not any("optimizer.params.lr" in note for note in parsed.notes)
+    config = write_config(tmp_path, optimizer={"type": "Adam", "params": {"lr": 0.5}})
+    parsed = parse("--deepspeed", "--deepspeed_config", config, "--weight-decay", 0.1,
+                   "--adam-beta1", 0.8)
+    assert parsed.engine.ds_config.optimizer.params == {
+        "lr": 0.5, "weight_decay": 0.1, "betas": [0.8, 0.999]}
+    assert f" note: 'optimizer.params.lr' 0.5 in DeepSpeed config {config} is replaced by " \
+        "Megatron's schedule from --lr 0.001 (the config has no 'scheduler' section)" \
+        in parsed.notes
+    config = write_config(tmp_path, optimizer={"type": "Adam", "params": {
+        "weight_decay": 0.01, "betas": [0.9, 0.999]}})
+    with pytest.raises(ConfigError, match=r"--adam-beta1 0\.95 disagrees with "
+                                          r"'optimizer\.params\.betas': \[0\.9, 0\.999\]"):
+        parse("--deepspeed", "--deepspeed_config", config, "--adam-beta1", 0.95)
+    with pytest.raises(ConfigError, match=r"--weight-decay 0\.2 disagrees with "
+                                          r"'optimizer\.params\.weight_decay': 0\.01"):
+        parse("--deepspeed", "--deepspeed_config", config, "--weight-decay", 0.2)
+    config = write_config(tmp_path, optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    with pytest.raises(ConfigError, match="--adam-eps sets an Adam hyperparameter, but the "
+                                          "optimizer of DeepSpeed config .* is \"SGD\""):
+        parse("--deepspeed", "--deepspeed_config", config, "--adam-eps", 1e-6)
+    config = write_config(tmp_path, optimizer={"type": "Adam", "params": {"lr": 1e-3}},
+                          scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 2}})
+    parsed = parse("--deepspeed", "--deepspeed_config", config, "--lr-decay-style", "cosine",
+                   "--min-lr", 1e-5)
+    assert f" note: --lr-decay-style, --min-lr not used: the 'scheduler' section of DeepSpeed " \
+        f"config {config} sets the learning rate under --deepspeed, not Megatron's schedule" \
+        in parsed.notes

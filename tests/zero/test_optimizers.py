@@ -94,7 +94,9 @@ def test_param_groups_pass_through():
                       "SGD, Adagrad"),
     ({"type": "Adam4bit", "params": {"min_8bit_numel": 10}}, "did you mean 'min_4bit_numel'"),
     ({"type": "AdamW8bit", "params": {"amsgrad": True}}, "unknown optimizer parameter"),
-    ({"type": "Adam4bit", "params": {"betas": [0.9, 1.5]}}, "rejected by"),
+    ({"type": "Adam4bit", "params": {"betas": [0.9, 1.5]}},
+     "'optimizer.params.betas' must be two numbers in [0, 1), e.g. [0.9, 0.999], got [0.9, 1.5]"),
+    ({"type": "Adam8bit", "params": {"eps": 0}}, "'optimizer.params.eps' must be a number > 0"),
     ({"type": "rmsprop"}, "did you mean \"RMSprop\""),
     ({"type": "Optimizer"}, "unknown optimizer type"),
     ({"type": "Adam", "params": {"weight_decy": 0.1}}, "did you mean 'weight_decay'"),
@@ -103,10 +105,18 @@ def test_param_groups_pass_through():
     ({"type": "Adam", "params": {"bias_correction": False}}, "bias_correction"),
     ({"type": "AdamW", "params": {"adam_w_mode": False}}, "contradicts"),
     ({"type": "Adam", "params": {"adam_w_mode": "yes"}}, "must be true or false"),
-    ({"type": "Adam", "params": {"lr": -0.1}}, "Invalid learning rate"),
-    ({"type": "Adam", "params": {"betas": [0.9, 1.5]}}, "rejected by torch.optim.AdamW"),
-    ({"type": "Adam", "params": {"betas": []}}, "rejected by torch.optim.AdamW"),
-    ({"type": "Adam", "params": {"lr": "0.1"}}, "rejected by torch.optim.AdamW"),
+    ({"type": "Adam", "params": {"lr": -0.1}}, "'optimizer.params.lr' must be a number >= 0"),
+    ({"type": "Adam", "params": {"betas": [0.9, 1.5]}}, "'optimizer.params.betas' must be two"),
+    ({"type": "Adam", "params": {"betas": []}}, "'optimizer.params.betas' must be two"),
+    ({"type": "Adam", "params": {"betas": [0.9, 0.99, 0.5]}}, "got [0.9, 0.99, 0.5]"),
+    ({"type": "Adam", "params": {"betas": 0.9}}, "'optimizer.params.betas' must be two"),
+    ({"type": "Adam", "params": {"lr": "0.1"}}, "'optimizer.params.lr' must be a number >= 0, "
+                                                "got \"0.1\""),
+    ({"type": "AdamW", "params": {"eps": 0}}, "'optimizer.params.eps' must be a number > 0, "
+                                              "got 0"),
+    ({"type": "AdamW", "params": {"weight_decay": -1, "torch_adam": True}},
+     "'optimizer.params.weight_decay' must be a number >= 0"),
+    ({"type": "FusedAdam"}, "(a DeepSpeed class, not a config type); did you mean \"Adam\"?"),
     ({"type": 3}, "'optimizer.type' must be a string"),
 ])
 def test_bad_optimizer_sections_fail_when_parsed(section, piece):

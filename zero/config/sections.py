@@ -35,7 +35,7 @@ def _settle(section, **values):
 class FP16Config:
     enabled: bool = option(False)
     loss_scale: float = option(0.0, minimum=0.0)  # 0 = dynamic scaling
-    initial_scale_power: int = option(16, maximum=127)  # dynamic scaling starts at 2**power
+    initial_scale_power: int = option(16, minimum=0, maximum=127)  # scaling starts at 2**power
     loss_scale_window: int = option(1000, minimum=1)
     hysteresis: int = option(2, minimum=1)
     consecutive_hysteresis: bool = option(False)

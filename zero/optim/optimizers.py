@@ -24,6 +24,7 @@ one-element dummy parameter, so torch's own value checks (negative lr, betas >= 
 import difflib
 import inspect
 import logging
+import math
 
 import torch
 
@@ -93,8 +94,7 @@ def plan_optimizer(section, source):
     if lower in ("adam", "adamw"):
         return _plan_adam(lower, params, source)
     if lower in QUANTIZED_ADAMS:
-        if "betas" in params and isinstance(params["betas"], list):
-            params["betas"] = tuple(params["betas"])
+        _check_adam_values(params, source)
         optimizer_class = QUANTIZED_ADAMS[lower]
         _check_param_names(optimizer_class, params, (), source)
         return optimizer_class, {**FUSED_ADAM_DEFAULTS_QUANTIZED, **params}
@@ -116,8 +116,7 @@ def _plan_adam(lower, params, source):
                      "'optimizer.params.adam_w_mode': false contradicts it; use type \"Adam\" "
                      "with adam_w_mode false for L2-style weight decay")
     optimizer_class = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-    if "betas" in params and isinstance(params["betas"], list):
-        params["betas"] = tuple(params["betas"])
+    _check_adam_values(params, source)
     if torch_adam:
         _check_param_names(optimizer_class, params, (), source)
         return optimizer_class, params
@@ -128,6 +127,27 @@ def _plan_adam(lower, params, source):
     _pop_bool(params, "set_grad_none", True, source)  # zero_grad always sets grads to None
     _check_param_names(None, params, tuple(FUSED_ADAM_DEFAULTS), source)
     return optimizer_class, {**FUSED_ADAM_DEFAULTS, **params}
+
+
+def _check_adam_values(params, source):
+    """lr >= 0, two betas in [0, 1), eps > 0 and weight_decay >= 0, each named when wrong
+    (torch's own checks name none, and take a third beta or a string lr to the first step);
+    betas become a tuple."""
+    def number(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and math.isfinite(value)
+    for key, ok, what in (("lr", lambda v: number(v) and v >= 0, "a number >= 0"),
+                          ("eps", lambda v: number(v) and v > 0, "a number > 0"),
+                          ("weight_decay", lambda v: number(v) and v >= 0, "a number >= 0")):
+        if key in params and not ok(params[key]):
+            fail(source, f"'optimizer.params.{key}' must be {what}, got {show(params[key])}")
+    if "betas" in params:
+        betas = params["betas"]
+        if not (isinstance(betas, (list, tuple)) and len(betas) == 2
+                and all(number(b) and 0 <= b < 1 for b in betas)):
+            fail(source, "'optimizer.params.betas' must be two numbers in [0, 1), e.g. [0.9, "
+                         f"0.999], got {show(betas)}")
+        params["betas"] = tuple(betas)
 
 
 def _pop_bool(params, key, default, source):
@@ -149,7 +169,16 @@ def _torch_optimizer_names():
     return [n for n in dir(torch.optim) if _torch_optimizer(n) is not None]
 
 
+# DeepSpeed class names users write as a config type -> the type that builds them
+_CLASS_NAMES = {"fusedadam": "Adam", "cpuadam": "Adam", "deepspeedcpuadam": "Adam"}
+
+
 def _unknown_type_message(name):
+    if name.lower() in _CLASS_NAMES:
+        return (f"unknown optimizer type \"{name}\" (a DeepSpeed class, not a config type); "
+                f"did you mean \"{_CLASS_NAMES[name.lower()]}\"? (what DeepSpeed builds as "
+                "FusedAdam, and as its CPU Adam under zero_optimization.offload_optimizer) "
+                f"Supported: {SUPPORTED_NAMES}")
     candidates = ["Adam", "AdamW", "SGD", "Adagrad"] + _torch_optimizer_names()
     close = [c for c in candidates if c.lower() == name.lower()]  # torch names are exact-case
     close = close or difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
