@@ -116,7 +116,7 @@ def settle_engine(raw, given, data_parallel_size, num_micro_batches):
     if stray:
         raise ConfigError(f"{', '.join(stray)} only act(s) with --deepspeed; add --deepspeed "
                           "to train with a DeepSpeed config, or drop them")
-    return _from_megatron_flags(raw, data_parallel_size, num_micro_batches)
+    return _from_megatron_flags(raw, given, data_parallel_size, num_micro_batches)
 
 
 # ----------------------------------------------------------------------------- --deepspeed
@@ -301,7 +301,21 @@ def _settle_precision(raw, config, source):
 
 # ------------------------------------------------------------------------- Megatron flags
 
-def _from_megatron_flags(raw, dp, num_micro_batches):
+_LOSS_SCALE_FLAGS = {"loss_scale": "--loss-scale", "initial_loss_scale": "--initial-loss-scale",
+                     "loss_scale_window": "--loss-scale-window", "hysteresis": "--hysteresis",
+                     "min_scale": "--min-scale"}
+
+
+def _from_megatron_flags(raw, given, dp, num_micro_batches):
+    scaling = [flag for dest, flag in _LOSS_SCALE_FLAGS.items() if dest in given]
+    if scaling and not raw["fp16"]:
+        raise ConfigError(f"{', '.join(scaling)} only act(s) with --fp16 (loss scaling); "
+                          "add --fp16 or drop them")
+    dynamic = [flag for flag in scaling if flag != "--loss-scale"]
+    if raw["loss_scale"] is not None and dynamic:
+        raise ConfigError(f"--loss-scale {raw['loss_scale']:g} is a static scale, so "
+                          f"{', '.join(dynamic)} (dynamic scaling) would not act; drop "
+                          "--loss-scale for dynamic scaling, or the others")
     clip = DEFAULT_CLIP_GRAD if raw["clip_grad"] is None else raw["clip_grad"]
     bucket_mb = DEFAULT_DDP_BUCKET_MB if raw["ddp_bucket_size"] is None \
         else raw["ddp_bucket_size"]

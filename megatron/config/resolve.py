@@ -405,15 +405,30 @@ def _optimizer(raw, clip_grad):
 
 
 def _check_optimizer_choice(raw, ds_config):
+    section = f"the DeepSpeed config's optimizer section (\"" \
+              f"{getattr(ds_config.optimizer, 'type', '')}\")"
+    require(not (raw["cpu_optimizer"] and ds_config.optimizer is not None),
+            f"--cpu-optimizer and {section} both choose the optimizer; drop one (for the "
+            "config's optimizer to step on the CPU, add zero_optimization.offload_optimizer "
+            "{\"device\": \"cpu\"})")
+    require(not (raw["cpu_torch_adam"] and not raw["cpu_optimizer"]),
+            "--cpu_torch_adam picks torch's AdamW as --cpu-optimizer's CPU Adam; add "
+            "--cpu-optimizer or drop it")
+    offloaded = ds_config.zero_optimization.offload_optimizer is not None
+    require(not (raw["cpu_torch_adam"] and offloaded),
+            "--cpu_torch_adam has no effect under zero_optimization.offload_optimizer: the "
+            "engine steps the offloaded optimizer with its CPU Adam; drop the flag")
     name = raw["optimizer"]
     if name == "adam":
         return
     require(ds_config.optimizer is None,
-            f"--optimizer {name} and the DeepSpeed config's optimizer section "
-            f"(\"{getattr(ds_config.optimizer, 'type', '')}\") both choose the optimizer; drop "
-            f"one (the config spells it \"type\": \"{name.replace('adam', 'Adam')}\")")
+            f"--optimizer {name} and {section} both choose the optimizer; drop one (the config "
+            f"spells it \"type\": \"{name.replace('adam', 'Adam')}\")")
     require(not raw["cpu_optimizer"],
-            f"--optimizer {name} steps on the device; --cpu-optimizer is the fp32 CPU Adam")
+            f"--optimizer {name} keeps its own quantised state and --cpu-optimizer is the fp32 "
+            "CPU Adam: drop --cpu-optimizer (to step on the CPU, add "
+            "zero_optimization.offload_optimizer {\"device\": \"cpu\"} to the DeepSpeed "
+            "config)")
 
 
 def _checkpoint(raw):

@@ -85,6 +85,13 @@ def test_named_model_size_fills_unset_flags():
     (["--keep-last-n-checkpoints", "2"], 1, "--keep-last-n-checkpoints needs --save"),
     (["--initial-loss-scale", "1000", "--fp16"], 1, "--initial-loss-scale 1000 must be a power of 2"),
     (["--loss-scale", "-1", "--fp16"], 1, "--loss-scale must be positive"),
+    (["--bf16", "--loss-scale", "128"], 1, "--loss-scale only act(s) with --fp16 (loss "
+                                           "scaling); add --fp16 or drop them"),
+    (["--initial-loss-scale", "1000", "--hysteresis", "0"], 1,
+     "--initial-loss-scale, --hysteresis only act(s) with --fp16"),
+    (["--fp16", "--loss-scale", "128", "--initial-loss-scale", "1024", "--loss-scale-window",
+      "5"], 1, "--loss-scale 128 is a static scale, so --initial-loss-scale, "
+               "--loss-scale-window (dynamic scaling) would not act"),
     (["--ddp-bucket-size", "0"], 1, "--ddp-bucket-size must be a positive number of megabytes"),
     (["--zero-stage", "1"], 1, "--zero-stage only act(s) with --deepspeed"),
     (["--min-lr", "1"], 1, "--min-lr 1.0 is larger than --lr"),

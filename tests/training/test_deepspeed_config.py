@@ -233,3 +233,23 @@ def test_the_json_optimizer_and_the_megatron_optimizer_flags_meet(tmp_path):
     assert f" note: --lr-decay-style, --min-lr not used: the 'scheduler' section of DeepSpeed " \
         f"config {config} sets the learning rate under --deepspeed, not Megatron's schedule" \
         in parsed.notes
+
+
+def test_cpu_optimizer_flags_that_would_do_nothing_are_refused(tmp_path):
+    with_json_optimizer = write_config(tmp_path, optimizer={"type": "SGD", "params": {"lr": 0.1}},
+                                       zero_optimization={"stage": 1},
+                                       zero_allow_untested_optimizer=True)
+    with pytest.raises(ConfigError, match=r"--cpu-optimizer and the DeepSpeed config's optimizer "
+                                          r'section \("SGD"\) both choose the optimizer'):
+        parse("--deepspeed", "--deepspeed_config", with_json_optimizer, "--cpu-optimizer")
+    stage1 = write_config(tmp_path, zero_optimization={"stage": 1})
+    with pytest.raises(ConfigError, match="--cpu_torch_adam picks torch's AdamW as "
+                                          "--cpu-optimizer's CPU Adam; add --cpu-optimizer"):
+        parse("--deepspeed", "--deepspeed_config", stage1, "--cpu-torch-adam")
+    offloaded = write_config(tmp_path, zero_optimization={
+        "stage": 2, "offload_optimizer": {"device": "cpu"}})
+    with pytest.raises(ConfigError, match="--cpu_torch_adam has no effect under "
+                                          "zero_optimization.offload_optimizer"):
+        parse("--deepspeed", "--deepspeed_config", offloaded, "--cpu-optimizer",
+              "--cpu_torch_adam")
+    assert parse("--deepspeed", "--deepspeed_config", offloaded, "--cpu-optimizer")

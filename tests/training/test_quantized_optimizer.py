@@ -64,7 +64,9 @@ def test_switching_optimizers_on_load_converts_the_states(corpus, tmp_path, caps
 
 @pytest.mark.parametrize("name", ["adam8bit", "adam4bit"])
 @pytest.mark.parametrize("extra, message", [
-    ("cpu_optimizer", "--optimizer {} steps on the device"),
+    ("cpu_optimizer", "--optimizer {} keeps its own quantised state and --cpu-optimizer is the "
+                      "fp32 CPU Adam: drop --cpu-optimizer (to step on the CPU, add "
+                      "zero_optimization.offload_optimizer"),
     ("json_optimizer", "--optimizer {} and the DeepSpeed config's optimizer section "
                        "(\"Adam\") both choose the optimizer"),
 ])
