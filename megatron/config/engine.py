@@ -121,7 +121,7 @@ def settle_engine(raw, given, data_parallel_size, num_micro_batches):
 
 # ----------------------------------------------------------------------------- --deepspeed
 
-def _load_json(raw):
+def load_deepspeed_json(raw):
     """(the DeepSpeed JSON as a dict, how errors name it)."""
     from zero.config.arguments import resolve_config_from_args
     from zero.config.deepspeed_config import load_config_dict
@@ -135,7 +135,7 @@ def _load_json(raw):
 
 def micro_batch_from_json(raw, data_parallel_size):
     """--deepspeed without --batch-size: the micro batch per GPU the DeepSpeed JSON sets."""
-    final, source = _load_json(raw)
+    final, source = load_deepspeed_json(raw)
     if all(final.get(key) is None for key in BATCH_KEYS):
         raise ConfigError(f"--batch-size is required: DeepSpeed config {source} sets no batch "
                           "size either (train_micro_batch_size_per_gpu / train_batch_size)")
@@ -144,7 +144,7 @@ def micro_batch_from_json(raw, data_parallel_size):
 
 
 def _from_deepspeed_json(raw, given, dp, num_micro_batches):
-    final, source = _load_json(raw)
+    final, source = load_deepspeed_json(raw)
     for dest, (flag, reason) in _NO_EFFECT_UNDER_DEEPSPEED.items():
         if dest in given:
             raise ConfigError(f"{flag} has no effect under --deepspeed: "

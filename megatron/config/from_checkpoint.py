@@ -123,7 +123,7 @@ def _optimizer_notes(raw, saved):
         return (" note: --no-load-optim: the optimizer state and the learning-rate schedule "
                 "start fresh, as in Megatron (Adam's moments at zero, warm-up again from step "
                 "0) while the iteration count continues from the checkpoint's",)
-    if raw.get("deepspeed"):  # the JSON's optimizer section, checked by the engine
+    if raw.get("deepspeed") and _json_chooses_the_optimizer(raw):  # the engine checks it
         return ()
     notes = []
     before = saved.get("optimizer", "adam")
@@ -138,6 +138,18 @@ def _optimizer_notes(raw, saved):
                      "checkpoint's values, as in Megatron; resume with --no-load-optim to use "
                      "the command line's")
     return tuple(notes)
+
+
+def _json_chooses_the_optimizer(raw):
+    """Whether the run's DeepSpeed JSON has an optimizer section (True when it cannot be
+    read: the engine's parse says why, and there is nothing to compare the flags with)."""
+    from zero.errors import ZeroError
+    from megatron.config.engine import load_deepspeed_json
+    try:
+        config, _ = load_deepspeed_json(raw)
+    except (MegatronError, ZeroError):
+        return True
+    return isinstance(config, dict) and config.get("optimizer") is not None
 
 
 def _sample_order_notes(raw, saved):

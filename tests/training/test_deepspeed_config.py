@@ -253,3 +253,18 @@ def test_cpu_optimizer_flags_that_would_do_nothing_are_refused(tmp_path):
         parse("--deepspeed", "--deepspeed_config", offloaded, "--cpu-optimizer",
               "--cpu_torch_adam")
     assert parse("--deepspeed", "--deepspeed_config", offloaded, "--cpu-optimizer")
+
+
+def test_a_deepspeed_resume_says_which_optimizer_settings_the_loaded_state_keeps(
+        corpus, tmp_path, capsys):
+    """As without --deepspeed: the flag-built optimizer's loaded state keeps the checkpoint's
+    weight decay and Adam settings, and the resume says so."""
+    config, save = stage_config(tmp_path, 1), str(tmp_path / "ckpt")
+    assert run(corpus, tmp_path / "log", 2, "--deepspeed", "--deepspeed_config", config,
+               "--save", save) == 0
+    capsys.readouterr()
+    assert run(corpus, tmp_path / "log2", 3, "--deepspeed", "--deepspeed_config", config,
+               "--load", save, "--weight-decay", "0.2", "--adam-beta2", "0.95") == 0
+    assert (" note: --weight-decay 0.2 (the checkpoint's: 0.01), --adam-beta2 0.95 (the "
+            "checkpoint's: 0.999): the loaded optimizer state keeps the checkpoint's values"
+            in capsys.readouterr().out)
