@@ -2,6 +2,7 @@
 `error:` line, programming errors a traceback, Ctrl-C a line and exit code 130."""
 
 import sys
+import time
 
 from megatron.errors import ConfigError, DataError, Interrupted, MegatronError, TokenizerError
 
@@ -9,6 +10,7 @@ USER_ERROR_EXIT_CODE = 2
 INTERRUPTED_EXIT_CODE = 130  # what a shell reports for a process ended by SIGINT
 # Errors every rank meets alike (the same flags, files and tokenizer): printed by rank 0 only
 SAME_ON_EVERY_RANK = (ConfigError, DataError, TokenizerError)
+RANK0_PRINTS_FIRST_SECONDS = 2.0
 
 
 def user_error_types():
@@ -26,6 +28,10 @@ def run_cli(main, *args, **kwargs):
     except user_error_types() as error:
         if launched_rank() == 0 or not isinstance(error, SAME_ON_EVERY_RANK):
             print(f"error: {error}", file=sys.stderr, flush=True)
+        else:
+            # torchrun stops every rank once one exits with an error: the silent ranks give
+            # rank 0, which meets the same error, the moment it needs to print it
+            time.sleep(RANK0_PRINTS_FIRST_SECONDS)
         return USER_ERROR_EXIT_CODE
     except PermissionError as error:  # a folder the user pointed at that is not theirs
         path = error.filename if error.filename2 is None else error.filename2
