@@ -83,7 +83,8 @@ _MUST_AGREE = {
                        lambda c: c.communication_data_type == "fp32"),
 }
 # Megatron optimizer flags -> the key of the JSON optimizer's params they describe
-_OPTIMIZER_FLAGS = {"lr": ("--lr", "lr"), "weight_decay": ("--weight-decay", "weight_decay"),
+# (--lr is not among them: Megatron's schedule sets the lr, see _settle_optimizer_params)
+_OPTIMIZER_FLAGS = {"weight_decay": ("--weight-decay", "weight_decay"),
                     "adam_beta1": ("--adam-beta1", "betas"),
                     "adam_beta2": ("--adam-beta2", "betas"), "adam_eps": ("--adam-eps", "eps")}
 _ADAM_TYPES = ("adam", "adamw", "adam8bit", "adamw8bit", "adam4bit", "adamw4bit")
@@ -203,7 +204,7 @@ def _settle_optimizer_params(final, raw, given, source):
         if params.get(key) == AUTO:
             params[key] = value
     for dest, (flag, key) in _OPTIMIZER_FLAGS.items():
-        if dest not in given or dest == "lr":
+        if dest not in given:
             continue
         if key != "weight_decay" and not adam:
             raise ConfigError(f"{flag} sets an Adam hyperparameter, but the optimizer of "
