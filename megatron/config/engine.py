@@ -17,7 +17,8 @@ describe the same thing fill what the JSON leaves out, or must agree with it:
       the flag's value)
     optimizer.params.lr               <-   --lr, through Megatron's schedule, unless the JSON
                                            has a 'scheduler' section (then the schedule flags
-                                           are not used: a note)
+                                           are not used: a note); without --lr the JSON's lr
+                                           is the flag's value
     zero_optimization.stage, ...      <-   --zero-stage, --zero-reduce-scatter,
                                            --zero-contigious-gradients,
                                            --zero-reduce-bucket-size,
@@ -142,6 +143,24 @@ def micro_batch_from_json(raw, data_parallel_size):
                           "size either (train_micro_batch_size_per_gpu / train_batch_size)")
     return _parse(copy.deepcopy(final), data_parallel_size,
                   source).train_micro_batch_size_per_gpu
+
+
+def lr_from_json(raw):
+    """--deepspeed without --lr: the JSON optimizer's 'lr' (the peak of Megatron's schedule,
+    or the lr the JSON's own 'scheduler' starts from)."""
+    from zero.config.parsing import AUTO, show
+    final, source = load_deepspeed_json(raw)
+    section = final.get("optimizer")
+    params = section.get("params") if isinstance(section, dict) else None
+    lr = params.get("lr") if isinstance(params, dict) else None
+    if lr is None or lr == AUTO:
+        raise ConfigError(f"--lr is required: DeepSpeed config {source} sets no number at "
+                          "'optimizer.params.lr' either")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) \
+            or lr < 0:
+        raise ConfigError(f"'optimizer.params.lr' in DeepSpeed config {source} must be a "
+                          f"non-negative number, got {show(lr)}")
+    return float(lr)
 
 
 def _from_deepspeed_json(raw, given, dp, num_micro_batches):

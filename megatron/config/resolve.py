@@ -194,9 +194,11 @@ def _fill_model_defaults(raw):
             if raw[key] is None:
                 raw[key] = value
     for flag in REQUIRED:
-        if flag == "batch_size" and raw["deepspeed"]:
-            continue  # the DeepSpeed JSON may set it (freeze takes it from there)
+        if flag in ("batch_size", "lr") and raw["deepspeed"]:
+            continue  # the DeepSpeed JSON may set it (taken from there just below)
         require(raw[flag] is not None, f"--{flag.replace('_', '-')} is required")
+    if raw["lr"] is None:  # --deepspeed without --lr
+        raw["lr"] = engine.lr_from_json(raw)
     if raw["max_position_embeddings"] is None:
         raw["max_position_embeddings"] = raw["seq_length"]
     if raw["ffn_hidden_size"] is None and isinstance(raw["hidden_size"], int):

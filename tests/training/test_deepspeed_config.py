@@ -74,6 +74,33 @@ def test_the_micro_batch_comes_from_the_config_without_batch_size(tmp_path):
         resolve_config(without)
 
 
+def test_the_lr_comes_from_the_config_without_lr(tmp_path):
+    """As --batch-size: under --deepspeed a JSON that sets the optimizer's lr needs no --lr."""
+    without = [a for i, a in enumerate(BASE) if "--lr" not in BASE[max(i - 1, 0):i + 1]]
+    config = write_config(tmp_path, "lr.json", optimizer={"type": "Adam", "params": {"lr": 5e-4}},
+                          scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 2}})
+    parsed = resolve_config(without + ["--deepspeed", "--deepspeed_config", config])
+    assert parsed.optimizer.lr == 5e-4
+    assert parsed.engine.ds_config.optimizer.params["lr"] == 5e-4
+    assert not any("optimizer.params.lr" in note for note in parsed.notes)
+    with pytest.raises(ConfigError, match="--min-lr 0.001 is larger than --lr 0.0005"):
+        resolve_config(without + ["--deepspeed", "--deepspeed_config", config,
+                                  "--min-lr", "1e-3"])
+    for name, optimizer in (("none.json", None), ("auto.json", {"type": "Adam", "params": {
+            "lr": "auto"}}), ("nolr.json", {"type": "Adam", "params": {}})):
+        config = write_config(tmp_path, name, **({"optimizer": optimizer} if optimizer else {}))
+        with pytest.raises(ConfigError, match=f"^--lr is required: DeepSpeed config .*{name} "
+                                              "sets no number at 'optimizer.params.lr' either$"):
+            resolve_config(without + ["--deepspeed", "--deepspeed_config", config])
+    config = write_config(tmp_path, "text.json", optimizer={"type": "Adam", "params": {
+        "lr": "1e-3"}})
+    with pytest.raises(ConfigError, match="'optimizer.params.lr' in DeepSpeed config .*text.json "
+                                          "must be a non-negative number, got \"1e-3\""):
+        resolve_config(without + ["--deepspeed", "--deepspeed_config", config])
+    with pytest.raises(ConfigError, match="^--lr is required$"):
+        resolve_config(without)
+
+
 def test_help_says_what_deepspeed_chooses(capsys):
     from megatron.config.flags import build_parser
     text = build_parser().format_help()
