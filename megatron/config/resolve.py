@@ -416,7 +416,15 @@ def _check_optimizer_choice(raw, ds_config):
     require(not (raw["cpu_torch_adam"] and not raw["cpu_optimizer"]),
             "--cpu_torch_adam picks torch's AdamW as --cpu-optimizer's CPU Adam; add "
             "--cpu-optimizer or drop it")
+    import torch
     offloaded = ds_config.zero_optimization.offload_optimizer is not None
+    on_cuda = raw["device"] == "cuda" or (raw["device"] == "auto" and torch.cuda.is_available())
+    require(not (raw["cpu_optimizer"] and not raw["cpu_torch_adam"] and not offloaded
+                 and on_cuda),
+            "--cpu-optimizer steps a CPU Adam, but without zero_optimization.offload_optimizer "
+            "the fp32 parameters and gradients stay on the GPU; add \"offload_optimizer\": "
+            "{\"device\": \"cpu\"} to the DeepSpeed config's zero_optimization, or drop "
+            "--cpu-optimizer")
     require(not (raw["cpu_torch_adam"] and offloaded),
             "--cpu_torch_adam has no effect under zero_optimization.offload_optimizer: the "
             "engine steps the offloaded optimizer with its CPU Adam; drop the flag")

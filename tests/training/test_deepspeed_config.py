@@ -280,6 +280,18 @@ def test_cpu_optimizer_flags_that_would_do_nothing_are_refused(tmp_path):
         parse("--deepspeed", "--deepspeed_config", offloaded, "--cpu-optimizer",
               "--cpu_torch_adam")
     assert parse("--deepspeed", "--deepspeed_config", offloaded, "--cpu-optimizer")
+    assert parse("--deepspeed", "--deepspeed_config", offloaded, "--cpu-optimizer",
+                 "--device", "cuda")
+    # on a GPU the CPU Adam meets GPU parameters unless the optimizer is offloaded
+    stage1 = write_config(tmp_path, "stage1.json", zero_optimization={"stage": 1})
+    assert parse("--deepspeed", "--deepspeed_config", stage1, "--cpu-optimizer",
+                 "--device", "cpu")
+    with pytest.raises(ConfigError, match="--cpu-optimizer steps a CPU Adam, but without "
+                                          "zero_optimization.offload_optimizer the fp32 "
+                                          "parameters and gradients stay on the GPU"):
+        parse("--deepspeed", "--deepspeed_config", stage1, "--cpu-optimizer", "--device", "cuda")
+    assert parse("--deepspeed", "--deepspeed_config", stage1, "--cpu-optimizer",
+                 "--cpu_torch_adam", "--device", "cuda")
 
 
 def test_a_deepspeed_resume_says_which_optimizer_settings_the_loaded_state_keeps(
