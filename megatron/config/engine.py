@@ -40,6 +40,7 @@ Without --deepspeed the flags are the whole story:
 """
 
 import copy
+import functools
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -281,6 +282,7 @@ def _apply_zero_flags(final, raw, source):
 
 
 def _check_agreement(raw, given, config, source):
+    from zero.config.parsing import show
     for dest, (flag, key, json_value) in _MUST_AGREE.items():
         if dest not in given:
             continue
@@ -288,9 +290,10 @@ def _check_agreement(raw, given, config, source):
             raise ConfigError(f"{flag} has no effect: 'fp16.enabled' is not true in DeepSpeed "
                               f"config {source}, so nothing is loss-scaled; drop the flag")
         if raw[dest] != json_value(config):
-            raise ConfigError(f"{flag} {raw[dest]} disagrees with '{key}' in DeepSpeed config "
-                              f"{source}, which decides under --deepspeed; drop the flag or "
-                              "change the config")
+            shown = show(functools.reduce(getattr, key.split("."), config))
+            raise ConfigError(f"{flag} {raw[dest]} disagrees with '{key}': {shown} in DeepSpeed "
+                              f"config {source}, which decides under --deepspeed; drop the flag "
+                              "or change the config")
 
 
 def _settle_batch(raw, config, dp, source):
@@ -370,16 +373,20 @@ def _fp16_section(raw):
         raise ConfigError(f"--loss-scale must be positive, got {raw['loss_scale']}; leave it "
                           "out for dynamic loss scaling")
     initial, minimum = raw["initial_loss_scale"], raw["min_scale"]
-    if not (math.isfinite(initial) and initial > 0 and math.isfinite(minimum) and minimum > 0):
-        raise ConfigError(f"--initial-loss-scale ({initial}) and --min-scale ({minimum}) must "
-                          "be positive")
+    for flag, value in (("--initial-loss-scale", initial), ("--min-scale", minimum)):
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} must be positive, got {value}")
     power = math.log2(initial)
     if power != int(power) or not 0 <= power <= 127:
         raise ConfigError(f"--initial-loss-scale {initial:g} must be a power of 2 between 1 "
                           "and 2**127 (dynamic scaling halves and doubles it)")
-    if raw["loss_scale_window"] < 1 or raw["hysteresis"] < 1:
-        raise ConfigError(f"--loss-scale-window ({raw['loss_scale_window']}) and --hysteresis "
-                          f"({raw['hysteresis']}) must be at least 1")
+    if initial < minimum:
+        raise ConfigError(f"--initial-loss-scale {initial:g} is below --min-scale {minimum:g} "
+                          "(dynamic scaling never goes below the minimum); raise the first or "
+                          "lower the second")
+    for dest in ("loss_scale_window", "hysteresis"):
+        if raw[dest] < 1:
+            raise ConfigError(f"--{dest.replace('_', '-')} must be at least 1, got {raw[dest]}")
     return {"enabled": True, "loss_scale": raw["loss_scale"] or 0.0,
             "initial_scale_power": int(power), "loss_scale_window": raw["loss_scale_window"],
             "hysteresis": raw["hysteresis"], "min_loss_scale": minimum}

@@ -85,6 +85,10 @@ def test_named_model_size_fills_unset_flags():
     (["--keep-last-n-checkpoints", "2"], 1, "--keep-last-n-checkpoints needs --save"),
     (["--initial-loss-scale", "1000", "--fp16"], 1, "--initial-loss-scale 1000 must be a power of 2"),
     (["--loss-scale", "-1", "--fp16"], 1, "--loss-scale must be positive"),
+    (["--fp16", "--initial-loss-scale", "1024", "--min-scale", "4096"], 1,
+     "--initial-loss-scale 1024 is below --min-scale 4096"),
+    (["--fp16", "--min-scale", "0"], 1, "--min-scale must be positive, got 0.0"),
+    (["--fp16", "--hysteresis", "0"], 1, "--hysteresis must be at least 1, got 0"),
     (["--bf16", "--loss-scale", "128"], 1, "--loss-scale only act(s) with --fp16 (loss "
                                            "scaling); add --fp16 or drop them"),
     (["--initial-loss-scale", "1000", "--hysteresis", "0"], 1,

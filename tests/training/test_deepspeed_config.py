@@ -154,9 +154,10 @@ BAD_FLAGS = {
     "loss-scale-window-mismatch": ({"fp16": {"enabled": True, "loss_scale_window": 100}},
                                    ["--loss-scale-window", "200"],
                                    "--loss-scale-window 200 disagrees with "
-                                   "'fp16.loss_scale_window'"),
+                                   "'fp16.loss_scale_window': 100 in DeepSpeed config"),
     "fp32-allreduce-mismatch": ({}, ["--fp32-allreduce"],
-                                "--fp32-allreduce True disagrees with 'communication_data_type'"),
+                                "--fp32-allreduce True disagrees with 'communication_data_type': "
+                                "null"),
     "ddp-impl": ({}, ["--DDP-impl", "torch"], "--DDP-impl has no effect under --deepspeed"),
     "no-save-optim": ({}, ["--no-save-optim"], "--no-save-optim has no effect under --deepspeed"),
 }
