@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from zero.ops import CPUAdam, adam_update
+from zero.optim.quantized_adam import Adam4bit, Adam8bit
 
 N, STEPS, LR, WD = 1037, 10, 1e-2, 0.1  # odd size: exercises the kernel's remainder path
 
@@ -106,7 +107,24 @@ def test_bad_arguments_are_refused():
         CPUAdam(param, amsgrad=True)
     with pytest.raises(ValueError, match="betas"):
         CPUAdam(param, betas=(0.9, 1.0))
-    with pytest.raises(ValueError, match="learning rate"):
-        CPUAdam(param, lr=-1)
+
+
+@pytest.mark.parametrize("optimizer", [CPUAdam, Adam8bit, Adam4bit])
+@pytest.mark.parametrize("argument, value, message", [
+    ("lr", -1, "invalid lr -1 (must be a number >= 0)"),
+    ("lr", "1e-3", "invalid lr '1e-3' (must be a number >= 0)"),
+    ("eps", float("nan"), "invalid eps nan (must be a number >= 0)"),
+    ("weight_decay", -0.1, "invalid weight_decay -0.1 (must be a number >= 0)"),
+    ("betas", (0.9, 1.5), "invalid betas (0.9, 1.5) (two numbers in [0, 1))"),
+    ("betas", (0.9, 0.99, 0.999), "invalid betas (0.9, 0.99, 0.999) (two numbers in [0, 1))"),
+])
+def test_each_adam_names_the_hyperparameter_it_refuses(optimizer, argument, value, message):
+    with pytest.raises(ValueError) as info:
+        optimizer([torch.zeros(2, requires_grad=True)], **{argument: value})
+    assert str(info.value) == f"{optimizer.__name__}: {message}"
+
+
+def test_from_torch_refuses_other_optimizers():
+    param = [torch.zeros(2, requires_grad=True)]
     with pytest.raises(TypeError, match="Adam or AdamW"):
         CPUAdam.from_torch(torch.optim.SGD(param, lr=0.1))

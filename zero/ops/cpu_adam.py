@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from zero.optim.hyperparameters import check_adam_hyperparameters
+
 TILE_NUMEL = 1 << 20  # elements per tile when the update also writes a copy (4 MiB of fp32)
 
 
@@ -82,7 +84,7 @@ class CPUAdam(torch.optim.Optimizer):
         if amsgrad:
             raise ValueError("CPUAdam does not support amsgrad (neither does DeepSpeedCPUAdam); "
                              "use amsgrad=False")
-        _check_hyperparameters(lr, betas, eps, weight_decay)
+        check_adam_hyperparameters("CPUAdam", lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, adamw_mode=adamw_mode, amsgrad=False)
         super().__init__(model_params, defaults)
@@ -177,17 +179,6 @@ class CPUAdam(torch.optim.Optimizer):
             adam_update(p32, g32, exp_avg.view(-1)[lo:hi], exp_avg_sq.view(-1)[lo:hi],
                         state["step"], grad_scale=grad_scale, **options)
             write_back(lo, hi, p32)
-
-
-def _check_hyperparameters(lr, betas, eps, weight_decay):
-    if not 0.0 <= lr:
-        raise ValueError(f"CPUAdam: invalid learning rate {lr} (must be >= 0)")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"CPUAdam: invalid betas {betas} (two values in [0, 1))")
-    if not 0.0 <= eps:
-        raise ValueError(f"CPUAdam: invalid eps {eps} (must be >= 0)")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"CPUAdam: invalid weight_decay {weight_decay} (must be >= 0)")
 
 
 DeepSpeedCPUAdam = CPUAdam  # DeepSpeed's name, for scripts that construct it directly

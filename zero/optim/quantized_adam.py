@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zero.optim.hyperparameters import check_adam_hyperparameters
 from zero.optim.pieces import Piece
 from zero.optim.quantized_adam_kernels import (EAGER_CHUNK, EIGHT_BIT, FOUR_BIT, adamw_update,
                                                pack_nibbles, row_kernels, unpack_nibbles)
@@ -124,11 +125,10 @@ class QuantizedAdam(torch.optim.Optimizer):
                  min_numel=MIN_QUANTIZED_NUMEL, compiled=True):
         if self.code is None:
             raise TypeError("QuantizedAdam is the machinery; construct Adam8bit or Adam4bit")
-        if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and 0 <= betas[0] < 1
-                and 0 <= betas[1] < 1 and min_numel >= 0):
-            raise ValueError(f"{type(self).__name__}: invalid hyperparameters lr={lr}, "
-                             f"betas={betas}, eps={eps}, weight_decay={weight_decay}, "
-                             f"{self.min_numel_name}={min_numel}")
+        check_adam_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
+        if not min_numel >= 0:
+            raise ValueError(f"{type(self).__name__}: invalid {self.min_numel_name} "
+                             f"{min_numel!r} (must be >= 0)")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
         self.min_numel = int(min_numel)
