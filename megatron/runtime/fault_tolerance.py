@@ -118,6 +118,17 @@ class NanGuard:
                 f"{self.last_checkpoint()}, with a lower --lr, more warmup, --clip-grad, or "
                 f"--bf16 instead of --fp16")
 
+    def finish(self, iterations_run, last_iteration):
+        """A run whose every iteration had a non-finite loss trained nothing: an error, even
+        when it ended before the streak reached the limit (0 turns the guard off)."""
+        if self.limit and iterations_run and self.consecutive == iterations_run:
+            first = last_iteration - iterations_run + 1
+            raise TrainingError(
+                f"the loss was NaN or inf in every iteration of this run ({first}-"
+                f"{last_iteration}); each was skipped, so nothing was trained. Check the data "
+                f"and the model's initialisation, or "
+                f"{self.last_checkpoint()} with a lower --lr, more warmup or --clip-grad")
+
 
 # gloo raises plain RuntimeErrors; NCCL raises torch.distributed.DistError subclasses. A gloo
 # wait that times out says "Timed out ..." or, when the pair is torn down first, "Application
@@ -169,6 +180,7 @@ class TrainingGuards:
         self.exit_conditions = ExitConditions(config.training, runtime.device,
                                               rank0=runtime.is_rank0)
         self.nan_guard = NanGuard(config.training.max_nan_iterations, self.last_checkpoint)
+        self._start_iteration = state["iteration"]
         self._injection = fault_injection
 
     def wrap_forward_step(self, forward_step_func):
@@ -183,6 +195,11 @@ class TrainingGuards:
 
     def after_iteration(self, iteration, loss):
         self.nan_guard.observe(iteration, loss)
+
+    def after_training(self):
+        """Called when the loop ends without an interruption (see NanGuard.finish)."""
+        self.nan_guard.finish(self.state["iteration"] - self._start_iteration,
+                              self.state["iteration"])
 
     def stop_reason(self):
         return self.exit_conditions.reason()

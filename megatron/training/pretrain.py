@@ -108,6 +108,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                              guards)
         if guards.interrupted:
             raise Interrupted(_how_to_resume(config) if runtime.is_rank0 else "")
+        guards.after_training()
         _final_evaluation(forward_step_func, backend, datasets, ctx, train_state, logger)
         if config.checkpoint.save and saved_at != train_state["iteration"]:
             backend.save(train_state["iteration"], train_state)

@@ -66,6 +66,8 @@ def _scenarios(root):
         # between log lines the loop reads each loss an iteration late
         "nan_stop_unlogged": (8, ["--max-nan-iterations", 3, "--log-interval", 4],
                               {NAN: "3,4,5"}),
+        # fewer NaN iterations than --max-nan-iterations, but every one of the run's
+        "nan_all": (3, ["--save", root / "nan_all"], {NAN: "1,2,3"}),
         "fp16_overflow": (4, ["--fp16", "--hysteresis", 1], {}),
         "fp16_nan": (4, ["--fp16", "--hysteresis", 1, "--initial-loss-scale", 1024],
                      {NAN: "2"}),
@@ -187,6 +189,17 @@ def test_consecutive_nan_losses_stop_with_a_clear_message(runs, name, first, las
     assert sorted(read_losses(log)) == logged
     if name == "nan_stop":  # the newest checkpoint (skipped iterations leave weights alone)
         assert f"resume from iteration {last - 1} with --load" in error
+
+
+def test_a_run_with_only_nan_losses_is_an_error(runs):
+    code, output, log = runs["nan_all"]
+    assert code == 2, output[-3000:]
+    assert output.strip().splitlines()[-1] == (
+        "error: the loss was NaN or inf in every iteration of this run (1-3); each was "
+        "skipped, so nothing was trained. Check the data and the model's initialisation, or "
+        f"resume from iteration 3 with --load {log} with a lower --lr, more warmup or "
+        "--clip-grad")
+    assert "Traceback" not in output
 
 
 def test_fp16_first_batch_overflow_is_retried_at_lower_scales_not_skipped(runs):
