@@ -13,7 +13,7 @@
 #   note_unread PP_SIZE PP PIPELINE_MODEL_PARALLEL_SIZE   # the others set: a note naming the first
 #   refuse_script_flags PP_SIZE=--pipeline-model-parallel-size -- "$@"   # the flag in "$@": error
 
-_env_error() { echo "$1" >&2; exit 2; }
+_env_error() { echo "$*" >&2; exit 2; }
 
 require_whole() {
     local min="$1" name value

@@ -83,6 +83,13 @@ RUN_DIR="${RUN_DIR:-$ROOT/runs/gpt2_small_distributed}"
 LOG_INTERVAL="${LOG_INTERVAL:-10}"; EVAL_INTERVAL="${EVAL_INTERVAL:-100}"
 EVAL_ITERS="${EVAL_ITERS:-5}"; SAVE_INTERVAL="${SAVE_INTERVAL:-$TRAIN_ITERS}"
 WORKERS="${WORKERS:-2}"
+# the layer split in the variables' terms (the trainer would name its flags)
+(( PP_SIZE <= NLAYERS )) || _env_error "PP_SIZE=$PP_SIZE is more pipeline stages than" \
+    "NLAYERS=$NLAYERS: every stage needs at least one layer"
+if [ -n "$VP_LAYERS" ] && (( NLAYERS % (VP_LAYERS * PP_SIZE) != 0 )); then
+    _env_error "NLAYERS=$NLAYERS is not divisible by VP_LAYERS=$VP_LAYERS x PP_SIZE=$PP_SIZE" \
+        "(each stage's layers are split into model chunks of VP_LAYERS layers)"
+fi
 
 TRAINER_ARGS=("$@")  # checked as pretrain_gpt2.py flags before the data is prepared
 source scripts/prepare_default_data.sh  # sets PY, TOKENIZER_DIR, DATA_PREFIX

@@ -28,6 +28,11 @@ BAD_VARIABLES = [
      "NODE_RANK=1 must be below NNODES=1 (counted from 0)"),
     ("pretrain_gpt2_model_parallel.sh", dict(PP_SIZE="two"),
      "PP_SIZE must be a whole number >= 1 (got 'two')"),
+    ("pretrain_gpt2_model_parallel.sh", dict(PP_SIZE="4", NLAYERS="3"),
+     "PP_SIZE=4 is more pipeline stages than NLAYERS=3: every stage needs at least one layer"),
+    ("pretrain_gpt2_distributed.sh", dict(PP_SIZE="2", VP_LAYERS="2", NLAYERS="6"),
+     "NLAYERS=6 is not divisible by VP_LAYERS=2 x PP_SIZE=2 (each stage's layers are split "
+     "into model chunks of VP_LAYERS layers)"),
     ("ds_pretrain_gpt2.sh", dict(ZERO_STAGE="4"), "ZERO_STAGE must be one of: 0 1 2 3 (got '4')"),
     ("ds_pretrain_gpt2.sh", dict(REMOTE_DEVICE="gpu"),
      "REMOTE_DEVICE must be one of: none cpu nvme (got 'gpu')"),
