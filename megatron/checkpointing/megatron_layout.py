@@ -290,10 +290,15 @@ def _load_optimizer(engine, state, run_args, path, fp32_weights):
     mismatch = optimizer_state_tiling_mismatch(state.get("args", {}), run_args)
     if mismatch:
         raise CheckpointError(f"{path}: {mismatch}")
+    saved_args = state.get("args") or {}
+    why = "saved with --no-save-optim" if saved_args.get("no_save_optim") else \
+        "converted from a --deepspeed checkpoint, whose ZeRO-partitioned optimizer state " \
+        "tools/merge_mp_partitions.py does not carry" if saved_args.get("deepspeed") else \
+        "written without it"
     for key in ("optimizer", "lr_scheduler"):
         if key not in state:
-            raise CheckpointError(f"{path} has no {key} state (saved with --no-save-optim); "
-                                  "load it with --no-load-optim or --finetune")
+            raise CheckpointError(f"{path} has no {key} state ({why}); load it with "
+                                  "--no-load-optim or --finetune")
     load_megatron_optimizer_state(engine, state["optimizer"], path, fp32_weights)
     engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
 

@@ -30,6 +30,13 @@ _DEEPSPEED_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_mo
 
 def saved_args_of(load_dir, deepspeed=False):
     """The `args` dict recorded in the checkpoint at `load_dir`; None when there is none."""
+    state = _first_rank_state(load_dir, deepspeed)
+    saved = state.get("args") if isinstance(state, dict) else None
+    return saved if isinstance(saved, dict) else None
+
+
+def _first_rank_state(load_dir, deepspeed):
+    """The first rank's checkpoint file at `load_dir` (memory-mapped), or None."""
     if not load_dir or not os.path.isdir(load_dir):
         return None
     path = _deepspeed_states_path(load_dir) if deepspeed else _megatron_path(load_dir)
@@ -37,11 +44,9 @@ def saved_args_of(load_dir, deepspeed=False):
         return None  # a missing file is reported by the load itself, with its full context
     from zero.checkpoint.files import load_plain  # torch: only when there is a checkpoint
     try:
-        state = load_plain(path, mmap=True)
+        return load_plain(path, mmap=True)
     except Exception:  # noqa: BLE001 -- the load itself reports a damaged file properly
         return None
-    saved = state.get("args") if isinstance(state, dict) else None
-    return saved if isinstance(saved, dict) else None
 
 
 def _megatron_path(load_dir):
@@ -112,19 +117,22 @@ def resume_notes(raw):
     --no-load-optim's fresh start) and a sample order that changed under the same count."""
     if raw.get("finetune"):
         return ()
-    saved = saved_args_of(raw.get("load"), raw.get("deepspeed", False))
-    if saved is None:
+    state = _first_rank_state(raw.get("load"), raw.get("deepspeed", False))
+    saved = state.get("args") if isinstance(state, dict) else None
+    if not isinstance(saved, dict):
         return ()
-    return _optimizer_notes(raw, saved) + _sample_order_notes(raw, saved)
+    # a Megatron-layout file without optimizer state (a converted checkpoint) loads none
+    loads_optimizer = raw.get("deepspeed") or "optimizer" in state
+    return _optimizer_notes(raw, saved, loads_optimizer) + _sample_order_notes(raw, saved)
 
 
-def _optimizer_notes(raw, saved):
+def _optimizer_notes(raw, saved, loads_optimizer):
     if raw.get("no_load_optim"):
         return (" note: --no-load-optim: the optimizer state and the learning-rate schedule "
                 "start fresh, as in Megatron (Adam's moments at zero, warm-up again from step "
                 "0) while the iteration count continues from the checkpoint's",)
-    if raw.get("deepspeed") and _json_chooses_the_optimizer(raw):  # the engine checks it
-        return ()
+    if not loads_optimizer or (raw.get("deepspeed") and _json_chooses_the_optimizer(raw)):
+        return ()  # nothing of the checkpoint's optimizer reaches this run (or the engine checks)
     notes = []
     before = saved.get("optimizer", "adam")
     if before != raw["optimizer"]:

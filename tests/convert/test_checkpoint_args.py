@@ -53,6 +53,11 @@ def test_converted_hf_model_trains_with_training_flags_only(corpus, tmp_path, ca
     assert len(note) == 1 and "--num-layers 2" in note[0] and "--layernorm-epsilon 1e-06" in \
         note[0] and "--vocab-file" in note[0]
     assert sorted(read_losses(tmp_path / "trained")) == [1, 2]
+    # A converted checkpoint holds weights only: no note about optimizer states it lacks
+    assert _train_only(corpus, tmp_path, "quantised", tmp_path / "meg", 1, "--optimizer",
+                       "adam4bit", "--adam-beta2", "0.95") == 0
+    out = capsys.readouterr().out
+    assert "the checkpoint was trained with" not in out and "optimizer state keeps" not in out
     # The training checkpoint it wrote resumes the same way.
     assert _train_only(corpus, tmp_path, "resumed", tmp_path / "trained", 3,
                        "--use-checkpoint-lr-scheduler") == 0

@@ -54,6 +54,12 @@ def test_deepspeed_checkpoint_converts_and_resumes_without_deepspeed(corpus, tmp
         assert set(merged) == set(fp32)
         for name, tensor in fp32.items():
             assert torch.equal(merged[name][:tensor.shape[0]], tensor), (target, name)
+    capsys.readouterr()
+    # without --no-load-optim: the error says where the optimizer state went
+    assert run(corpus, tmp_path / "forgot", 4, *common, "--load", tmp_path / "mp1") == 2
+    assert "has no optimizer state (converted from a --deepspeed checkpoint, whose " \
+        "ZeRO-partitioned optimizer state tools/merge_mp_partitions.py does not carry); load " \
+        "it with --no-load-optim or --finetune" in capsys.readouterr().err
     assert run(corpus, tmp_path / "resumed", 4, *common, "--load", tmp_path / "mp1",
                "--no-load-optim") == 0
     resumed, straight = read_losses(tmp_path / "resumed"), read_losses(tmp_path / "straight")
