@@ -63,10 +63,10 @@ def load_checkpoint(engine, checkpoint, run_args, device):
     # Every model states file records the run's args: read the first one's, which a
     # checkpoint of any layout has, so that every rank makes the same checks (a rank whose
     # own file is missing, at another layout, would otherwise fail differently).
-    if engine.zero_optimization_stage() == 3:  # one model states file per DP rank
-        states_name = stage3_model_states_name(0, 0)
-    else:
-        states_name = model_states_name(0)
+    stage = engine.zero_optimization_stage()
+    _check_zero_stage(load_dir, tag, stage, run_args)
+    # stage 3 writes one model states file per DP rank, stages 0-2 one per model-parallel rank
+    states_name = stage3_model_states_name(0, 0) if stage == 3 else model_states_name(0)
     states_path = os.path.join(load_dir, tag, states_name)
     finetune = finetunes(checkpoint, _saved_args(states_path), tag)
     fresh_optimizer = checkpoint.no_load_optim or finetune
@@ -102,6 +102,25 @@ def _explain_missing_latest(checkpoint):
     if os.path.isdir(load_dir) and os.listdir(load_dir) and not resuming_own_save(checkpoint):
         raise CheckpointError(f"--load {load_dir} has no 'latest' file; point --load at a "
                               "directory written by --save with --deepspeed")
+
+
+def _check_zero_stage(load_dir, tag, stage, run_args):
+    """Stages 0-2 load each other's checkpoints; stage 3's files differ from theirs."""
+    tag_dir = os.path.join(load_dir, tag)
+    own, other = (stage3_model_states_name(0, 0), model_states_name(0)) if stage == 3 else \
+        (model_states_name(0), stage3_model_states_name(0, 0))
+    if os.path.isfile(os.path.join(tag_dir, own)) or \
+            not os.path.isfile(os.path.join(tag_dir, other)):
+        return  # this stage's layout, or a missing file the engine names
+    saved = "0-2" if stage == 3 else "3"
+    target = f"{load_dir.rstrip('/')}_weights"
+    raise CheckpointError(
+        f"{tag_dir} was saved at ZeRO stage {saved} and this run uses stage {stage}; the "
+        f"optimizer partitions of the one do not load at the other. Resume it at stage {saved} "
+        "('zero_optimization.stage' in the DeepSpeed config), or start this run from its "
+        f"weights: python tools/merge_mp_partitions.py --deepspeed --load {load_dir} "
+        f"--target-model-parallel-size {run_args.get('model_parallel_size') or 1} --save "
+        f"{target}, then --load {target} --finetune (iteration 0, a fresh optimizer)")
 
 
 def _saved_args(model_states_path):

@@ -9,6 +9,7 @@ uninterrupted --deepspeed run had at iteration 4 (same weights, same data positi
 import importlib.util
 import os
 
+import pytest
 import torch
 
 from megatron.convert import load_unsharded_checkpoint
@@ -65,6 +66,27 @@ def test_deepspeed_checkpoint_converts_and_resumes_without_deepspeed(corpus, tmp
     resumed, straight = read_losses(tmp_path / "resumed"), read_losses(tmp_path / "straight")
     assert list(resumed) == [4]
     assert abs(resumed[4][0] - straight[4][0]) <= 1e-4 * abs(straight[4][0])
+
+
+@pytest.mark.parametrize("saved, resumed", [(2, 3), (3, 1)])
+def test_another_zero_stage_starts_from_the_weights_as_the_error_says(corpus, tmp_path, capsys,
+                                                                       saved, resumed):
+    save = tmp_path / "ckpt"
+    assert run(corpus, tmp_path / "first", 2, "--deepspeed", "--deepspeed_config",
+               stage_config(tmp_path, saved), "--save", save) == 0
+    capsys.readouterr()
+    other = ["--deepspeed", "--deepspeed_config", stage_config(tmp_path, resumed)]
+    assert run(corpus, tmp_path / "refused", 4, *other, "--load", save) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    command = error.split("weights: python tools/merge_mp_partitions.py ")[1].split(", then")[0]
+    assert error.endswith(f"then --load {save}_weights --finetune (iteration 0, a fresh "
+                          "optimizer)")
+    assert _tool().main(command.split()) == 0
+    assert run(corpus, tmp_path / "finetuned", 2, *other, "--load", f"{save}_weights",
+               "--finetune") == 0
+    first, finetuned = read_losses(tmp_path / "first"), read_losses(tmp_path / "finetuned")
+    assert sorted(finetuned) == [1, 2]
+    assert finetuned[1][0] < first[1][0]  # it starts from the trained weights
 
 
 def test_deepspeed_flag_on_a_megatron_checkpoint_is_a_clear_error(corpus, tmp_path, capsys):
