@@ -416,11 +416,9 @@ def _check_optimizer_choice(raw, ds_config):
     require(not (raw["cpu_torch_adam"] and not raw["cpu_optimizer"]),
             "--cpu_torch_adam picks torch's AdamW as --cpu-optimizer's CPU Adam; add "
             "--cpu-optimizer or drop it")
-    import torch
     offloaded = ds_config.zero_optimization.offload_optimizer is not None
-    on_cuda = raw["device"] == "cuda" or (raw["device"] == "auto" and torch.cuda.is_available())
     require(not (raw["cpu_optimizer"] and not raw["cpu_torch_adam"] and not offloaded
-                 and on_cuda),
+                 and _runs_on_cuda(raw["device"])),
             "--cpu-optimizer steps a CPU Adam, but without zero_optimization.offload_optimizer "
             "the fp32 parameters and gradients stay on the GPU; add \"offload_optimizer\": "
             "{\"device\": \"cpu\"} to the DeepSpeed config's zero_optimization, or drop "
@@ -439,6 +437,13 @@ def _check_optimizer_choice(raw, ds_config):
             "CPU Adam: drop --cpu-optimizer (to step on the CPU, add "
             "zero_optimization.offload_optimizer {\"device\": \"cpu\"} to the DeepSpeed "
             "config)")
+
+
+def _runs_on_cuda(device):
+    if device != "auto":
+        return device == "cuda"
+    import torch  # only here: most flag errors are reported before torch is imported
+    return torch.cuda.is_available()
 
 
 def _checkpoint(raw):
