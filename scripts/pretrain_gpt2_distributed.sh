@@ -59,8 +59,9 @@ require_whole 1 NNODES MASTER_PORT MP_SIZE PP_SIZE VP_LAYERS GPUS_PER_NODE OMP_N
 require_whole 0 NODE_RANK WARMUP_ITERS EVAL_ITERS
 require_number LR MIN_LR
 require_one_of PRECISION bf16 fp16 fp32
-refuse_script_flags MP_SIZE=--model-parallel-size PP_SIZE=--pipeline-model-parallel-size \
-    VP_LAYERS=--num-layers-per-virtual-pipeline-stage -- "$@"
+refuse_script_flags MP_SIZE=--model-parallel-size MP_SIZE=--tensor-model-parallel-size \
+    PP_SIZE=--pipeline-model-parallel-size VP_LAYERS=--num-layers-per-virtual-pipeline-stage \
+    -- "$@"
 note_unread MP_SIZE TP TP_SIZE MP TENSOR_MODEL_PARALLEL_SIZE
 note_unread PP_SIZE PP PIPELINE_MODEL_PARALLEL_SIZE
 note_unread VP_LAYERS VP VPP VP_SIZE

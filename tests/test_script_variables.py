@@ -117,7 +117,10 @@ def test_a_bad_trainer_argument_stops_the_script_before_the_data_is_prepared(
     ("pretrain_gpt2_distributed.sh", ["--num-layers-per-virtual-pipeline-stage", "1"],
      "--num-layers-per-virtual-pipeline-stage is set by this script from VP_LAYERS (it lays "
      "out the processes with it): set VP_LAYERS=N instead of passing the flag"),
-], ids=["pp", "tp-equals", "vp"])
+    ("pretrain_gpt2_model_parallel.sh", ["--tensor-model-parallel-size", "2"],
+     "--tensor-model-parallel-size is set by this script from MP_SIZE (it lays out the "
+     "processes with it): set MP_SIZE=N instead of passing the flag"),
+], ids=["pp", "tp-equals", "vp", "tp-later-name"])
 def test_a_layout_flag_the_script_sets_from_a_variable_is_refused(tmp_path, script, extra,
                                                                    message):
     """The script sizes data parallelism, the global batch and the checkpoint folder from

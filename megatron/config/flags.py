@@ -84,8 +84,9 @@ def _regularization(parser):
 
 def _training(parser):
     g = parser.add_argument_group("training")
-    g.add_argument("--batch-size", type=int, default=None,
-                   help="micro batch size per data-parallel rank")
+    g.add_argument("--batch-size", "--micro-batch-size", type=int, default=None,
+                   help="micro batch size per data-parallel rank (--micro-batch-size: later "
+                        "Megatron-LM's name)")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per iteration over all data-parallel ranks; larger than "
                         "batch-size x data-parallel-size means gradient accumulation (default: "
@@ -112,9 +113,12 @@ def _learning_rate(parser):
     g.add_argument("--lr-decay-style", default="linear",
                    choices=["constant", "linear", "cosine", "exponential"])
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--warmup", type=float, default=0.01,
-                   help="fraction of --lr-decay-iters used for linear warmup")
-    g.add_argument("--warmup-iters", type=int, default=None, help="overrides --warmup")
+    g.add_argument("--warmup", "--lr-warmup-fraction", type=float, default=0.01,
+                   help="fraction of --lr-decay-iters used for linear warmup "
+                        "(--lr-warmup-fraction: later Megatron-LM's name)")
+    g.add_argument("--warmup-iters", "--lr-warmup-iters", type=int, default=None,
+                   help="warmup iterations, instead of --warmup (--lr-warmup-iters: later "
+                        "Megatron-LM's name)")
     g.add_argument("--override-lr-scheduler", action="store_true",
                    help="on --load, use the schedule from the flags, not the checkpoint")
     g.add_argument("--use-checkpoint-lr-scheduler", action="store_true",
@@ -153,8 +157,10 @@ def _mixed_precision(parser):
 
 def _distributed(parser):
     g = parser.add_argument_group("distributed")
-    g.add_argument("--model-parallel-size", type=int, default=1,
-                   help="tensor-parallel size; adjacent ranks form a tensor-parallel group")
+    g.add_argument("--model-parallel-size", "--tensor-model-parallel-size", type=int,
+                   default=1, help="tensor-parallel size; adjacent ranks form a tensor-parallel "
+                                   "group (--tensor-model-parallel-size: later Megatron-LM's "
+                                   "name)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="pipeline stages: the transformer layers are split over this many "
                         "stages (embeddings on the first, the output layer on the last), "

@@ -1,6 +1,7 @@
 """Megatron-LM flags that are not flags of this trainer, each with what to do instead: a
 ported command line gets one error naming them all, not argparse's "unrecognized arguments".
-They come from Megatron-LM 1.1.5 (DeepSpeed's fork) and from the earlier Megatron-LM of
+They come from Megatron-LM 1.1.5 (DeepSpeed's fork), later Megatron-LM (whose renamed flags,
+such as --micro-batch-size, are aliases in flags.py), and from the earlier Megatron-LM of
 DeepSpeed's GPT-2 tutorial (DeepSpeedExamples' `Megatron-LM/`, whose `--train-data webtext`
 this trainer takes). Some ask for what this trainer always does; those are taken and said
 once at start-up.
@@ -17,6 +18,8 @@ _FP32_SCORES = ("an fp16 guard for Megatron's own attention kernel; here the sca
                 "prefer --bf16)")
 _TOKEN_LENGTHS = ("lengths in tokens are not built: give --train-iters and --lr-decay-iters "
                   "(tokens = iterations x global batch x --seq-length)")
+_SAMPLE_LENGTHS = ("lengths in samples are not built: give --train-iters, --lr-decay-iters "
+                   "and --warmup-iters (samples = iterations x --global-batch-size)")
 _OLD_LOADERS = ("a data loader of the tutorial's Megatron-LM that is not built: tokenize with "
                 "tools/preprocess_data.py and give --data-path, or give a loose-JSON corpus "
                 "(a \"text\" key per line) as --train-data")
@@ -41,6 +44,12 @@ NOT_TAKEN = {
     "--onnx-safe": "the MLP's GeLU is GPT-2's tanh form; the erf form for ONNX export is not "
                    "built",
     "--train-tokens": _TOKEN_LENGTHS,
+    "--train-samples": _SAMPLE_LENGTHS,
+    "--lr-decay-samples": _SAMPLE_LENGTHS,
+    "--lr-warmup-samples": _SAMPLE_LENGTHS,
+    "--rampup-batch-size": "ramping the batch size up is not built: the global batch is "
+                           "--global-batch-size from the first iteration",
+    "--kv-channels": "each head has --hidden-size / --num-attention-heads channels",
     "--lr-decay-tokens": _TOKEN_LENGTHS,
     "--scaled-upper-triang-masked-softmax-fusion": _FUSED_ATTENTION,
     "--scaled-masked-softmax-fusion": _FUSED_ATTENTION,

@@ -139,6 +139,9 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     raw = dict(raw)
     _fill_model_defaults(raw)
     _check_scalars(raw, INT_FLAGS)
+    require(not {"warmup", "warmup_iters"} <= set(given),
+            f"--warmup {raw['warmup']:g} and --warmup-iters {raw['warmup_iters']} both set the "
+            "warmup (as a fraction of --lr-decay-iters, and in iterations); give one")
     parallel = _parallel(raw, world_size)
     if raw["batch_size"] is None:  # --deepspeed without --batch-size
         raw["batch_size"] = engine.micro_batch_from_json(raw, parallel.data_parallel_size)

@@ -1,11 +1,11 @@
 """Resolving the flags: defaults derived once, and every inconsistency a ConfigError that shows
 the arithmetic."""
 
-import pytest
-
 import dataclasses
 import json
 import re
+
+import pytest
 
 from megatron.config import resolve_config
 from megatron.errors import ConfigError
@@ -146,6 +146,34 @@ def test_megatron_flags_not_taken_are_one_error_that_says_what_to_do_instead():
     with pytest.raises(ConfigError, match=r"flag not taken here \(drop it\): --bias-gelu-fusion: "
                                           r".*--compile fuses"):
         parse("--bias-gelu-fusion")
+
+
+def test_later_megatron_lm_names_are_aliases_and_its_sample_lengths_are_refused():
+    """Megatron-LM 2.x renamed four flags this trainer takes: the new names set the same
+    values; its sample-based lengths, batch ramp-up and --kv-channels are not built."""
+    argv = [a for i, a in enumerate(BASE) if "--batch-size" not in BASE[max(i - 1, 0):i + 1]]
+    old = resolve_config(argv + ["--batch-size", "2", "--model-parallel-size", "2",
+                                 "--warmup-iters", "3"], world_size=4)
+    new = resolve_config(argv + ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
+                                 "--lr-warmup-iters", "3"], world_size=4)
+    assert dataclasses.replace(new, engine=None) == dataclasses.replace(old, engine=None)
+    assert repr(new.engine) == repr(old.engine)  # the parsed DeepSpeed config compares by id
+    assert parse("--lr-warmup-fraction", "0.5").optimizer.warmup_iters == \
+        parse("--warmup", "0.5").optimizer.warmup_iters
+    for flags in (["--train-samples", "100"], ["--lr-decay-samples", "50"],
+                  ["--lr-warmup-samples", "5"]):
+        with pytest.raises(ConfigError, match=f"not taken here .*{flags[0]}: lengths in samples "
+                                              "are not built: give --train-iters"):
+            parse(*flags)
+    with pytest.raises(ConfigError, match="--rampup-batch-size: ramping the batch size up is "
+                                          "not built"):
+        parse("--rampup-batch-size", "4", "4", "100")
+    with pytest.raises(ConfigError, match="--kv-channels: each head has --hidden-size / "
+                                          "--num-attention-heads channels"):
+        parse("--kv-channels", "16")
+    with pytest.raises(ConfigError, match=r"^--warmup 0.1 and --warmup-iters 3 both set the "
+                                          r"warmup \(as a fraction"):
+        parse("--warmup", "0.1", "--lr-warmup-iters", "3")
 
 
 def test_megatron_flags_for_what_is_always_so_are_taken_and_said():
