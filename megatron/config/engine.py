@@ -138,7 +138,7 @@ def load_deepspeed_json(raw):
 
 def micro_batch_from_json(raw, data_parallel_size):
     """--deepspeed without --batch-size: the micro batch per GPU the DeepSpeed JSON sets."""
-    final, source = load_deepspeed_json(raw)
+    final, source = _without_auto_batch_keys(*load_deepspeed_json(raw))
     if all(final.get(key) is None for key in BATCH_KEYS):
         raise ConfigError(f"--batch-size is required: DeepSpeed config {source} sets no batch "
                           "size either (train_micro_batch_size_per_gpu / train_batch_size)")
@@ -164,8 +164,15 @@ def lr_from_json(raw):
     return float(lr)
 
 
+def _without_auto_batch_keys(final, source):
+    """Hugging Face's "auto" batch keys are left to the flags, as absent ones are."""
+    from zero.config.parsing import AUTO
+    return {key: value for key, value in final.items()
+            if not (key in BATCH_KEYS and value == AUTO)}, source
+
+
 def _from_deepspeed_json(raw, given, dp, num_micro_batches):
-    final, source = load_deepspeed_json(raw)
+    final, source = _without_auto_batch_keys(*load_deepspeed_json(raw))
     for dest, (flag, reason) in _NO_EFFECT_UNDER_DEEPSPEED.items():
         if dest in given:
             raise ConfigError(f"{flag} has no effect under --deepspeed: "
@@ -179,7 +186,7 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
     if all(final.get(key) is None for key in BATCH_KEYS):
         final["train_micro_batch_size_per_gpu"] = raw["batch_size"]
         final["gradient_accumulation_steps"] = num_micro_batches
-    if raw["clip_grad"] is not None and "gradient_clipping" not in final:
+    if raw["clip_grad"] is not None and final.get("gradient_clipping", "auto") == "auto":
         final["gradient_clipping"] = raw["clip_grad"]
     if raw["compile"]:
         from zero.config.parsing import AUTO

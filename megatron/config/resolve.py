@@ -114,19 +114,32 @@ def _refuse_data_blend(argv):
 
 
 def _split_value_with_a_dash(argv):
-    """`--split -1,50,1` as `--split=-1,50,1`: argparse takes a value starting with "-" (and
-    not a plain negative number) for a flag and says "expected one argument"; joined, the
-    value reaches the --split check, which says what is wrong with it."""
+    """`--split -1,50,1` as `--split=-1,50,1`, `--lr -1e-3` as `--lr=-1e-3`: argparse takes a
+    value starting with "-" (other than a plain negative number such as -1 or -0.5) for a flag
+    and says "expected one argument"; joined, the value reaches the flag's own check, which
+    says what is wrong with it."""
+    def negative_value(flag, value):
+        if not value.startswith("-") or value.startswith("--"):
+            return False
+        return flag == "--split" or _is_number(value)
     joined, i = [], 0
     while i < len(argv):
-        if argv[i] == "--split" and i + 1 < len(argv) and argv[i + 1].startswith("-") \
-                and not argv[i + 1].startswith("--"):
-            joined.append(f"--split={argv[i + 1]}")
+        if argv[i].startswith("--") and "=" not in argv[i] and i + 1 < len(argv) \
+                and negative_value(argv[i], argv[i + 1]):
+            joined.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
         else:
             joined.append(argv[i])
             i += 1
     return joined
+
+
+def _is_number(text):
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def require(condition, message):
@@ -158,6 +171,8 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     checkpoint = _checkpoint(raw)
     _check_optimizer_choice(raw, settled.ds_config)
     notes += settled.notes
+    if settled.ds_config.scheduler is None:  # else the JSON's schedule sets the lr
+        notes += _schedule_end_note(raw, training.train_iters)
     notes += _check_pipeline(raw, parallel, training, settled.ds_config)
     recompute = activation.activation_checkpointing(
         raw, settled.checkpoint_activations, settled.ds_config.activation_checkpointing,
@@ -407,6 +422,18 @@ def _optimizer(raw, clip_grad):
            else ()),
         cpu_optimizer=raw["cpu_optimizer"], cpu_torch_adam=raw["cpu_torch_adam"],
         optimizer=raw["optimizer"])
+
+
+def _schedule_end_note(raw, train_iters):
+    """Megatron's schedule holds --min-lr after --lr-decay-iters, whatever the style (constant
+    too, as in Megatron-LM 1.1.5): say so when the decay ends before training does."""
+    decay_iters = raw["lr_decay_iters"]
+    if decay_iters is None or decay_iters >= train_iters:
+        return ()
+    return (f" note: --lr-decay-iters {decay_iters} ends the {raw['lr_decay_style']} schedule "
+            f"before --train-iters {train_iters}: iterations {decay_iters + 1}-{train_iters} run "
+            f"at --min-lr {raw['min_lr']:g} (Megatron's rule, for every --lr-decay-style); "
+            "leave --lr-decay-iters out to schedule over the whole run",)
 
 
 def _check_optimizer_choice(raw, ds_config):

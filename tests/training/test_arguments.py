@@ -176,6 +176,23 @@ def test_later_megatron_lm_names_are_aliases_and_its_sample_lengths_are_refused(
         parse("--warmup", "0.1", "--lr-warmup-iters", "3")
 
 
+@pytest.mark.parametrize("flag", ["--lr", "--min-lr", "--weight-decay", "--init-method-std"])
+def test_a_negative_value_with_an_exponent_reaches_the_flags_own_check(flag):
+    """argparse reads `-1e-3` as a flag ("expected one argument"); it is the flag's value."""
+    with pytest.raises(ConfigError, match=f"^{flag} must be .*, got -0.001$"):
+        parse(flag, "-1e-3")
+
+
+def test_a_decay_that_ends_before_training_says_the_rest_runs_at_min_lr():
+    notes = parse("--lr-decay-style", "constant", "--lr-decay-iters", "4",
+                  "--warmup-iters", "0").notes
+    assert notes == (" note: --lr-decay-iters 4 ends the constant schedule before --train-iters "
+                     "10: iterations 5-10 run at --min-lr 0 (Megatron's rule, for every "
+                     "--lr-decay-style); leave --lr-decay-iters out to schedule over the whole "
+                     "run",)
+    assert parse("--lr-decay-iters", "10").notes == ()
+
+
 def test_megatron_flags_for_what_is_always_so_are_taken_and_said():
     from megatron.config.flags import build_parser
     from megatron.config.megatron_flags import ALWAYS_SO, NOT_TAKEN

@@ -74,6 +74,20 @@ def test_the_micro_batch_comes_from_the_config_without_batch_size(tmp_path):
         resolve_config(without)
 
 
+def test_hugging_face_auto_batch_and_clipping_keys_take_the_flags(tmp_path):
+    config = write_config(tmp_path, "auto.json", train_batch_size="auto",
+                          train_micro_batch_size_per_gpu="auto",
+                          gradient_accumulation_steps="auto", gradient_clipping="auto")
+    parsed = parse("--deepspeed", "--deepspeed_config", config, "--global-batch-size", 16,
+                   "--clip-grad", 0.5, world_size=2)
+    assert (parsed.training.batch_size, parsed.training.global_batch_size,
+            parsed.training.num_micro_batches) == (4, 16, 2)
+    assert parsed.engine.ds_config.gradient_clipping == 0.5
+    without = [a for i, a in enumerate(BASE) if "--batch-size" not in BASE[max(i - 1, 0):i + 1]]
+    with pytest.raises(ConfigError, match="--batch-size is required: DeepSpeed config"):
+        resolve_config(without + ["--deepspeed", "--deepspeed_config", config])
+
+
 def test_the_lr_comes_from_the_config_without_lr(tmp_path):
     """As --batch-size: under --deepspeed a JSON that sets the optimizer's lr needs no --lr."""
     without = [a for i, a in enumerate(BASE) if "--lr" not in BASE[max(i - 1, 0):i + 1]]
