@@ -172,6 +172,7 @@ def _without_auto_batch_keys(final, source):
 
 
 def _from_deepspeed_json(raw, given, dp, num_micro_batches):
+    from zero.config.parsing import AUTO
     final, source = _without_auto_batch_keys(*load_deepspeed_json(raw))
     for dest, (flag, reason) in _NO_EFFECT_UNDER_DEEPSPEED.items():
         if dest in given:
@@ -186,10 +187,9 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
     if all(final.get(key) is None for key in BATCH_KEYS):
         final["train_micro_batch_size_per_gpu"] = raw["batch_size"]
         final["gradient_accumulation_steps"] = num_micro_batches
-    if raw["clip_grad"] is not None and final.get("gradient_clipping", "auto") == "auto":
+    if raw["clip_grad"] is not None and final.get("gradient_clipping", AUTO) == AUTO:
         final["gradient_clipping"] = raw["clip_grad"]
     if raw["compile"]:
-        from zero.config.parsing import AUTO
         section = final.get("compile")
         if section in (None, AUTO) or isinstance(section, dict):  # else the parse says why
             final["compile"] = {**(section if isinstance(section, dict) else {}),
