@@ -10,7 +10,8 @@ describe the same thing fill what the JSON leaves out, or must agree with it:
     train_batch_size                  <->  --global-batch-size (taken from the JSON when the
                                            flag is not given)
     gradient_accumulation_steps       <->  --global-batch-size / (--batch-size x data-parallel)
-    fp16.enabled / bf16.enabled       <->  --fp16 / --bf16 (absent flags: the JSON decides)
+    fp16.enabled / bf16.enabled       <->  --fp16 / --bf16 (absent flags: the JSON decides;
+                                           "auto": the flags decide)
     gradient_clipping                 <->  --clip-grad (absent flag: the JSON decides)
     optimizer.params weight_decay,    <->  --weight-decay, --adam-beta1/2, --adam-eps (a given
       betas, eps ("auto" or absent:        flag fills "auto" or an absent key, else must agree)
@@ -178,8 +179,9 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
         if dest in given:
             raise ConfigError(f"{flag} has no effect under --deepspeed: "
                               f"{reason.format(source=source)}; drop the flag")
-    _apply_zero_flags(final, raw, source)
-    stage = final.get("zero_optimization", {}).get("stage", 0)
+    flag_keys = _apply_zero_flags(final, raw, source)
+    _settle_auto_precision(final, raw)
+    stage = final["zero_optimization"].get("stage", 0)
     if stage != 3 and (raw["remote_device"] is not None or raw["use_pin_memory"]):
         flag = "--remote-device" if raw["remote_device"] is not None else "--use-pin-memory"
         raise ConfigError(f"{flag} places ZeRO stage 3 parameter partitions (zero.Init), but "
@@ -195,7 +197,7 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
             final["compile"] = {**(section if isinstance(section, dict) else {}),
                                 "enabled": True}
     notes = _settle_optimizer_params(final, raw, given, source)
-    config = _parse(final, dp, source)
+    config = _parse(final, dp, source, flag_keys)
     _check_agreement(raw, given, config, source)
     global_batch, micro_batches = _settle_batch(raw, config, dp, source)
     fp16, bf16 = _settle_precision(raw, config, source)
@@ -255,37 +257,59 @@ def _settle_optimizer_params(final, raw, given, source):
     return tuple(notes)
 
 
-def _parse(config_dict, data_parallel_size, source):
-    """zero's strict parse of the final dict; errors name the user's file, not '(dict)'."""
+def _parse(config_dict, data_parallel_size, source, flag_keys=None):
+    """zero's strict parse of the final dict; errors name the user's file, not '(dict)', and
+    say which of the keys they name a flag set (`flag_keys`: {'section.key': '--flag value'})."""
     from zero.config.deepspeed_config import DeepSpeedConfig
     from zero.errors import ConfigError as ZeroConfigError
     try:
         return DeepSpeedConfig(config_dict, data_parallel_size)
     except ZeroConfigError as error:
         message = str(error).replace("DeepSpeed config (dict)", f"DeepSpeed config {source}")
+        overridden = [f"{flag} sets '{key}'" for key, flag in (flag_keys or {}).items()
+                      if f"'{key}'" in message]
+        if overridden:
+            message += f" ({', '.join(overridden)} over the config)"
         raise ZeroConfigError(message) from None
 
 
 def _apply_zero_flags(final, raw, source):
-    section = final.get("zero_optimization", {})
-    if isinstance(section, bool):  # ZeRO-1 era spelling: true = stage 1
-        section = {"stage": int(section)}
+    """Writes the --zero-* flags over the JSON's zero_optimization section; returns
+    {'zero_optimization.key': '--flag value'} for each key a flag set."""
+    from zero.config.parsing import AUTO, show
+    from zero.config.sections import TopLevelConfig
+    TopLevelConfig.translate_deprecated(final, source, "")  # a ZeRO-1 era boolean section
+    section = final.get("zero_optimization")
+    if section is None or section == AUTO:  # as zero's parse reads them: the defaults
+        section = {}
     if not isinstance(section, dict):
         raise ConfigError(f"DeepSpeed config {source}: 'zero_optimization' must be an object "
-                          f"{{...}}, got {section!r}")
+                          f"{{...}}, got {show(section)}")
     if raw["zero_stage"] is not None and raw["zero_stage"] not in (0, 1, 2, 3):
         raise ConfigError(f"--zero-stage {raw['zero_stage']} is not a ZeRO stage; use 0, 1, 2 "
                           "or 3")
+    flag_keys = {}
     for dest, key in ZERO_FLAG_KEYS:
         value = raw[dest]
         if value is None:
             continue
+        flag = f"--{dest.replace('_', '-')}"
         if key.endswith("bucket_size") and value < 1:
-            raise ConfigError(f"--{dest.replace('_', '-')} must be a positive number of "
-                              f"elements, got {value}")
+            raise ConfigError(f"{flag} must be a positive number of elements, got {value}")
         section[key] = value
-    if section or "zero_optimization" in final:
-        final["zero_optimization"] = section
+        flag_keys[f"zero_optimization.{key}"] = flag if isinstance(value, bool) \
+            else f"{flag} {value}"
+    final["zero_optimization"] = section
+    return flag_keys
+
+
+def _settle_auto_precision(final, raw):
+    """Hugging Face's "enabled": "auto" in 'fp16' / 'bf16' follows --fp16 / --bf16."""
+    from zero.config.parsing import AUTO
+    for key, flag_dest in (("fp16", "fp16"), ("bf16", "bf16"), ("bfloat16", "bf16")):
+        section = final.get(key)
+        if isinstance(section, dict) and section.get("enabled") == AUTO:
+            final[key] = {**section, "enabled": bool(raw[flag_dest])}
 
 
 def _check_agreement(raw, given, config, source):

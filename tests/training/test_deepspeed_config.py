@@ -88,6 +88,29 @@ def test_hugging_face_auto_batch_and_clipping_keys_take_the_flags(tmp_path):
         resolve_config(without + ["--deepspeed", "--deepspeed_config", config])
 
 
+def test_hugging_face_auto_precision_follows_the_flags(tmp_path):
+    fp16 = write_config(tmp_path, "fp16.json", fp16={"enabled": "auto", "loss_scale_window": 50})
+    parsed = parse("--deepspeed", "--deepspeed_config", fp16, "--fp16")
+    assert parsed.precision.fp16 and parsed.engine.ds_config.fp16.loss_scale_window == 50
+    parsed = parse("--deepspeed", "--deepspeed_config", fp16)
+    assert not parsed.precision.fp16 and not parsed.precision.bf16
+    bf16 = write_config(tmp_path, "bf16.json", bfloat16={"enabled": "auto"})
+    assert parse("--deepspeed", "--deepspeed_config", bf16, "--bf16").precision.bf16
+
+
+def test_old_and_empty_zero_sections_read_as_zero_reads_them(tmp_path, caplog):
+    """A ZeRO-1 era boolean section (with its 'allgather_size') and a null one."""
+    config = write_config(tmp_path, "bool.json", zero_optimization=True, allgather_size=1000)
+    with caplog.at_level("WARNING"):
+        zero_config = parse("--deepspeed", "--deepspeed_config", config).engine.ds_config
+    assert "boolean 'zero_optimization' is deprecated" in caplog.text
+    assert (zero_config.zero_optimization.stage,
+            zero_config.zero_optimization.allgather_bucket_size) == (1, 1000)
+    config = write_config(tmp_path, "null.json", zero_optimization=None)
+    zero_config = parse("--deepspeed", "--deepspeed_config", config, "--zero-stage", 2).engine
+    assert zero_config.ds_config.zero_optimization.stage == 2
+
+
 def test_the_lr_comes_from_the_config_without_lr(tmp_path):
     """As --batch-size: under --deepspeed a JSON that sets the optimizer's lr needs no --lr."""
     without = [a for i, a in enumerate(BASE) if "--lr" not in BASE[max(i - 1, 0):i + 1]]
@@ -161,6 +184,12 @@ BAD_FLAGS = {
     "offload-param-below-stage-3": (
         {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, [],
         "'zero_optimization.offload_param' needs ZeRO stage 3"),
+    "zero-stage-flag-below-the-offload": (
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+        ["--zero-stage", "0"], "'zero_optimization.stage' is 0 (--zero-stage 0 sets "
+        "'zero_optimization.stage' over the config)"),
+    "zero-optimization-not-an-object": ({"zero_optimization": [1]}, [],
+                                        "'zero_optimization' must be an object {{...}}, got [1]"),
     "bad-bucket": ({}, ["--zero-reduce-bucket-size", "0"],
                    "--zero-reduce-bucket-size must be a positive number"),
     "loss-scale-without-fp16": ({}, ["--loss-scale", "128"],
