@@ -32,6 +32,12 @@ _OLD_EVAL_DATA = ("validation and test data are --split's shares of the training
 _AUTORESUME = ("NVIDIA's cluster autoresume is not built: --exit-signal-handler saves and "
                "exits on SIGTERM, --exit-duration-in-mins before the allocation ends, and "
                "--load resumes")
+_TENSORBOARD_SCALARS = ("TensorBoard gets the log line's numbers (lm-loss, learning-rate, "
+                        "loss-scale, grad-norm, tokens-per-s, mfu) every --log-interval and "
+                        "each evaluation's loss and perplexity; this scalar is not written")
+_PHASE_TIMERS = ("the time per phase is the DeepSpeed config's \"wall_clock_breakdown\": true "
+                 "(printed every 'steps_per_print' steps, written by its 'tensorboard' "
+                 "section); the log line has the time per iteration")
 
 # flag -> why it is not taken and what to do instead
 NOT_TAKEN = {
@@ -92,6 +98,21 @@ NOT_TAKEN = {
     "--test-data-path": _OLD_LOADERS,
     "--input-data-sizes-file": _OLD_LOADERS,
     "--use-tfrecords": _OLD_LOADERS,
+    # later Megatron-LM's logging
+    "--log-params-norm": "the parameters' norm is not computed (the log line has the "
+                         "gradients' norm)",
+    "--log-num-zeros-in-grad": "zeros in the gradients are not counted",
+    "--log-timers-to-tensorboard": _PHASE_TIMERS,
+    "--timing-log-level": _PHASE_TIMERS,
+    "--timing-log-option": _PHASE_TIMERS,
+    "--tensorboard-log-interval": "TensorBoard is written with the log line, every "
+                                  "--log-interval",
+    "--tensorboard-queue-size": "TensorBoard's writer keeps its default queue",
+    "--log-batch-size-to-tensorboard": _TENSORBOARD_SCALARS,
+    "--log-memory-to-tensorboard": _TENSORBOARD_SCALARS,
+    "--log-world-size-to-tensorboard": _TENSORBOARD_SCALARS,
+    "--no-log-learning-rate-to-tensorboard": "the learning rate always goes to TensorBoard",
+    "--no-log-loss-scale-to-tensorboard": "the loss scale always goes to TensorBoard",
 }
 
 # flag -> what this trainer always does, which the flag asks for
@@ -106,6 +127,8 @@ ALWAYS_SO = {
                      "drawn",
     "--loose-json": "--train-data FILE.json is always read as loose JSON (one object a line)",
     "--shuffle": "the training samples are always shuffled, by --seed",
+    "--log-validation-ppl-to-tensorboard": "each evaluation's perplexity always goes to "
+                                           "TensorBoard (lm-loss-valid-ppl)",
 }
 
 

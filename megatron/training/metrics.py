@@ -1,4 +1,4 @@
-"""Timers, the per-interval training log line, metrics.jsonl and TensorBoard scalars.
+"""The per-interval training log line, metrics.jsonl and TensorBoard scalars.
 
 Rank 0 prints one Megatron-style line per log interval, appends the same numbers as one JSON
 object per line to `<log_dir>/metrics.jsonl` (append mode, so a resumed run continues the
@@ -9,11 +9,9 @@ MFU values are fractions (0.413) in the record, the JSON and TensorBoard; the li
 import json
 import math
 import os
-import time
 
 import torch
 
-from megatron.runtime import device as device_mod
 from megatron.errors import ConfigError
 
 METRICS_FILENAME = "metrics.jsonl"
@@ -44,69 +42,6 @@ def transformer_flops_per_token(num_params, num_layers, hidden_size, seq_length)
     backward twice that), as in the PaLM MFU definition.
     """
     return 6 * num_params + 12 * num_layers * hidden_size * seq_length
-
-
-class _Timer:
-    def __init__(self, name, synchronize):
-        self.name = name
-        self._synchronize = synchronize
-        self._elapsed = 0.0
-        self._started_at = None
-
-    def start(self):
-        assert self._started_at is None, f"timer {self.name!r} already started"
-        self._synchronize()
-        self._started_at = time.perf_counter()
-
-    def stop(self):
-        assert self._started_at is not None, f"timer {self.name!r} is not started"
-        self._synchronize()
-        self._elapsed += time.perf_counter() - self._started_at
-        self._started_at = None
-
-    def reset(self):
-        self._elapsed = 0.0
-        self._started_at = None
-
-    def elapsed(self, reset=True):
-        """Seconds accumulated so far (a running timer is included up to now)."""
-        running = self._started_at is not None
-        if running:
-            self.stop()
-        total = self._elapsed
-        if reset:
-            self._elapsed = 0.0
-        if running:
-            self.start()
-        return total
-
-
-class Timers:
-    """Named accumulating timers: `timers("forward").start()` ... `.stop()`.
-
-    Start and stop synchronise the device first, so GPU work queued before them is counted
-    where it runs: pass `device` (uses megatron.runtime.device.synchronize) or a `synchronize`
-    callable; with neither, nothing is synchronised (CPU).
-    """
-
-    def __init__(self, device=None, synchronize=None):
-        if synchronize is None:
-            synchronize = (lambda: device_mod.synchronize(device)) if device is not None \
-                else (lambda: None)
-        self._synchronize = synchronize
-        self._timers = {}
-
-    def __call__(self, name):
-        if name not in self._timers:
-            self._timers[name] = _Timer(name, self._synchronize)
-        return self._timers[name]
-
-    def log_string(self, names, normalizer=1.0, reset=True):
-        """' time (ms) | forward: 12.34 | backward: 20.00' for the named, existing timers."""
-        assert normalizer > 0.0
-        parts = [f"{name}: {self._timers[name].elapsed(reset=reset) * 1000.0 / normalizer:.2f}"
-                 for name in names if name in self._timers]
-        return " time (ms) | " + " | ".join(parts)
 
 
 class TrainingLogger:
@@ -165,16 +100,6 @@ class TrainingLogger:
         if self._writer is not None:
             self._writer.add_scalar(f"lm-loss-{split}", loss, iteration)
             self._writer.add_scalar(f"lm-loss-{split}-ppl", ppl, iteration)
-
-    def log_timers(self, timers, names, iteration, normalizer=1.0):
-        """Print the named timers (ms per `normalizer`) and write them as '<name>-time'."""
-        if not self.rank0:
-            return
-        if self._writer is not None:
-            for name in names:
-                seconds = timers(name).elapsed(reset=False)
-                self._writer.add_scalar(f"{name}-time", seconds * 1000.0 / normalizer, iteration)
-        print(timers.log_string(names, normalizer=normalizer), flush=True)
 
     def close(self):
         if self._jsonl is not None:

@@ -171,6 +171,15 @@ def test_later_megatron_lm_names_are_aliases_and_its_sample_lengths_are_refused(
     with pytest.raises(ConfigError, match="--kv-channels: each head has --hidden-size / "
                                           "--num-attention-heads channels"):
         parse("--kv-channels", "16")
+    with pytest.raises(ConfigError, match=r"--log-params-norm: the parameters' norm is not "
+                                          r"computed.*; --log-timers-to-tensorboard: the time "
+                                          r"per phase is the DeepSpeed config's "
+                                          r"\"wall_clock_breakdown\": true"):
+        parse("--log-params-norm", "--log-timers-to-tensorboard", "--tensorboard-log-interval",
+              "5")
+    assert parse("--log-validation-ppl-to-tensorboard").notes == (
+        " note: --log-validation-ppl-to-tensorboard asks for what this trainer always does: "
+        "each evaluation's perplexity always goes to TensorBoard (lm-loss-valid-ppl)",)
     with pytest.raises(ConfigError, match=r"^--warmup 0.1 and --warmup-iters 3 both set the "
                                           r"warmup \(as a fraction"):
         parse("--warmup", "0.1", "--lr-warmup-iters", "3")

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from megatron.training.metrics import (TrainingLogger, Timers, format_train_line, mfu,
+from megatron.training.metrics import (TrainingLogger, format_train_line, mfu,
                               transformer_flops_per_token)
 
 RECORD = {"iteration": 20, "train_iters": 200, "consumed_samples": 640, "ms_per_iter": 91.2,
@@ -134,36 +134,6 @@ def test_mfu_and_flops_helpers():
     assert mfu(1000.0, 6e9, 0) is None
     # 124M-parameter GPT-2: 6N + 12 * 12 layers * 768 * 1024
     assert transformer_flops_per_token(124_000_000, 12, 768, 1024) == 744_000_000 + 113_246_208
-
-
-def test_timers_accumulate_and_synchronize(monkeypatch):
-    import megatron.training.metrics as metrics_mod
-    syncs = []
-    timers = Timers(synchronize=lambda: syncs.append(1))
-    clock = iter([1.0, 1.5, 3.0, 3.25])
-    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: next(clock))
-    for _ in range(2):
-        timers("forward").start()
-        timers("forward").stop()
-    monkeypatch.undo()
-    assert len(syncs) == 4
-    assert timers("forward").elapsed(reset=False) == pytest.approx(0.75)
-    assert timers.log_string(["forward", "absent"], normalizer=2.0) == \
-        " time (ms) | forward: 375.00"
-    assert timers("forward").elapsed() == 0.0  # log_string reset it
-
-
-def test_timers_with_device_use_megatron_device(monkeypatch):
-    from megatron.runtime import device as device_mod
-    seen = []
-    monkeypatch.setattr(device_mod, "synchronize", lambda dev: seen.append(dev))
-    timers = Timers(device=torch.device("cpu"))
-    timers("step").start()
-    assert timers("step").elapsed() >= 0.0  # elapsed on a running timer keeps it running
-    timers("step").stop()
-    assert seen and all(d == torch.device("cpu") for d in seen)
-    with pytest.raises(AssertionError):
-        timers("step").stop()
 
 
 def test_mfu_never_exceeds_100_percent_when_the_measured_peak_is_too_low(capsys):
