@@ -66,6 +66,10 @@ def activation_checkpointing(raw, enabled, section, num_layers, model_parallel_s
         options = _recompute_options(chosen, section, num_layers // per_layer *
                                      (2 if raw["split_transformers"] else 1),
                                      model_parallel_size, notes)
+    elif section.number_checkpoints is not None:
+        notes.append(" note: 'activation_checkpointing.number_checkpoints' not used: it sizes "
+                     "DeepSpeed's activation checkpointing, which is off (add "
+                     "--checkpoint-activations --deepspeed-activation-checkpointing)")
     return ActivationCheckpointConfig(enabled, per_layer, raw["split_transformers"], options,
                                       tuple(notes))
 

@@ -173,6 +173,7 @@ def _without_auto_batch_keys(final, source):
 
 
 def _from_deepspeed_json(raw, given, dp, num_micro_batches):
+    from megatron.config.deepspeed_notes import unused_key_notes
     from zero.config.parsing import AUTO
     final, source = _without_auto_batch_keys(*load_deepspeed_json(raw))
     for dest, (flag, reason) in _NO_EFFECT_UNDER_DEEPSPEED.items():
@@ -198,6 +199,7 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
                                 "enabled": True}
     notes = _settle_optimizer_params(final, raw, given, source)
     config = _parse(final, dp, source, flag_keys)
+    notes += unused_key_notes(config, source)
     _check_agreement(raw, given, config, source)
     global_batch, micro_batches = _settle_batch(raw, config, dp, source)
     fp16, bf16 = _settle_precision(raw, config, source)

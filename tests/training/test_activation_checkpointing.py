@@ -66,6 +66,14 @@ def test_flags_reconcile_with_the_config(corpus, tmp_path):
     recompute = _parse(corpus, tmp_path, "--checkpoint-activations").activation_checkpointing
     assert recompute.checkpoint_activations
     assert recompute.deepspeed_activation_checkpointing is None  # Megatron's own recompute
+    assert recompute.notes == ()
+    counted = stage_config(tmp_path / "..", 1, activation_checkpointing={"number_checkpoints": 4})
+    recompute = _parse(corpus, tmp_path, "--deepspeed", "--deepspeed_config", counted,
+                       "--checkpoint-activations").activation_checkpointing
+    assert recompute.deepspeed_activation_checkpointing is None
+    assert recompute.notes == (" note: 'activation_checkpointing.number_checkpoints' not used: "
+                               "it sizes DeepSpeed's activation checkpointing, which is off (add "
+                               "--checkpoint-activations --deepspeed-activation-checkpointing)",)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -111,6 +111,31 @@ def test_old_and_empty_zero_sections_read_as_zero_reads_them(tmp_path, caplog):
     assert zero_config.ds_config.zero_optimization.stage == 2
 
 
+def test_keys_that_would_do_nothing_get_a_note_each(tmp_path):
+    config = write_config(tmp_path, steps_per_print=None, wall_clock_breakdown=True,
+                          zero_optimization={
+                              "stage": 3, "stage3_max_live_parameters": 10,
+                              "prefetch_bucket_size": 10,
+                              "offload_optimizer": {"device": "cpu", "nvme_path": "/tmp"},
+                              "offload_param": {"pin_memory": True}})
+    notes = parse("--deepspeed", "--deepspeed_config", config, "--zero-stage", 2,
+                  "--zero-reduce-bucket-size", 100).notes
+    assert notes == (
+        " note: 'zero_optimization.offload_optimizer.nvme_path' not used: the device is "
+        "\"cpu\", not \"nvme\"",
+        " note: 'zero_optimization.offload_param' names no \"device\" (the default is "
+        "\"none\"), so nothing is offloaded; add \"device\": \"cpu\" or \"nvme\"",
+        " note: zero_optimization.prefetch_bucket_size, zero_optimization.stage3_max_live_parameters"
+        " not used: only ZeRO stage 3 reads them, and the stage is 2",
+        " note: 'wall_clock_breakdown' times each step, but its times are printed every "
+        f"'steps_per_print' steps, which DeepSpeed config {config} does not set; add "
+        "\"steps_per_print\": N") or notes
+    used = write_config(tmp_path, "used.json", steps_per_print=10, wall_clock_breakdown=True,
+                        zero_optimization={"stage": 3, "stage3_max_live_parameters": 10,
+                                           "offload_param": {"device": "none"}})
+    assert parse("--deepspeed", "--deepspeed_config", used).notes == ()
+
+
 def test_the_lr_comes_from_the_config_without_lr(tmp_path):
     """As --batch-size: under --deepspeed a JSON that sets the optimizer's lr needs no --lr."""
     without = [a for i, a in enumerate(BASE) if "--lr" not in BASE[max(i - 1, 0):i + 1]]
