@@ -483,6 +483,9 @@ def _checkpoint(raw):
         require(raw["save"] is not None,
                 "--keep-last-n-checkpoints needs --save (the directory to prune)")
     save_interval = raw["save_interval"]
+    require(save_interval is None or raw["save"] is not None,
+            f"--save-interval {save_interval} needs --save (the directory checkpoints go to); "
+            "without it nothing is saved")
     if raw["save"] is not None and save_interval is None:
         save_interval = raw["train_iters"]
     return CheckpointConfig(

@@ -71,6 +71,10 @@ class TrainingLogger:
         if tensorboard_dir:
             self._writer = _open_tensorboard(tensorboard_dir)
 
+    @property
+    def writes_tensorboard(self):
+        return self._writer is not None
+
     def log_train(self, record):
         if not self.rank0:
             return

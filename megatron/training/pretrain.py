@@ -112,7 +112,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
         _final_evaluation(forward_step_func, backend, datasets, ctx, train_state, logger)
         if config.checkpoint.save and saved_at != train_state["iteration"]:
             backend.save(train_state["iteration"], train_state)
-        _print_summary(ctx, backend, train_state)
+        _print_summary(ctx, backend, train_state, logger)
         return train_state
     finally:
         if logger is not None:
@@ -200,7 +200,7 @@ def _final_evaluation(forward_step_func, backend, datasets, ctx, train_state, lo
 
 
 
-def _print_summary(ctx, backend, state):
+def _print_summary(ctx, backend, state, logger):
     config = ctx.config
     if not ctx.runtime.is_rank0:
         return
@@ -211,7 +211,7 @@ def _print_summary(ctx, backend, state):
     log_dir, tensorboard_dir = config.logging.log_dir, config.logging.tensorboard_dir
     if log_dir:
         lines.append(f" metrics:      {os.path.abspath(os.path.join(log_dir, 'metrics.jsonl'))}")
-    if tensorboard_dir:
+    if logger.writes_tensorboard:  # not when the tensorboard package is missing
         lines.append(f" tensorboard:  tensorboard --logdir {os.path.abspath(tensorboard_dir)}")
     print("\n".join(lines), flush=True)
 

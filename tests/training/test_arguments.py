@@ -83,6 +83,7 @@ def test_named_model_size_fills_unset_flags():
     (["--tile-factor", "2"], 1, "--tile-factor 2 has no effect without --memory-centric-tiled-linear"),
     (["--memory-centric-tiled-linear", "--tile-factor", "3"], 1, "--tile-factor 3 does not divide the layers"),
     (["--keep-last-n-checkpoints", "2"], 1, "--keep-last-n-checkpoints needs --save"),
+    (["--save-interval", "5"], 1, "--save-interval 5 needs --save (the directory checkpoints go to)"),
     (["--initial-loss-scale", "1000", "--fp16"], 1, "--initial-loss-scale 1000 must be a power of 2"),
     (["--loss-scale", "-1", "--fp16"], 1, "--loss-scale must be positive"),
     (["--fp16", "--initial-loss-scale", "1024", "--min-scale", "4096"], 1,

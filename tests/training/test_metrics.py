@@ -126,6 +126,7 @@ def test_missing_tensorboard_warns_once_and_continues(tmp_path, capsys, monkeypa
     logger.close()
     out = capsys.readouterr().out
     assert out.count("WARNING") == 1 and "tensorboard" in out
+    assert not logger.writes_tensorboard  # the end-of-run summary names no tensorboard dir
     assert len(_lines(tmp_path / "metrics.jsonl")) == 1
 
 
