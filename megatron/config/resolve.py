@@ -8,8 +8,10 @@ fills in or checks a flag again. Architecture checks are the model's own
 (`megatron.model.shape.check_shape`, which imports no torch), called from here.
 """
 
+import contextlib
 import itertools
 import math
+import re
 import sys
 from types import MappingProxyType
 
@@ -82,7 +84,26 @@ def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provide
     notes = always_so_notes(raw)
     notes += (describe(raw["load"], taken),) if taken else ()
     notes += resume_notes(raw)
-    return freeze(raw, given, world_size, notes, extra)
+    with _in_the_users_spelling(parser, argv):
+        return freeze(raw, given, world_size, notes, extra)
+
+
+@contextlib.contextmanager
+def _in_the_users_spelling(parser, argv):
+    """A ConfigError about a flag given under another name (`--micro-batch-size` for
+    `--batch-size`) names the flag as the user wrote it."""
+    try:
+        yield
+    except ConfigError as error:
+        message = str(error)
+        for action in parser._actions:  # argparse has no public way to reach every action
+            typed = [name for name in action.option_strings[1:]
+                     if any(arg == name or arg.startswith(name + "=") for arg in argv)]
+            if typed:
+                message = re.sub(rf"(?<![\w-]){re.escape(action.option_strings[0])}(?![\w-])",
+                                 typed[0], message)
+        error.args = (message,)
+        raise
 
 
 def parse_command_line(parser, argv):

@@ -181,7 +181,13 @@ def test_later_megatron_lm_names_are_aliases_and_its_sample_lengths_are_refused(
     assert parse("--log-validation-ppl-to-tensorboard").notes == (
         " note: --log-validation-ppl-to-tensorboard asks for what this trainer always does: "
         "each evaluation's perplexity always goes to TensorBoard (lm-loss-valid-ppl)",)
-    with pytest.raises(ConfigError, match=r"^--warmup 0.1 and --warmup-iters 3 both set the "
+    argv_errors = [(argv + ["--micro-batch-size", "0"], "^--micro-batch-size must be positive"),
+                   (BASE + ["--tensor-model-parallel-size", "3"],
+                    r"^world size 4 is not divisible by --tensor-model-parallel-size 3")]
+    for argv_with_error, message in argv_errors:  # the error names the flag as it was typed
+        with pytest.raises(ConfigError, match=message):
+            resolve_config(argv_with_error, world_size=4)
+    with pytest.raises(ConfigError, match=r"^--warmup 0.1 and --lr-warmup-iters 3 both set the "
                                           r"warmup \(as a fraction"):
         parse("--warmup", "0.1", "--lr-warmup-iters", "3")
 
