@@ -260,14 +260,15 @@ def _settle_optimizer_params(final, raw, given, source):
 
 
 def _parse(config_dict, data_parallel_size, source, flag_keys=None):
-    """zero's strict parse of the final dict; errors name the user's file, not '(dict)', and
-    say which of the keys they name a flag set (`flag_keys`: {'section.key': '--flag value'})."""
+    """zero's strict parse of the final dict. Its errors, and the engine's later ones, name
+    the user's file, not '(dict)'; its errors say which of the keys they name a flag set
+    (`flag_keys`: {'section.key': '--flag value'})."""
     from zero.config.deepspeed_config import DeepSpeedConfig
     from zero.errors import ConfigError as ZeroConfigError
     try:
-        return DeepSpeedConfig(config_dict, data_parallel_size)
+        return DeepSpeedConfig(config_dict, data_parallel_size, source=source)
     except ZeroConfigError as error:
-        message = str(error).replace("DeepSpeed config (dict)", f"DeepSpeed config {source}")
+        message = str(error)
         overridden = [f"{flag} sets '{key}'" for key, flag in (flag_keys or {}).items()
                       if f"'{key}'" in message]
         if overridden:

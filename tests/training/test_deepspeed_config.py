@@ -253,7 +253,9 @@ def test_deepspeed_flags_need_each_other():
     ({"zero_optimizaton": {"stage": 2}}, None,
      "unknown key 'zero_optimizaton' at the top level; did you mean 'zero_optimization'?"),
     ({}, "/nonexistent/ds.json", "DeepSpeed config file '/nonexistent/ds.json' does not exist"),
-], ids=["unknown-key", "missing-file"])
+    ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.01}}},
+     None, "SGD is not one of the optimizers ZeRO is tested with"),  # the engine's, at start
+], ids=["unknown-key", "missing-file", "untested-optimizer"])
 def test_config_mistakes_are_one_error_line(corpus, tmp_path, capsys, entries, path, message):
     config = path or write_config(tmp_path, **entries)
     assert run(corpus, tmp_path / "log", 2, "--deepspeed", "--deepspeed_config", config) == 2
@@ -339,9 +341,9 @@ def test_cpu_optimizer_flags_that_would_do_nothing_are_refused(tmp_path):
                                           r'section \("SGD"\) both choose the optimizer'):
         parse("--deepspeed", "--deepspeed_config", with_json_optimizer, "--cpu-optimizer")
     stage1 = write_config(tmp_path, zero_optimization={"stage": 1})
-    with pytest.raises(ConfigError, match="--cpu_torch_adam picks torch's AdamW as "
+    with pytest.raises(ConfigError, match="^--cpu-torch-adam picks torch's AdamW as "
                                           "--cpu-optimizer's CPU Adam; add --cpu-optimizer"):
-        parse("--deepspeed", "--deepspeed_config", stage1, "--cpu-torch-adam")
+        parse("--deepspeed", "--deepspeed_config", stage1, "--cpu-torch-adam")  # as typed
     offloaded = write_config(tmp_path, zero_optimization={
         "stage": 2, "offload_optimizer": {"device": "cpu"}})
     with pytest.raises(ConfigError, match="--cpu_torch_adam has no effect under "

@@ -439,6 +439,17 @@ def test_base64_config():
     assert "duplicate keys" in error_of(duplicated)
 
 
+def test_a_dict_read_from_a_file_keeps_the_files_name_in_errors(tmp_path):
+    config = {"train_batch_size": 4, "gradient_clipping": -1}
+    assert "DeepSpeed config (dict):" in error_of(config)
+    with pytest.raises(ConfigError, match=r"^DeepSpeed config my\.json: 'gradient_clipping'"):
+        DeepSpeedConfig(config, source="my.json")
+    assert DeepSpeedConfig({"train_batch_size": 4}, source="my.json").source == "my.json"
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 4}))
+    assert DeepSpeedConfig(str(path), source="ignored").source == str(path)  # a path names itself
+
+
 def test_dict_is_copied():
     given = {"train_batch_size": 4, "zero_optimization": {"stage": 2, "cpu_offload": True}}
     config = load(given)

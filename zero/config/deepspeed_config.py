@@ -32,11 +32,15 @@ class DeepSpeedConfig:
     """Parsed DeepSpeed config, frozen once parsed (its sections too); `raw` keeps the user's
     dict for checkpoints (`ds_config`)."""
 
-    def __init__(self, config, dp_world_size=1):
+    def __init__(self, config, dp_world_size=1, source=None):
+        """`config`: a dict, a JSON file's path or a base64 string; `source`: how errors
+        name a dict that came from a file (default "(dict)")."""
         if isinstance(dp_world_size, bool) or not isinstance(dp_world_size, int) \
                 or dp_world_size < 1:
             raise ValueError(f"dp_world_size must be a positive int, got {dp_world_size!r}")
-        raw, source = load_config_dict(config)
+        raw, loaded_from = load_config_dict(config)
+        if source is None or not isinstance(config, dict):
+            source = loaded_from
         self.raw = raw
         self.source = source
         self.dp_world_size = dp_world_size
