@@ -200,6 +200,7 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
     notes = _settle_optimizer_params(final, raw, given, source)
     config = _parse(final, dp, source, flag_keys)
     notes += unused_key_notes(config, source)
+    _check_pinned_partitions(raw, config, source)
     _check_agreement(raw, given, config, source)
     global_batch, micro_batches = _settle_batch(raw, config, dp, source)
     fp16, bf16 = _settle_precision(raw, config, source)
@@ -313,6 +314,18 @@ def _settle_auto_precision(final, raw):
         section = final.get(key)
         if isinstance(section, dict) and section.get("enabled") == AUTO:
             final[key] = {**section, "enabled": bool(raw[flag_dest])}
+
+
+def _check_pinned_partitions(raw, config, source):
+    """--use-pin-memory pins the stage 3 partitions zero.Init keeps in host memory; with the
+    parameters left on the compute device there is nothing to pin."""
+    offload = config.zero_optimization.offload_param
+    remote = raw["remote_device"] or (offload.device if offload is not None else "none")
+    if raw["use_pin_memory"] and remote == "none":
+        raise ConfigError("--use-pin-memory pins the parameter partitions kept in host memory, "
+                          "but they stay on the compute device: neither --remote-device nor "
+                          f"'zero_optimization.offload_param' in DeepSpeed config {source} "
+                          "moves them; add --remote-device cpu or drop --use-pin-memory")
 
 
 def _check_agreement(raw, given, config, source):

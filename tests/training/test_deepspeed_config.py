@@ -202,6 +202,10 @@ BAD_FLAGS = {
         {"zero_optimization": {"stage": 2}}, ["--remote-device", "cpu"],
         "--remote-device places ZeRO stage 3 parameter partitions (zero.Init), but the ZeRO "
         "stage is 2"),
+    "pin-memory-without-host-partitions": (
+        {"zero_optimization": {"stage": 3}}, ["--use-pin-memory"],
+        "--use-pin-memory pins the parameter partitions kept in host memory, but they stay on "
+        "the compute device"),
     "offload-at-stage-0": (
         {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, [],
         "'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3, but "
@@ -239,6 +243,17 @@ def test_inconsistent_flags_and_config_are_config_errors(tmp_path, name):
     with pytest.raises((ConfigError, zero.ConfigError)) as error:
         parse("--deepspeed", "--deepspeed_config", config, *extra, world_size=2)
     assert message.format(config=config) in str(error.value)
+
+
+def test_pinned_partitions_need_host_partitions(tmp_path):
+    stage3 = write_config(tmp_path, "stage3.json", zero_optimization={"stage": 3})
+    engine = parse("--deepspeed", "--deepspeed_config", stage3, "--use-pin-memory",
+                   "--remote-device", "cpu").engine
+    assert engine.use_pin_memory and engine.remote_device == "cpu"
+    offloaded = write_config(tmp_path, "offloaded.json", zero_optimization={
+        "stage": 3, "offload_param": {"device": "cpu"}})
+    assert parse("--deepspeed", "--deepspeed_config", offloaded,
+                 "--use-pin-memory").engine.use_pin_memory
 
 
 def test_deepspeed_flags_need_each_other():
