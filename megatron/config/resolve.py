@@ -81,7 +81,7 @@ def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provide
         from megatron.runtime.launch import discover_launch_environment
         world_size = discover_launch_environment().world_size
     extra = {key: value for key, value in raw.items() if key not in known}
-    notes = always_so_notes(raw)
+    notes = always_so_notes(raw) + _repeated_flag_notes(parser, argv)
     notes += (describe(raw["load"], taken),) if taken else ()
     notes += resume_notes(raw)
     with _in_the_users_spelling(parser, argv):
@@ -113,6 +113,27 @@ def parse_command_line(parser, argv):
     _refuse_data_blend(argv)
     argv = _split_value_with_a_dash(argv)
     return argv, vars(parser.parse_args(argv))
+
+
+def _repeated_flag_notes(parser, argv):
+    """A flag given more than once with different values keeps the last (argparse's rule,
+    which launch scripts rely on to let the user override their flags): one note each, so a
+    forgotten duplicate does not pass unseen."""
+    values = {}
+    for i, arg in enumerate(argv):
+        flag, joined, value = arg.partition("=")
+        action = parser._option_string_actions.get(flag)  # argparse's own table
+        if action is None or action.nargs is not None or action.const is not None:
+            continue  # not a flag with one value (store_true, lists, choices of a count)
+        if not joined:
+            value = argv[i + 1] if i + 1 < len(argv) else None
+        values.setdefault(action.dest, []).append((flag, value))
+    notes = []
+    for given in values.values():
+        if len({value for _, value in given}) > 1:
+            shown = ", then ".join(f"{flag} {value}" for flag, value in given)
+            notes.append(f" note: {shown}: the last one is used")
+    return tuple(notes)
 
 
 def _refuse_data_blend(argv):

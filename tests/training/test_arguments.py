@@ -209,6 +209,18 @@ def test_a_decay_that_ends_before_training_says_the_rest_runs_at_min_lr():
     assert parse("--lr-decay-iters", "10").notes == ()
 
 
+def test_a_flag_given_twice_with_different_values_keeps_the_last_and_says_so():
+    """Launch scripts let the user override their flags by appending them (argparse keeps
+    the last); a note makes a forgotten duplicate visible."""
+    parsed = parse("--lr", "5e-4", "--train-iters=20", "--micro-batch-size", "2", "--fp16",
+                   "--fp16", "--seed", "1234")
+    assert parsed.optimizer.lr == 5e-4 and parsed.training.train_iters == 20
+    assert parsed.notes == (" note: --batch-size 4, then --micro-batch-size 2: the last one is "
+                            "used",
+                            " note: --train-iters 10, then --train-iters 20: the last one is used",
+                            " note: --lr 1e-3, then --lr 5e-4: the last one is used")
+
+
 def test_megatron_flags_for_what_is_always_so_are_taken_and_said():
     from megatron.config.flags import build_parser
     from megatron.config.megatron_flags import ALWAYS_SO, NOT_TAKEN
