@@ -8,6 +8,7 @@ fills in or checks a flag again. Architecture checks are the model's own
 (`megatron.model.shape.check_shape`, which imports no torch), called from here.
 """
 
+import argparse
 import contextlib
 import itertools
 import math
@@ -123,8 +124,8 @@ def _repeated_flag_notes(parser, argv):
     for i, arg in enumerate(argv):
         flag, joined, value = arg.partition("=")
         action = parser._option_string_actions.get(flag)  # argparse's own table
-        if action is None or action.nargs is not None or action.const is not None:
-            continue  # not a flag with one value (store_true, lists, choices of a count)
+        if not isinstance(action, argparse._StoreAction) or action.nargs is not None:
+            continue  # not a flag that stores one value (store_true, append, lists)
         if not joined:
             value = argv[i + 1] if i + 1 < len(argv) else None
         values.setdefault(action.dest, []).append((flag, value))

@@ -220,6 +220,13 @@ def test_a_flag_given_twice_with_different_values_keeps_the_last_and_says_so():
                             " note: --train-iters 10, then --train-iters 20: the last one is used",
                             " note: --lr 1e-3, then --lr 5e-4: the last one is used")
 
+    def tags(parser):  # a script's own flag that collects every value
+        parser.add_argument("--tag", action="append")
+        return parser
+    parsed = resolve_config(BASE + ["--tag", "a", "--tag", "b"], world_size=1,
+                            extra_args_provider=tags)
+    assert parsed.extra["tag"] == ["a", "b"] and parsed.notes == ()
+
 
 def test_megatron_flags_for_what_is_always_so_are_taken_and_said():
     from megatron.config.flags import build_parser
