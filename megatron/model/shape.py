@@ -32,8 +32,9 @@ def check_shape(model, model_parallel_size):
                           f"{model_parallel_size!r}")
     require_divides(model.num_attention_heads, "--num-attention-heads", model.hidden_size,
                     "--hidden-size")
+    # (--ffn-hidden-size's default, 4 x hidden, is divisible whenever the heads are)
     for value, flag in ((model.num_attention_heads, "--num-attention-heads"),
-                        (model.ffn_hidden_size, "--ffn-hidden-size (default 4 * hidden)")):
+                        (model.ffn_hidden_size, "--ffn-hidden-size")):
         require_divides(model_parallel_size, "--model-parallel-size", value, flag)
     if model.memory_centric_tiled_linear:
         check_tile_factor(model.tile_factor, model.hidden_size, model.ffn_hidden_size,

@@ -140,7 +140,8 @@ BAD_LAYOUTS = {
                                   "--model-parallel-size 2 must divide "
                                   "--num-attention-heads 3"),
     "ffn-not-divisible-by-tp": (["--ffn-hidden-size", "65", "--model-parallel-size", "2"],
-                                "--model-parallel-size 2 must divide --ffn-hidden-size"),
+                                "--model-parallel-size 2 must divide --ffn-hidden-size 65 "
+                                "(65 % 2 = 1)"),
 }
 
 
