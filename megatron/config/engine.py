@@ -42,6 +42,7 @@ Without --deepspeed the flags are the whole story:
 
 import copy
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -143,8 +144,13 @@ def micro_batch_from_json(raw, data_parallel_size):
     if all(final.get(key) is None for key in BATCH_KEYS):
         raise ConfigError(f"--batch-size is required: DeepSpeed config {source} sets no batch "
                           "size either (train_micro_batch_size_per_gpu / train_batch_size)")
-    return _parse(copy.deepcopy(final), data_parallel_size,
-                  source).train_micro_batch_size_per_gpu
+    deprecations = logging.getLogger("zero.config.deepspeed_config")
+    deprecations.disabled = True  # the config's full parse, later, warns once
+    try:
+        return _parse(copy.deepcopy(final), data_parallel_size,
+                      source).train_micro_batch_size_per_gpu
+    finally:
+        deprecations.disabled = False
 
 
 def lr_from_json(raw):

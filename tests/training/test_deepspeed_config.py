@@ -106,6 +106,14 @@ def test_old_and_empty_zero_sections_read_as_zero_reads_them(tmp_path, caplog):
     assert "boolean 'zero_optimization' is deprecated" in caplog.text
     assert (zero_config.zero_optimization.stage,
             zero_config.zero_optimization.allgather_bucket_size) == (1, 1000)
+    caplog.clear()
+    without_batch_size = [a for i, a in enumerate(BASE)
+                          if "--batch-size" not in BASE[max(i - 1, 0):i + 1]]
+    config = write_config(tmp_path, "micro.json", train_micro_batch_size_per_gpu=2,
+                          zero_optimization={"stage": 2, "cpu_offload": True})
+    with caplog.at_level("WARNING"):  # the micro batch is read from it first: one warning
+        resolve_config(without_batch_size + ["--deepspeed", "--deepspeed_config", config])
+    assert caplog.text.count("'zero_optimization.cpu_offload' is deprecated") == 1
     config = write_config(tmp_path, "null.json", zero_optimization=None)
     zero_config = parse("--deepspeed", "--deepspeed_config", config, "--zero-stage", 2).engine
     assert zero_config.ds_config.zero_optimization.stage == 2
