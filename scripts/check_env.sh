@@ -12,8 +12,12 @@
 #   require_below NODE_RANK NNODES     # the first < the second (both already checked)
 #   note_unread PP_SIZE PP PIPELINE_MODEL_PARALLEL_SIZE   # the others set: a note naming the first
 #   refuse_script_flags PP_SIZE=--pipeline-model-parallel-size -- "$@"   # the flag in "$@": error
+#   take_trainer_flags "$@"   # --train-iters 20 among the arguments sets TRAIN_ITERS=20, ...
 
 _env_error() { echo "$*" >&2; exit 2; }
+
+declare -A _FLAG_OF=()  # a variable take_script_flags set -> the flag it came from
+_named() { echo "${_FLAG_OF[$1]:-$1}"; }  # how an error names the variable's value
 
 require_whole() {
     local min="$1" name value
@@ -22,7 +26,7 @@ require_whole() {
         value="${!name:-}"
         [ -n "$value" ] || continue
         if ! [[ "$value" =~ ^[0-9]{1,18}$ ]] || (( 10#$value < min )); then
-            _env_error "$name must be a whole number >= $min (got '$value')"
+            _env_error "$(_named "$name") must be a whole number >= $min (got '$value')"
         fi
         printf -v "$name" '%d' "$(( 10#$value ))"  # 08 is 8, not an octal error, in $(( ))
     done
@@ -34,7 +38,7 @@ require_number() {
         value="${!name:-}"
         [ -n "$value" ] || continue
         if ! [[ "$value" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]]; then
-            _env_error "$name must be a non-negative number such as 3, 0.5 or 1e-3 (got '$value')"
+            _env_error "$(_named "$name") must be a non-negative number such as 3, 0.5 or 1e-3 (got '$value')"
         fi
     done
 }
@@ -82,4 +86,58 @@ refuse_script_flags() {
             fi
         done
     done
+}
+
+take_script_flags() {
+    # VAR=--flag pairs, then --, then the script's extra arguments. The script passes VAR as
+    # --flag itself and derives other values from it (the warmup and the save interval from
+    # TRAIN_ITERS, --max-position-embeddings from SEQ_LEN, the global batch from MICRO_BATCH),
+    # so a --flag among the arguments is read into VAR and what the script derives follows
+    # it. VAR set in the environment to another value as well is an error: which is meant?
+    local pairs=() pair var flag value i args=()
+    while [ "$1" != "--" ]; do pairs+=("$1"); shift; done
+    shift
+    args=("$@")
+    for pair in "${pairs[@]}"; do
+        var="${pair%%=*}"; flag="${pair#*=}"
+        for ((i = 0; i < ${#args[@]}; i++)); do
+            if [ "${args[$i]}" = "$flag" ]; then
+                value="${args[$((i + 1))]:-}"
+            elif [[ "${args[$i]}" == "$flag="* ]]; then
+                value="${args[$i]#*=}"
+            else
+                continue
+            fi
+            if [ -n "${!var:-}" ] && [ -z "${_FLAG_OF[$var]:-}" ] && [ "${!var}" != "$value" ]
+            then  # (a flag given twice: the last wins, as in pretrain_gpt2.py)
+                _env_error "$var=${!var} and $flag $value both set $var: give one of them"
+            fi
+            printf -v "$var" '%s' "$value"
+            _FLAG_OF[$var]="$flag"
+        done
+    done
+}
+
+take_trainer_flags() {
+    # The pretrain_gpt2.py flags the launch scripts build from their variables (the same
+    # names in every script). --warmup/--lr-warmup-fraction (a fraction) replaces the
+    # script's --warmup-iters: WARMUP_FRACTION_GIVEN=1 says so.
+    take_script_flags NLAYERS=--num-layers NHIDDEN=--hidden-size NHEADS=--num-attention-heads \
+        SEQ_LEN=--seq-length MICRO_BATCH=--batch-size MICRO_BATCH=--micro-batch-size \
+        GLOBAL_BATCH=--global-batch-size TRAIN_ITERS=--train-iters LR=--lr MIN_LR=--min-lr \
+        WARMUP_ITERS=--warmup-iters WARMUP_ITERS=--lr-warmup-iters \
+        LOG_INTERVAL=--log-interval EVAL_INTERVAL=--eval-interval EVAL_ITERS=--eval-iters \
+        SAVE_INTERVAL=--save-interval -- "$@"
+    WARMUP_FRACTION_GIVEN=""
+    local arg
+    for arg in "$@"; do
+        case "$arg" in --warmup|--warmup=*|--lr-warmup-fraction|--lr-warmup-fraction=*)
+            WARMUP_FRACTION_GIVEN=1 ;;
+        esac
+    done
+    if [ -n "$WARMUP_FRACTION_GIVEN" ] && [ -n "${WARMUP_ITERS:-}" ]; then
+        local iters="WARMUP_ITERS=$WARMUP_ITERS"
+        [ -z "${_FLAG_OF[WARMUP_ITERS]:-}" ] || iters="${_FLAG_OF[WARMUP_ITERS]} $WARMUP_ITERS"
+        _env_error "$iters and --warmup (a fraction) both set the warmup: give one of them"
+    fi
 }

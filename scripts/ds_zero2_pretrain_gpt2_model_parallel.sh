@@ -38,6 +38,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/check_env.sh"  # pretrain_gpt2_distributed.sh checks its own variables
+take_trainer_flags "$@"  # before the defaults below: --batch-size 4 is MICRO_BATCH=4
 require_one_of ZERO_STAGE 0 1 2 3
 
 if [ -z "${MP_SIZE:-}" ]; then

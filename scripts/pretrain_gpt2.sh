@@ -23,7 +23,7 @@
 # The sizes are scaled down from the original script's 345M model (24 layers, hidden 1024,
 # seq 1024, fp16 on GPUs) so that it trains in a few minutes on a 2-core CPU.  Override with:
 #   NLAYERS=6 NHIDDEN=384 NHEADS=6 SEQ_LEN=256 MICRO_BATCH=8 GLOBAL_BATCH=(micro batch)
-#   TRAIN_ITERS=300 LR=1e-3 MIN_LR=1e-4 WARMUP_ITERS=30 VOCAB_SIZE=8192
+#   TRAIN_ITERS=300 LR=1e-3 MIN_LR=(LR / 10) WARMUP_ITERS=(TRAIN_ITERS / 10) VOCAB_SIZE=8192
 #   PRECISION=bf16|fp16|fp32    (default: the faster of bf16 and fp32 on this machine, measured
 #                                at start-up in under a second and said in one line; a --bf16
 #                                or --fp16 argument wins. 16-bit keeps fp32 master weights)
@@ -41,6 +41,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 source scripts/check_env.sh  # before any arithmetic, setup or data preparation
+take_trainer_flags "$@"  # e.g. --train-iters 20: TRAIN_ITERS, and the warmup follows it
 require_whole 1 NLAYERS NHIDDEN NHEADS SEQ_LEN MICRO_BATCH GLOBAL_BATCH TRAIN_ITERS VOCAB_SIZE \
     LOG_INTERVAL EVAL_INTERVAL SAVE_INTERVAL WORKERS
 require_whole 0 WARMUP_ITERS EVAL_ITERS
@@ -49,7 +50,8 @@ require_one_of PRECISION bf16 fp16 fp32
 
 NLAYERS="${NLAYERS:-6}"; NHIDDEN="${NHIDDEN:-384}"; NHEADS="${NHEADS:-6}"
 SEQ_LEN="${SEQ_LEN:-256}"; MICRO_BATCH="${MICRO_BATCH:-8}"; GLOBAL_BATCH="${GLOBAL_BATCH:-$MICRO_BATCH}"
-TRAIN_ITERS="${TRAIN_ITERS:-300}"; LR="${LR:-1e-3}"; MIN_LR="${MIN_LR:-1e-4}"
+TRAIN_ITERS="${TRAIN_ITERS:-300}"; LR="${LR:-1e-3}"
+MIN_LR="${MIN_LR:-$(awk -v lr="$LR" 'BEGIN { printf "%g", lr / 10 }')}"
 WARMUP_ITERS="${WARMUP_ITERS:-$(( TRAIN_ITERS / 10 ))}"; VOCAB_SIZE="${VOCAB_SIZE:-8192}"
 DATA_DIR="${DATA_DIR:-$ROOT/data}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small}"
@@ -66,9 +68,11 @@ print_compute_estimate "$NLAYERS" "$NHIDDEN" "$VOCAB_SIZE" "$SEQ_LEN" "$TRAIN_IT
 
 MODEL_ARGS=(--num-layers "$NLAYERS" --hidden-size "$NHIDDEN" --num-attention-heads "$NHEADS"
             --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN")
+WARMUP_ARGS=(--warmup-iters "$WARMUP_ITERS")
+[ -z "$WARMUP_FRACTION_GIVEN" ] || WARMUP_ARGS=()  # the --warmup fraction given decides
 TRAIN_ARGS=(--batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
             --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine
-            --warmup-iters "$WARMUP_ITERS" --weight-decay 1e-2 --clip-grad 1.0
+            "${WARMUP_ARGS[@]}" --weight-decay 1e-2 --clip-grad 1.0
             --attention-dropout 0.0 --hidden-dropout 0.0 "${PRECISION_FLAGS[@]}")
 DATA_ARGS=(--data-path "${DATA_PREFIX}_text_document" --split 949,50,1
            --tokenizer-type GPT2BPETokenizer --vocab-file "$TOKENIZER_DIR/vocab.json"

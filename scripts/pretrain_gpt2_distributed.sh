@@ -34,7 +34,7 @@
 #   NLAYERS=6 NHIDDEN=384 NHEADS=6 SEQ_LEN=256 MICRO_BATCH=4 GLOBAL_BATCH=(micro x data-parallel,
 #   times 4 x PP_SIZE with pipeline stages: 4 x PP_SIZE micro batches keep each stage's bubble
 #   (P-1)/(m+P-1) near 20%)
-#   TRAIN_ITERS=300 LR=1e-3 MIN_LR=1e-4 WARMUP_ITERS=30 VOCAB_SIZE=8192
+#   TRAIN_ITERS=300 LR=1e-3 MIN_LR=(LR / 10) WARMUP_ITERS=(TRAIN_ITERS / 10) VOCAB_SIZE=8192
 #   PRECISION=bf16|fp16|fp32 (default: one node measures the faster of bf16 and fp32; several
 #   nodes take bf16)
 #   DATA_DIR=data  CHECKPOINT_DIR=checkpoints/gpt2_small_distributed
@@ -53,6 +53,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 source scripts/check_env.sh  # before any arithmetic, setup or data preparation
+take_trainer_flags "$@"  # e.g. --train-iters 20: TRAIN_ITERS, and the warmup follows it
 require_whole 1 NNODES MASTER_PORT MP_SIZE PP_SIZE VP_LAYERS GPUS_PER_NODE OMP_NUM_THREADS \
     NLAYERS NHIDDEN NHEADS SEQ_LEN MICRO_BATCH GLOBAL_BATCH TRAIN_ITERS VOCAB_SIZE \
     LOG_INTERVAL EVAL_INTERVAL SAVE_INTERVAL WORKERS
@@ -76,7 +77,8 @@ MP_SIZE="${MP_SIZE:-1}"; PP_SIZE="${PP_SIZE:-1}"; VP_LAYERS="${VP_LAYERS:-}"
 
 NLAYERS="${NLAYERS:-6}"; NHIDDEN="${NHIDDEN:-384}"; NHEADS="${NHEADS:-6}"
 SEQ_LEN="${SEQ_LEN:-256}"; MICRO_BATCH="${MICRO_BATCH:-4}"
-TRAIN_ITERS="${TRAIN_ITERS:-300}"; LR="${LR:-1e-3}"; MIN_LR="${MIN_LR:-1e-4}"
+TRAIN_ITERS="${TRAIN_ITERS:-300}"; LR="${LR:-1e-3}"
+MIN_LR="${MIN_LR:-$(awk -v lr="$LR" 'BEGIN { printf "%g", lr / 10 }')}"
 WARMUP_ITERS="${WARMUP_ITERS:-$(( TRAIN_ITERS / 10 ))}"; VOCAB_SIZE="${VOCAB_SIZE:-8192}"
 DATA_DIR="${DATA_DIR:-$ROOT/data}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small_distributed}"
@@ -163,9 +165,11 @@ MODEL_ARGS=(--model-parallel-size "$MP_SIZE" --pipeline-model-parallel-size "$PP
             ${VP_LAYERS:+--num-layers-per-virtual-pipeline-stage "$VP_LAYERS"}
             --num-layers "$NLAYERS" --hidden-size "$NHIDDEN" --num-attention-heads "$NHEADS"
             --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN")
+WARMUP_ARGS=(--warmup-iters "$WARMUP_ITERS")
+[ -z "$WARMUP_FRACTION_GIVEN" ] || WARMUP_ARGS=()  # the --warmup fraction given decides
 TRAIN_ARGS=(--batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
             --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine
-            --warmup-iters "$WARMUP_ITERS" --weight-decay 1e-2 --clip-grad 1.0
+            "${WARMUP_ARGS[@]}" --weight-decay 1e-2 --clip-grad 1.0
             --attention-dropout 0.0 --hidden-dropout 0.0 "${PRECISION_FLAGS[@]}")
 DATA_ARGS=(--data-path "${DATA_PREFIX}_text_document" --split 949,50,1
            --tokenizer-type GPT2BPETokenizer --vocab-file "$TOKENIZER_DIR/vocab.json"

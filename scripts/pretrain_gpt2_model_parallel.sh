@@ -36,6 +36,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/check_env.sh"  # pretrain_gpt2_distributed.sh checks the others
+take_trainer_flags "$@"  # before the defaults below: --batch-size 4 is MICRO_BATCH=4
 require_whole 1 MP_SIZE PP_SIZE
 
 export MP_SIZE="${MP_SIZE:-2}"

@@ -82,6 +82,41 @@ def test_good_and_unset_values_pass_and_leading_zeros_are_dropped():
     assert done.stdout.split() == ["8", "300", "0"]
 
 
+def test_trainer_flags_set_the_variables_the_script_builds_them_from():
+    """`bash scripts/pretrain_gpt2.sh --train-iters 20` is TRAIN_ITERS=20: the warmup and the
+    save interval the script derives from it follow (before, its --warmup-iters 30 was more
+    than the 20 iterations and the trainer refused the run)."""
+    done = _checked("take_trainer_flags --train-iters 20 --micro-batch-size=4 --lr 5e-4 "
+                    "--train-iters 30 --fp16; echo $TRAIN_ITERS $MICRO_BATCH $LR "
+                    "${_FLAG_OF[TRAIN_ITERS]} ${WARMUP_FRACTION_GIVEN:-none}", LR="5e-4")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["30", "4", "5e-4", "--train-iters", "none"]
+    done = _checked("take_trainer_flags --warmup 0.1; echo $WARMUP_FRACTION_GIVEN")
+    assert done.stdout.split() == ["1"]
+
+
+@pytest.mark.parametrize("script, variables, extra, message", [
+    ("pretrain_gpt2.sh", dict(TRAIN_ITERS="10"), ["--train-iters", "4"],
+     "TRAIN_ITERS=10 and --train-iters 4 both set TRAIN_ITERS: give one of them"),
+    ("ds_pretrain_gpt2.sh", {}, ["--batch-size", "8x"],
+     "--batch-size must be a whole number >= 1 (got '8x')"),
+    ("pretrain_gpt2_distributed.sh", {}, ["--lr", "fast"],
+     "--lr must be a non-negative number such as 3, 0.5 or 1e-3 (got 'fast')"),
+    ("pretrain_gpt2_distributed.sh", dict(WARMUP_ITERS="3"), ["--warmup", "0.1"],
+     "WARMUP_ITERS=3 and --warmup (a fraction) both set the warmup: give one of them"),
+    ("pretrain_gpt2.sh", {}, ["--lr-warmup-iters=2", "--lr-warmup-fraction", "0.1"],
+     "--lr-warmup-iters 2 and --warmup (a fraction) both set the warmup: give one of them"),
+], ids=["env-and-flag", "wrapper-bad-value", "bad-lr", "env-and-fraction", "two-warmups"])
+def test_a_trainer_flag_against_its_variable_stops_the_script_before_setup(
+        tmp_path, script, variables, extra, message):
+    env = clean_environment(PYTHON="false", VENV=str(tmp_path / "venv"), **variables)
+    done = subprocess.run(["bash", f"scripts/{script}", *extra], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [message]
+    assert not (tmp_path / "venv").exists()
+
+
 def test_a_number_too_long_for_bash_arithmetic_is_refused():
     done = _checked("require_whole 1 N", N="1" * 19)
     assert done.returncode == 2
@@ -90,8 +125,8 @@ def test_a_number_too_long_for_bash_arithmetic_is_refused():
 
 @pytest.mark.parametrize("script, extra, message", [
     ("pretrain_gpt2.sh", ["--fp166"], "pretrain_gpt2.py: error: unrecognized arguments: --fp166"),
-    ("pretrain_gpt2_distributed.sh", ["--lr", "fast"],
-     "pretrain_gpt2.py: error: argument --lr: invalid float value: 'fast'"),
+    ("pretrain_gpt2_distributed.sh", ["--clip-grad", "fast"],
+     "pretrain_gpt2.py: error: argument --clip-grad: invalid float value: 'fast'"),
     ("ds_pretrain_gpt2.sh", ["--split", "-1,50,1"],
      "error: --split '-1,50,1' needs non-negative weights"),
 ], ids=["typo", "bad-value", "bad-split"])
