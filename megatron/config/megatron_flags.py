@@ -33,8 +33,9 @@ _AUTORESUME = ("NVIDIA's cluster autoresume is not built: --exit-signal-handler 
                "exits on SIGTERM, --exit-duration-in-mins before the allocation ends, and "
                "--load resumes")
 _TENSORBOARD_SCALARS = ("TensorBoard gets the log line's numbers (lm-loss, learning-rate, "
-                        "loss-scale, grad-norm, tokens-per-s, mfu) every --log-interval and "
-                        "each evaluation's loss and perplexity; this scalar is not written")
+                        "loss-scale, grad-norm, ms-per-iteration, tokens-per-s, mfu, "
+                        "skipped-iterations) every --log-interval and each evaluation's loss "
+                        "and perplexity; this scalar is not written")
 _PHASE_TIMERS = ("the time per phase is the DeepSpeed config's \"wall_clock_breakdown\": true "
                  "(printed every 'steps_per_print' steps, written by its 'tensorboard' "
                  "section); the log line has the time per iteration")

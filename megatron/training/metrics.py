@@ -20,8 +20,9 @@ METRICS_FILENAME = "metrics.jsonl"
 _JSON_KEYS = ("iteration", "consumed_samples", "lm_loss", "lr", "loss_scale", "grad_norm",
               "ms_per_iter", "tokens_per_s", "mfu", "skipped_iters")
 _TENSORBOARD_TAGS = {"lm_loss": "lm-loss", "lr": "learning-rate", "loss_scale": "loss-scale",
-                     "grad_norm": "grad-norm", "tokens_per_s": "tokens-per-s", "mfu": "mfu",
-                     "pipeline_bubble": "pipeline-bubble"}
+                     "grad_norm": "grad-norm", "ms_per_iter": "ms-per-iteration",
+                     "tokens_per_s": "tokens-per-s", "mfu": "mfu",
+                     "skipped_iters": "skipped-iterations", "pipeline_bubble": "pipeline-bubble"}
 
 
 def mfu(tokens_per_s, flops_per_token, peak_flops):

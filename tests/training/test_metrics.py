@@ -104,8 +104,10 @@ def test_tensorboard_event_file_has_the_scalars(tmp_path, capsys):
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"lm-loss", "learning-rate", "loss-scale", "grad-norm", "tokens-per-s", "mfu",
-            "lm-loss vs samples", "lm-loss-valid", "lm-loss-valid-ppl"} <= tags
+    assert {"lm-loss", "learning-rate", "loss-scale", "grad-norm", "ms-per-iteration",
+            "tokens-per-s", "mfu", "skipped-iterations", "lm-loss vs samples", "lm-loss-valid",
+            "lm-loss-valid-ppl"} <= tags  # the log line's numbers, as the design says
+    assert events.Scalars("ms-per-iteration")[0].value == pytest.approx(91.2)
     by_samples = events.Scalars("lm-loss vs samples")[0]
     assert by_samples.step == 640 and by_samples.value == pytest.approx(6.912345)
     assert events.Scalars("learning-rate")[0].step == 20
