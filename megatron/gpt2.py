@@ -16,8 +16,8 @@ def train_valid_test_datasets_provider(ctx, num_samples):
     data = ctx.config.data
     data_prefix = data.data_path
     if data.train_data is not None:
-        from megatron.data.corpora import prepare_loose_json_corpus, resolve_corpus
-        data_prefix = prepare_loose_json_corpus(resolve_corpus(data.train_data), ctx.tokenizer)
+        from megatron.data.corpora import corpus_data_prefix
+        data_prefix = corpus_data_prefix(data.train_data, ctx.tokenizer)
     train, valid, test = build_train_valid_test_datasets(
         data_prefix, data.split, num_samples, data.seq_length, ctx.config.parallel.seed,
         skip_warmup=not data.mmap_warmup)

@@ -41,11 +41,11 @@ def build(argv=None):
     data, seed = config.data, config.parallel.seed
     data_prefix = data.data_path
     if data.train_data is not None:
-        from megatron.data.corpora import prepare_loose_json_corpus, resolve_corpus
+        from megatron.data.corpora import corpus_data_prefix
         from megatron.tokenizer import build_tokenizer
         tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file,
                                     data.tokenizer_model)
-        data_prefix = prepare_loose_json_corpus(resolve_corpus(data.train_data), tokenizer)
+        data_prefix = corpus_data_prefix(data.train_data, tokenizer)
     samples = num_samples_per_split(config)
     start = time.perf_counter()
     paths = build_index_mappings_only(data_prefix, data.split, samples, data.seq_length, seed)

@@ -35,16 +35,6 @@ def mfu(tokens_per_s, flops_per_token, peak_flops):
     return tokens_per_s * flops_per_token / peak_flops
 
 
-def transformer_flops_per_token(num_params, num_layers, hidden_size, seq_length):
-    """Training FLOPs per token: 6·N for the weights plus 12·L·h·s for attention scores.
-
-    N should include the (tied) word embedding, whose matrix does the logit matmul; the
-    attention term counts the full s×s score matrix of QK^T and AV (forward 4·s·h per layer,
-    backward twice that), as in the PaLM MFU definition.
-    """
-    return 6 * num_params + 12 * num_layers * hidden_size * seq_length
-
-
 class TrainingLogger:
     """The log line on rank 0, the same numbers in metrics.jsonl and TensorBoard.
 
