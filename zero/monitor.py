@@ -14,11 +14,22 @@ class Monitor:
     def __init__(self, config, global_rank):
         self.config, self.enabled = config, global_rank == 0
         self.elapsed, self._loss_sum, self._loss_count = {}, 0.0, 0
+        self._since_taken = {}  # the same times, summed until take_times()
         self._writer = None
         self._timing = config.wall_clock_breakdown
 
     def timed(self, name):
         return _Timer(self, name) if self._timing else _NULL_TIMER
+
+    def take_times(self):
+        """{phase: seconds} summed over the steps since the last call (empty unless
+        wall_clock_breakdown): a training loop's per-interval breakdown."""
+        times, self._since_taken = self._since_taken, {}
+        return times
+
+    def add_time(self, phase, seconds):
+        for totals in (self.elapsed, self._since_taken):
+            totals[phase] = totals.get(phase, 0.0) + seconds
 
     def record_loss(self, loss):
         if self.enabled and self.config.tensorboard.enabled:
@@ -75,8 +86,7 @@ class _Timer:
     def __exit__(self, *exc):
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
-        elapsed = self.monitor.elapsed
-        elapsed[self.name] = elapsed.get(self.name, 0.0) + time.perf_counter() - self.start
+        self.monitor.add_time(self.name, time.perf_counter() - self.start)
 
 
 class _NullTimer:

@@ -1,6 +1,6 @@
 """Start-up notes for DeepSpeed JSON keys that parse but would do nothing in this run, as
 DeepSpeed reads them too: an offload section with no device, NVMe paths for a CPU offload,
-stage 3 keys at a lower stage, timers nothing prints. Each is one line; none stops the run
+stage 3 keys at a lower stage. Each is one line; none stops the run
 (the same JSON is valid for DeepSpeed, and the launch scripts switch stages with a flag)."""
 
 import dataclasses
@@ -16,7 +16,7 @@ _STAGE3_KEYS = {spelling for field in dataclasses.fields(ZeroConfig)
 
 def unused_key_notes(config, source):
     """One note per key of the parsed `config` (its final dict: `config.raw`) that does
-    nothing here."""
+    nothing here; DeepSpeed config `source` (for messages)."""
     notes = []
     zero = config.raw.get("zero_optimization")
     zero = zero if isinstance(zero, dict) else {}
@@ -36,9 +36,4 @@ def unused_key_notes(config, source):
     if stage3 and stage != 3:
         notes.append(f" note: {', '.join(f'zero_optimization.{key}' for key in stage3)} not "
                      f"used: only ZeRO stage 3 reads them, and the stage is {stage}")
-    if config.wall_clock_breakdown and not config.steps_per_print \
-            and not config.tensorboard.enabled:
-        notes.append(" note: 'wall_clock_breakdown' times each step, but its times are "
-                     "printed every 'steps_per_print' steps, which DeepSpeed config "
-                     f"{source} does not set; add \"steps_per_print\": N")
     return tuple(notes)

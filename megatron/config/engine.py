@@ -26,6 +26,8 @@ describe the same thing fill what the JSON leaves out, or must agree with it:
                                            --zero-allgather-bucket-size (the flags win)
     gradient_checkpointing            ->   --checkpoint-activations (our extension)
     compile.enabled                   <-   --compile (the flag turns it on)
+    wall_clock_breakdown              <-   --timing-log-level 1 (the flag turns it on; either
+                                           way the log line is followed by the phase times)
 
 Without --deepspeed the flags are the whole story:
 
@@ -38,6 +40,7 @@ Without --deepspeed the flags are the whole story:
                                            gradient elements, overlap_comm}
     --fp32-allreduce                   ->  communication_data_type "fp32"
     --compile                          ->  compile {enabled}
+    --timing-log-level 1               ->  wall_clock_breakdown
 """
 
 import copy
@@ -198,6 +201,8 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
         final["gradient_accumulation_steps"] = num_micro_batches
     if raw["clip_grad"] is not None and final.get("gradient_clipping", AUTO) == AUTO:
         final["gradient_clipping"] = raw["clip_grad"]
+    if raw["timing_log_level"] >= 1:
+        final["wall_clock_breakdown"] = True
     if raw["compile"]:
         section = final.get("compile")
         if section in (None, AUTO) or isinstance(section, dict):  # else the parse says why
@@ -413,6 +418,8 @@ def _from_megatron_flags(raw, given, dp, num_micro_batches):
     }
     if raw["fp32_allreduce"]:
         config["communication_data_type"] = "fp32"
+    if raw["timing_log_level"] >= 1:
+        config["wall_clock_breakdown"] = True
     if raw["compile"]:
         config["compile"] = {"enabled": True}
     parsed = _parse(copy.deepcopy(config), dp, "built from the command-line flags")

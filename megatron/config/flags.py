@@ -231,6 +231,14 @@ def _logging(parser):
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-dir", default=None,
                    help="where metrics.jsonl goes (default: --tensorboard-dir, else --save)")
+    g.add_argument("--timing-log-level", type=int, choices=(0, 1), default=0,
+                   help="1: each log line is followed by rank 0's time per phase, ' time (ms) | "
+                        "forward: ... | backward: ... | optimizer: ... | batch generator: ...' "
+                        "(per iteration, over the interval; the engine's wall_clock_breakdown, "
+                        "which synchronises a GPU after each phase). 0: none. Also on when a "
+                        "--deepspeed config sets \"wall_clock_breakdown\": true")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="write the phase times to TensorBoard too, as '<phase>-time'")
 
 
 def _reliability(parser):

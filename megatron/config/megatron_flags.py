@@ -36,9 +36,6 @@ _TENSORBOARD_SCALARS = ("TensorBoard gets the log line's numbers (lm-loss, learn
                         "loss-scale, grad-norm, ms-per-iteration, tokens-per-s, mfu, "
                         "skipped-iterations) every --log-interval and each evaluation's loss "
                         "and perplexity; this scalar is not written")
-_PHASE_TIMERS = ("the time per phase is the DeepSpeed config's \"wall_clock_breakdown\": true "
-                 "(printed every 'steps_per_print' steps, written by its 'tensorboard' "
-                 "section); the log line has the time per iteration")
 
 # flag -> why it is not taken and what to do instead
 NOT_TAKEN = {
@@ -103,9 +100,8 @@ NOT_TAKEN = {
     "--log-params-norm": "the parameters' norm is not computed (the log line has the "
                          "gradients' norm)",
     "--log-num-zeros-in-grad": "zeros in the gradients are not counted",
-    "--log-timers-to-tensorboard": _PHASE_TIMERS,
-    "--timing-log-level": _PHASE_TIMERS,
-    "--timing-log-option": _PHASE_TIMERS,
+    "--timing-log-option": "the phase times (--timing-log-level 1) are rank 0's; the minimum "
+                           "and maximum over ranks are not gathered",
     "--tensorboard-log-interval": "TensorBoard is written with the log line, every "
                                   "--log-interval",
     "--tensorboard-queue-size": "TensorBoard's writer keeps its default queue",

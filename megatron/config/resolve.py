@@ -237,12 +237,24 @@ def freeze(raw, given, world_size, notes=(), extra=None):
         parallel=parallel,
         training=training,
         checkpoint=checkpoint,
-        logging=LoggingConfig(raw["log_interval"], raw["tensorboard_dir"],
-                              raw["log_dir"] or raw["tensorboard_dir"] or raw["save"]),
+        logging=_logging(raw, settled.ds_config),
         engine=EngineConfig(deepspeed=raw["deepspeed"], deepspeed_config=raw["deepspeed_config"],
                             ds_config=settled.ds_config, remote_device=raw["remote_device"],
                             use_pin_memory=raw["use_pin_memory"]),
         notes=tuple(notes), extra=MappingProxyType(dict(extra or {})))
+
+
+def _logging(raw, ds_config):
+    phase_times = ds_config.wall_clock_breakdown  # --timing-log-level 1 turned it on
+    require(not raw["log_timers_to_tensorboard"] or phase_times,
+            "--log-timers-to-tensorboard writes the phase times, which are off; add "
+            "--timing-log-level 1")
+    require(not raw["log_timers_to_tensorboard"] or raw["tensorboard_dir"],
+            "--log-timers-to-tensorboard needs --tensorboard-dir (where TensorBoard is written)")
+    return LoggingConfig(raw["log_interval"], raw["tensorboard_dir"],
+                         raw["log_dir"] or raw["tensorboard_dir"] or raw["save"],
+                         phase_times=phase_times,
+                         phase_times_to_tensorboard=raw["log_timers_to_tensorboard"])
 
 
 def _fill_model_defaults(raw):

@@ -159,6 +159,8 @@ class LoggingConfig:
     log_interval: int
     tensorboard_dir: Optional[str]
     log_dir: Optional[str]  # metrics.jsonl
+    phase_times: bool = False  # the engine times its phases (wall_clock_breakdown): print them
+    phase_times_to_tensorboard: bool = False
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,14 @@ class Backend:
         """What loading the checkpoint changed that the user should read (once)."""
         return tuple(getattr(self.engine.lr_scheduler, "resume_notes", ()))  # a JSON's has none
 
+    def take_phase_times(self):
+        """{phase: seconds} the engine spent in forward, backward and the optimizer step
+        since the last call (its wall_clock_breakdown timers; empty when they are off)."""
+        times = self.engine.monitor.take_times()
+        if "step" in times:
+            times["optimizer"] = times.pop("step")
+        return times
+
     def report(self):
         """What the log line shows of the optimizer (and of the pipeline: its bubble). Called
         on every rank."""

@@ -33,6 +33,8 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
     train_forward_step = guards.wrap_forward_step(forward_step_func)  # test fault hooks
     backend.model.train()
     iterator = _data_iterator(datasets[0], state["consumed_train_samples"], ctx)
+    if config.logging.phase_times:
+        iterator = _TimedIterator(iterator)
     flops_per_sample = _flops_per_sample(ctx)
     peak = device_mod.peak_flops(runtime.device, config.precision.torch_dtype) * \
         runtime.world_size
@@ -68,13 +70,14 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
         window["loss"] += losses.read(keep_newest=not (logging or evaluating or exiting
                                                        or saving))
         if logging:
-            _log_window(window, state, backend, flops_per_sample, ctx, logger)
+            _log_window(window, state, backend, flops_per_sample, ctx, logger, iterator)
         losses.observe()  # the NaN guard: counts NaN losses, stops a long streak
         if evaluating:
             eval_start = time.perf_counter()
             logger.log_eval(iteration, "valid",
                             evaluate(forward_step_func, backend, datasets[1], ctx))
             window["start"] += time.perf_counter() - eval_start  # keep eval out of ms/iter
+            backend.take_phase_times()  # and its forwards out of the phase times
         stop_reason = guards.stop_reason()  # SIGTERM or time limit, agreed by all ranks
         if stop_reason:
             window["loss"] += losses.read(keep_newest=False)
@@ -193,7 +196,37 @@ class _CompileWatch:
         window["start"] += compiling
 
 
-def _log_window(window, state, backend, flops_per_sample, ctx, logger):
+class _TimedIterator:
+    """The training data iterator, timing each batch it hands out: the 'batch generator'
+    phase of --timing-log-level 1."""
+
+    def __init__(self, iterator):
+        self.iterator, self.seconds = iterator, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        try:
+            return next(self.iterator)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def take_seconds(self):
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def _phase_ms(backend, iterator, iterations):
+    """Milliseconds per iteration of each phase since the last log line (rank 0's)."""
+    times = {**backend.take_phase_times(), "batch generator": iterator.take_seconds()}
+    return {phase: times[phase] * 1000.0 / iterations
+            for phase in ("forward", "backward", "optimizer", "batch generator")
+            if phase in times}
+
+
+def _log_window(window, state, backend, flops_per_sample, ctx, logger, iterator):
     config, runtime = ctx.config, ctx.runtime
     device_mod.synchronize(runtime.device)
     elapsed = time.perf_counter() - window["start"]
@@ -218,6 +251,8 @@ def _log_window(window, state, backend, flops_per_sample, ctx, logger):
         "tokens_per_s": samples_per_s * config.data.seq_length,
         "mfu": mfu(samples_per_s, flops_per_sample, window["peak"]),
         "skipped_iters": state["skipped_iters"],
+        **({"phase_ms": _phase_ms(backend, iterator, window["iters"])}
+           if config.logging.phase_times else {}),
     })
     window.update(loss=0.0, iters=0, start=time.perf_counter())
 

@@ -43,8 +43,10 @@ class TrainingLogger:
     evaluations at or after it: this run logs those again), so the file holds each iteration
     once. Without `start_iteration` it only appends."""
 
-    def __init__(self, log_dir, tensorboard_dir, rank0, start_iteration=None):
+    def __init__(self, log_dir, tensorboard_dir, rank0, start_iteration=None,
+                 phase_times_to_tensorboard=False):
         self.rank0 = rank0
+        self._phase_times_to_tensorboard = phase_times_to_tensorboard
         self._jsonl = None
         self._writer = None
         if not rank0:
@@ -70,6 +72,9 @@ class TrainingLogger:
         if not self.rank0:
             return
         print(format_train_line(record), flush=True)
+        if record.get("phase_ms"):  # Megatron's timers line, under the log line
+            print(" time (ms) | " + " | ".join(f"{phase}: {ms:.2f}" for phase, ms
+                                               in record["phase_ms"].items()), flush=True)
         entry = {key: record.get(key) for key in _JSON_KEYS}
         entry.update({k: v for k, v in record.items() if k not in entry and k != "train_iters"})
         self._write_json(entry)
@@ -81,6 +86,9 @@ class TrainingLogger:
             if record.get("lm_loss") is not None and record.get("consumed_samples") is not None:
                 self._writer.add_scalar("lm-loss vs samples", _number(record["lm_loss"]),
                                         record["consumed_samples"])
+            if self._phase_times_to_tensorboard:
+                for phase, ms in record.get("phase_ms", {}).items():
+                    self._writer.add_scalar(f"{phase.replace(' ', '-')}-time", ms, iteration)
 
     def log_eval(self, iteration, split, loss):
         if not self.rank0:

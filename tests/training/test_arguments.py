@@ -173,11 +173,9 @@ def test_later_megatron_lm_names_are_aliases_and_its_sample_lengths_are_refused(
                                           "--num-attention-heads channels"):
         parse("--kv-channels", "16")
     with pytest.raises(ConfigError, match=r"--log-params-norm: the parameters' norm is not "
-                                          r"computed.*; --log-timers-to-tensorboard: the time "
-                                          r"per phase is the DeepSpeed config's "
-                                          r"\"wall_clock_breakdown\": true"):
-        parse("--log-params-norm", "--log-timers-to-tensorboard", "--tensorboard-log-interval",
-              "5")
+                                          r"computed.*; --tensorboard-log-interval: TensorBoard "
+                                          r"is written with the log line"):
+        parse("--log-params-norm", "--tensorboard-log-interval", "5")
     assert parse("--log-validation-ppl-to-tensorboard").notes == (
         " note: --log-validation-ppl-to-tensorboard asks for what this trainer always does: "
         "each evaluation's perplexity always goes to TensorBoard (lm-loss-valid-ppl)",)
@@ -226,6 +224,20 @@ def test_a_flag_given_twice_with_different_values_keeps_the_last_and_says_so():
     parsed = resolve_config(BASE + ["--tag", "a", "--tag", "b"], world_size=1,
                             extra_args_provider=tags)
     assert parsed.extra["tag"] == ["a", "b"] and parsed.notes == ()
+
+
+def test_timing_log_level_turns_on_the_engines_phase_timers(tmp_path):
+    assert not parse().logging.phase_times
+    timed = parse("--timing-log-level", "1", "--log-timers-to-tensorboard", "--tensorboard-dir",
+                  str(tmp_path))
+    assert timed.logging.phase_times and timed.logging.phase_times_to_tensorboard
+    assert timed.engine.ds_config.wall_clock_breakdown
+    with pytest.raises(ConfigError, match="^--log-timers-to-tensorboard writes the phase "
+                                          "times, which are off; add --timing-log-level 1"):
+        parse("--log-timers-to-tensorboard", "--tensorboard-dir", str(tmp_path))
+    with pytest.raises(ConfigError, match="^--log-timers-to-tensorboard needs "
+                                          "--tensorboard-dir"):
+        parse("--timing-log-level", "1", "--log-timers-to-tensorboard")
 
 
 def test_megatron_flags_for_what_is_always_so_are_taken_and_said():

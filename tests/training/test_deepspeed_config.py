@@ -134,14 +134,21 @@ def test_keys_that_would_do_nothing_get_a_note_each(tmp_path):
         " note: 'zero_optimization.offload_param' names no \"device\" (the default is "
         "\"none\"), so nothing is offloaded; add \"device\": \"cpu\" or \"nvme\"",
         " note: zero_optimization.prefetch_bucket_size, zero_optimization.stage3_max_live_parameters"
-        " not used: only ZeRO stage 3 reads them, and the stage is 2",
-        " note: 'wall_clock_breakdown' times each step, but its times are printed every "
-        f"'steps_per_print' steps, which DeepSpeed config {config} does not set; add "
-        "\"steps_per_print\": N") or notes
-    used = write_config(tmp_path, "used.json", steps_per_print=10, wall_clock_breakdown=True,
-                        zero_optimization={"stage": 3, "stage3_max_live_parameters": 10,
-                                           "offload_param": {"device": "none"}})
+        " not used: only ZeRO stage 3 reads them, and the stage is 2") or notes
+    used = write_config(tmp_path, "used.json", zero_optimization={
+        "stage": 3, "stage3_max_live_parameters": 10, "offload_param": {"device": "none"}})
     assert parse("--deepspeed", "--deepspeed_config", used).notes == ()
+
+
+def test_wall_clock_breakdown_and_timing_log_level_are_one_switch(tmp_path):
+    """The JSON's wall_clock_breakdown prints the phase times under the log line (not only
+    every steps_per_print steps); --timing-log-level 1 turns it on in a JSON without it."""
+    timed = write_config(tmp_path, "timed.json", wall_clock_breakdown=True)
+    assert parse("--deepspeed", "--deepspeed_config", timed).logging.phase_times
+    plain = write_config(tmp_path, "plain.json")
+    assert not parse("--deepspeed", "--deepspeed_config", plain).logging.phase_times
+    flagged = parse("--deepspeed", "--deepspeed_config", plain, "--timing-log-level", 1)
+    assert flagged.logging.phase_times and flagged.engine.ds_config.wall_clock_breakdown
 
 
 def test_the_lr_comes_from_the_config_without_lr(tmp_path):

@@ -335,3 +335,32 @@ def test_metrics_hold_each_iteration_once_across_reruns_and_resumes(corpus, tmp_
     evals = [(r["iteration"], r["split"]) for r in records if "split" in r]
     assert train == [1, 2, 3, 4, 5, 6] and records[4]["lm_loss"] != 1.0
     assert len(evals) == len(set(evals)) and (6, "valid") in evals
+
+
+def test_timing_log_level_prints_the_time_per_phase(corpus, tmp_path, capsys):
+    """--timing-log-level 1: under each log line Megatron's timers line (rank 0's ms per
+    iteration over the interval), the same numbers in metrics.jsonl and, with
+    --log-timers-to-tensorboard, TensorBoard; the losses are the untimed run's."""
+    assert run(corpus, tmp_path, "--log-interval", "2", iters=4, log_dir="plain") == 0
+    tb = tmp_path / "tb"
+    assert run(corpus, tmp_path, "--log-interval", "2", "--timing-log-level", "1",
+               "--log-timers-to-tensorboard", "--tensorboard-dir", str(tb), "--eval-interval",
+               "2", "--eval-iters", "20", iters=4, log_dir="timed") == 0
+    assert losses(tmp_path, "timed") == losses(tmp_path, "plain")
+    lines = capsys.readouterr().out.splitlines()
+    timers = [i for i, line in enumerate(lines) if line.startswith(" time (ms) | ")]
+    assert len(timers) == 2 and all(lines[i - 1].startswith(" iteration ") for i in timers)
+    phases = [part.split(":")[0] for part in lines[timers[0]].split(" | ")[1:]]
+    assert phases == ["forward", "backward", "optimizer", "batch generator"]
+    records = [json.loads(line) for line in open(tmp_path / "timed" / "metrics.jsonl")]
+    timed = [r["phase_ms"] for r in records if "phase_ms" in r]
+    assert len(timed) == 2 and all(ms > 0 for ms in timed[0].values())
+    # 20 evaluation forwards ran in the second interval (--eval-interval 2), 10x its
+    # training's 2: they are not counted
+    assert timed[1]["forward"] < 3 * timed[0]["forward"]
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert {"forward-time", "backward-time", "optimizer-time", "batch-generator-time"} <= \
+        set(events.Tags()["scalars"])
