@@ -12,7 +12,8 @@ describe the same thing fill what the JSON leaves out, or must agree with it:
     gradient_accumulation_steps       <->  --global-batch-size / (--batch-size x data-parallel)
     fp16.enabled / bf16.enabled       <->  --fp16 / --bf16 (absent flags: the JSON decides;
                                            "auto": the flags decide)
-    gradient_clipping                 <->  --clip-grad (absent flag: the JSON decides)
+    gradient_clipping                 <->  --clip-grad (absent flag: the JSON decides; "auto":
+                                           the flag, default 1.0)
     optimizer.params weight_decay,    <->  --weight-decay, --adam-beta1/2, --adam-eps (a given
       betas, eps ("auto" or absent:        flag fills "auto" or an absent key, else must agree)
       the flag's value)
@@ -96,8 +97,9 @@ _OPTIMIZER_FLAGS = {"weight_decay": ("--weight-decay", "weight_decay"),
                     "adam_beta2": ("--adam-beta2", "betas"), "adam_eps": ("--adam-eps", "eps")}
 _ADAM_TYPES = ("adam", "adamw", "adam8bit", "adamw8bit", "adam4bit", "adamw4bit")
 # the flags of Megatron's learning-rate schedule, which a JSON 'scheduler' section replaces
-_SCHEDULE_FLAGS = {"lr_decay_style": "--lr-decay-style", "lr_decay_iters": "--lr-decay-iters",
-                   "min_lr": "--min-lr", "warmup": "--warmup", "warmup_iters": "--warmup-iters"}
+_SCHEDULE_FLAGS = {"lr": "--lr", "lr_decay_style": "--lr-decay-style",
+                   "lr_decay_iters": "--lr-decay-iters", "min_lr": "--min-lr",
+                   "warmup": "--warmup", "warmup_iters": "--warmup-iters"}
 MAX_DDP_BUCKET_MB = 2 ** 20
 DEFAULT_DDP_BUCKET_MB = 25.0
 DEFAULT_CLIP_GRAD = 1.0
@@ -199,7 +201,10 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
     if all(final.get(key) is None for key in BATCH_KEYS):
         final["train_micro_batch_size_per_gpu"] = raw["batch_size"]
         final["gradient_accumulation_steps"] = num_micro_batches
-    if raw["clip_grad"] is not None and final.get("gradient_clipping", AUTO) == AUTO:
+    if final.get("gradient_clipping") == AUTO:  # Hugging Face's: --clip-grad, default 1.0
+        final["gradient_clipping"] = DEFAULT_CLIP_GRAD if raw["clip_grad"] is None \
+            else raw["clip_grad"]
+    elif raw["clip_grad"] is not None and "gradient_clipping" not in final:
         final["gradient_clipping"] = raw["clip_grad"]
     if raw["timing_log_level"] >= 1:
         final["wall_clock_breakdown"] = True
@@ -223,6 +228,52 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
                    raw["checkpoint_activations"] or config.gradient_checkpointing, notes)
 
 
+def schedule_lengths(raw):
+    """(decay iterations, warmup iterations) of the learning-rate schedule the flags `raw`
+    describe: --lr-decay-iters (default --train-iters), --warmup-iters or --warmup x that."""
+    decay_iters = raw["train_iters"] if raw["lr_decay_iters"] is None else raw["lr_decay_iters"]
+    warmup_iters = int(raw["warmup"] * decay_iters) if raw["warmup_iters"] is None \
+        else raw["warmup_iters"]
+    if not 0 <= warmup_iters <= decay_iters:
+        raise ConfigError(f"warmup iterations ({warmup_iters}, from --warmup or --warmup-iters) "
+                          f"must lie between 0 and --lr-decay-iters ({decay_iters})")
+    return decay_iters, warmup_iters
+
+
+def _fill_auto_schedule(section, raw):
+    """Hugging Face's "auto" in a JSON 'scheduler' takes the schedule the flags describe (as
+    its Trainer fills them): warmup_min_lr 0, warmup_max_lr --lr, warmup_num_steps the
+    warmup iterations, total_num_steps the decay iterations. Returns the flag dests used."""
+    from zero.config.parsing import AUTO
+    params = section.get("params")
+    if not isinstance(params, dict):
+        return set()  # the parse says why
+    decay_iters, warmup_iters = schedule_lengths(raw)
+    fills = {"warmup_min_lr": (0.0, ()), "warmup_max_lr": (raw["lr"], ("lr",)),
+             "warmup_num_steps": (warmup_iters, ("warmup", "warmup_iters", "lr_decay_iters",
+                                                 "train_iters")),
+             "total_num_steps": (decay_iters, ("lr_decay_iters", "train_iters"))}
+    used = set()
+    for key, (value, dests) in fills.items():
+        if params.get(key) == AUTO:
+            params[key] = value
+            used.update(dests)
+    return used
+
+
+def _lr_is_the_schedules_base(final):
+    """Whether --lr reaches the lr a JSON 'scheduler' works from: WarmupCosineLR and torch's
+    schedules scale the optimizer's lr, which is --lr when the flags build the optimizer or
+    its 'lr' is "auto"; WarmupLR, WarmupDecayLR and LRRangeTest set absolute values."""
+    from zero.config.parsing import AUTO
+    kind = str(final["scheduler"].get("type", "")).lower()
+    if kind in ("warmuplr", "warmupdecaylr", "lrrangetest"):
+        return False
+    optimizer = final.get("optimizer")
+    params = optimizer.get("params") if isinstance(optimizer, dict) else None
+    return optimizer is None or (isinstance(params, dict) and params.get("lr") == AUTO)
+
+
 def _settle_optimizer_params(final, raw, given, source):
     """The JSON optimizer's params against the Megatron optimizer flags: "auto" (Hugging
     Face's spelling) and a key the JSON leaves out take a given flag's value; a value the
@@ -231,7 +282,11 @@ def _settle_optimizer_params(final, raw, given, source):
     from zero.config.parsing import AUTO, show
     notes = []
     if isinstance(final.get("scheduler"), dict):  # a note: the launch scripts pass these
-        unused = [flag for dest, flag in _SCHEDULE_FLAGS.items() if dest in given]
+        used = _fill_auto_schedule(final["scheduler"], raw)
+        if _lr_is_the_schedules_base(final):
+            used.add("lr")
+        unused = [flag for dest, flag in _SCHEDULE_FLAGS.items()
+                  if dest in given and dest not in used]
         if unused:
             notes.append(f" note: {', '.join(unused)} not used: the 'scheduler' section of "
                          f"DeepSpeed config {source} sets the learning rate under --deepspeed, "

@@ -459,12 +459,7 @@ def _data(raw):
 
 
 def _optimizer(raw, clip_grad):
-    decay_iters = raw["train_iters"] if raw["lr_decay_iters"] is None else raw["lr_decay_iters"]
-    warmup_iters = int(raw["warmup"] * decay_iters) if raw["warmup_iters"] is None \
-        else raw["warmup_iters"]
-    require(0 <= warmup_iters <= decay_iters,
-            f"warmup iterations ({warmup_iters}, from --warmup or --warmup-iters) must lie "
-            f"between 0 and --lr-decay-iters ({decay_iters})")
+    decay_iters, warmup_iters = engine.schedule_lengths(raw)
     return OptimizerConfig(
         lr=raw["lr"], min_lr=raw["min_lr"], weight_decay=raw["weight_decay"],
         clip_grad=clip_grad, adam_beta1=raw["adam_beta1"], adam_beta2=raw["adam_beta2"],
