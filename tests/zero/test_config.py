@@ -300,11 +300,28 @@ def test_device_none_means_no_offload():
     ({"train_batch_size": 1, "pipeline": {"stages": 2, "activation_checkpoint_interval": 1}},
      ["unknown key 'pipeline' at the top level: DeepSpeed's PipelineEngine section is not "
       "read", "--pipeline-model-parallel-size for the stages", "drop the section"]),
+    # a hint says what the key is, without the near spelling 'sparse_gradients'
+    ({"train_batch_size": 1, "sparse_attention": {"mode": "fixed"}},
+     ["unknown key 'sparse_attention' at the top level: DeepSpeed's block-sparse attention "
+      "(Triton kernels) is not implemented"]),
+    ({"train_batch_size": 1, "zero_optimization": {"comm_overlap": True}},
+     ["did you mean 'overlap_comm'?"]),  # the same words in another order
+    ({"train_batch_size": 1, "data_efficiency": {"enabled": True}},
+     ["'data_efficiency' enables a DeepSpeed feature that zero does not implement"]),
 ])
 def test_unknown_keys_name_key_section_and_suggestion(config, pieces):
     message = error_of(config)
     for piece in pieces:
         assert piece in message, (piece, message)
+    assert "sparse_gradients" not in message
+
+
+def test_disabled_sections_of_unimplemented_features_are_accepted():
+    """Configs from Megatron-DeepSpeed's examples carry these switched off."""
+    config = load({"train_batch_size": 1, "data_efficiency": {"enabled": False},
+                   "quantize_training": {"enabled": False}, "disable_allgather": False,
+                   "graph_harvesting": False})
+    assert config.train_batch_size == 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -86,18 +86,20 @@ def accepted_keys(cls):
 def unknown_key_message(key, path, cls, key_homes):
     candidates = [k for k in accepted_keys(cls) if k not in getattr(cls, "DEPRECATED_KEYS", ())]
     by_lower = {c.lower(): c for c in candidates}  # 'ENABLED' should still find 'enabled'
-    close = [by_lower[c] for c in
-             difflib.get_close_matches(str(key).lower(), list(by_lower), n=1, cutoff=0.6)]
+    words = sorted(str(key).lower().split("_"))  # 'comm_overlap' should find 'overlap_comm'
+    close = [c for c in candidates if sorted(c.lower().split("_")) == words] or \
+        [by_lower[c] for c in
+         difflib.get_close_matches(str(key).lower(), list(by_lower), n=1, cutoff=0.6)]
+    hint = getattr(cls, "KEY_HINTS", {}).get(key)
     message = f"unknown key '{key}' {section_label(path)}"
+    if hint:  # says what the key is: a near spelling would mislead
+        return f"{message}: {hint}"
     if close:
         message += f"; did you mean '{close[0]}'?"
     homes = [home for home in key_homes.get(key, ()) if home != path]
     if homes:
         where = " or ".join("the top level" if not h else f"section '{h}'" for h in homes)
         message += f" ('{key}' is a key of {where})"
-    hint = getattr(cls, "KEY_HINTS", {}).get(key)
-    if hint:
-        return f"{message}: {hint}"
     if not close and not homes:
         canonical = sorted(f.name for f in dataclasses.fields(cls))
         message += f"; valid keys: {', '.join(canonical)}"

@@ -320,10 +320,11 @@ UNIMPLEMENTED_TOP_LEVEL = {
     "checkpoint": {"tag_validation": "Warn", "load_universal": False,
                    "use_node_local_storage": False},
     "data_types": {"grad_accum_dtype": None},
+    "disable_allgather": False, "graph_harvesting": False,
     **{name: DISABLED_SECTION for name in (
         "amp", "flops_profiler", "wandb", "csv_monitor", "comet", "comms_logger", "elasticity",
         "hybrid_engine", "autotuning", "nebula", "eigenvalue", "progressive_layer_drop",
-        "curriculum_learning")},
+        "curriculum_learning", "data_efficiency", "quantize_training")},
 }
 
 
@@ -356,6 +357,15 @@ class TopLevelConfig:
     DEFAULT_ONLY = UNIMPLEMENTED_TOP_LEVEL
     DEPRECATED_KEYS = ("allgather_size",)
     KEY_HINTS = {
+        "sparse_attention": "DeepSpeed's block-sparse attention (Triton kernels) is not "
+                            "implemented: attention is torch's scaled_dot_product_attention; "
+                            "remove the section",
+        "compression_training": "DeepSpeed's compression (quantisation-aware training, "
+                                "pruning, layer reduction) is not implemented; remove the "
+                                "section (--quantize quantises weights for inference)",
+        "weight_quantization": "DeepSpeed's ZeRO-Inference weight quantisation is not "
+                               "implemented; remove the section (--quantize quantises weights "
+                               "for generation and evaluation)",
         "pipeline": "DeepSpeed's PipelineEngine section is not read; the pipeline is laid out "
                     "by the model (pretrain_gpt2.py: --pipeline-model-parallel-size for the "
                     "stages, --num-layers-per-virtual-pipeline-stage for interleaving, "
