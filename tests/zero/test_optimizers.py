@@ -89,7 +89,7 @@ def test_param_groups_pass_through():
     ({"type": "Adam", "params": {"lr": 1e-4, "max_grad_norm": 1.0}},
      "'max_grad_norm' is not supported as an optimizer parameter"),
     ({"type": "Lamb", "params": {}}, "needs DeepSpeed's fused kernels"),
-    ({"type": "OneBitAdam"}, "needs DeepSpeed's fused kernels"),
+    ({"type": "OneBitAdam"}, "needs DeepSpeed's 1-bit compressed communication"),
     ({"type": "Foo"}, "Supported: Adam, AdamW, Adam8bit (AdamW8bit), Adam4bit (AdamW4bit), "
                       "SGD, Adagrad"),
     ({"type": "Adam4bit", "params": {"min_8bit_numel": 10}}, "did you mean 'min_4bit_numel'"),

@@ -99,8 +99,10 @@ def plan_optimizer(section, source):
         _check_param_names(optimizer_class, params, (), source)
         return optimizer_class, {**FUSED_ADAM_DEFAULTS_QUANTIZED, **params}
     if lower in NEEDS_DEEPSPEED_KERNELS:
-        fail(source, f"optimizer type \"{name}\" needs DeepSpeed's fused kernels, which zero "
-                     f"does not ship; use one of: {SUPPORTED_NAMES}")
+        needs = "1-bit compressed communication" if lower.startswith(("onebit", "zeroone")) \
+            else "fused kernels"
+        fail(source, f"optimizer type \"{name}\" needs DeepSpeed's {needs}, which zero does "
+                     f"not ship; use one of: {SUPPORTED_NAMES}")
     optimizer_class = NAMED_TORCH_OPTIMIZERS.get(lower) or _torch_optimizer(name)
     if optimizer_class is None:
         fail(source, _unknown_type_message(name))
