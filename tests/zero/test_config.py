@@ -316,6 +316,14 @@ def test_unknown_keys_name_key_section_and_suggestion(config, pieces):
     assert "sparse_gradients" not in message
 
 
+def test_a_choice_is_read_whatever_its_case():
+    config = load({"train_batch_size": 1, "bf16": {"enabled": True},
+                   "communication_data_type": "BF16"})
+    assert config.communication_data_type == "bf16"
+    assert "must be one of \"fp32\", \"fp16\", \"bf16\", got \"bfp16\"" in error_of(
+        {"train_batch_size": 1, "communication_data_type": "bfp16"})
+
+
 def test_disabled_sections_of_unimplemented_features_are_accepted():
     """Configs from Megatron-DeepSpeed's examples carry these switched off."""
     config = load({"train_batch_size": 1, "data_efficiency": {"enabled": False},

@@ -159,6 +159,9 @@ def coerce(value, f, source, path, key_homes=None):
             return None
         fail(source, f"'{path}' must be {_kind_name(tp)}, got null")
     converted = _convert_scalar(value, tp, source, path)
+    choices = f.metadata["choices"]
+    if isinstance(converted, str) and choices and converted.lower() in choices:
+        converted = converted.lower()  # "BF16": DeepSpeed lower-cases communication_data_type
     _check_range(converted, f.metadata, source, path)
     return converted
 
