@@ -25,6 +25,8 @@ describe the same thing fill what the JSON leaves out, or must agree with it:
                                            --zero-contigious-gradients,
                                            --zero-reduce-bucket-size,
                                            --zero-allgather-bucket-size (the flags win)
+    zero_optimization.offload_param   <-   --remote-device (the flag wins: zero.Init and the
+      .device                              engine keep the partitions in one place)
     gradient_checkpointing            ->   --checkpoint-activations (our extension)
     compile.enabled                   <-   --compile (the flag turns it on)
     wall_clock_breakdown              <-   --timing-log-level 1 (the flag turns it on; either
@@ -369,6 +371,12 @@ def _apply_zero_flags(final, raw, source):
         section[key] = value
         flag_keys[f"zero_optimization.{key}"] = flag if isinstance(value, bool) \
             else f"{flag} {value}"
+    if raw["remote_device"] is not None:  # zero.Init's placement is the engine's too
+        offload = section.get("offload_param")
+        section["offload_param"] = {**(offload if isinstance(offload, dict) else {}),
+                                    "device": raw["remote_device"]}
+        flag_keys["zero_optimization.offload_param.device"] = \
+            f"--remote-device {raw['remote_device']}"
     final["zero_optimization"] = section
     return flag_keys
 
@@ -385,9 +393,7 @@ def _settle_auto_precision(final, raw):
 def _check_pinned_partitions(raw, config, source):
     """--use-pin-memory pins the stage 3 partitions zero.Init keeps in host memory; with the
     parameters left on the compute device there is nothing to pin."""
-    offload = config.zero_optimization.offload_param
-    remote = raw["remote_device"] or (offload.device if offload is not None else "none")
-    if raw["use_pin_memory"] and remote == "none":
+    if raw["use_pin_memory"] and config.zero_optimization.offload_param is None:
         raise ConfigError("--use-pin-memory pins the parameter partitions kept in host memory, "
                           "but they stay on the compute device: neither --remote-device nor "
                           f"'zero_optimization.offload_param' in DeepSpeed config {source} "

@@ -263,6 +263,23 @@ def test_inconsistent_flags_and_config_are_config_errors(tmp_path, name):
     assert message.format(config=config) in str(error.value)
 
 
+def test_remote_device_is_the_engines_offload_param_device(tmp_path):
+    """zero.Init (the flag) and the engine (the config) keep the partitions in one place."""
+    swap = write_config(tmp_path, "swap.json", zero_optimization={
+        "stage": 3, "offload_param": {"device": "cpu", "nvme_path": str(tmp_path)}})
+    parsed = parse("--deepspeed", "--deepspeed_config", swap, "--remote-device", "nvme")
+    assert parsed.engine.ds_config.zero_optimization.offload_param.device == "nvme"
+    assert not any("nvme_path" in note for note in parsed.notes)
+    stage3 = write_config(tmp_path, "stage3.json", zero_optimization={"stage": 3})
+    with pytest.raises(zero.ConfigError, match=r"'zero_optimization.offload_param.nvme_path' "
+                                               r"is not set; .* \(--remote-device nvme sets "
+                                               r"'zero_optimization.offload_param.device' over "
+                                               r"the config\)"):
+        parse("--deepspeed", "--deepspeed_config", stage3, "--remote-device", "nvme")
+    assert parse("--deepspeed", "--deepspeed_config", swap, "--remote-device",
+                 "none").engine.ds_config.zero_optimization.offload_param is None
+
+
 def test_pinned_partitions_need_host_partitions(tmp_path):
     stage3 = write_config(tmp_path, "stage3.json", zero_optimization={"stage": 3})
     engine = parse("--deepspeed", "--deepspeed_config", stage3, "--use-pin-memory",
