@@ -88,7 +88,7 @@ def _check_without_torch(argv, message, code):
     (_RUN + ["--model-parallel-size", "2"], "world size 1 is not divisible by"),
     (_RUN + ["--model-size", "gpt2-huge"], "--model-size 'gpt2-huge' is not known"),
     (_RUN + ["--data-path", "0.3", "a", "0.7", "b"],
-     "--data-path takes one dataset prefix, got 0.3 a 0.7 b: weighted blends"),
+     "--data-path takes one dataset prefix, got 0.3 a 0.7 b: blends of several datasets"),
     (_RUN + ["--data-path", "a", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v",
              "--merge-file", "m", "--split", "-1,50,1"],
      "error: --split '-1,50,1' needs non-negative weights"),

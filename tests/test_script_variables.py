@@ -124,9 +124,12 @@ def test_a_number_too_long_for_bash_arithmetic_is_refused():
 
 
 @pytest.mark.parametrize("script, extra, message", [
-    ("pretrain_gpt2.sh", ["--fp166"], "pretrain_gpt2.py: error: unrecognized arguments: --fp166"),
+    ("pretrain_gpt2.sh", ["--fp166"],
+     "error: unrecognized arguments: --fp166 (did you mean --fp16?) (pretrain_gpt2.py --help "
+     "lists the flags)"),
     ("pretrain_gpt2_distributed.sh", ["--clip-grad", "fast"],
-     "pretrain_gpt2.py: error: argument --clip-grad: invalid float value: 'fast'"),
+     "error: argument --clip-grad: invalid float value: 'fast' (pretrain_gpt2.py --help lists "
+     "the flags)"),
     ("ds_pretrain_gpt2.sh", ["--split", "-1,50,1"],
      "error: --split '-1,50,1' needs non-negative weights"),
 ], ids=["typo", "bad-value", "bad-split"])

@@ -29,8 +29,9 @@ describe the same thing fill what the JSON leaves out, or must agree with it:
       .device                              engine keep the partitions in one place)
     gradient_checkpointing            ->   --checkpoint-activations (our extension)
     compile.enabled                   <-   --compile (the flag turns it on)
-    wall_clock_breakdown              <-   --timing-log-level 1 (the flag turns it on; either
-                                           way the log line is followed by the phase times)
+    wall_clock_breakdown              <-   --timing-log-level 1, --log-timers-to-tensorboard
+                                           (they turn it on; either way the log line is
+                                           followed by the phase times)
 
 Without --deepspeed the flags are the whole story:
 
@@ -43,7 +44,7 @@ Without --deepspeed the flags are the whole story:
                                            gradient elements, overlap_comm}
     --fp32-allreduce                   ->  communication_data_type "fp32"
     --compile                          ->  compile {enabled}
-    --timing-log-level 1               ->  wall_clock_breakdown
+    --timing-log-level 1, --log-timers-to-tensorboard  ->  wall_clock_breakdown
 """
 
 import copy
@@ -208,7 +209,7 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
             else raw["clip_grad"]
     elif raw["clip_grad"] is not None and "gradient_clipping" not in final:
         final["gradient_clipping"] = raw["clip_grad"]
-    if raw["timing_log_level"] >= 1:
+    if _wants_phase_times(raw):
         final["wall_clock_breakdown"] = True
     if raw["compile"]:
         section = final.get("compile")
@@ -381,6 +382,12 @@ def _apply_zero_flags(final, raw, source):
     return flag_keys
 
 
+def _wants_phase_times(raw):
+    """--timing-log-level 1, or --log-timers-to-tensorboard (which in Megatron-LM 2.x, where
+    timers always print, needs nothing else): the engine's wall_clock_breakdown."""
+    return raw["timing_log_level"] >= 1 or raw["log_timers_to_tensorboard"]
+
+
 def _settle_auto_precision(final, raw):
     """Hugging Face's "enabled": "auto" in 'fp16' / 'bf16' follows --fp16 / --bf16."""
     from zero.config.parsing import AUTO
@@ -479,7 +486,7 @@ def _from_megatron_flags(raw, given, dp, num_micro_batches):
     }
     if raw["fp32_allreduce"]:
         config["communication_data_type"] = "fp32"
-    if raw["timing_log_level"] >= 1:
+    if _wants_phase_times(raw):
         config["wall_clock_breakdown"] = True
     if raw["compile"]:
         config["compile"] = {"enabled": True}

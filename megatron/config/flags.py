@@ -8,14 +8,35 @@ ignored: `megatron_flags.py` names Megatron-LM's with what to do instead.
 
 import argparse
 import copy
+import difflib
 import math
 
 from megatron.config.megatron_flags import add_always_so_flags
+from megatron.errors import ConfigError
+
+
+class _FlagParser(argparse.ArgumentParser):
+    """argparse with its errors as the trainer's others are: one `error:` line (the usage
+    block is --help's), an unknown flag followed by the closest known one."""
+
+    def error(self, message):
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            known = [s for action in self._actions for s in action.option_strings]
+            message = prefix + " ".join(_with_suggestion(arg, known)
+                                        for arg in message[len(prefix):].split(" "))
+        raise ConfigError(f"{message} ({self.prog} --help lists the flags)")
+
+
+def _with_suggestion(arg, known):
+    if not arg.startswith("--"):
+        return arg
+    close = difflib.get_close_matches(arg.split("=")[0], known, n=1, cutoff=0.75)
+    return f"{arg} (did you mean {close[0]}?)" if close else arg
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description="Megatron-style GPT-2 pretraining",
-                                     allow_abbrev=False)
+    parser = _FlagParser(description="Megatron-style GPT-2 pretraining", allow_abbrev=False)
     for add_group in (_network, _regularization, _training, _learning_rate, _checkpointing,
                       _mixed_precision, _distributed, _validation, _data, _logging,
                       _reliability, _deepspeed, _zero, _activation_checkpointing, _tiling,
@@ -59,7 +80,8 @@ def _network(parser):
                    help="default: --seq-length")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocab to a multiple of this times --model-parallel-size")
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--layernorm-epsilon", "--norm-epsilon", type=float, default=1e-5,
+                   dest="layernorm_epsilon", help="(--norm-epsilon: later Megatron-LM's name)")
     g.add_argument("--init-method-std", type=float, default=0.02)
 
 
@@ -119,10 +141,14 @@ def _learning_rate(parser):
     g.add_argument("--warmup-iters", "--lr-warmup-iters", type=int, default=None,
                    help="warmup iterations, instead of --warmup (--lr-warmup-iters: later "
                         "Megatron-LM's name)")
-    g.add_argument("--override-lr-scheduler", action="store_true",
-                   help="on --load, use the schedule from the flags, not the checkpoint")
-    g.add_argument("--use-checkpoint-lr-scheduler", action="store_true",
-                   help="on --load, use the schedule stored in the checkpoint")
+    g.add_argument("--override-lr-scheduler", "--override-opt_param-scheduler",
+                   action="store_true", dest="override_lr_scheduler",
+                   help="on --load, use the schedule from the flags, not the checkpoint "
+                        "(--override-opt_param-scheduler: later Megatron-LM's name)")
+    g.add_argument("--use-checkpoint-lr-scheduler", "--use-checkpoint-opt_param-scheduler",
+                   action="store_true", dest="use_checkpoint_lr_scheduler",
+                   help="on --load, use the schedule stored in the checkpoint "
+                        "(--use-checkpoint-opt_param-scheduler: later Megatron-LM's name)")
 
 
 def _checkpointing(parser):
@@ -150,7 +176,8 @@ def _mixed_precision(parser):
                    help="static loss scale; default (None) is dynamic loss scaling")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32,
                    help="dynamic loss scaling starts here (a power of 2)")
-    g.add_argument("--min-scale", type=float, default=1.0)
+    g.add_argument("--min-scale", "--min-loss-scale", type=float, default=1.0,
+                   dest="min_scale", help="(--min-loss-scale: later Megatron-LM's name)")
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
 
@@ -238,7 +265,8 @@ def _logging(parser):
                         "which synchronises a GPU after each phase). 0: none. Also on when a "
                         "--deepspeed config sets \"wall_clock_breakdown\": true")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="write the phase times to TensorBoard too, as '<phase>-time'")
+                   help="write the phase times to TensorBoard too, as '<phase>-time' (turns "
+                        "them on, as --timing-log-level 1)")
 
 
 def _reliability(parser):
@@ -314,8 +342,10 @@ def _activation_checkpointing(parser):
     g.add_argument("--partition-activations", action="store_true",
                    help="each tensor-parallel rank keeps 1/TP of every checkpoint; all-gathered "
                         "before recompute (no-op without tensor parallelism)")
-    g.add_argument("--distribute-checkpointed-activations", action="store_true",
-                   help="Megatron's name for --partition-activations")
+    g.add_argument("--distribute-checkpointed-activations", "--distribute-saved-activations",
+                   action="store_true", dest="distribute_checkpointed_activations",
+                   help="Megatron's name for --partition-activations (--distribute-saved-"
+                        "activations: later Megatron-LM's)")
     g.add_argument("--checkpoint-in-cpu", action="store_true",
                    help="keep checkpoints in host memory (pinned on CUDA)")
     g.add_argument("--contigious-checkpointing", "--contiguous-checkpointing",

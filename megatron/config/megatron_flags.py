@@ -36,6 +36,19 @@ _TENSORBOARD_SCALARS = ("TensorBoard gets the log line's numbers (lm-loss, learn
                         "loss-scale, grad-norm, ms-per-iteration, tokens-per-s, mfu, "
                         "skipped-iterations) every --log-interval and each evaluation's loss "
                         "and perplexity; this scalar is not written")
+_OTHER_MODELS = ("a later Megatron-LM model option (rotary or ALiBi positions, SwiGLU, RMSNorm, "
+                 "grouped-query attention, untied or bias-free layers, mixture of experts); "
+                 "this trainer builds GPT-2: learned positions, GeLU MLP, LayerNorm, biases, "
+                 "tied embeddings")
+_FP8 = "fp8 training (Transformer Engine) is not built: use --bf16 or --fp16"
+_RECOMPUTE = ("full-layer recompute is --checkpoint-activations --checkpoint-num-layers N here "
+              "(Megatron's --recompute-granularity full --recompute-method uniform "
+              "--recompute-num-layers N); selective and block recompute are not built")
+_WANDB = ("Weights & Biases logging is not built: metrics.jsonl (--log-dir) and TensorBoard "
+          "(--tensorboard-dir) have the numbers")
+_NO_FUSED_KERNELS = ("none of Megatron's fused CUDA kernels is used: attention is torch's "
+                     "scaled_dot_product_attention, and --compile fuses the elementwise work")
+_PROFILE = "profiling is benchmarks/step_profile.py (torch.profiler over training steps)"
 
 # flag -> why it is not taken and what to do instead
 NOT_TAKEN = {
@@ -62,7 +75,6 @@ NOT_TAKEN = {
     "--bias-dropout-fusion": "Megatron's TorchScript fusion; --compile fuses each layer's "
                              "bias, GeLU, dropout and residual add",
     "--apply-query-key-layer-scaling": _FP32_SCORES,
-    "--attention-softmax-in-fp32": _FP32_SCORES,
     "--fp16-lm-cross-entropy": "the loss is computed in fp32 from 16-bit logits (on a CPU in "
                                "chunks, without an fp32 copy of them); an fp16 loss is not "
                                "built",
@@ -110,6 +122,72 @@ NOT_TAKEN = {
     "--log-world-size-to-tensorboard": _TENSORBOARD_SCALARS,
     "--no-log-learning-rate-to-tensorboard": "the learning rate always goes to TensorBoard",
     "--no-log-loss-scale-to-tensorboard": "the loss scale always goes to TensorBoard",
+    "--log-optimizer-states-to-tensorboard": _TENSORBOARD_SCALARS,
+    "--lr-warmup-tokens": _TOKEN_LENGTHS,
+    # later Megatron-LM's models, parallelism and kernels
+    **{flag: _OTHER_MODELS for flag in (
+        "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+        "--group-query-attention", "--num-query-groups", "--num-key-value-heads",
+        "--use-rotary-position-embeddings", "--rotary-percent", "--rotary-base",
+        "--rope-theta", "--no-position-embedding", "--apply-layernorm-1p", "--embed-layernorm",
+        "--num-experts", "--expert-model-parallel-size", "--moe-router-topk",
+        "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-grouped-gemm",
+        "--moe-token-dispatcher-type")},
+    "--position-embedding-type": "positions are GPT-2's learned absolute embeddings (Megatron's "
+                                 "learned_absolute, the only kind here); rope and alibi are not "
+                                 "built",
+    "--normalization": "LayerNorm, GPT-2's, is the only normalization; RMSNorm is not built",
+    "--use-mcore-models": "Megatron-core's model classes are not built: the model is this "
+                          "trainer's GPT-2 (Megatron-LM 1.1.5's state-dict layout)",
+    "--transformer-impl": "Megatron-core's transformer implementations are not built: the model "
+                          "is this trainer's GPT-2",
+    "--attention-backend": "attention is torch's scaled_dot_product_attention, which picks its "
+                           "own kernel",
+    **{flag: _FP8 for flag in ("--fp8-format", "--fp8-margin", "--fp8-amax-history-len",
+                               "--fp8-amax-compute-algo", "--fp8-param-gather",
+                               "--no-fp8-wgrad")},
+    "--sequence-parallel": "Megatron's sequence parallelism is not built: LayerNorm and dropout "
+                           "run whole on each tensor-parallel rank (--partition-activations "
+                           "splits the checkpointed activations)",
+    "--context-parallel-size": "context parallelism is not built: each rank runs the whole "
+                               "--seq-length",
+    "--use-distributed-optimizer": "Megatron's distributed optimizer is ZeRO stage 1 here: "
+                                   "--deepspeed --deepspeed_config scripts/ds_zero_stage_1.config "
+                                   "partitions the optimizer states over data parallelism",
+    "--overlap-param-gather": "overlapping the parameter all-gather with forward is not built "
+                              "(ZeRO stages 1-2 all-gather the updated parameters after the "
+                              "step)",
+    "--grad-reduce-in-bf16": "gradients are reduced in the parameters' dtype: bf16 under --bf16 "
+                             "(--fp32-allreduce for fp32)",
+    "--recompute-activations": "Megatron's selective recompute (attention only) is not built: "
+                               "--checkpoint-activations recomputes whole layers",
+    **{flag: _RECOMPUTE for flag in ("--recompute-granularity", "--recompute-method",
+                                     "--recompute-num-layers", "--activations-checkpoint-method",
+                                     "--activations-checkpoint-num-layers")},
+    "--cross-entropy-loss-fusion": "the loss is computed vocab-parallel in fp32 (in chunks on a "
+                                   "CPU); Megatron's fused kernel is not built",
+    "--calculate-per-token-loss": "the loss is the mean over the global batch's tokens",
+    "--decoupled-lr": "a separate learning rate for the embeddings is not built",
+    "--decoupled-min-lr": "a separate learning rate for the embeddings is not built",
+    "--use-z-loss": "z-loss is not built",
+    **{flag: _WANDB for flag in ("--wandb-project", "--wandb-entity", "--wandb-name",
+                                 "--wandb-exp-name", "--wandb-save-dir")},
+    **{flag: _PROFILE for flag in ("--profile", "--profile-step-start", "--profile-step-end",
+                                   "--profile-ranks")},
+    "--vocab-size": "the vocabulary is the tokenizer's (--vocab-file/--merge-file or "
+                    "--tokenizer-model), padded by --make-vocab-size-divisible-by",
+    "--tokenizer-name-or-path": "Hugging Face tokenizers are not loaded: --tokenizer-type "
+                                "GPT2BPETokenizer with --vocab-file/--merge-file, or "
+                                "SentencePieceTokenizer with --tokenizer-model",
+    "--ckpt-format": "checkpoints are Megatron-LM 1.1.5's layout (DeepSpeed's under "
+                     "--deepspeed); tools/convert_checkpoint.py converts to Hugging Face's",
+    "--data-cache-path": "the index maps are written next to the dataset "
+                         "(tools/build_index_maps.py builds them before a run)",
+    "--no-mmap-bin-files": "the .bin is always memory-mapped",
+    "--empty-unused-memory-level": "not built: the CUDA caching allocator keeps its memory",
+    "--manual-gc": "not built: Python's collector runs as it does",
+    "--manual-gc-interval": "not built: Python's collector runs as it does",
+    "--use-mpi": "--deepspeed_mpi takes rank and world size from mpirun",
 }
 
 # flag -> what this trainer always does, which the flag asks for
@@ -126,6 +204,22 @@ ALWAYS_SO = {
     "--shuffle": "the training samples are always shuffled, by --seed",
     "--log-validation-ppl-to-tensorboard": "each evaluation's perplexity always goes to "
                                            "TensorBoard (lm-loss-valid-ppl)",
+    "--attention-softmax-in-fp32": "the attention softmax always accumulates in fp32 (torch's "
+                                   "scaled_dot_product_attention)",
+    "--use-flash-attn": "attention is torch's scaled_dot_product_attention, which runs a "
+                        "flash-attention kernel where torch has one for the device and dtype",
+    "--overlap-grad-reduce": "the data-parallel gradient reduction always overlaps backward: "
+                             "each full bucket is reduced as soon as backward fills it",
+    "--log-throughput": "the log line always has tokens/s and MFU",
+    "--no-create-attention-mask-in-dataloader": "the data loader builds no attention mask "
+                                                "unless --reset-attention-mask asks for one",
+    **{flag: _NO_FUSED_KERNELS for flag in (
+        "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+        "--no-gradient-accumulation-fusion", "--no-persist-layer-norm")},
+    "--no-query-key-layer-scaling": "query-key layer scaling is not applied",
+    "--no-async-tensor-model-parallel-allreduce": "the tensor-parallel all-reduce of the input "
+                                                  "gradient is not overlapped with the weight "
+                                                  "gradient",
 }
 
 

@@ -111,7 +111,7 @@ def parse_command_line(parser, argv):
     """(argv as parsed, its values as a dict): argparse's own errors (an unknown flag, a value
     of the wrong type) exit with usage; the two it would word misleadingly are ours."""
     refuse_flags_not_taken(argv, parser)
-    _refuse_data_blend(argv)
+    argv = _one_data_path(argv)
     argv = _split_value_with_a_dash(argv)
     return argv, vars(parser.parse_args(argv))
 
@@ -137,23 +137,23 @@ def _repeated_flag_notes(parser, argv):
     return tuple(notes)
 
 
-def _refuse_data_blend(argv):
-    """`--data-path 0.3 A 0.7 B` (a later Megatron's weighted blend) would be argparse's
-    "unrecognized arguments" naming the paths: say what is not supported instead."""
-    for i, arg in enumerate(argv[:-2]):
+def _one_data_path(argv):
+    """`--data-path 1 PREFIX` (a later Megatron's blend of one dataset, whose weight is moot)
+    as `--data-path PREFIX`. Several datasets, weighted (`0.3 A 0.7 B`) or not (`A B`, as
+    Megatron-core takes them), would be argparse's "unrecognized arguments" naming the paths:
+    say what is not supported instead."""
+    for i, arg in enumerate(argv):
         if arg != "--data-path":
             continue
         values = list(itertools.takewhile(lambda a: not a.startswith("--"), argv[i + 1:]))
-        if len(values) < 2:
-            continue
-        try:
-            float(values[0])
-        except ValueError:
-            continue
-        raise ConfigError(f"--data-path takes one dataset prefix, got {' '.join(values)}: "
-                          "weighted blends (W1 PREFIX1 W2 PREFIX2 ...) are a later Megatron's; "
-                          "put the corpora's JSON lines in one file and preprocess it into "
-                          "one dataset")
+        if len(values) == 2 and _is_number(values[0]) and float(values[0]) > 0:
+            return argv[:i + 1] + argv[i + 2:]
+        if len(values) >= 2:
+            raise ConfigError(f"--data-path takes one dataset prefix, got {' '.join(values)}: "
+                              "blends of several datasets (weighted, W1 PREFIX1 W2 PREFIX2 ..., "
+                              "or not) are a later Megatron's; put the corpora's JSON lines in "
+                              "one file and preprocess it into one dataset")
+    return argv
 
 
 def _split_value_with_a_dash(argv):
@@ -245,10 +245,7 @@ def freeze(raw, given, world_size, notes=(), extra=None):
 
 
 def _logging(raw, ds_config):
-    phase_times = ds_config.wall_clock_breakdown  # --timing-log-level 1 turned it on
-    require(not raw["log_timers_to_tensorboard"] or phase_times,
-            "--log-timers-to-tensorboard writes the phase times, which are off; add "
-            "--timing-log-level 1")
+    phase_times = ds_config.wall_clock_breakdown  # the timing flags turned it on
     require(not raw["log_timers_to_tensorboard"] or raw["tensorboard_dir"],
             "--log-timers-to-tensorboard needs --tensorboard-dir (where TensorBoard is written)")
     return LoggingConfig(raw["log_interval"], raw["tensorboard_dir"],

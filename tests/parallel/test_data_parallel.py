@@ -379,5 +379,5 @@ def test_ddp_flags_parse_with_megatron_names():
     assert config.engine.ds_config.communication_data_type == "fp32"
     with pytest.raises(ConfigError, match="--ddp-bucket-size must be a positive"):
         resolve_config(_FLAGS + ["--ddp-bucket-size", "0"], world_size=2)
-    with pytest.raises(SystemExit):  # argparse: invalid choice
+    with pytest.raises(ConfigError, match="argument --DDP-impl: invalid choice: 'apex'"):
         resolve_config(_FLAGS + ["--DDP-impl", "apex"], world_size=2)
