@@ -25,6 +25,7 @@ class _FlagParser(argparse.ArgumentParser):
             known = [s for action in self._actions for s in action.option_strings]
             message = prefix + " ".join(_with_suggestion(arg, known)
                                         for arg in message[len(prefix):].split(" "))
+        message = message.replace("\n", "\\n").replace("\r", "\\r")  # an argument's own
         raise ConfigError(f"{message} ({self.prog} --help lists the flags)")
 
 
