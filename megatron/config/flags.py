@@ -56,6 +56,26 @@ def given_on_command_line(parser, argv):
     return set(vars(namespace))
 
 
+# later Megatron-LM's tokenizer types -> what to give here instead
+_OTHER_TOKENIZERS = {
+    "GPTSentencePieceTokenizer": "a SentencePiece model is --tokenizer-type "
+                                 "SentencePieceTokenizer --tokenizer-model FILE here",
+    "Llama2Tokenizer": "a SentencePiece model is --tokenizer-type SentencePieceTokenizer "
+                       "--tokenizer-model FILE here",
+    "HuggingFaceTokenizer": "Hugging Face tokenizers are not loaded: GPT-2's is "
+                            "GPT2BPETokenizer with its vocab.json and merges.txt",
+    "PretrainedFromHF": "Hugging Face tokenizers are not loaded: GPT-2's is GPT2BPETokenizer "
+                        "with its vocab.json and merges.txt",
+    "NullTokenizer": "a tokenizer is needed: GPT2BPETokenizer or SentencePieceTokenizer",
+}
+
+
+def _tokenizer_type(text):
+    if text in _OTHER_TOKENIZERS:
+        raise argparse.ArgumentTypeError(f"{text}: {_OTHER_TOKENIZERS[text]}")
+    return text
+
+
 def _byte_count(text):
     """Bucket sizes as DeepSpeed scripts write them: 50000000 or 5e7."""
     try:
@@ -242,7 +262,7 @@ def _data(parser):
     g.add_argument("--split", default="969, 30, 1",
                    help="train,valid,test weights over documents")
     g.add_argument("--seq-length", type=int, default=None)
-    g.add_argument("--tokenizer-type", default=None,
+    g.add_argument("--tokenizer-type", default=None, type=_tokenizer_type,
                    choices=["GPT2BPETokenizer", "SentencePieceTokenizer"])
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)

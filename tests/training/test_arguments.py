@@ -337,6 +337,10 @@ def test_unknown_flag_is_rejected_not_ignored():
         parse("--no-such-flag", "--fp166")
     with pytest.raises(ConfigError, match=r"^argument --DDP-impl: invalid choice: 'apex'"):
         parse("--DDP-impl", "apex")
+    with pytest.raises(ConfigError, match=r"^argument --tokenizer-type: "
+                                          r"GPTSentencePieceTokenizer: a SentencePiece model is "
+                                          r"--tokenizer-type SentencePieceTokenizer"):
+        parse("--tokenizer-type", "GPTSentencePieceTokenizer")  # later Megatron-LM's name
 
 
 @pytest.fixture
