@@ -70,6 +70,15 @@ _OTHER_TOKENIZERS = {
 }
 
 
+def _gpt2_only(accepted, why):
+    """A later Megatron-LM architecture flag: its GPT-2 value is taken, others refused."""
+    def parse(text):
+        if text != accepted:
+            raise argparse.ArgumentTypeError(f"{text}: {why} (give {accepted} or drop the flag)")
+        return text
+    return parse
+
+
 def _tokenizer_type(text):
     if text in _OTHER_TOKENIZERS:
         raise argparse.ArgumentTypeError(f"{text}: {_OTHER_TOKENIZERS[text]}")
@@ -97,6 +106,16 @@ def _network(parser):
     g.add_argument("--ffn-hidden-size", type=int, default=None,
                    help="MLP inner size (default 4 * hidden)")
     g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="later Megatron-LM's channels per attention head: checked, as "
+                        "--hidden-size / --num-attention-heads is the only head size here")
+    g.add_argument("--position-embedding-type", default=None,
+                   type=_gpt2_only("learned_absolute", "rope and alibi positions are not built: "
+                                   "GPT-2's are learned absolute embeddings"),
+                   help="later Megatron-LM's: only learned_absolute, GPT-2's")
+    g.add_argument("--normalization", default=None,
+                   type=_gpt2_only("LayerNorm", "RMSNorm is not built: GPT-2 uses LayerNorm"),
+                   help="later Megatron-LM's: only LayerNorm, GPT-2's")
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="default: --seq-length")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,

@@ -66,7 +66,6 @@ NOT_TAKEN = {
     "--lr-warmup-samples": _SAMPLE_LENGTHS,
     "--rampup-batch-size": "ramping the batch size up is not built: the global batch is "
                            "--global-batch-size from the first iteration",
-    "--kv-channels": "each head has --hidden-size / --num-attention-heads channels",
     "--lr-decay-tokens": _TOKEN_LENGTHS,
     "--scaled-upper-triang-masked-softmax-fusion": _FUSED_ATTENTION,
     "--scaled-masked-softmax-fusion": _FUSED_ATTENTION,
@@ -133,10 +132,6 @@ NOT_TAKEN = {
         "--num-experts", "--expert-model-parallel-size", "--moe-router-topk",
         "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-grouped-gemm",
         "--moe-token-dispatcher-type")},
-    "--position-embedding-type": "positions are GPT-2's learned absolute embeddings (Megatron's "
-                                 "learned_absolute, the only kind here); rope and alibi are not "
-                                 "built",
-    "--normalization": "LayerNorm, GPT-2's, is the only normalization; RMSNorm is not built",
     "--use-mcore-models": "Megatron-core's model classes are not built: the model is this "
                           "trainer's GPT-2 (Megatron-LM 1.1.5's state-dict layout)",
     "--transformer-impl": "Megatron-core's transformer implementations are not built: the model "

@@ -208,6 +208,12 @@ def freeze(raw, given, world_size, notes=(), extra=None):
                                  "global_batch_size": settled.global_batch_size,
                                  "num_micro_batches": settled.num_micro_batches})
     model = _model(raw, parallel.model_parallel_size)
+    kv_channels = raw["kv_channels"]
+    require(kv_channels is None
+            or kv_channels * model.num_attention_heads == model.hidden_size,
+            f"--kv-channels {kv_channels} is not --hidden-size {model.hidden_size} / "
+            f"--num-attention-heads {model.num_attention_heads}: each head has hidden / heads "
+            "channels here (other head sizes are not built)")
     require(raw["seq_length"] <= model.max_position_embeddings,
             f"--seq-length {raw['seq_length']} is longer than --max-position-embeddings "
             f"{model.max_position_embeddings}")

@@ -151,7 +151,8 @@ def test_megatron_flags_not_taken_are_one_error_that_says_what_to_do_instead():
 
 def test_later_megatron_lm_names_are_aliases_and_its_sample_lengths_are_refused():
     """Megatron-LM 2.x renamed four flags this trainer takes: the new names set the same
-    values; its sample-based lengths, batch ramp-up and --kv-channels are not built."""
+    values; its sample-based lengths and batch ramp-up are not built, and --kv-channels is
+    taken when it is the one head size built."""
     argv = [a for i, a in enumerate(BASE) if "--batch-size" not in BASE[max(i - 1, 0):i + 1]]
     old = resolve_config(argv + ["--batch-size", "2", "--model-parallel-size", "2",
                                  "--warmup-iters", "3"], world_size=4)
@@ -169,9 +170,15 @@ def test_later_megatron_lm_names_are_aliases_and_its_sample_lengths_are_refused(
     with pytest.raises(ConfigError, match="--rampup-batch-size: ramping the batch size up is "
                                           "not built"):
         parse("--rampup-batch-size", "4", "4", "100")
-    with pytest.raises(ConfigError, match="--kv-channels: each head has --hidden-size / "
-                                          "--num-attention-heads channels"):
-        parse("--kv-channels", "16")
+    assert parse("--kv-channels", "16", "--position-embedding-type", "learned_absolute",
+                 "--normalization", "LayerNorm").model == parse().model  # GPT-2's own values
+    with pytest.raises(ConfigError, match="^--kv-channels 32 is not --hidden-size 64 / "
+                                          "--num-attention-heads 4: each head has hidden / "
+                                          "heads channels here"):
+        parse("--kv-channels", "32")
+    with pytest.raises(ConfigError, match="^argument --position-embedding-type: rope: rope and "
+                                          "alibi positions are not built"):
+        parse("--position-embedding-type", "rope")
     with pytest.raises(ConfigError, match=r"--log-params-norm: the parameters' norm is not "
                                           r"computed.*; --tensorboard-log-interval: TensorBoard "
                                           r"is written with the log line"):
@@ -206,14 +213,13 @@ def test_megatron_core_command_lines_get_one_answer_for_all_their_flags():
         " note: --overlap-grad-reduce", " note: --log-throughput",
         " note: --no-masked-softmax-fusion"]
     with pytest.raises(ConfigError) as error:
-        parse("--swiglu", "--use-rotary-position-embeddings", "--position-embedding-type",
-              "rope", "--sequence-parallel", "--use-distributed-optimizer",
+        parse("--swiglu", "--use-rotary-position-embeddings", "--sequence-parallel",
+              "--use-distributed-optimizer",
               "--recompute-granularity", "full", "--fp8-format", "hybrid",
               "--lr-warmup-tokens", "100", "--wandb-project", "x")
     message = str(error.value)
     assert message.startswith("Megatron-LM flags not taken here (drop them): ")
-    for piece in ("--swiglu: a later Megatron-LM model option", "--position-embedding-type: "
-                  "positions are GPT-2's learned absolute embeddings", "--sequence-parallel: "
+    for piece in ("--swiglu: a later Megatron-LM model option", "--sequence-parallel: "
                   "Megatron's sequence parallelism is not built", "--use-distributed-optimizer"
                   ": Megatron's distributed optimizer is ZeRO stage 1 here",
                   "--recompute-granularity: full-layer recompute is --checkpoint-activations "
