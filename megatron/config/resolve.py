@@ -108,8 +108,9 @@ def _in_the_users_spelling(parser, argv):
 
 
 def parse_command_line(parser, argv):
-    """(argv as parsed, its values as a dict): argparse's own errors (an unknown flag, a value
-    of the wrong type) exit with usage; the two it would word misleadingly are ours."""
+    """(argv as parsed, its values as a dict). argparse's own errors (an unknown flag, a value
+    of the wrong type) are one ConfigError line (flags.py); Megatron-LM flags not taken and
+    several --data-path datasets, which it would word misleadingly, are ours."""
     refuse_flags_not_taken(argv, parser)
     argv = _one_data_path(argv)
     argv = _split_value_with_a_dash(argv)
