@@ -10,7 +10,7 @@ import sys
 
 from megatron.cli import run_cli
 from megatron.config.flags import build_parser
-from megatron.config.resolve import parse_command_line
+from megatron.config.command_line import parse_command_line
 from megatron.data.splits import parse_splits
 
 
