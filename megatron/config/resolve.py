@@ -12,7 +12,7 @@ import math
 import sys
 from types import MappingProxyType
 
-from megatron.config import activation, engine
+from megatron.config import activation, engine, json_optimizer
 from megatron.config.command_line import (in_the_users_spelling, parse_command_line,
                                           repeated_flag_notes)
 from megatron.config.flags import build_parser, given_on_command_line
@@ -364,7 +364,7 @@ def _data(raw):
 
 
 def _optimizer(raw, clip_grad):
-    decay_iters, warmup_iters = engine.schedule_lengths(raw)
+    decay_iters, warmup_iters = json_optimizer.schedule_lengths(raw)
     return OptimizerConfig(
         lr=raw["lr"], min_lr=raw["min_lr"], weight_decay=raw["weight_decay"],
         clip_grad=clip_grad, adam_beta1=raw["adam_beta1"], adam_beta2=raw["adam_beta2"],

@@ -1,0 +1,115 @@
+"""The DeepSpeed JSON's 'optimizer' and 'scheduler' sections against Megatron's optimizer
+and schedule flags (under --deepspeed): a given flag fills an "auto" or absent key and must
+agree with a set one; a 'scheduler' section replaces Megatron's schedule, its "auto" values
+filled from the schedule the flags describe, as Hugging Face's Trainer fills them."""
+
+from megatron.errors import ConfigError
+
+# Megatron optimizer flags -> the key of the JSON optimizer's params they describe
+# (--lr is not among them: Megatron's schedule sets the lr, see settle_optimizer_params)
+_OPTIMIZER_FLAGS = {"weight_decay": ("--weight-decay", "weight_decay"),
+                    "adam_beta1": ("--adam-beta1", "betas"),
+                    "adam_beta2": ("--adam-beta2", "betas"), "adam_eps": ("--adam-eps", "eps")}
+_ADAM_TYPES = ("adam", "adamw", "adam8bit", "adamw8bit", "adam4bit", "adamw4bit")
+# the flags of Megatron's learning-rate schedule, which a JSON 'scheduler' section replaces
+_SCHEDULE_FLAGS = {"lr": "--lr", "lr_decay_style": "--lr-decay-style",
+                   "lr_decay_iters": "--lr-decay-iters", "min_lr": "--min-lr",
+                   "warmup": "--warmup", "warmup_iters": "--warmup-iters"}
+
+
+def schedule_lengths(raw):
+    """(decay iterations, warmup iterations) of the learning-rate schedule the flags `raw`
+    describe: --lr-decay-iters (default --train-iters), --warmup-iters or --warmup x that."""
+    decay_iters = raw["train_iters"] if raw["lr_decay_iters"] is None else raw["lr_decay_iters"]
+    warmup_iters = int(raw["warmup"] * decay_iters) if raw["warmup_iters"] is None \
+        else raw["warmup_iters"]
+    if not 0 <= warmup_iters <= decay_iters:
+        raise ConfigError(f"warmup iterations ({warmup_iters}, from --warmup or --warmup-iters) "
+                          f"must lie between 0 and --lr-decay-iters ({decay_iters})")
+    return decay_iters, warmup_iters
+
+
+def _fill_auto_schedule(section, raw):
+    """Hugging Face's "auto" in a JSON 'scheduler' takes the schedule the flags describe (as
+    its Trainer fills them): warmup_min_lr 0, warmup_max_lr --lr, warmup_num_steps the
+    warmup iterations, total_num_steps the decay iterations. Returns the flag dests used."""
+    from zero.config.parsing import AUTO
+    params = section.get("params")
+    if not isinstance(params, dict):
+        return set()  # the parse says why
+    decay_iters, warmup_iters = schedule_lengths(raw)
+    fills = {"warmup_min_lr": (0.0, ()), "warmup_max_lr": (raw["lr"], ("lr",)),
+             "warmup_num_steps": (warmup_iters, ("warmup", "warmup_iters", "lr_decay_iters",
+                                                 "train_iters")),
+             "total_num_steps": (decay_iters, ("lr_decay_iters", "train_iters"))}
+    used = set()
+    for key, (value, dests) in fills.items():
+        if params.get(key) == AUTO:
+            params[key] = value
+            used.update(dests)
+    return used
+
+
+def _lr_is_the_schedules_base(final):
+    """Whether --lr reaches the lr a JSON 'scheduler' works from: WarmupCosineLR and torch's
+    schedules scale the optimizer's lr, which is --lr when the flags build the optimizer or
+    its 'lr' is "auto"; WarmupLR, WarmupDecayLR and LRRangeTest set absolute values."""
+    from zero.config.parsing import AUTO
+    kind = str(final["scheduler"].get("type", "")).lower()
+    if kind in ("warmuplr", "warmupdecaylr", "lrrangetest"):
+        return False
+    optimizer = final.get("optimizer")
+    params = optimizer.get("params") if isinstance(optimizer, dict) else None
+    return optimizer is None or (isinstance(params, dict) and params.get("lr") == AUTO)
+
+
+def settle_optimizer_params(final, raw, given, source):
+    """The JSON optimizer's params against the Megatron optimizer flags: "auto" (Hugging
+    Face's spelling) and a key the JSON leaves out take a given flag's value; a value the
+    JSON sets must equal a given flag's. A 'scheduler' section replaces Megatron's schedule
+    (its flags get a note); without one, Megatron's schedule sets the lr from --lr."""
+    from zero.config.parsing import AUTO, show
+    notes = []
+    if isinstance(final.get("scheduler"), dict):  # a note: the launch scripts pass these
+        used = _fill_auto_schedule(final["scheduler"], raw)
+        if _lr_is_the_schedules_base(final):
+            used.add("lr")
+        unused = [flag for dest, flag in _SCHEDULE_FLAGS.items()
+                  if dest in given and dest not in used]
+        if unused:
+            notes.append(f" note: {', '.join(unused)} not used: the 'scheduler' section of "
+                         f"DeepSpeed config {source} sets the learning rate under --deepspeed, "
+                         "not Megatron's schedule")
+    section = final.get("optimizer")
+    if not isinstance(section, dict) or not isinstance(section.get("params", {}), dict):
+        return tuple(notes)  # none: the flags build the optimizer; a bad one: the parse says
+    params = section.setdefault("params", {})
+    adam = str(section.get("type", "")).lower() in _ADAM_TYPES
+    flag_values = {"lr": raw["lr"], "weight_decay": raw["weight_decay"], "eps": raw["adam_eps"],
+                   "betas": [raw["adam_beta1"], raw["adam_beta2"]]}
+    for key, value in flag_values.items():
+        if params.get(key) == AUTO:
+            params[key] = value
+    for dest, (flag, key) in _OPTIMIZER_FLAGS.items():
+        if dest not in given:
+            continue
+        if key != "weight_decay" and not adam:
+            raise ConfigError(f"{flag} sets an Adam hyperparameter, but the optimizer of "
+                              f"DeepSpeed config {source} is \"{section.get('type')}\"; drop "
+                              "the flag")
+        if key not in params:
+            params[key] = flag_values[key]
+            continue
+        json_value = params[key][dest == "adam_beta2"] if key == "betas" \
+            and isinstance(params[key], list) and len(params[key]) == 2 else params[key]
+        if json_value != raw[dest]:
+            raise ConfigError(f"{flag} {raw[dest]} disagrees with 'optimizer.params.{key}': "
+                              f"{show(params[key])} in DeepSpeed config {source}, which decides "
+                              "under --deepspeed; drop the flag or change the config")
+    json_lr = params.get("lr")
+    if "scheduler" not in final and raw["lr"] is not None and json_lr is not None \
+            and json_lr != raw["lr"]:
+        notes.append(f" note: 'optimizer.params.lr' {show(json_lr)} in DeepSpeed config "
+                     f"{source} is replaced by Megatron's schedule from --lr {raw['lr']} (the "
+                     "config has no 'scheduler' section)")
+    return tuple(notes)
