@@ -137,7 +137,7 @@ def test_keys_that_would_do_nothing_get_a_note_each(tmp_path):
         " note: 'zero_optimization.offload_param' names no \"device\" (the default is "
         "\"none\"), so nothing is offloaded; add \"device\": \"cpu\" or \"nvme\"",
         " note: zero_optimization.prefetch_bucket_size, zero_optimization.stage3_max_live_parameters"
-        " not used: only ZeRO stage 3 reads them, and the stage is 2") or notes
+        " not used: only ZeRO stage 3 reads them, and the stage is 2"), notes
     used = write_config(tmp_path, "used.json", zero_optimization={
         "stage": 3, "stage3_max_live_parameters": 10, "offload_param": {"device": "none"}})
     assert parse("--deepspeed", "--deepspeed_config", used).notes == ()
