@@ -98,9 +98,9 @@ take_script_flags() {
     while [ "$1" != "--" ]; do pairs+=("$1"); shift; done
     shift
     args=("$@")
-    for pair in "${pairs[@]}"; do
-        var="${pair%%=*}"; flag="${pair#*=}"
-        for ((i = 0; i < ${#args[@]}; i++)); do
+    for ((i = 0; i < ${#args[@]}; i++)); do  # in order: the last of two spellings wins
+        for pair in "${pairs[@]}"; do
+            var="${pair%%=*}"; flag="${pair#*=}"
             if [ "${args[$i]}" = "$flag" ]; then
                 value="${args[$((i + 1))]:-}"
             elif [[ "${args[$i]}" == "$flag="* ]]; then
