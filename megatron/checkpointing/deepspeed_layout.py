@@ -12,7 +12,8 @@ import os
 
 from zero.checkpoint.files import load_failure_reason, load_plain, model_states_name
 from zero.checkpoint.layout import read_latest
-from zero.checkpoint.stage3 import model_states_name as stage3_model_states_name
+from zero.checkpoint.whole_params import saved_stage
+from zero.checkpoint.files import stage3_model_states_name
 
 from megatron.checkpointing.files import atomic_write_text, barrier, is_global_rank0
 from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, TRACKER_FILENAME,
@@ -63,14 +64,16 @@ def load_checkpoint(engine, checkpoint, run_args, device):
     # Every model states file records the run's args: read the first one's, which a
     # checkpoint of any layout has, so that every rank makes the same checks (a rank whose
     # own file is missing, at another layout, would otherwise fail differently).
-    stage = engine.zero_optimization_stage()
-    _check_zero_stage(load_dir, tag, stage, run_args)
     # stage 3 writes one model states file per DP rank, stages 0-2 one per model-parallel rank
-    states_name = stage3_model_states_name(0, 0) if stage == 3 else model_states_name(0)
+    saved_layout = saved_stage(os.path.join(load_dir, tag), 0)
+    states_name = stage3_model_states_name(0, 0) if saved_layout == 3 else model_states_name(0)
     states_path = os.path.join(load_dir, tag, states_name)
     finetune = finetunes(checkpoint, _saved_args(states_path), tag)
     fresh_optimizer = checkpoint.no_load_optim or finetune
     _check_saved_args(states_path, run_args, fresh_optimizer)
+    if not finetune:
+        _say_another_zero_stage(states_path, engine.zero_optimization_stage(),
+                                fresh_optimizer)
     path, client_state = engine.load_checkpoint(
         load_dir, tag=tag, load_optimizer_states=not fresh_optimizer,
         load_lr_scheduler_states=not fresh_optimizer, load_module_only=finetune)
@@ -104,23 +107,26 @@ def _explain_missing_latest(checkpoint):
                               "directory written by --save with --deepspeed")
 
 
-def _check_zero_stage(load_dir, tag, stage, run_args):
-    """Stages 0-2 load each other's checkpoints; stage 3's files differ from theirs."""
-    tag_dir = os.path.join(load_dir, tag)
-    own, other = (stage3_model_states_name(0, 0), model_states_name(0)) if stage == 3 else \
-        (model_states_name(0), stage3_model_states_name(0, 0))
-    if os.path.isfile(os.path.join(tag_dir, own)) or \
-            not os.path.isfile(os.path.join(tag_dir, other)):
-        return  # this stage's layout, or a missing file the engine names
-    saved = "0-2" if stage == 3 else "3"
-    target = f"{load_dir.rstrip('/')}_weights"
-    raise CheckpointError(
-        f"{tag_dir} was saved at ZeRO stage {saved} and this run uses stage {stage}; the "
-        f"optimizer partitions of the one do not load at the other. Resume it at stage {saved} "
-        "('zero_optimization.stage' in the DeepSpeed config), or start this run from its "
-        f"weights: python tools/merge_mp_partitions.py --deepspeed --load {load_dir} "
-        f"--target-model-parallel-size {run_args.get('model_parallel_size') or 1} --save "
-        f"{target}, then --load {target} --finetune (iteration 0, a fresh optimizer)")
+def _say_another_zero_stage(model_states_path, stage, fresh_optimizer):
+    """Either family of ZeRO stages resumes the other's checkpoint (zero.checkpoint.
+    whole_params): say so, since the files stay in the saved stage's layout until this run
+    saves."""
+    saved = _saved_zero_stage(model_states_path)
+    if saved is None or saved == stage or not is_global_rank0():
+        return
+    moved = "fp32 master weights" if fresh_optimizer else "fp32 master weights and optimizer state"
+    print(f" note: {os.path.dirname(model_states_path)} was saved at ZeRO stage {saved}; this "
+          f"run's stage {stage} takes its {moved}, re-partitioned", flush=True)
+
+
+def _saved_zero_stage(model_states_path):
+    if not os.path.isfile(model_states_path):
+        return None
+    config = load_plain(model_states_path, mmap=True).get("ds_config") or {}
+    section = config.get("zero_optimization") if isinstance(config, dict) else None
+    if isinstance(section, bool):  # DeepSpeed's deprecated spelling: true is stage 1
+        return int(section)
+    return section.get("stage", 0) if isinstance(section, dict) else 0
 
 
 def _saved_args(model_states_path):

@@ -69,24 +69,23 @@ def test_deepspeed_checkpoint_converts_and_resumes_without_deepspeed(corpus, tmp
 
 
 @pytest.mark.parametrize("saved, resumed", [(2, 3), (3, 1)])
-def test_another_zero_stage_starts_from_the_weights_as_the_error_says(corpus, tmp_path, capsys,
-                                                                       saved, resumed):
+def test_finetuning_from_another_zero_stage(corpus, tmp_path, capsys, saved, resumed):
+    """--finetune takes the weights of a checkpoint of either family of stages, directly or
+    merged into one file by tools/merge_mp_partitions.py --deepspeed."""
     save = tmp_path / "ckpt"
     assert run(corpus, tmp_path / "first", 2, "--deepspeed", "--deepspeed_config",
                stage_config(tmp_path, saved), "--save", save) == 0
-    capsys.readouterr()
     other = ["--deepspeed", "--deepspeed_config", stage_config(tmp_path, resumed)]
-    assert run(corpus, tmp_path / "refused", 4, *other, "--load", save) == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    command = error.split("weights: python tools/merge_mp_partitions.py ")[1].split(", then")[0]
-    assert error.endswith(f"then --load {save}_weights --finetune (iteration 0, a fresh "
-                          "optimizer)")
-    assert _tool().main(command.split()) == 0
-    assert run(corpus, tmp_path / "finetuned", 2, *other, "--load", f"{save}_weights",
-               "--finetune") == 0
-    first, finetuned = read_losses(tmp_path / "first"), read_losses(tmp_path / "finetuned")
-    assert sorted(finetuned) == [1, 2]
-    assert finetuned[1][0] < first[1][0]  # it starts from the trained weights
+    assert _tool().main(["--deepspeed", "--load", str(save), "--save",
+                         str(tmp_path / "merged")]) == 0
+    first = read_losses(tmp_path / "first")
+    for source, log in ((save, "direct"), (tmp_path / "merged", "from_merged")):
+        assert run(corpus, tmp_path / log, 2, *other, "--load", source, "--finetune") == 0
+        finetuned = read_losses(tmp_path / log)
+        assert sorted(finetuned) == [1, 2]
+        assert finetuned[1][0] < first[1][0]  # it starts from the trained weights
+    assert read_losses(tmp_path / "direct")[1][0] == \
+        pytest.approx(read_losses(tmp_path / "from_merged")[1][0], rel=1e-5)
 
 
 def test_deepspeed_flag_on_a_megatron_checkpoint_is_a_clear_error(corpus, tmp_path, capsys):

@@ -365,6 +365,25 @@ def test_engine_checkpoint_resumes_exactly(tmp_path, stage, options, width):
     assert cases.train_steps(second, 3, start=3) == unbroken
 
 
+@pytest.mark.parametrize("saved, resumed, width", [(2, 3, "8bit"), ("3+nvme", 1, "4bit")])
+def test_a_checkpoint_resumes_exactly_at_the_other_family_of_stages(tmp_path, saved, resumed,
+                                                                     width):
+    """Stage 0-2 names a parameter's scale runs by (group, index), stage 3 by its name: the
+    loader renames them, and the codes go on exactly."""
+    def engine(variant):
+        stage, _, nvme = str(variant).partition("+")
+        options = dict(_nvme(tmp_path / "swap"), sub_group_size=700) if nvme else {}
+        return _engine(int(stage), width, **options)
+    (tmp_path / "swap").mkdir()
+    first = engine(saved)
+    cases.train_steps(first, 3)
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    unbroken = cases.train_steps(first, 3, start=3)
+    second = engine(resumed)
+    second.load_checkpoint(str(tmp_path / "ckpt"))
+    assert cases.train_steps(second, 3, start=3) == unbroken
+
+
 def test_nvme_offload_swaps_only_the_masters(tmp_path):
     """The 8-bit state stays in host memory; the swap folder holds one fp32 master file per
     key, no moment files."""

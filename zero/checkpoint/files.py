@@ -22,6 +22,11 @@ def model_states_name(mp_rank):
     return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
+def stage3_model_states_name(dp_rank, mp_rank):
+    """Stage 3 writes one model states file per data-parallel rank."""
+    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
 def layer_states_name(layer, tp_rank):
     """A pipeline module's layer file (DeepSpeed's PipelineModule.ckpt_layer_path)."""
     return f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"

@@ -30,6 +30,7 @@ leaves the previous checkpoint and tracker intact.
 import glob
 import logging
 import os
+import re
 import shutil
 import zlib
 from collections import OrderedDict
@@ -38,11 +39,14 @@ import torch
 import torch.distributed as dist
 
 from zero.checkpoint.partitions import (DS_VERSION, PartitionRestore, check_param_shapes,
-                                        zero_optimizer_state)
+                                        restore_whole_params, zero_optimizer_state)
 from zero.checkpoint.files import (all_agree, engine_counters, fsync_dir, layer_states_name,
                                    model_states_name, module_state_on_cpu, on_rank0_then_agree,
                                    optim_files, optim_states_name, report_skipped_keys,
-                                   shared_params, torch_load, try_)
+                                   shared_params, stage3_model_states_name, torch_load,
+                                   try_)
+from zero.checkpoint.whole_params import (SavedStage3, check_param_groups, load_buffers,
+                                          saved_stage)
 from zero.comm.agreement import collective_device
 from zero.errors import CheckpointError
 from zero.fault_injection import kill_point
@@ -255,6 +259,13 @@ def load_checkpoint(engine, load_dir, tag, *, module_strict, optimizer_states,
         if module_only:
             return path, client_state
         return _restore_counters(engine, states, lr_scheduler_states, path, client_state)
+    if saved_stage(ckpt_dir, engine.checkpoint_rank) == 3:
+        path, states = _load_stage3_layout(engine, ckpt_dir, module_strict,
+                                           optimizer_states and not module_only)
+        client_state = {k: v for k, v in states.items() if k not in MODEL_STATE_KEYS}
+        if module_only:
+            return path, client_state
+        return _restore_counters(engine, states, lr_scheduler_states, path, client_state)
     path = os.path.join(ckpt_dir, model_states_name(engine.checkpoint_rank))
     states = _load_model_states(path, ckpt_dir, engine.checkpoint_world_size)
     try:
@@ -276,6 +287,37 @@ def load_checkpoint(engine, load_dir, tag, *, module_strict, optimizer_states,
     if not masters_loaded:
         engine.optimizer.refresh_masters_from_model()
     return _restore_counters(engine, states, lr_scheduler_states, path, client_state)
+
+
+def _load_stage3_layout(engine, ckpt_dir, strict, with_state):
+    """A stage 3 checkpoint at stage 0-2: the masters (and optimizer state) re-partitioned
+    parameter by parameter, the buffers and frozen weights from its model states. Returns
+    (path of the model states read, their dict): DP rank 0's, as every rank reads at 0-2."""
+    if _pipelined(engine):
+        raise CheckpointError(f"{ckpt_dir} was saved at ZeRO stage 3, without the pipeline "
+                              "stages this run has: resume it without them")
+    saved = SavedStage3(ckpt_dir, engine)
+    path = os.path.join(ckpt_dir, stage3_model_states_name(0, engine.mp_rank))
+    states = saved.model_states(0)
+    module, optimizer = engine.module, engine.optimizer
+    names = {p: n for n, p in module.named_parameters()}
+    if with_state:
+        check_param_groups(saved, [[names[p] for p in g.params] for g in optimizer.groups])
+    skipped = load_buffers(module, states, path, strict)
+    missing = restore_whole_params(optimizer, saved, names, with_state, strict)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if param.requires_grad:
+                continue
+            if saved.has_frozen(name):
+                param.copy_(saved.frozen_full(name, param.numel()).view_as(param))
+            elif strict:
+                raise CheckpointError(f"{ckpt_dir} has no saved values for frozen parameter "
+                                      f"{name} (load_module_strict=False keeps it)")
+            else:
+                missing.append(name)
+    report_skipped_keys(missing, skipped, path)
+    return path, states
 
 
 def _load_layers(engine, ckpt_dir, strict):
@@ -336,11 +378,14 @@ def _load_model_states(path, ckpt_dir, mp_world_size):
                                   f"rank(s) but this run uses {mp_world_size}; missing "
                                   f"{os.path.basename(path)}. Resume with the saved "
                                   "--model-parallel-size or convert the checkpoint first")
-        if glob.glob(os.path.join(ckpt_dir, "zero_pp_rank_*_model_states.pt")):
-            raise CheckpointError(f"{ckpt_dir} was saved at ZeRO stage 3 (one model states "
-                                  "file per data-parallel rank) and this run uses stage 0-2: "
-                                  "resume it at stage 3, or load its weights with "
-                                  "zero.load_state_dict_from_zero_checkpoint")
+        stage3 = {m.group(1) for m in (re.search(r"_mp_rank_(\d+)_model_states", f)
+                                         for f in os.listdir(ckpt_dir)) if m}
+        if stage3:  # (this rank's own would have been read as stage 3's layout)
+            raise CheckpointError(f"{ckpt_dir} was saved at ZeRO stage 3 with {len(stage3)} "
+                                  f"tensor-parallel rank(s) but this run uses {mp_world_size};"
+                                  f" missing zero_pp_rank_0_{os.path.basename(path)}. Resume with "
+                                  "the saved --model-parallel-size or convert the checkpoint "
+                                  "first")
         raise CheckpointError(f"{ckpt_dir} holds no model states file ({os.path.basename(path)}); "
                               "it is not a complete zero/DeepSpeed checkpoint")
     states = torch_load(path)

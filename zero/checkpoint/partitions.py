@@ -160,3 +160,60 @@ class PartitionRestore:
             optimizer.commit_restored_masters()
             optimizer.publish_masters()
         return self.has_fp32
+
+
+@torch.no_grad()
+def restore_whole_params(optimizer, saved, names, with_state, strict):
+    """Fill this rank's partition of the masters (and, `with_state`, the optimizer state)
+    parameter by parameter from `saved` (zero/checkpoint/whole_params.py: a checkpoint of any
+    stage, stage 3's included). Returns the names the checkpoint lacks (not `strict`: they keep
+    their values and start with zero optimizer state)."""
+    missing = [names[p] for group in optimizer.groups for p in group.params
+               if not saved.has(names[p])]
+    if missing and strict:
+        raise CheckpointError(f"{saved.ckpt_dir} has no saved values for parameter(s) "
+                              f"{missing[:5]}; the model differs from the saved one "
+                              "(load_module_strict=False keeps their values)")
+    states = [{} for _ in optimizer.groups]
+    for g, group in enumerate(optimizer.groups):
+        lay, master = group.layout, optimizer.master_restore_target(g)
+        tables = []
+        for i, (param, offset, numel) in enumerate(zip(group.params, lay.offsets, lay.numels)):
+            name = names[param]
+            runs = [(start - offset, part, length) for start, part, length
+                    in lay.partition_runs(group.rank, offset, offset + numel)]
+            if not saved.has(name):  # kept (not strict): the model's current values
+                _copy_param_runs(group.flat.narrow(0, offset, numel).float(), master, runs)
+                continue
+            _copy_param_runs(saved.master(name, numel), master, runs)
+            if not with_state:
+                continue
+            for key, dtype in saved.per_element_keys(name).items():
+                target = states[g].setdefault(key, torch.zeros(lay.partition_numel, dtype=dtype))
+                _copy_param_runs(saved.state(name, key, numel), target, runs)
+            for key, value in saved.scalar_state(name).items():
+                if key not in states[g]:
+                    states[g][key] = value.clone() if torch.is_tensor(value) else value
+            tables.append(saved.table(name, optimizer.piece_name(g, i)))
+        if any(t is not None for t in tables):
+            states[g][QUANTIZED_TABLE] = merge_tables(tables)
+    if with_state:
+        try:
+            optimizer.load_base_state_dict(
+                {"state": {g: s for g, s in enumerate(states) if s},
+                 "param_groups": [{**saved_group, "params": [g]}
+                                  for g, saved_group in enumerate(saved.param_groups)]})
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"saved optimizer state does not fit this optimizer: {e}") \
+                from None
+        if optimizer.loss_scaler is not None and saved.loss_scaler is not None:
+            optimizer.loss_scaler.load_state_dict(saved.loss_scaler)
+    optimizer.commit_restored_masters()
+    optimizer.publish_masters()
+    return missing
+
+
+def _copy_param_runs(source, target, runs):
+    """target[part:part+length] <- source[start:start+length] for each (start, part, length)."""
+    for start, part, length in runs:
+        target.narrow(0, part, length).copy_(source.narrow(0, start, length))

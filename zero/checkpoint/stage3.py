@@ -19,8 +19,9 @@ A parameter of n elements holds ceil(n / dp) elements on every rank at the same 
 concatenated fp32_flat_groups, which is what DeepSpeed's zero_to_fp32.py reads. Loading walks
 the parameters one at a time: each parameter (and each Adam moment) is reassembled from the
 saved ranks' memory-mapped pieces and this rank's new piece is cut out, so a checkpoint loads
-at any data-parallel size. fp32 weights always come from fp32_flat_groups (a stage 3
-checkpoint holds no full 16-bit module), whatever `load_from_fp32_weights` says.
+at any data-parallel size, and a stage 0-2 checkpoint loads too (the readers of both layouts:
+zero/checkpoint/whole_params.py). fp32 weights always come from the saved fp32 masters (a
+stage 3 checkpoint holds no full 16-bit module), whatever `load_from_fp32_weights` says.
 """
 
 import logging
@@ -30,17 +31,15 @@ from collections import OrderedDict
 import torch
 
 from zero.checkpoint import files as common
+from zero.checkpoint.files import stage3_model_states_name
+from zero.checkpoint.whole_params import check_param_groups, load_buffers, open_saved
 from zero.errors import CheckpointError
 from zero.optim.quantized_state import TABLE as QUANTIZED_TABLE
-from zero.optim.quantized_state import merge_tables, split_table
+from zero.optim.quantized_state import merge_tables
 from zero.offload.param_swapper import read_shard, write_shard
 from zero.stages.partition_parameters import GatheredParameters, is_zero_param
 
 logger = logging.getLogger("zero.checkpoint.layout")
-
-
-def model_states_name(dp_rank, mp_rank):
-    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,7 +65,7 @@ def stage3_files(engine, client_state):
                                           engine.bfloat16_enabled())
     return [(optim_name, {"optimizer_state_dict": optim, "ds_config": engine.config.raw,
                           "ds_version": common.DS_VERSION}),
-            (model_states_name(engine.dp_rank, engine.mp_rank), states)]
+            (stage3_model_states_name(engine.dp_rank, engine.mp_rank), states)]
 
 
 def _on_cpu(value):
@@ -115,15 +114,16 @@ def load_stage3(engine, ckpt_dir, strict, with_state):
     """Fill the partitions (and, `with_state`, the optimizer state) from a stage 3 checkpoint
     saved at any DP size; not `strict`, parameters and buffers the checkpoint lacks keep their
     values. Returns (path of this rank's model states, model states dict)."""
-    saved = _SavedStage3(ckpt_dir, engine)
+    saved = open_saved(ckpt_dir, engine)  # a stage 0-2 checkpoint too
     states = saved.model_states(engine.dp_rank)
-    skipped = _load_buffers(engine.module, states, saved.path, strict)
+    skipped = load_buffers(engine.module, states, saved.path, strict)
     optimizer = engine.optimizer
     optimizer.coordinator.release_all()
-    restored, missing = saved.restore(optimizer, with_state, strict)
     if with_state:
-        torch_state = saved.first_optim["optimizer_state_dict"]
-        groups = _regroup(torch_state["param_groups"], optimizer.optimizer.param_groups)
+        check_param_groups(saved, _group_names(optimizer))
+    restored, missing = _restore(saved, optimizer, with_state, strict)
+    if with_state:
+        groups = _regroup(saved.param_groups, optimizer.optimizer.param_groups)
         index = {id(g.master): i for i, g in enumerate(optimizer.sub_groups)}
         try:
             optimizer.load_base_state_dict(
@@ -132,9 +132,8 @@ def load_stage3(engine, ckpt_dir, strict, with_state):
         except (ValueError, KeyError) as e:
             raise CheckpointError(f"saved optimizer state does not fit this optimizer: {e}") \
                 from None
-        scaler_state = saved.first_optim.get("loss_scaler")
-        if optimizer.loss_scaler is not None and scaler_state is not None:
-            optimizer.loss_scaler.load_state_dict(scaler_state)
+        if optimizer.loss_scaler is not None and saved.loss_scaler is not None:
+            optimizer.loss_scaler.load_state_dict(saved.loss_scaler)
     optimizer.commit_restored_masters()
     optimizer.publish_masters()
     missing += _load_frozen(engine.module, saved, strict)
@@ -153,25 +152,6 @@ def _regroup(saved_groups, current_groups):
         groups.append({**saved, "params": list(range(next_index, next_index + count))})
         next_index += count
     return groups
-
-
-def _load_buffers(module, states, path, strict):
-    """Returns the saved buffers the module does not have (an error when `strict`)."""
-    saved = states.get("module", {})
-    own = dict(module.named_buffers())
-    skipped = []
-    for name in states.get("buffer_names", []):
-        if name not in saved:
-            raise CheckpointError(f"{path} lacks buffer {name}")
-        if name not in own:
-            if strict:
-                raise CheckpointError(f"{path} has buffer {name}, which the model lacks "
-                                      "(load_module_strict=False skips it)")
-            skipped.append(name)
-            continue
-        with torch.no_grad():
-            own[name].copy_(saved[name])
-    return skipped
 
 
 def _load_frozen(module, saved, strict):
@@ -203,115 +183,55 @@ def _cut_into(target, full, rank):
             target.narrow(0, 0, hi - lo).copy_(full.narrow(0, lo, hi - lo))
 
 
-class _SavedStage3:
-    """The saved ranks' files, memory-mapped, and where each parameter's pieces are."""
-
-    def __init__(self, ckpt_dir, engine):
-        self.ckpt_dir, self.mp_rank = ckpt_dir, engine.mp_rank
-        self.path = os.path.join(ckpt_dir, model_states_name(engine.dp_rank, engine.mp_rank))
-        first = os.path.join(ckpt_dir, model_states_name(0, engine.mp_rank))
-        if not os.path.isfile(first):
-            other = common.model_states_name(engine.mp_rank)
-            hint = (" It was saved at ZeRO stage 0-2: resume it with that stage, or load its "
-                    "weights with zero.load_state_dict_from_zero_checkpoint") \
-                if os.path.isfile(os.path.join(ckpt_dir, other)) else ""
-            raise CheckpointError(f"{ckpt_dir} holds no ZeRO stage 3 model states "
-                                  f"({os.path.basename(first)}).{hint}")
-        self.states0 = common.torch_load(first, mmap=True)
-        saved_mp = self.states0.get("mp_world_size", 1)
-        if saved_mp != engine.mp_world_size:
-            raise CheckpointError(f"{first} was saved with tensor-parallel size {saved_mp}, "
-                                  f"this run uses {engine.mp_world_size}; resume with the "
-                                  "saved size or convert the checkpoint first")
-        self.world = self.states0["dp_world_size"]
-        files = common.optim_files(ckpt_dir, engine.mp_rank)
-        if len(files) != self.world:
-            raise CheckpointError(f"optimizer states missing in {ckpt_dir}: expected "
-                                  f"{self.world} zero_pp_rank_*_mp_rank_{engine.mp_rank:02d}_"
-                                  f"optim_states.pt file(s), found {len(files)}")
-        self.optim = [common.torch_load(f, mmap=True)["optimizer_state_dict"] for f in files]
-        self.first_optim = self.optim[0]
-        if self.first_optim.get("zero_stage") != 3:
-            raise CheckpointError(f"{ckpt_dir} was saved at ZeRO stage "
-                                  f"{self.first_optim.get('zero_stage')}, this run uses stage 3;"
-                                  " resume with the saved stage")
-        self.where = {}  # name -> (sub-group, offset, piece size)
-        for g, shapes in enumerate(self.states0["param_shapes"]):
-            offset = 0
-            for name, shape in shapes.items():
-                size = -(-torch.Size(shape).numel() // self.world)
-                self.where[name] = (g, offset, size)
-                offset += size
-
-    def model_states(self, dp_rank):
-        if dp_rank < self.world and os.path.isfile(self.path):
-            return common.torch_load(self.path)
-        return dict(self.states0)  # a larger DP size than saved: the shared parts agree
-
-    def _full(self, name, numel, tensors_of_rank):
-        g, offset, size = self.where[name]
-        pieces = [tensors_of_rank(r)[g].narrow(0, offset, size) for r in range(self.world)]
-        return torch.cat(pieces)[:numel]
-
-    def has_frozen(self, name):
-        return name in (self.states0.get("frozen_param_fragments") or {})
-
-    def frozen_full(self, name, numel):
-        pieces = [common.torch_load(os.path.join(self.ckpt_dir, model_states_name(
-            r, self.mp_rank)), mmap=True)["frozen_param_fragments"][name].reshape(-1)
-            for r in range(self.world)]
-        return torch.cat(pieces)[:numel]
-
-    def restore(self, optimizer, with_state, strict):
-        """Write masters (and per-element optimizer state) of every sub-group. Returns
-        ({sub-group: {state key: tensor}} for the torch optimizer, names of the parameters
-        the checkpoint lacks: not `strict`, their masters take their current values and their
-        optimizer state starts at zero)."""
-        names = dict(_named(optimizer))
-        missing = [n for n in names.values() if n not in self.where]
-        if missing and strict:
-            raise CheckpointError(f"{self.ckpt_dir} has no saved values for parameter(s) "
-                                  f"{missing[:5]}; the model differs from the saved one "
-                                  "(load_module_strict=False keeps their values)")
-        flats = [o["fp32_flat_groups"] for o in self.optim]
-        saved_states = [o["optimizer_state_dict"]["state"] for o in self.optim]
-        # quantised states name their scale runs by parameter: every saved rank's, merged,
-        # and each sub-group given the runs of its own parameters
-        table = merge_tables([s.get(QUANTIZED_TABLE) for state in saved_states
-                              for s in state.values()])
-        table_parts = split_table(table) if table is not None else {}
-        restored = {}
-        for index, sub_group in enumerate(optimizer.sub_groups):
-            state = restored.setdefault(sub_group, {})
-            own_table = merge_tables([table_parts.get(names[p]) for p in sub_group.params])
-            for param, offset, size in zip(sub_group.params, sub_group.offsets, sub_group.sizes):
-                name = names[param]
-                rank = param.ds_comm.rank
-                target = optimizer.master_restore_target(index).narrow(0, offset, size)
-                if name not in self.where:  # kept (not strict)
-                    target.copy_(read_shard(param).float())
-                    continue
-                _cut_into(target, self._full(name, param.ds_numel, lambda r: flats[r]), rank)
-                if not with_state:
-                    continue
-                g = self.where[name][0]
-                for key, value in saved_states[0].get(g, {}).items():
-                    if torch.is_tensor(value) and value.dim() == 1 \
-                            and value.numel() == flats[0][g].numel():
-                        target = state.setdefault(key, torch.zeros(
-                            sub_group.master.shape, dtype=value.dtype))
-                        full = self._full(name, param.ds_numel,
-                                          lambda r, k=key: _per_group(saved_states[r], k))
-                        _cut_into(target.narrow(0, offset, size), full, rank)
-                    elif key == QUANTIZED_TABLE:
-                        state[key] = own_table or {**table, "scales": [], "small": []}
-                    elif key not in state:
-                        state[key] = value.clone() if torch.is_tensor(value) else value
-        return restored, missing
+def _restore(saved, optimizer, with_state, strict):
+    """Write the masters (and per-element optimizer state) of every sub-group from `saved`
+    (zero/checkpoint/whole_params.py: a checkpoint of any stage). Returns ({sub-group: {state
+    key: tensor}} for the torch optimizer, names of the parameters the checkpoint lacks: not
+    `strict`, their masters take their current values and their optimizer state starts at
+    zero)."""
+    names = dict(_named(optimizer))
+    missing = [n for n in names.values() if not saved.has(n)]
+    if missing and strict:
+        raise CheckpointError(f"{saved.ckpt_dir} has no saved values for parameter(s) "
+                              f"{missing[:5]}; the model differs from the saved one "
+                              "(load_module_strict=False keeps their values)")
+    restored = {}
+    for index, sub_group in enumerate(optimizer.sub_groups):
+        state = restored.setdefault(sub_group, {})
+        tables = []
+        for param, offset, size in zip(sub_group.params, sub_group.offsets, sub_group.sizes):
+            name = names[param]
+            rank = param.ds_comm.rank
+            target = optimizer.master_restore_target(index).narrow(0, offset, size)
+            if not saved.has(name):  # kept (not strict)
+                target.copy_(read_shard(param).float())
+                continue
+            _cut_into(target, saved.master(name, param.ds_numel), rank)
+            if not with_state:
+                continue
+            for key, dtype in saved.per_element_keys(name).items():
+                target = state.setdefault(key, torch.zeros(sub_group.master.shape, dtype=dtype))
+                _cut_into(target.narrow(0, offset, size), saved.state(name, key, param.ds_numel),
+                          rank)
+            for key, value in saved.scalar_state(name).items():
+                if key not in state:
+                    state[key] = value.clone() if torch.is_tensor(value) else value
+            tables.append(saved.table(name, name))  # stage 3 names runs by parameter
+        if any(t is not None for t in tables):
+            state[QUANTIZED_TABLE] = merge_tables(tables)
+    return restored, missing
 
 
-def _per_group(state, key):
-    return {g: s[key] for g, s in state.items()}
+def _group_names(optimizer):
+    """[names of the parameters of each optimizer param group] (its sub-groups, in order)."""
+    names, group_of_master = optimizer.param_names, {}
+    for k, group in enumerate(optimizer.optimizer.param_groups):
+        for master in group["params"]:
+            group_of_master[id(master)] = k
+    result = [[] for _ in optimizer.optimizer.param_groups]
+    for sub_group in optimizer.sub_groups:
+        result[group_of_master[id(sub_group.master)]] += [names[p] for p in sub_group.params]
+    return result
 
 
 def _named(optimizer):
