@@ -251,42 +251,37 @@ def load_checkpoint(engine, load_dir, tag, *, module_strict, optimizer_states,
             logger.warning("no 'latest' file in %s and no tag given: nothing loaded", load_dir)
             return None, None
     ckpt_dir = find_tag_dir(load_dir, tag)
+    with_state = optimizer_states and not module_only
     if engine.zero_optimization_stage() == 3:  # zero/checkpoint/stage3.py
         from zero.checkpoint.stage3 import load_stage3
-        path, states = load_stage3(engine, ckpt_dir, module_strict,
-                                   optimizer_states and not module_only)
-        client_state = {k: v for k, v in states.items() if k not in MODEL_STATE_KEYS}
-        if module_only:
-            return path, client_state
-        return _restore_counters(engine, states, lr_scheduler_states, path, client_state)
-    if saved_stage(ckpt_dir, engine.checkpoint_rank) == 3:
-        path, states = _load_stage3_layout(engine, ckpt_dir, module_strict,
-                                           optimizer_states and not module_only)
-        client_state = {k: v for k, v in states.items() if k not in MODEL_STATE_KEYS}
-        if module_only:
-            return path, client_state
-        return _restore_counters(engine, states, lr_scheduler_states, path, client_state)
+        path, states = load_stage3(engine, ckpt_dir, module_strict, with_state)
+    elif saved_stage(ckpt_dir, engine.checkpoint_rank) == 3:
+        path, states = _load_stage3_layout(engine, ckpt_dir, module_strict, with_state)
+    else:
+        path, states = _load_stage0_2_layout(engine, ckpt_dir, module_strict, with_state)
+    client_state = {k: v for k, v in states.items() if k not in MODEL_STATE_KEYS}
+    if module_only:
+        return path, client_state
+    return _restore_counters(engine, states, lr_scheduler_states, path, client_state)
+
+
+def _load_stage0_2_layout(engine, ckpt_dir, strict, with_state):
+    """The module's weights, then (`with_state`) the masters and optimizer state from the
+    saved slices. Returns (path of the model states read, their dict)."""
     path = os.path.join(ckpt_dir, model_states_name(engine.checkpoint_rank))
     states = _load_model_states(path, ckpt_dir, engine.checkpoint_world_size)
     try:
         if _pipelined(engine):
-            missing, unexpected = _load_layers(engine, ckpt_dir, module_strict)
+            missing, unexpected = _load_layers(engine, ckpt_dir, strict)
         else:
-            missing, unexpected = engine.module.load_state_dict(states["module"],
-                                                                strict=module_strict)
+            missing, unexpected = engine.module.load_state_dict(states["module"], strict=strict)
         report_skipped_keys(missing, unexpected, path)
     except RuntimeError as e:
         raise CheckpointError(f"{path} does not fit the model: {e}") from None
-    client_state = {k: v for k, v in states.items() if k not in MODEL_STATE_KEYS}
-    if module_only:
-        engine.optimizer.refresh_masters_from_model()
-        return path, client_state
-    masters_loaded = False
-    if optimizer_states:
-        masters_loaded = load_zero_optimizer_state(engine, ckpt_dir, states)
+    masters_loaded = with_state and load_zero_optimizer_state(engine, ckpt_dir, states)
     if not masters_loaded:
         engine.optimizer.refresh_masters_from_model()
-    return _restore_counters(engine, states, lr_scheduler_states, path, client_state)
+    return path, states
 
 
 def _load_stage3_layout(engine, ckpt_dir, strict, with_state):

@@ -147,15 +147,10 @@ class PartitionRestore:
 
     def finish(self):
         optimizer, saved = self.optimizer, self.first
-        try:
-            optimizer.load_base_state_dict(
-                {"state": {g: s for g, s in enumerate(self.states) if s},
-                 "param_groups": saved["base_optimizer_state"]["param_groups"]})
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"saved optimizer state does not fit this optimizer: {e}") \
-                from None
-        if optimizer.loss_scaler is not None and saved.get("loss_scaler") is not None:
-            optimizer.loss_scaler.load_state_dict(saved["loss_scaler"])
+        optimizer.load_saved_state(
+            {"state": {g: s for g, s in enumerate(self.states) if s},
+             "param_groups": saved["base_optimizer_state"]["param_groups"]},
+            saved.get("loss_scaler"))
         if self.has_fp32:
             optimizer.commit_restored_masters()
             optimizer.publish_masters()
@@ -198,16 +193,11 @@ def restore_whole_params(optimizer, saved, names, with_state, strict):
         if any(t is not None for t in tables):
             states[g][QUANTIZED_TABLE] = merge_tables(tables)
     if with_state:
-        try:
-            optimizer.load_base_state_dict(
-                {"state": {g: s for g, s in enumerate(states) if s},
-                 "param_groups": [{**saved_group, "params": [g]}
-                                  for g, saved_group in enumerate(saved.param_groups)]})
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"saved optimizer state does not fit this optimizer: {e}") \
-                from None
-        if optimizer.loss_scaler is not None and saved.loss_scaler is not None:
-            optimizer.loss_scaler.load_state_dict(saved.loss_scaler)
+        optimizer.load_saved_state(
+            {"state": {g: s for g, s in enumerate(states) if s},
+             "param_groups": [{**saved_group, "params": [g]}
+                              for g, saved_group in enumerate(saved.param_groups)]},
+            saved.loss_scaler)
     optimizer.commit_restored_masters()
     optimizer.publish_masters()
     return missing

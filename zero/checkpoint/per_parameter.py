@@ -116,11 +116,7 @@ def load_per_parameter_state(optimizer, param_groups, per_group):
                     state.setdefault(key, value.clone() if torch.is_tensor(value) else value)
         if state:
             states[index] = state
-    try:
-        optimizer.load_base_state_dict({"state": states, "param_groups": groups})
-    except (ValueError, KeyError) as error:
-        raise CheckpointError(f"the saved optimizer state does not fit this optimizer: {error}") \
-            from None
+    optimizer.load_saved_state({"state": states, "param_groups": groups}, None)
     optimizer.commit_restored_masters()
     optimizer.publish_masters()
 

@@ -125,15 +125,9 @@ def load_stage3(engine, ckpt_dir, strict, with_state):
     if with_state:
         groups = _regroup(saved.param_groups, optimizer.optimizer.param_groups)
         index = {id(g.master): i for i, g in enumerate(optimizer.sub_groups)}
-        try:
-            optimizer.load_base_state_dict(
-                {"state": {index[id(g.master)]: s for g, s in restored.items() if s},
-                 "param_groups": groups})
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"saved optimizer state does not fit this optimizer: {e}") \
-                from None
-        if optimizer.loss_scaler is not None and saved.loss_scaler is not None:
-            optimizer.loss_scaler.load_state_dict(saved.loss_scaler)
+        optimizer.load_saved_state(
+            {"state": {index[id(g.master)]: s for g, s in restored.items() if s},
+             "param_groups": groups}, saved.loss_scaler)
     optimizer.commit_restored_masters()
     optimizer.publish_masters()
     missing += _load_frozen(engine.module, saved, strict)

@@ -183,6 +183,17 @@ class PartitionedOptimizer:
             state_dict = self._decoded(state_dict)
         self.masters.load_state_dict(state_dict)
 
+    def load_saved_state(self, state_dict, loss_scaler_state):
+        """A checkpoint's optimizer state (torch's format, one entry per master) and loss
+        scaler; torch's complaint about a state that does not fit becomes one that says so."""
+        try:
+            self.load_base_state_dict(state_dict)
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"saved optimizer state does not fit this optimizer: {e}") \
+                from None
+        if self.loss_scaler is not None and loss_scaler_state is not None:
+            self.loss_scaler.load_state_dict(loss_scaler_state)
+
     def _check_saved_hyperparameters(self, saved_groups):
         """torch's load_state_dict takes the saved param groups whole: a state saved by another
         kind of optimizer (AdamW's into SGD) would fail at the first step with a KeyError, or
