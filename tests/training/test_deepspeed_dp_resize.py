@@ -1,4 +1,5 @@
-"""pretrain_gpt2.py --deepspeed: a ZeRO checkpoint saved at DP=2 resumes at DP=1.
+"""pretrain_gpt2.py --deepspeed: a ZeRO checkpoint saved at DP=2 resumes at DP=1 (at its
+own stage, and at stage 3).
 
 Beyond DeepSpeed (which refuses another DP size for the optimizer state unless its checkpoint
 is converted): the fp32 masters and Adam moments are re-partitioned on load. The global batch stays 8;
@@ -35,14 +36,15 @@ def dp2_runs(corpus, tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_dp2_checkpoint_resumes_at_dp1_with_the_same_losses(corpus, dp2_runs, tmp_path, stage):
+@pytest.mark.parametrize("stage, resumed_stage", [(1, 1), (2, 2), (2, 3)])
+def test_dp2_checkpoint_resumes_at_dp1_with_the_same_losses(corpus, dp2_runs, tmp_path, stage,
+                                                            resumed_stage):
     save = dp2_runs / f"ckpt{stage}"
     assert sorted(p.name for p in (save / f"global_step{SAVED_AT}").iterdir()) == [
         "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     assert run(corpus, tmp_path / "resumed", ITERS, *NO_DROPOUT, "--global-batch-size", 8,
-               "--deepspeed", "--deepspeed_config", stage_config(tmp_path, stage),
+               "--deepspeed", "--deepspeed_config", stage_config(tmp_path, resumed_stage),
                "--load", save, micro=4) == 0
     straight = read_losses(dp2_runs / f"straight{stage}")
     head = read_losses(dp2_runs / f"head{stage}")

@@ -93,3 +93,23 @@ def test_tp2_dp2_stage3_matches_single_process(corpus, tmp_path, reference):
     assert_same_training(reference, read_losses(tmp_path / "tp2dp2"))
 
 
+
+
+def test_a_tp2_stage2_checkpoint_resumes_at_stage3(corpus, tmp_path):
+    """Each tensor-parallel rank's files are read on their own: at TP=2 a stage 2 save resumes
+    at stage 3 (the other family of stages) and the losses continue the stage 2 run's."""
+    save = tmp_path / "ckpt"
+    stage2 = ["--deepspeed", "--deepspeed_config", stage_config(tmp_path, 2)]
+
+    def argv(name, *extra):
+        return trainer_argv(corpus, tmp_path / name, 6, *NO_DROPOUT, "--global-batch-size", 4,
+                            "--model-parallel-size", 2, *extra, micro=4)
+    (tmp_path / "s3").mkdir()
+    phases = [argv("straight", *stage2),
+              argv("split", *stage2, "--save", save, "--exit-interval", 3),
+              argv("split", "--deepspeed", "--deepspeed_config", _config(tmp_path / "s3"),
+                   "--save", save, "--load", save)]
+    run_distributed(_train_dp, 2, args=(str(tmp_path), phases))
+    assert_same_training(read_losses(tmp_path / "straight"), read_losses(tmp_path / "split"))
+    assert sorted(p.name for p in (save / "global_step6").iterdir())[-1] == \
+        "zero_pp_rank_0_mp_rank_01_optim_states.pt"  # the resumed run saved at stage 3
