@@ -23,8 +23,11 @@ the real logits).
 --deepspeed: the source is a `pretrain_gpt2.py --deepspeed` checkpoint (DeepSpeed's layout:
 <load>/latest, <load>/global_stepN/, any ZeRO stage and data-parallel size). Each TP rank's
 fp32 weights are consolidated over the ZeRO partitions (zero's get_fp32_state_dict_from_zero_
-checkpoint), then resharded as above into a Megatron-layout checkpoint; the Adam moments are
-not carried over, so resume it without --deepspeed and with --no-load-optim:
+checkpoint), then resharded as above into a Megatron-layout checkpoint, with the optimizer
+state (fp32 masters and Adam moments, read parameter by parameter out of the partitions;
+not with pipeline stages or tiled linears, whose state ZeRO keeps per stage or tile: then
+resume with --no-load-optim). Resume it without --deepspeed, or under --deepspeed with
+--finetune (the weights only):
 
     python tools/merge_mp_partitions.py --deepspeed --load checkpoints/ds --save ckpt_mp2 \
         --target-model-parallel-size 2
@@ -94,8 +97,9 @@ def run(args):
                                 target_pp=args.target_pipeline_model_parallel_size)
     name = "release" if result.release else f"iteration {result.iteration}"
     optimizer = "converted" if result.optimizer_converted else \
-        "not converted (ZeRO partitions): resume with --no-load-optim" if args.deepspeed else \
-        "none in the source checkpoint"
+        "not converted (pipeline stages or tiled linears: ZeRO keeps it per stage or tile): " \
+        "resume with --no-load-optim" if args.deepspeed else "none in the source checkpoint"
+    fresh = args.deepspeed and not result.optimizer_converted
     print("\n".join([
         f" converted {args.load} ({name}): tensor-parallel size {result.source_tp} -> "
         f"{result.target_tp}, pipeline stages {result.source_pp} -> {result.target_pp}",
@@ -104,7 +108,7 @@ def run(args):
         f" optimizer state: {optimizer}",
         f" wrote {len(result.paths)} file(s) under {os.path.dirname(result.paths[0])}/..",
         f" resume with: {trainer_command(args.save, result.target_tp, result.target_pp)}"
-        f"{' --no-load-optim' if args.deepspeed else ''} ...",
+        f"{' --no-load-optim' if fresh else ''} ...",
     ]), flush=True)
     return result
 

@@ -292,8 +292,9 @@ def _load_optimizer(engine, state, run_args, path, fp32_weights):
         raise CheckpointError(f"{path}: {mismatch}")
     saved_args = state.get("args") or {}
     why = "saved with --no-save-optim" if saved_args.get("no_save_optim") else \
-        "converted from a --deepspeed checkpoint, whose ZeRO-partitioned optimizer state " \
-        "tools/merge_mp_partitions.py does not carry" if saved_args.get("deepspeed") else \
+        "converted from a --deepspeed checkpoint with pipeline stages or tiled linears, " \
+        "whose optimizer state tools/merge_mp_partitions.py does not carry" \
+        if saved_args.get("deepspeed") else \
         "written without it"
     for key in ("optimizer", "lr_scheduler"):
         if key not in state:

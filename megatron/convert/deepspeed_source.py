@@ -13,14 +13,15 @@ Per tensor-parallel rank the fp32 weights are consolidated over the data-paralle
 by zero's own `get_fp32_state_dict_from_zero_checkpoint` (any ZeRO stage, any DP size) and
 cast to the dtype the model was trained in (with pipeline stages, per stage, and the stages
 joined); the result is that rank's Megatron `model_optim_rng.pt` content (iteration, args,
-train_state, RNG), which megatron/convert then merges and re-splits to any TP x PP size.
-The one reader of this layout: tools/merge_mp_partitions.py --deepspeed and
+train_state, RNG, and the optimizer state: fp32 masters and Adam moments read parameter by
+parameter from ZeRO's partitions by zero.checkpoint.whole_params), which megatron/convert
+then merges and re-splits to any TP x PP size, so the converted checkpoint resumes with its
+optimizer. The one reader of this layout: tools/merge_mp_partitions.py --deepspeed and
 tools/convert_checkpoint.py --loader deepspeed (and so the generation and evaluation tools)
-all come through here. The Adam moments are not carried over: they live in
-ZeRO's flat partitions, not per parameter, so the converted checkpoint resumes with
-`--no-load-optim` (a fresh optimizer from the converted weights). A model trained with
---memory-centric-tiled-linear under stage 3 has its fp32 masters per tile; they are joined
-into the untiled weights every Megatron checkpoint holds.
+all come through here. A model trained with --memory-centric-tiled-linear under stage 3 has
+its fp32 masters per tile; they are joined into the untiled weights every Megatron checkpoint
+holds, and its optimizer state (per tile too) is not carried, nor that of a checkpoint with
+pipeline stages: those resume with `--no-load-optim`.
 """
 
 import os
@@ -31,6 +32,7 @@ from megatron.checkpointing.files import safe_load
 from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, read_tracker,
                                                     to_nested_state_dict)
 from megatron.convert.checkpoint_files import ShardedCheckpoint, inside_a_checkpoint
+from megatron.convert.optimizer_state import optimizer_group_names
 from megatron.convert.pipeline_layout import join_stages, stage_layer_numbers
 from megatron.errors import CheckpointError
 from megatron.model.gpt2_model import pipeline_layer_slots
@@ -110,6 +112,10 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
         shard = {key: states[key] for key in _CLIENT_KEYS if key in states}
         shard.update(checkpoint_version=CHECKPOINT_VERSION, args=dict(states["args"]),
                      model=to_nested_state_dict(model))
+        optimizer = _optimizer_entry(tag_dir, mp_rank, size, model, module) \
+            if stages == 1 else None
+        if optimizer is not None:
+            shard["optimizer"] = optimizer
         if states.get("lr_scheduler") is not None:
             shard["lr_scheduler"] = states["lr_scheduler"]
         return shard
@@ -120,6 +126,53 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
         shards.append(files[0] if stages == 1 else join_stages(files))
     return ShardedCheckpoint(load_dir, int(first.get("iteration", first["global_steps"])),
                              False, shards, stages)
+
+
+def _optimizer_entry(tag_dir, mp_rank, size, model, module):
+    """TP rank `mp_rank`'s optimizer state in the Megatron layout's per-parameter form
+    (megatron/checkpointing/optimizer_state.py), read parameter by parameter from the ZeRO
+    files of any stage and DP size; None when the ZeRO state is not per parameter of this
+    model (a model trained with tiled linears keeps it per tile). `model`: the weights
+    (their shapes), `module`: the saved module (the dtype trained in; at stage 3 its
+    parameters are empty placeholders)."""
+    from zero.checkpoint.whole_params import open_saved
+    from zero.errors import CheckpointError as ZeroCheckpointError
+    from zero.optim.quantized_state import TABLE
+    try:
+        saved = open_saved(tag_dir, mp_rank, size)
+    except ZeroCheckpointError as e:
+        raise CheckpointError(str(e)) from None
+    group_names = optimizer_group_names(list(model))
+    if not all(saved.has(name) for names in group_names for name in names):
+        return None
+    state, param_groups, masters, next_index = {}, [], [], 0
+    for names in group_names:
+        saved_groups = {saved.group_of(name) for name in names}
+        if len(saved_groups) != 1:
+            raise CheckpointError(f"{tag_dir}: the ZeRO optimizer's param groups are not the "
+                                  "trainer's (weight decay, no weight decay); it was not saved "
+                                  "by pretrain_gpt2.py --deepspeed")
+        hyper = saved.param_groups[saved_groups.pop()]
+        indices, group_masters = [], []
+        for name in names:
+            index, shape, next_index = next_index, model[name].shape, next_index + 1
+            numel = model[name].numel()
+            entry = dict(saved.scalar_state(name))
+            for key in saved.per_element_keys(name):
+                entry[key] = saved.state(name, key, numel).view(shape)
+            table = saved.table(name, name)
+            if table is not None:
+                entry[TABLE] = table
+            if entry:  # (nothing before the first step)
+                state[index] = entry
+            group_masters.append(None if module[name].dtype == torch.float32 else
+                                 saved.master(name, numel).view(shape))
+            indices.append(index)
+        param_groups.append({**{k: v for k, v in hyper.items() if k != "params"},
+                             "params": indices})
+        masters.append(group_masters)
+    return {"optimizer": {"state": state, "param_groups": param_groups},
+            "fp32_from_fp16_params": masters, "grad_scaler": saved.loss_scaler}
 
 
 def _stage_module(tag_dir, args, stages, stage, tp_rank):

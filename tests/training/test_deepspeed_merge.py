@@ -1,9 +1,9 @@
 """tools/merge_mp_partitions.py --deepspeed: a ZeRO checkpoint becomes a Megatron-layout one.
 
 A --deepspeed run (ZeRO stage 2) saves at iteration 3; the tool consolidates the fp32
-partitions and writes TP=1 and TP=2 Megatron checkpoints. The TP=1 one resumes without
---deepspeed (fresh optimizer: --no-load-optim) and its first loss is the one the
-uninterrupted --deepspeed run had at iteration 4 (same weights, same data position).
+partitions and the Adam moments and writes TP=1 and TP=2 Megatron checkpoints. Both resume
+without --deepspeed and continue the uninterrupted --deepspeed run's losses (same weights,
+optimizer state, schedule and data position).
 """
 
 import importlib.util
@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from megatron.convert import load_unsharded_checkpoint
-from tests.training.test_deepspeed import NO_DROPOUT, read_losses, run, stage_config
+from tests.dist_utils import run_distributed
+from tests.training.test_deepspeed import (NO_DROPOUT, _train_dp, read_losses, run,
+                                           stage_config, trainer_argv)
 from zero.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
@@ -30,9 +32,9 @@ def _tool():
 def test_deepspeed_checkpoint_converts_and_resumes_without_deepspeed(corpus, tmp_path, capsys):
     ds = ["--deepspeed", "--deepspeed_config", stage_config(tmp_path, 2)]
     common = [*NO_DROPOUT, "--global-batch-size", 8]
-    assert run(corpus, tmp_path / "straight", 4, *common, *ds) == 0
+    assert run(corpus, tmp_path / "straight", 6, *common, *ds) == 0
     save = tmp_path / "ds_ckpt"
-    assert run(corpus, tmp_path / "head", 4, *common, *ds, "--save", save,
+    assert run(corpus, tmp_path / "head", 6, *common, *ds, "--save", save,
                "--exit-interval", 3) == 0
     capsys.readouterr()
     # forgetting --deepspeed: the error names the layout and both ways out
@@ -47,7 +49,7 @@ def test_deepspeed_checkpoint_converts_and_resumes_without_deepspeed(corpus, tmp
                           str(tmp_path / f"mp{target}"),
                           "--target-model-parallel-size", str(target)]) == 0
     out = capsys.readouterr().out
-    assert "not converted (ZeRO partitions)" in out and "--no-load-optim" in out
+    assert out.count(" optimizer state: converted") == 2 and "--no-load-optim" not in out
     fp32 = get_fp32_state_dict_from_zero_checkpoint(str(save))  # word embeddings padded
     for target in (1, 2):
         assert (tmp_path / f"mp{target}" / "latest_checkpointed_iteration.txt").read_text() == "3"
@@ -55,17 +57,45 @@ def test_deepspeed_checkpoint_converts_and_resumes_without_deepspeed(corpus, tmp
         assert set(merged) == set(fp32)
         for name, tensor in fp32.items():
             assert torch.equal(merged[name][:tensor.shape[0]], tensor), (target, name)
-    capsys.readouterr()
-    # without --no-load-optim: the error says where the optimizer state went
-    assert run(corpus, tmp_path / "forgot", 4, *common, "--load", tmp_path / "mp1") == 2
-    assert "has no optimizer state (converted from a --deepspeed checkpoint, whose " \
-        "ZeRO-partitioned optimizer state tools/merge_mp_partitions.py does not carry); load " \
-        "it with --no-load-optim or --finetune" in capsys.readouterr().err
-    assert run(corpus, tmp_path / "resumed", 4, *common, "--load", tmp_path / "mp1",
-               "--no-load-optim") == 0
-    resumed, straight = read_losses(tmp_path / "resumed"), read_losses(tmp_path / "straight")
-    assert list(resumed) == [4]
-    assert abs(resumed[4][0] - straight[4][0]) <= 1e-4 * abs(straight[4][0])
+    straight = read_losses(tmp_path / "straight")
+    assert run(corpus, tmp_path / "resumed_mp1", 6, *common, "--load", tmp_path / "mp1") == 0
+    run_distributed(_train_dp, 2, args=(str(tmp_path), [trainer_argv(
+        corpus, tmp_path / "resumed_mp2", 6, *common, "--model-parallel-size", 2, "--load",
+        tmp_path / "mp2")]))
+    for target in (1, 2):
+        resumed = read_losses(tmp_path / f"resumed_mp{target}")
+        assert sorted(resumed) == [4, 5, 6]  # with its optimizer: no fresh warm-up
+        for iteration in (4, 5, 6):
+            assert abs(resumed[iteration][0] - straight[iteration][0]) <= \
+                1e-4 * abs(straight[iteration][0]), (target, iteration)
+
+
+@pytest.mark.parametrize("stage, precision, optimizer", [(3, "bf16", "adam"),
+                                                       (1, "fp32", "adam8bit")])
+def test_the_optimizer_state_carries_over_from_any_stage_and_precision(corpus, tmp_path, stage,
+                                                                       precision, optimizer):
+    """bf16 (fp32 masters beside the bf16 weights), stage 3 (per-parameter pieces) and 8-bit
+    moments (codes and scale runs, dequantised by the conversion and requantised by the
+    first step) reach the Megatron layout's per-parameter optimizer state."""
+    ds = ["--deepspeed", "--deepspeed_config", stage_config(tmp_path, stage, precision)]
+    common = [*NO_DROPOUT, "--global-batch-size", 8, "--optimizer", optimizer,
+              *(["--bf16"] if precision == "bf16" else [])]
+    save = tmp_path / "ds_ckpt"
+    assert run(corpus, tmp_path / "straight", 6, *common, *ds) == 0
+    assert run(corpus, tmp_path / "head", 6, *common, *ds, "--save", save,
+               "--exit-interval", 3) == 0
+    assert _tool().main(["--deepspeed", "--load", str(save), "--save",
+                         str(tmp_path / "merged")]) == 0
+    shard = torch.load(tmp_path / "merged" / "iter_0000003" / "mp_rank_00" /
+                       "model_optim_rng.pt", weights_only=True)
+    masters = [m for group in shard["optimizer"]["fp32_from_fp16_params"] for m in group]
+    assert all((m is None) == (precision == "fp32") for m in masters)
+    assert run(corpus, tmp_path / "resumed", 6, *common, "--load", tmp_path / "merged") == 0
+    straight, resumed = read_losses(tmp_path / "straight"), read_losses(tmp_path / "resumed")
+    assert sorted(resumed) == [4, 5, 6]
+    for iteration in (4, 5, 6):
+        assert abs(resumed[iteration][0] - straight[iteration][0]) <= \
+            3e-4 * abs(straight[iteration][0]), iteration
 
 
 @pytest.mark.parametrize("saved, resumed", [(2, 3), (3, 1)])

@@ -291,7 +291,7 @@ def _load_stage3_layout(engine, ckpt_dir, strict, with_state):
     if _pipelined(engine):
         raise CheckpointError(f"{ckpt_dir} was saved at ZeRO stage 3, without the pipeline "
                               "stages this run has: resume it without them")
-    saved = SavedStage3(ckpt_dir, engine)
+    saved = SavedStage3(ckpt_dir, engine.mp_rank, engine.mp_world_size)
     path = os.path.join(ckpt_dir, stage3_model_states_name(0, engine.mp_rank))
     states = saved.model_states(0)
     module, optimizer = engine.module, engine.optimizer

@@ -114,7 +114,8 @@ def load_stage3(engine, ckpt_dir, strict, with_state):
     """Fill the partitions (and, `with_state`, the optimizer state) from a stage 3 checkpoint
     saved at any DP size; not `strict`, parameters and buffers the checkpoint lacks keep their
     values. Returns (path of this rank's model states, model states dict)."""
-    saved = open_saved(ckpt_dir, engine)  # a stage 0-2 checkpoint too
+    saved = open_saved(ckpt_dir, engine.mp_rank, engine.mp_world_size,  # stage 0-2's too
+                       engine.dp_rank)
     states = saved.model_states(engine.dp_rank)
     skipped = load_buffers(engine.module, states, saved.path, strict)
     optimizer = engine.optimizer

@@ -32,11 +32,12 @@ def saved_stage(ckpt_dir, mp_rank):
     return None
 
 
-def open_saved(ckpt_dir, engine):
-    """The reader for the layout `ckpt_dir` holds (for this rank's model-parallel slice)."""
-    if saved_stage(ckpt_dir, engine.mp_rank) == "0-2":
-        return SavedStage0_2(ckpt_dir, engine)
-    return SavedStage3(ckpt_dir, engine)
+def open_saved(ckpt_dir, mp_rank, mp_world_size, dp_rank=0):
+    """The reader for the layout `ckpt_dir` holds, for model-parallel rank `mp_rank` of
+    `mp_world_size` (the size the checkpoint must have been saved at). `dp_rank`: whose
+    model states `path` names (stage 3 writes one per data-parallel rank)."""
+    reader = SavedStage0_2 if saved_stage(ckpt_dir, mp_rank) == "0-2" else SavedStage3
+    return reader(ckpt_dir, mp_rank, mp_world_size, dp_rank)
 
 
 def check_param_groups(saved, names_per_group):
@@ -88,11 +89,11 @@ def _renamed(table, key):
             "small": [[key, *run[1:]] for run in table["small"]]}
 
 
-def _check_mp_size(states, path, engine):
+def _check_mp_size(states, path, mp_world_size):
     saved_mp = states.get("mp_world_size", 1)
-    if saved_mp != engine.mp_world_size:
+    if saved_mp != mp_world_size:
         raise CheckpointError(f"{path} was saved with tensor-parallel size {saved_mp}, this "
-                              f"run uses {engine.mp_world_size}; resume with the saved size or "
+                              f"run uses {mp_world_size}; resume with the saved size or "
                               "convert the checkpoint first")
 
 
@@ -101,22 +102,21 @@ class SavedStage3:
 
     stage = 3
 
-    def __init__(self, ckpt_dir, engine):
-        self.ckpt_dir, self.mp_rank = ckpt_dir, engine.mp_rank
-        self.path = os.path.join(ckpt_dir, stage3_model_states_name(engine.dp_rank,
-                                                                    engine.mp_rank))
-        first = os.path.join(ckpt_dir, stage3_model_states_name(0, engine.mp_rank))
+    def __init__(self, ckpt_dir, mp_rank, mp_world_size, dp_rank=0):
+        self.ckpt_dir, self.mp_rank = ckpt_dir, mp_rank
+        self.path = os.path.join(ckpt_dir, stage3_model_states_name(dp_rank, mp_rank))
+        first = os.path.join(ckpt_dir, stage3_model_states_name(0, mp_rank))
         if not os.path.isfile(first):
             raise CheckpointError(f"{ckpt_dir} holds no ZeRO model states "
                                   f"({os.path.basename(first)} or "
-                                  f"{common.model_states_name(engine.mp_rank)})")
+                                  f"{common.model_states_name(mp_rank)})")
         self.states0 = common.torch_load(first, mmap=True)
-        _check_mp_size(self.states0, first, engine)
+        _check_mp_size(self.states0, first, mp_world_size)
         self.world = self.states0["dp_world_size"]
-        files = common.optim_files(ckpt_dir, engine.mp_rank)
+        files = common.optim_files(ckpt_dir, mp_rank)
         if len(files) != self.world:
             raise CheckpointError(f"optimizer states missing in {ckpt_dir}: expected "
-                                  f"{self.world} zero_pp_rank_*_mp_rank_{engine.mp_rank:02d}_"
+                                  f"{self.world} zero_pp_rank_*_mp_rank_{mp_rank:02d}_"
                                   f"optim_states.pt file(s), found {len(files)}")
         self.optim = [common.torch_load(f, mmap=True)["optimizer_state_dict"] for f in files]
         first_optim = self.optim[0]
@@ -150,6 +150,12 @@ class SavedStage3:
 
     def has(self, name):
         return name in self.where
+
+    def names_per_group(self):
+        """[the names of each optimizer param group's parameters, in their saved order]."""
+        shapes = self.states0["param_shapes"]
+        return [[name for sub in group["params"] for name in shapes[sub]]
+                for group in self.param_groups]
 
     def group_of(self, name):
         """The index of the optimizer param group `name` was saved in."""
@@ -204,23 +210,24 @@ class SavedStage0_2:
 
     stage = "0-2"
 
-    def __init__(self, ckpt_dir, engine):
+    def __init__(self, ckpt_dir, mp_rank, mp_world_size, dp_rank=0):
+        del dp_rank  # one model states file for all data-parallel ranks
         self.ckpt_dir = ckpt_dir
-        self.path = os.path.join(ckpt_dir, common.model_states_name(engine.mp_rank))
+        self.path = os.path.join(ckpt_dir, common.model_states_name(mp_rank))
         self.states0 = common.torch_load(self.path, mmap=True)
-        _check_mp_size(self.states0, self.path, engine)
+        _check_mp_size(self.states0, self.path, mp_world_size)
         if self.states0.get("module") is None:
             raise CheckpointError(f"{ckpt_dir} was saved with pipeline stages, which ZeRO "
                                   "stage 3 does not run; resume it at stage 0-1")
         if self.states0.get("optimizer") is not None:  # stage 0: one full slice
             self.slices = [self.states0["optimizer"]]
         else:
-            files = common.optim_files(ckpt_dir, engine.mp_rank)
+            files = common.optim_files(ckpt_dir, mp_rank)
             if not files or len(files) != self.states0.get("dp_world_size"):
                 raise CheckpointError(
                     f"optimizer states missing in {ckpt_dir}: expected "
                     f"{self.states0.get('dp_world_size')} zero_pp_rank_*_mp_rank_"
-                    f"{engine.mp_rank:02d}_optim_states.pt file(s), found {len(files)}")
+                    f"{mp_rank:02d}_optim_states.pt file(s), found {len(files)}")
             self.slices = [common.torch_load(f, mmap=True)["optimizer_state_dict"]
                            for f in files]
         first = self.slices[0]
@@ -250,6 +257,9 @@ class SavedStage0_2:
 
     def has(self, name):
         return name in self.where
+
+    def names_per_group(self):
+        return [list(shapes) for shapes in self.states0["param_shapes"]]
 
     def group_of(self, name):
         return self.where[name][0]
