@@ -10,15 +10,14 @@ The client state holds the iteration, the data position, the run's args and the 
 
 import os
 
-from zero.checkpoint.files import load_failure_reason, load_plain, model_states_name
+from zero.checkpoint.files import (load_failure_reason, load_plain, model_states_name,
+                                   stage3_model_states_name)
 from zero.checkpoint.layout import read_latest
 from zero.checkpoint.whole_params import saved_stage
-from zero.checkpoint.files import stage3_model_states_name
 
 from megatron.checkpointing.files import atomic_write_text, barrier, is_global_rank0
-from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, TRACKER_FILENAME,
-                                                    check_checkpoint_args, finetunes,
-                                                    get_checkpoint_tracker_filename,
+from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, check_checkpoint_args,
+                                                    finetunes, get_checkpoint_tracker_filename,
                                                     optimizer_state_tiling_mismatch,
                                                     resuming_own_save)
 from megatron.checkpointing.retention import DEEPSPEED_LAYOUT, publish_checkpoint
@@ -95,13 +94,7 @@ def holds_deepspeed_checkpoint(load_dir):
 
 
 def _explain_missing_latest(checkpoint):
-    load_dir = checkpoint.load
-    if os.path.isfile(get_checkpoint_tracker_filename(load_dir)):
-        raise CheckpointError(
-            f"--load {load_dir} holds a Megatron-layout checkpoint ({TRACKER_FILENAME}, "
-            "iter_*/) but no DeepSpeed 'latest' file: it was saved without --deepspeed. Resume "
-            "it without --deepspeed, or start this run from its weights with --finetune and a "
-            "--save directory of its own")
+    load_dir = checkpoint.load  # (a Megatron-layout checkpoint is loaded by that layout's code)
     if os.path.isdir(load_dir) and os.listdir(load_dir) and not resuming_own_save(checkpoint):
         raise CheckpointError(f"--load {load_dir} has no 'latest' file; point --load at a "
                               "directory written by --save with --deepspeed")

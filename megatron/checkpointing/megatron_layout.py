@@ -312,7 +312,7 @@ def _explain_missing_file(load_dir, iteration, path, directory, run_args):
             f"{deepspeed_tag}), not Megatron's. Resume it with the --deepspeed "
             "--deepspeed_config flags it was trained with, or convert it first: python "
             f"tools/merge_mp_partitions.py --deepspeed --load {load_dir} --save <dir>, "
-            "then --load <dir> --no-load-optim")
+            "then --load <dir>")
     # Without our rank's file, the rank directories present tell the saved size.
     _check_pipeline_stages(run_args, directory)
     _check_model_parallel_size(load_dir, run_args, directory, _count_rank_files(directory))

@@ -10,10 +10,13 @@
 Indices count parameters group by group, groups as `megatron.training.param_groups` makes
 them; tensors have their parameter's shape (megatron/convert/optimizer_state.py reshards
 them). An fp32 parameter has no separate master (None). The engine keeps the same numbers
-in flat per-group tensors; zero.checkpoint.per_parameter cuts and joins them.
+in flat per-group tensors; zero.checkpoint.per_parameter cuts them out (at stage 0) and puts
+them back (at any stage: a --deepspeed run resumes a Megatron-layout checkpoint).
 """
 
-from zero.checkpoint.per_parameter import load_per_parameter_state, per_parameter_state
+from zero.checkpoint.per_parameter import per_parameter_state, restore_per_parameter_state
+from zero.checkpoint.whole_params import engine_names_per_group
+from zero.errors import CheckpointError as ZeroCheckpointError
 
 from megatron.errors import CheckpointError
 
@@ -57,18 +60,18 @@ def load_megatron_optimizer_state(engine, saved, path, fp32_weights=None):
                            "master": None if group_masters is None else group_masters[i]}
                           for i, index in enumerate(indices)])
         param_groups.append({k: v for k, v in group.items() if k != "params"})
-    for group, entries in zip(engine.optimizer.groups, per_group):
-        for param, entry in zip(group.params, entries):
-            if entry["master"] is None and id(param) in (fp32_weights or {}):
-                entry["master"] = fp32_weights[id(param)]
+    params = dict(engine.module.named_parameters())
+    for names, entries in zip(engine_names_per_group(engine), per_group):
+        for name, entry in zip(names, entries):
+            if entry["master"] is None and id(params[name]) in (fp32_weights or {}):
+                entry["master"] = fp32_weights[id(params[name])]
+    scaler = None if saved.get("grad_scaler") is None else \
+        loss_scaler_state(saved["grad_scaler"])
     try:
-        load_per_parameter_state(engine.optimizer, param_groups, per_group)
-    except CheckpointError as error:
+        restore_per_parameter_state(engine, param_groups, per_group, scaler, path)
+    except ZeroCheckpointError as error:
         raise CheckpointError(f"{path}: {error}. Load with --no-load-optim, or use the flags the "
                               "checkpoint was trained with") from None
-    scaler = engine.optimizer.loss_scaler
-    if scaler is not None and saved.get("grad_scaler") is not None:
-        scaler.load_state_dict(loss_scaler_state(saved["grad_scaler"]))
 
 
 def loss_scaler_state(saved):

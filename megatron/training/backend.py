@@ -24,6 +24,7 @@ import torch
 from megatron import mpu
 from megatron.checkpointing import deepspeed_layout, megatron_layout
 from megatron.checkpointing.retention import DEEPSPEED_LAYOUT, MEGATRON_LAYOUT
+from megatron.errors import CheckpointError
 from megatron.training.learning_rates import AnnealingLR
 from megatron.training.param_groups import get_param_groups
 
@@ -168,18 +169,7 @@ class MegatronBackend(Backend):
                                         train_state, self.ctx.runtime.device)
 
     def load(self):
-        from megatron.convert.online import convert_for_this_rank
-        state = megatron_layout.load_checkpoint(self.module, self.engine,
-                                                self.ctx.config.checkpoint, self.ctx.run_args,
-                                                self.ctx.runtime.device,
-                                                convert=functools.partial(
-                                                    convert_for_this_rank,
-                                                    layers_per_virtual_stage=self.ctx.config
-                                                    .parallel.num_layers_per_virtual_pipeline_stage))
-        if state is not None:
-            self.engine.restore_progress(state["iteration"], state["consumed_train_samples"],
-                                         state["skipped_iters"])
-        return state
+        return _load_megatron_layout(self, self.ctx.config.checkpoint)
 
     @staticmethod
     def checkpoint_tag(iteration):
@@ -218,18 +208,40 @@ class ZeroBackend(Backend):
 
     def load(self):
         checkpoint = self.ctx.config.checkpoint
-        if checkpoint.finetune and megatron_layout.holds_megatron_checkpoint(checkpoint.load) \
+        if megatron_layout.holds_megatron_checkpoint(checkpoint.load) \
                 and not deepspeed_layout.holds_deepspeed_checkpoint(checkpoint.load):
-            # the weights alone, which this layout's loader puts into the engine's module (at
-            # stage 3 a parameter at a time); weights only, even over its own --save: its
-            # optimizer state is Megatron's layout
-            weights_only = dataclasses.replace(checkpoint, save=None)
-            return megatron_layout.load_checkpoint(self.module, self.engine, weights_only,
-                                                   self.ctx.run_args, self.ctx.runtime.device)
+            # a checkpoint of the trainer without --deepspeed (or converted by the tools): its
+            # weights go into the engine's module (at stage 3 a parameter at a time), its
+            # per-parameter optimizer state into the partitions of any stage
+            if checkpoint.finetune:  # weights only, even over its own --save
+                checkpoint = dataclasses.replace(checkpoint, save=None)
+            elif not checkpoint.no_load_optim and \
+                    self.ctx.config.engine.ds_config.scheduler is not None:
+                raise CheckpointError(
+                    f"--load {checkpoint.load} holds a Megatron-layout checkpoint, whose "
+                    "learning-rate schedule is Megatron's, and the DeepSpeed config's "
+                    "'scheduler' section runs another: remove the section (the Megatron "
+                    "flags set the schedule), or resume with --no-load-optim")
+            return _load_megatron_layout(self, checkpoint)
         return deepspeed_layout.load_checkpoint(self.engine, checkpoint, self.ctx.run_args,
                                                 self.ctx.runtime.device)
 
     checkpoint_tag = staticmethod(deepspeed_layout.checkpoint_tag)
+
+
+def _load_megatron_layout(backend, checkpoint):
+    """Resume (or fine-tune from) a Megatron-layout checkpoint, of another TP x PP size too
+    (converted in memory as it loads)."""
+    from megatron.convert.online import convert_for_this_rank
+    ctx = backend.ctx
+    state = megatron_layout.load_checkpoint(
+        backend.module, backend.engine, checkpoint, ctx.run_args, ctx.runtime.device,
+        convert=functools.partial(convert_for_this_rank, layers_per_virtual_stage=ctx.config
+                                  .parallel.num_layers_per_virtual_pipeline_stage))
+    if state is not None:
+        backend.engine.restore_progress(state["iteration"], state["consumed_train_samples"],
+                                        state["skipped_iters"])
+    return state
 
 
 def build_backend(ctx, model_provider):

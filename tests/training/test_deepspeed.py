@@ -107,16 +107,51 @@ def test_finetune_no_load_rng_and_no_save_rng(corpus, tmp_path, capsys):
     assert sorted(read_losses(tmp_path / "d")) == [1, 2]
 
 
-def test_megatron_checkpoint_under_deepspeed_is_a_clear_error(corpus, tmp_path, capsys):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_megatron_checkpoint_resumes_under_deepspeed_at_any_stage(corpus, tmp_path, capsys,
+                                                                     stage):
+    """A run without --deepspeed goes on under --deepspeed (its optimizer state per parameter,
+    cut into this stage's partitions; its schedule, data position and RNG): the losses
+    continue the uninterrupted run's. A JSON scheduler would run another schedule: refused."""
+    plain = [*NO_DROPOUT, "--global-batch-size", 8]
+    assert run(corpus, tmp_path / "straight", 6, *plain) == 0
+    save = tmp_path / "ckpt"
+    assert run(corpus, tmp_path / "split", 6, *plain, "--save", save, "--exit-interval", 3) == 0
+    capsys.readouterr()
+    with_scheduler = write_config(tmp_path, zero_optimization={"stage": stage}, scheduler={
+        "type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 2}})
+    assert run(corpus, tmp_path / "refused", 6, *plain, "--deepspeed", "--deepspeed_config",
+               with_scheduler, "--load", save) == 2
+    assert "whose learning-rate schedule is Megatron's, and the DeepSpeed config's " \
+        "'scheduler' section runs another" in capsys.readouterr().err
+    ds = ["--deepspeed", "--deepspeed_config", stage_config(tmp_path, stage)]
+    assert run(corpus, tmp_path / "split", 6, *plain, *ds, "--load", save) == 0
+    assert_same_training(read_losses(tmp_path / "straight"), read_losses(tmp_path / "split"))
+
+
+def test_a_dp2_megatron_checkpoint_resumes_under_deepspeed_at_dp2(corpus, tmp_path):
+    """At DP=2 each rank cuts its own partition out of the per-parameter state (stage 2); at
+    TP=2 the checkpoint is converted as it loads, optimizer state included."""
+    plain = [*NO_DROPOUT, "--global-batch-size", 8]
+    save = tmp_path / "ckpt"
+    ds = ["--deepspeed", "--deepspeed_config", stage_config(tmp_path, 2)]
+    phases = [trainer_argv(corpus, tmp_path / "straight", 6, *plain),
+              trainer_argv(corpus, tmp_path / "split", 6, *plain, "--save", save,
+                           "--exit-interval", 3),
+              trainer_argv(corpus, tmp_path / "split", 6, *plain, *ds, "--load", save),
+              trainer_argv(corpus, tmp_path / "tp2", 6, *plain, *ds, "--model-parallel-size", 2,
+                           "--load", save)]
+    run_distributed(_train_dp, 2, args=(str(tmp_path), phases))
+    straight = read_losses(tmp_path / "straight")
+    assert_same_training(straight, read_losses(tmp_path / "split"))
+    assert_same_training({i: straight[i] for i in (4, 5, 6)}, read_losses(tmp_path / "tp2"))
+
+
+def test_finetuning_under_deepspeed_from_a_megatron_checkpoint(corpus, tmp_path, capsys):
     save = tmp_path / "ckpt"
     assert run(corpus, tmp_path / "a", 2, "--save", save) == 0
     ds = ["--deepspeed", "--deepspeed_config", stage_config(tmp_path, 2)]
-    assert run(corpus, tmp_path / "b", 4, *ds, "--load", save) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "saved without --deepspeed" in err
-    assert "Traceback" not in err
-    assert "start this run from its weights with --finetune and a --save directory" in err
-    # which works: the first loss is the one the same fine-tuning gets without --deepspeed
+    # the first loss is the one the same fine-tuning gets without --deepspeed
     assert run(corpus, tmp_path / "c", 2, *ds, "--load", save, "--finetune",
                "--save", tmp_path / "ds_ckpt") == 0
     assert "loaded the weights of" in capsys.readouterr().out

@@ -2,8 +2,9 @@
 
 A --deepspeed run (ZeRO stage 2) saves at iteration 3; the tool consolidates the fp32
 partitions and the Adam moments and writes TP=1 and TP=2 Megatron checkpoints. Both resume
-without --deepspeed and continue the uninterrupted --deepspeed run's losses (same weights,
-optimizer state, schedule and data position).
+without --deepspeed (and the TP=2 one under --deepspeed at stage 3) and continue the
+uninterrupted --deepspeed run's losses (same weights, optimizer state, schedule and data
+position).
 """
 
 import importlib.util
@@ -59,10 +60,13 @@ def test_deepspeed_checkpoint_converts_and_resumes_without_deepspeed(corpus, tmp
             assert torch.equal(merged[name][:tensor.shape[0]], tensor), (target, name)
     straight = read_losses(tmp_path / "straight")
     assert run(corpus, tmp_path / "resumed_mp1", 6, *common, "--load", tmp_path / "mp1") == 0
+    # at TP=2: without --deepspeed, and under --deepspeed at stage 3 (its partitions cut
+    # from the per-parameter state)
+    stage3 = ["--deepspeed", "--deepspeed_config", stage_config(tmp_path, 3)]
     run_distributed(_train_dp, 2, args=(str(tmp_path), [trainer_argv(
-        corpus, tmp_path / "resumed_mp2", 6, *common, "--model-parallel-size", 2, "--load",
-        tmp_path / "mp2")]))
-    for target in (1, 2):
+        corpus, tmp_path / log, 6, *common, "--model-parallel-size", 2, *extra, "--load",
+        tmp_path / "mp2") for log, extra in (("resumed_mp2", []), ("resumed_mp2_ds", stage3))]))
+    for target in (1, 2, "2_ds"):
         resumed = read_losses(tmp_path / f"resumed_mp{target}")
         assert sorted(resumed) == [4, 5, 6]  # with its optimizer: no fresh warm-up
         for iteration in (4, 5, 6):

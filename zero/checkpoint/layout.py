@@ -39,13 +39,13 @@ import torch
 import torch.distributed as dist
 
 from zero.checkpoint.partitions import (DS_VERSION, PartitionRestore, check_param_shapes,
-                                        restore_whole_params, zero_optimizer_state)
+                                        zero_optimizer_state)
 from zero.checkpoint.files import (all_agree, engine_counters, fsync_dir, layer_states_name,
                                    model_states_name, module_state_on_cpu, on_rank0_then_agree,
                                    optim_files, optim_states_name, report_skipped_keys,
                                    shared_params, stage3_model_states_name, torch_load,
                                    try_)
-from zero.checkpoint.whole_params import (SavedStage3, check_param_groups, load_buffers,
+from zero.checkpoint.whole_params import (SavedStage3, load_buffers, restore_optimizer,
                                           saved_stage)
 from zero.comm.agreement import collective_device
 from zero.errors import CheckpointError
@@ -294,12 +294,9 @@ def _load_stage3_layout(engine, ckpt_dir, strict, with_state):
     saved = SavedStage3(ckpt_dir, engine.mp_rank, engine.mp_world_size)
     path = os.path.join(ckpt_dir, stage3_model_states_name(0, engine.mp_rank))
     states = saved.model_states(0)
-    module, optimizer = engine.module, engine.optimizer
-    names = {p: n for n, p in module.named_parameters()}
-    if with_state:
-        check_param_groups(saved, [[names[p] for p in g.params] for g in optimizer.groups])
+    module = engine.module
     skipped = load_buffers(module, states, path, strict)
-    missing = restore_whole_params(optimizer, saved, names, with_state, strict)
+    missing = restore_optimizer(engine, saved, with_state, strict)
     with torch.no_grad():
         for name, param in module.named_parameters():
             if param.requires_grad:

@@ -163,6 +163,9 @@ def restore_whole_params(optimizer, saved, names, with_state, strict):
     parameter by parameter from `saved` (zero/checkpoint/whole_params.py: a checkpoint of any
     stage, stage 3's included). Returns the names the checkpoint lacks (not `strict`: they keep
     their values and start with zero optimizer state)."""
+    from zero.checkpoint.whole_params import check_param_groups
+    if with_state:
+        check_param_groups(saved, [[names[p] for p in g.params] for g in optimizer.groups])
     missing = [names[p] for group in optimizer.groups for p in group.params
                if not saved.has(names[p])]
     if missing and strict:
@@ -177,10 +180,13 @@ def restore_whole_params(optimizer, saved, names, with_state, strict):
             name = names[param]
             runs = [(start - offset, part, length) for start, part, length
                     in lay.partition_runs(group.rank, offset, offset + numel)]
-            if not saved.has(name):  # kept (not strict): the model's current values
+            saved_master = saved.master(name, numel) if saved.has(name) else None
+            if saved_master is None:  # kept (not strict), or the loaded weights are the master
                 _copy_param_runs(group.flat.narrow(0, offset, numel).float(), master, runs)
-                continue
-            _copy_param_runs(saved.master(name, numel), master, runs)
+                if not saved.has(name):
+                    continue
+            else:
+                _copy_param_runs(saved_master, master, runs)
             if not with_state:
                 continue
             for key, dtype in saved.per_element_keys(name).items():

@@ -1,6 +1,6 @@
-"""Stage 0 optimizer state one tensor per parameter, for checkpoint formats that keep it so
+"""Optimizer state one tensor per parameter, for checkpoint formats that keep it so
 (Megatron's `model_optim_rng.pt`: a torch optimizer state per parameter, fp32 masters per
-parameter).
+parameter): cut out of a stage 0 engine, and put back into an engine at any stage.
 
 At stage 0 every rank holds one partition: a param group's fp32 master and its per-element
 optimizer state (Adam's moments) are flat tensors in which parameter i occupies
@@ -13,7 +13,7 @@ import torch
 
 from zero.errors import CheckpointError
 from zero.optim.quantized_state import TABLE as QUANTIZED_TABLE
-from zero.optim.quantized_state import merge_tables, restrict_table
+from zero.optim.quantized_state import merge_tables, rename_table, restrict_table
 
 
 def _check_single_partition(optimizer):
@@ -119,6 +119,75 @@ def load_per_parameter_state(optimizer, param_groups, per_group):
     optimizer.load_saved_state({"state": states, "param_groups": groups}, None)
     optimizer.commit_restored_masters()
     optimizer.publish_masters()
+
+
+def restore_per_parameter_state(engine, param_groups, per_group, loss_scaler_state, where):
+    """`load_per_parameter_state` for an engine at any stage: where the optimizer holds one
+    partition (stages 0-2 on one rank, stage 0 on any) directly, else through the readers
+    of zero/checkpoint/whole_params.py, which cut each parameter's part out for this rank.
+    `where` names the checkpoint in errors."""
+    from zero.checkpoint.whole_params import engine_names_per_group, restore_optimizer
+    optimizer = engine.optimizer
+    if getattr(optimizer, "partition_count", None) == 1 and \
+            engine.zero_optimization_stage() != 3:
+        load_per_parameter_state(optimizer, param_groups, per_group)
+        if optimizer.loss_scaler is not None and loss_scaler_state is not None:
+            optimizer.loss_scaler.load_state_dict(loss_scaler_state)
+        return
+    reader = PerParameterReader(engine_names_per_group(engine), param_groups, per_group,
+                                loss_scaler_state, where)
+    restore_optimizer(engine, reader)
+
+
+class PerParameterReader:
+    """Per-parameter optimizer state (`load_per_parameter_state`'s arguments: per group, in
+    the group's order, {"state": ..., "master": fp32 tensor or None}) read as the readers of
+    zero/checkpoint/whole_params.py read a ZeRO checkpoint. A None master: the loaded weights
+    are the master."""
+
+    def __init__(self, names_per_group, param_groups, per_group, loss_scaler, where):
+        sizes = [len(entries) for entries in per_group]
+        if sizes != [len(names) for names in names_per_group]:
+            raise CheckpointError(f"the optimizer state has parameter groups of sizes {sizes}, "
+                                  f"this model's are {[len(n) for n in names_per_group]}")
+        self.ckpt_dir, self.param_groups, self.loss_scaler = where, param_groups, loss_scaler
+        self._entries = {name: (g, entry) for g, (names, entries)
+                         in enumerate(zip(names_per_group, per_group))
+                         for name, entry in zip(names, entries)}
+
+    def has(self, name):
+        return name in self._entries
+
+    def group_of(self, name):
+        return self._entries[name][0]
+
+    def _flat(self, name, tensor, numel, what):
+        if tensor.numel() != numel:
+            raise CheckpointError(f"{what} of {name} has {tensor.numel()} elements, the "
+                                  f"parameter {numel}: the optimizer state does not fit the "
+                                  "model")
+        return tensor.reshape(-1)
+
+    def master(self, name, numel):
+        master = self._entries[name][1].get("master")
+        return None if master is None else self._flat(name, master, numel, "the fp32 master")
+
+    def _state(self, name):
+        return self._entries[name][1].get("state") or {}
+
+    def per_element_keys(self, name):
+        return {key: value.dtype for key, value in self._state(name).items()
+                if torch.is_tensor(value) and value.dim() > 0}
+
+    def state(self, name, key, numel):
+        return self._flat(name, self._state(name)[key], numel, f"optimizer state {key!r}")
+
+    def scalar_state(self, name):
+        return {key: value for key, value in self._state(name).items() if key != QUANTIZED_TABLE
+                and not (torch.is_tensor(value) and value.dim() > 0)}
+
+    def table(self, name, key):
+        return rename_table(self._state(name).get(QUANTIZED_TABLE), key)
 
 
 _IMPL_FLAGS = ("fused", "foreach", "capturable", "differentiable")

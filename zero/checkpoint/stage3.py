@@ -118,10 +118,19 @@ def load_stage3(engine, ckpt_dir, strict, with_state):
                        engine.dp_rank)
     states = saved.model_states(engine.dp_rank)
     skipped = load_buffers(engine.module, states, saved.path, strict)
-    optimizer = engine.optimizer
+    missing = restore_stage3(engine.optimizer, saved, with_state, strict)
+    missing += _load_frozen(engine.module, saved, strict)
+    common.report_skipped_keys(missing, skipped, saved.path)
+    return saved.path, states
+
+
+def restore_stage3(optimizer, saved, with_state, strict):
+    """The masters (and, `with_state`, the optimizer state and loss scale) of a stage 3
+    optimizer from `saved` (a reader of zero/checkpoint/whole_params.py). Returns the names
+    the checkpoint lacks (not `strict`: they keep their values)."""
     optimizer.coordinator.release_all()
     if with_state:
-        check_param_groups(saved, _group_names(optimizer))
+        check_param_groups(saved, group_names(optimizer))
     restored, missing = _restore(saved, optimizer, with_state, strict)
     if with_state:
         groups = _regroup(saved.param_groups, optimizer.optimizer.param_groups)
@@ -131,9 +140,7 @@ def load_stage3(engine, ckpt_dir, strict, with_state):
              "param_groups": groups}, saved.loss_scaler)
     optimizer.commit_restored_masters()
     optimizer.publish_masters()
-    missing += _load_frozen(engine.module, saved, strict)
-    common.report_skipped_keys(missing, skipped, saved.path)
-    return saved.path, states
+    return missing
 
 
 def _regroup(saved_groups, current_groups):
@@ -198,10 +205,13 @@ def _restore(saved, optimizer, with_state, strict):
             name = names[param]
             rank = param.ds_comm.rank
             target = optimizer.master_restore_target(index).narrow(0, offset, size)
-            if not saved.has(name):  # kept (not strict)
+            master = saved.master(name, param.ds_numel) if saved.has(name) else None
+            if master is None:  # kept (not strict), or the checkpoint's weights are the master
                 target.copy_(read_shard(param).float())
-                continue
-            _cut_into(target, saved.master(name, param.ds_numel), rank)
+                if not saved.has(name):
+                    continue
+            else:
+                _cut_into(target, master, rank)
             if not with_state:
                 continue
             for key, dtype in saved.per_element_keys(name).items():
@@ -217,7 +227,7 @@ def _restore(saved, optimizer, with_state, strict):
     return restored, missing
 
 
-def _group_names(optimizer):
+def group_names(optimizer):
     """[names of the parameters of each optimizer param group] (its sub-groups, in order)."""
     names, group_of_master = optimizer.param_names, {}
     for k, group in enumerate(optimizer.optimizer.param_groups):

@@ -20,7 +20,7 @@ from zero.checkpoint.files import stage3_model_states_name
 from zero.checkpoint.partitions import natural_partition_numel
 from zero.errors import CheckpointError
 from zero.optim.quantized_state import TABLE as QUANTIZED_TABLE
-from zero.optim.quantized_state import merge_tables, split_table
+from zero.optim.quantized_state import merge_tables, rename_table, split_table
 
 
 def saved_stage(ckpt_dir, mp_rank):
@@ -38,6 +38,27 @@ def open_saved(ckpt_dir, mp_rank, mp_world_size, dp_rank=0):
     model states `path` names (stage 3 writes one per data-parallel rank)."""
     reader = SavedStage0_2 if saved_stage(ckpt_dir, mp_rank) == "0-2" else SavedStage3
     return reader(ckpt_dir, mp_rank, mp_world_size, dp_rank)
+
+
+def restore_optimizer(engine, saved, with_state=True, strict=True):
+    """The engine's fp32 masters (and, `with_state`, its optimizer state and loss scale) from
+    `saved`, one of the readers here, at any stage. Returns the names `saved` lacks (not
+    `strict`: they keep their values)."""
+    if engine.zero_optimization_stage() == 3:
+        from zero.checkpoint.stage3 import restore_stage3
+        return restore_stage3(engine.optimizer, saved, with_state, strict)
+    from zero.checkpoint.partitions import restore_whole_params
+    names = {p: n for n, p in engine.module.named_parameters()}
+    return restore_whole_params(engine.optimizer, saved, names, with_state, strict)
+
+
+def engine_names_per_group(engine):
+    """[the names of each optimizer param group's parameters, in the group's order]."""
+    if engine.zero_optimization_stage() == 3:
+        from zero.checkpoint.stage3 import group_names
+        return group_names(engine.optimizer)
+    names = {p: n for n, p in engine.module.named_parameters()}
+    return [[names[p] for p in group.params] for group in engine.optimizer.groups]
 
 
 def check_param_groups(saved, names_per_group):
@@ -78,15 +99,6 @@ def load_buffers(module, states, path, strict):
 
 def _per_element(value, numel):
     return torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
-
-
-def _renamed(table, key):
-    """`table`'s runs (one parameter's) named `key`, the loader's name for that parameter."""
-    if table is None:
-        return None
-    return {"code": table["code"],
-            "scales": [[key, *run[1:]] for run in table["scales"]],
-            "small": [[key, *run[1:]] for run in table["small"]]}
 
 
 def _check_mp_size(states, path, mp_world_size):
@@ -192,7 +204,7 @@ class SavedStage3:
         if self._tables is None:
             return None
         code = next(iter(self._tables.values()))["code"] if self._tables else "8-bit"
-        return _renamed(self._tables.get(name, {"code": code, "scales": [], "small": []}), key)
+        return rename_table(self._tables.get(name, {"code": code, "scales": [], "small": []}), key)
 
     def has_frozen(self, name):
         return name in (self.states0.get("frozen_param_fragments") or {})
@@ -309,7 +321,7 @@ class SavedStage0_2:
         parts = self._tables[g]
         own = next((part for saved_key, part in parts.items()
                     if tuple(saved_key) == (g, i)), None)
-        return _renamed(own or {"code": code, "scales": [], "small": []}, key)
+        return rename_table(own or {"code": code, "scales": [], "small": []}, key)
 
     def has_frozen(self, name):
         return name in (self.states0.get("frozen_param_fragments") or {})

@@ -49,6 +49,16 @@ def restrict_table(table, key):
     return split_table(table).get(key, {"code": table["code"], "scales": [], "small": []})
 
 
+def rename_table(table, key):
+    """`table` (one parameter's runs) with its runs named `key`, a loader's name for that
+    parameter (None stays None)."""
+    if table is None:
+        return None
+    return {"code": table["code"],
+            "scales": [[key, *run[1:]] for run in table["scales"]],
+            "small": [[key, *run[1:]] for run in table["small"]]}
+
+
 def split_table(table):
     """{parameter name: the runs of `table` that belong to it}."""
     parts = {}
