@@ -299,14 +299,22 @@ def _logging(parser):
     g.add_argument("--log-dir", default=None,
                    help="where metrics.jsonl goes (default: --tensorboard-dir, else --save)")
     g.add_argument("--timing-log-level", type=int, choices=(0, 1), default=0,
-                   help="1: each log line is followed by rank 0's time per phase, ' time (ms) | "
-                        "forward: ... | backward: ... | optimizer: ... | batch generator: ...' "
-                        "(per iteration, over the interval; the engine's wall_clock_breakdown, "
-                        "which synchronises a GPU after each phase). 0: none. Also on when a "
-                        "--deepspeed config sets \"wall_clock_breakdown\": true")
+                   help="1: each log line is followed by the time per phase over the ranks "
+                        "(--timing-log-option), ' (min, max) time across ranks (ms) | "
+                        "forward: (..., ...) | backward: ... | optimizer: ... | batch "
+                        "generator: ...' (per iteration, over the interval; the engine's "
+                        "wall_clock_breakdown, which synchronises a GPU after each phase). "
+                        "0: none. Also on when a --deepspeed config sets "
+                        "\"wall_clock_breakdown\": true")
+    g.add_argument("--timing-log-option", choices=("max", "minmax", "all"), default="minmax",
+                   help="how the timers line shows each phase over the job's ranks: max (the "
+                        "slowest rank's time), minmax (the fastest and the slowest rank's), "
+                        "all (every rank's, one line per phase). metrics.jsonl's phase_ms and "
+                        "TensorBoard have the maximum; minmax adds phase_ms_min, all "
+                        "phase_ms_by_rank. Needs the timers on (--timing-log-level 1)")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="write the phase times to TensorBoard too, as '<phase>-time' (turns "
-                        "them on, as --timing-log-level 1)")
+                   help="write the phase times to TensorBoard too, as '<phase>-time' (the "
+                        "maximum over ranks; turns them on, as --timing-log-level 1)")
 
 
 def _reliability(parser):

@@ -111,8 +111,6 @@ NOT_TAKEN = {
     "--log-params-norm": "the parameters' norm is not computed (the log line has the "
                          "gradients' norm)",
     "--log-num-zeros-in-grad": "zeros in the gradients are not counted",
-    "--timing-log-option": "the phase times (--timing-log-level 1) are rank 0's; the minimum "
-                           "and maximum over ranks are not gathered",
     "--tensorboard-log-interval": "TensorBoard is written with the log line, every "
                                   "--log-interval",
     "--tensorboard-queue-size": "TensorBoard's writer keeps its default queue",

@@ -125,6 +125,7 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     if settled.ds_config.scheduler is None:  # else the JSON's schedule sets the lr
         notes += _schedule_end_note(raw, training.train_iters)
     notes += _check_pipeline(raw, parallel, training, settled.ds_config)
+    notes += _timing_option_note(raw, given, settled.ds_config)
     recompute = activation.activation_checkpointing(
         raw, settled.checkpoint_activations, settled.ds_config.activation_checkpointing,
         model.num_layers, parallel.model_parallel_size)
@@ -159,7 +160,17 @@ def _logging(raw, ds_config):
     return LoggingConfig(raw["log_interval"], raw["tensorboard_dir"],
                          raw["log_dir"] or raw["tensorboard_dir"] or raw["save"],
                          phase_times=phase_times,
-                         phase_times_to_tensorboard=raw["log_timers_to_tensorboard"])
+                         phase_times_to_tensorboard=raw["log_timers_to_tensorboard"],
+                         timing_log_option=raw["timing_log_option"])
+
+
+def _timing_option_note(raw, given, ds_config):
+    """--timing-log-option without the timers does nothing (as in Megatron-LM, where level 0
+    has no timers to show); a ported command line keeps working, with a note."""
+    if "timing_log_option" not in given or ds_config.wall_clock_breakdown:
+        return ()
+    return (f" note: --timing-log-option {raw['timing_log_option']} does nothing without the "
+            "timers: --timing-log-level 1 turns them on",)
 
 
 def _fill_model_defaults(raw):

@@ -161,6 +161,7 @@ class LoggingConfig:
     log_dir: Optional[str]  # metrics.jsonl
     phase_times: bool = False  # the engine times its phases (wall_clock_breakdown): print them
     phase_times_to_tensorboard: bool = False
+    timing_log_option: str = "minmax"  # the phase times over ranks: max, minmax or all
 
 
 @dataclass(frozen=True)

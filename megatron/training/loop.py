@@ -24,6 +24,7 @@ from megatron import mpu
 from megatron.model import flops_per_token
 from megatron.runtime import device as device_mod
 from megatron.training.metrics import mfu
+from megatron.training.phase_times import gather_phase_ms
 
 
 def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
@@ -218,12 +219,12 @@ class _TimedIterator:
         return seconds
 
 
-def _phase_ms(backend, iterator, iterations):
-    """Milliseconds per iteration of each phase since the last log line (rank 0's)."""
+def _phase_fields(backend, iterator, iterations, option):
+    """Milliseconds per iteration of each phase since the last log line, over all ranks as
+    --timing-log-option asks (a collective: every rank logs the same iterations)."""
     times = {**backend.take_phase_times(), "batch generator": iterator.take_seconds()}
-    return {phase: times[phase] * 1000.0 / iterations
-            for phase in ("forward", "backward", "optimizer", "batch generator")
-            if phase in times}
+    return gather_phase_ms({phase: seconds * 1000.0 / iterations
+                            for phase, seconds in times.items()}, option)
 
 
 def _log_window(window, state, backend, flops_per_sample, ctx, logger, iterator):
@@ -251,7 +252,7 @@ def _log_window(window, state, backend, flops_per_sample, ctx, logger, iterator)
         "tokens_per_s": samples_per_s * config.data.seq_length,
         "mfu": mfu(samples_per_s, flops_per_sample, window["peak"]),
         "skipped_iters": state["skipped_iters"],
-        **({"phase_ms": _phase_ms(backend, iterator, window["iters"])}
+        **(_phase_fields(backend, iterator, window["iters"], config.logging.timing_log_option)
            if config.logging.phase_times else {}),
     })
     window.update(loss=0.0, iters=0, start=time.perf_counter())

@@ -2,7 +2,8 @@
 
 Rank 0 prints one Megatron-style line per log interval, appends the same numbers as one JSON
 object per line to `<log_dir>/metrics.jsonl` (append mode, so a resumed run continues the
-file), and writes them to TensorBoard when a directory is given. Other ranks do nothing.
+file), and writes them to TensorBoard when a directory is given. Other ranks do nothing here
+(the phase times are gathered from every rank before: megatron/training/phase_times.py).
 MFU values are fractions (0.413) in the record, the JSON and TensorBoard; the line shows %.
 """
 
@@ -13,6 +14,7 @@ import os
 import torch
 
 from megatron.errors import ConfigError
+from megatron.training.phase_times import format_timers_lines
 
 METRICS_FILENAME = "metrics.jsonl"
 
@@ -72,9 +74,9 @@ class TrainingLogger:
         if not self.rank0:
             return
         print(format_train_line(record), flush=True)
-        if record.get("phase_ms"):  # Megatron's timers line, under the log line
-            print(" time (ms) | " + " | ".join(f"{phase}: {ms:.2f}" for phase, ms
-                                               in record["phase_ms"].items()), flush=True)
+        timers = format_timers_lines(record)  # Megatron's timers line, under the log line
+        if timers:
+            print(timers, flush=True)
         entry = {key: record.get(key) for key in _JSON_KEYS}
         entry.update({k: v for k, v in record.items() if k not in entry and k != "train_iters"})
         self._write_json(entry)
@@ -86,7 +88,7 @@ class TrainingLogger:
             if record.get("lm_loss") is not None and record.get("consumed_samples") is not None:
                 self._writer.add_scalar("lm-loss vs samples", _number(record["lm_loss"]),
                                         record["consumed_samples"])
-            if self._phase_times_to_tensorboard:
+            if self._phase_times_to_tensorboard:  # the maximum over ranks, as Megatron's
                 for phase, ms in record.get("phase_ms", {}).items():
                     self._writer.add_scalar(f"{phase.replace(' ', '-')}-time", ms, iteration)
 

@@ -292,6 +292,21 @@ def test_timing_log_level_turns_on_the_engines_phase_timers(tmp_path):
         parse("--timing-log-level", "1", "--log-timers-to-tensorboard")
 
 
+def test_timing_log_option_chooses_how_the_timers_show_the_ranks():
+    """Megatron-LM's choices and default; without the timers it does nothing, which a note
+    says (Megatron-LM is silent: its level 0 has no timers to show)."""
+    assert parse().logging.timing_log_option == "minmax" and parse().notes == ()
+    for option in ("max", "minmax", "all"):
+        timed = parse("--timing-log-level", "1", "--timing-log-option", option)
+        assert timed.logging.timing_log_option == option and timed.notes == ()
+    assert parse("--timing-log-option", "all").notes == (
+        " note: --timing-log-option all does nothing without the timers: --timing-log-level 1 "
+        "turns them on",)
+    with pytest.raises(ConfigError, match=r"^argument --timing-log-option: invalid choice: "
+                                          r"'sum' \(choose from 'max', 'minmax', 'all'\)"):
+        parse("--timing-log-option", "sum")
+
+
 def test_megatron_flags_for_what_is_always_so_are_taken_and_said():
     from megatron.config.flags import build_parser
     from megatron.config.megatron_flags import ALWAYS_SO, NOT_TAKEN

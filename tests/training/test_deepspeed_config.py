@@ -152,6 +152,8 @@ def test_wall_clock_breakdown_and_timing_log_level_are_one_switch(tmp_path):
     assert not parse("--deepspeed", "--deepspeed_config", plain).logging.phase_times
     flagged = parse("--deepspeed", "--deepspeed_config", plain, "--timing-log-level", 1)
     assert flagged.logging.phase_times and flagged.engine.ds_config.wall_clock_breakdown
+    by_json = parse("--deepspeed", "--deepspeed_config", timed, "--timing-log-option", "all")
+    assert by_json.logging.timing_log_option == "all" and by_json.notes == ()  # timers on
 
 
 def test_the_lr_comes_from_the_config_without_lr(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron.training.metrics import TrainingLogger, format_train_line, mfu
+from tests.dist_utils import run_distributed
 
 RECORD = {"iteration": 20, "train_iters": 200, "consumed_samples": 640, "ms_per_iter": 91.2,
           "lr": 1.5e-4, "lm_loss": 6.912345, "loss_scale": 1.0, "grad_norm": 1.234,
@@ -129,6 +130,64 @@ def test_missing_tensorboard_warns_once_and_continues(tmp_path, capsys, monkeypa
     assert out.count("WARNING") == 1 and "tensorboard" in out
     assert not logger.writes_tensorboard  # the end-of-run summary names no tensorboard dir
     assert len(_lines(tmp_path / "metrics.jsonl")) == 1
+
+
+# ------------------------------------------- the timers line over ranks (--timing-log-option)
+
+def _gather_known_times(rank, world_size):
+    """Each option's fields from known times: rank r's forward takes 10 (r + 1) ms, only
+    rank 0 timed the batch generator, no rank the optimizer."""
+    from megatron.training.phase_times import gather_phase_ms
+    local = {"forward": 10.0 * (rank + 1), "backward": 5.0 + rank}
+    if rank == 0:
+        local["batch generator"] = 1.5
+    return {option: gather_phase_ms(local, option) for option in ("max", "minmax", "all")}
+
+
+def test_phase_times_are_gathered_from_every_rank():
+    """Two gloo ranks: every rank gets the same fields; phase_ms is the maximum over ranks, a
+    phase a rank did not time is left out of its minimum and shown as None for it."""
+    rank0, rank1 = run_distributed(_gather_known_times, 2)
+    assert rank0 == rank1
+    maxima = {"forward": 20.0, "backward": 6.0, "batch generator": 1.5}
+    assert rank0["max"] == {"phase_ms": maxima}
+    assert rank0["minmax"] == {"phase_ms": maxima, "phase_ms_min": {
+        "forward": 10.0, "backward": 5.0, "batch generator": 1.5}}
+    assert rank0["all"] == {"phase_ms": maxima, "phase_ms_by_rank": {
+        "forward": [10.0, 20.0], "backward": [5.0, 6.0], "batch generator": [1.5, None]}}
+
+
+def test_one_process_gathers_its_own_times():
+    from megatron.training.phase_times import gather_phase_ms
+    local = {"forward": 3.0, "optimizer": 1.0}
+    assert gather_phase_ms(local, "minmax") == {"phase_ms": local, "phase_ms_min": local}
+    assert gather_phase_ms(local, "all")["phase_ms_by_rank"] == {"forward": [3.0],
+                                                                 "optimizer": [1.0]}
+
+
+TIMED = {"phase_ms": {"forward": 20.0, "backward": 6.0, "batch generator": 1.5}}
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({}, [" max time across ranks (ms) | forward: 20.00 | backward: 6.00 | batch generator: "
+          "1.50"]),
+    ({"phase_ms_min": {"forward": 10.0, "backward": 5.0, "batch generator": 1.5}},
+     [" (min, max) time across ranks (ms) | forward: (10.00, 20.00) | backward: (5.00, 6.00) "
+      "| batch generator: (1.50, 1.50)"]),
+    ({"phase_ms_by_rank": {"forward": [10.0, 20.0], "backward": [5.0, 6.0],
+                           "batch generator": [1.5, None]}},
+     [" times across ranks (ms):", "    forward | rank 0: 10.00 | rank 1: 20.00",
+      "    backward | rank 0: 5.00 | rank 1: 6.00", "    batch generator | rank 0: 1.50"]),
+], ids=["max", "minmax", "all"])
+def test_timers_line_under_the_log_line_for_each_timing_log_option(tmp_path, capsys, fields,
+                                                                   expected):
+    logger = TrainingLogger(str(tmp_path), None, rank0=True)
+    logger.log_train(dict(RECORD, **TIMED, **fields))
+    logger.close()
+    assert capsys.readouterr().out.splitlines() == [EXPECTED_LINE] + expected
+    record = _lines(tmp_path / "metrics.jsonl")[0]
+    assert {key: record[key] for key in record if key.startswith("phase_ms")} == \
+        {**TIMED, **fields}
 
 
 def test_mfu_helper():  # the FLOPs per token are the model's (megatron.model.flops_per_token)

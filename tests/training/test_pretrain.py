@@ -338,9 +338,10 @@ def test_metrics_hold_each_iteration_once_across_reruns_and_resumes(corpus, tmp_
 
 
 def test_timing_log_level_prints_the_time_per_phase(corpus, tmp_path, capsys):
-    """--timing-log-level 1: under each log line Megatron's timers line (rank 0's ms per
-    iteration over the interval), the same numbers in metrics.jsonl and, with
-    --log-timers-to-tensorboard, TensorBoard; the losses are the untimed run's."""
+    """--timing-log-level 1: under each log line Megatron's timers line (ms per iteration over
+    the interval; by default the minimum and maximum over ranks, the same with one process),
+    the same numbers in metrics.jsonl and, with --log-timers-to-tensorboard, TensorBoard; the
+    losses are the untimed run's."""
     assert run(corpus, tmp_path, "--log-interval", "2", iters=4, log_dir="plain") == 0
     tb = tmp_path / "tb"
     assert run(corpus, tmp_path, "--log-interval", "2", "--timing-log-level", "1",
@@ -348,13 +349,15 @@ def test_timing_log_level_prints_the_time_per_phase(corpus, tmp_path, capsys):
                "2", "--eval-iters", "20", iters=4, log_dir="timed") == 0
     assert losses(tmp_path, "timed") == losses(tmp_path, "plain")
     lines = capsys.readouterr().out.splitlines()
-    timers = [i for i, line in enumerate(lines) if line.startswith(" time (ms) | ")]
+    timers = [i for i, line in enumerate(lines)
+              if line.startswith(" (min, max) time across ranks (ms) | ")]
     assert len(timers) == 2 and all(lines[i - 1].startswith(" iteration ") for i in timers)
     phases = [part.split(":")[0] for part in lines[timers[0]].split(" | ")[1:]]
     assert phases == ["forward", "backward", "optimizer", "batch generator"]
     records = [json.loads(line) for line in open(tmp_path / "timed" / "metrics.jsonl")]
     timed = [r["phase_ms"] for r in records if "phase_ms" in r]
     assert len(timed) == 2 and all(ms > 0 for ms in timed[0].values())
+    assert [r["phase_ms_min"] for r in records if "phase_ms" in r] == timed  # one rank
     # 20 evaluation forwards ran in the second interval (--eval-interval 2), 10x its
     # training's 2: they are not counted
     assert timed[1]["forward"] < 3 * timed[0]["forward"]
@@ -364,3 +367,46 @@ def test_timing_log_level_prints_the_time_per_phase(corpus, tmp_path, capsys):
     events.Reload()
     assert {"forward-time", "backward-time", "optimizer-time", "batch-generator-time"} <= \
         set(events.Tags()["scalars"])
+
+
+def _timers_output(lines, option):
+    """{phase: [the numbers shown]} of each timers line in `lines` (rank 0's output)."""
+    if option == "all":
+        heads = [i for i, line in enumerate(lines) if line == " times across ranks (ms):"]
+        return [{phase: [float(part.split(": ")[1]) for part in parts]
+                 for phase, *parts in (line.strip().split(" | ") for line in lines[i + 1:i + 5])}
+                for i in heads]
+    header = {"max": " max time across ranks (ms)",
+              "minmax": " (min, max) time across ranks (ms)"}[option]
+    return [{phase: [float(n) for n in value.strip("()").split(", ")]
+             for phase, value in (part.split(": ") for part in line.split(" | ")[1:])}
+            for line in lines if line.split(" | ")[0] == header]
+
+
+@pytest.mark.parametrize("option", ["max", "minmax", "all"])
+def test_timing_log_option_shows_the_phase_times_over_ranks(corpus, tmp_path, option):
+    """Two gloo ranks (data parallel): rank 0's timers line has the maximum over both ranks
+    (max), the minimum and maximum (minmax) or each rank's time (all), as in metrics.jsonl,
+    whose phase_ms is the maximum whatever the option; the other rank prints none."""
+    from tests.parallel.launching import launch_ranks, trainer_argv
+    argv = trainer_argv(corpus, tmp_path / "log", 2, "--batch-size", 2, "--timing-log-level",
+                        1, "--timing-log-option", option)
+    (code0, out0), (code1, out1) = launch_ranks(argv, 2, tmp_path / "out")
+    assert code0 == code1 == 0, out0[-3000:] + out1[-3000:]
+    shown = _timers_output(out0.splitlines(), option)
+    assert len(shown) == 2 and "across ranks" not in out1
+    records = [json.loads(line) for line in open(tmp_path / "log" / "metrics.jsonl")]
+    records = [r for r in records if "phase_ms" in r]
+    phases = ["forward", "backward", "optimizer", "batch generator"]
+    for numbers, record in zip(shown, records, strict=True):
+        assert list(numbers) == list(record["phase_ms"]) == phases
+        expected = {"max": lambda p: [record["phase_ms"][p]],
+                    "minmax": lambda p: [record["phase_ms_min"][p], record["phase_ms"][p]],
+                    "all": lambda p: record["phase_ms_by_rank"][p]}[option]
+        assert numbers == {p: [round(ms, 2) for ms in expected(p)] for p in phases}
+        if option == "all":
+            assert all(max(record["phase_ms_by_rank"][p]) == record["phase_ms"][p]
+                       and len(record["phase_ms_by_rank"][p]) == 2 for p in phases)
+        if option == "minmax":  # two processes' clocks: never all the same
+            assert record["phase_ms_min"] != record["phase_ms"]
+            assert all(record["phase_ms_min"][p] <= record["phase_ms"][p] for p in phases)
