@@ -79,10 +79,33 @@ def _gpt2_only(accepted, why):
     return parse
 
 
-def _tokenizer_type(text):
-    if text in _OTHER_TOKENIZERS:
-        raise argparse.ArgumentTypeError(f"{text}: {_OTHER_TOKENIZERS[text]}")
-    return text
+_DECAY_STYLES = "give constant, linear, cosine or exponential (the decay styles here)"
+_OLD_DATASETS = ("older Megatron-LM's lazy and cached datasets (a TNTIDX index) are not read: "
+                 "this trainer reads the mmap (MMIDIDX) format tools/preprocess_data.py writes; "
+                 "give mmap or drop the flag (mmap is the default)")
+# a value other Megatron-LMs offer for a choice flag -> what this trainer offers instead
+_TIMING_LEVELS = {"2": "Megatron-LM's level 2 adds finer timers (the pipeline's sends and "
+                       "receives, compute per micro batch) that this trainer does not have: "
+                       "give 1 (forward, backward, optimizer and batch generator)"}
+_LR_DECAY_STYLES = {
+    "WSD": f"later Megatron-LM's warmup-stable-decay schedule is not built: {_DECAY_STYLES}",
+    "inverse-square-root": f"Megatron-LM's inverse-square-root decay is not built: "
+                           f"{_DECAY_STYLES}"}
+_DATA_IMPLS = {"lazy": _OLD_DATASETS, "cached": _OLD_DATASETS}
+_OPTIMIZERS = {"sgd": "Megatron-LM's SGD is not built: the optimizers here are adam (AdamW), "
+                      "adam8bit and adam4bit"}
+
+
+def _offered_here(other_values, convert=str):
+    """The type of a choice flag: a value that another Megatron-LM offers and this trainer does
+    not is refused with what to give instead, where argparse's "invalid choice" would only
+    list the choices; any other value goes on to argparse's own checks."""
+    def parse(text):
+        if text in other_values:
+            raise argparse.ArgumentTypeError(f"{text}: {other_values[text]}")
+        return convert(text)
+    parse.__name__ = convert.__name__  # argparse's "invalid int value: 'x'" names it
+    return parse
 
 
 def _byte_count(text):
@@ -137,6 +160,7 @@ def _regularization(parser):
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--optimizer", choices=("adam", "adam8bit", "adam4bit"), default="adam",
+                   type=_offered_here(_OPTIMIZERS),
                    help="adam: AdamW with fp32 states; adam8bit / adam4bit: the same update "
                         "with 8-bit / 4-bit block-wise states (zero.optim.quantized_adam, "
                         "~2 / ~1.06 bytes/param instead of 8; ZeRO stages 0-3, "
@@ -172,7 +196,7 @@ def _learning_rate(parser):
     g = parser.add_argument_group("learning rate")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="linear",
+    g.add_argument("--lr-decay-style", default="linear", type=_offered_here(_LR_DECAY_STYLES),
                    choices=["constant", "linear", "cosine", "exponential"])
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--warmup", "--lr-warmup-fraction", type=float, default=0.01,
@@ -274,14 +298,15 @@ def _data(parser):
     g.add_argument("--train-data", default=None,
                    help="a named loose-JSON corpus (webtext) or a .json path; tokenized into "
                         ".bin/.idx next to it on first use")
-    g.add_argument("--data-impl", default="mmap", choices=["mmap", "infer"],
+    g.add_argument("--data-impl", default="mmap", type=_offered_here(_DATA_IMPLS),
+                   choices=["mmap", "infer"],
                    help="only the mmap (MMIDIDX) format is supported; infer checks the file")
     g.add_argument("--mmap-warmup", action="store_true",
                    help="read the whole .bin once at start to warm the page cache")
     g.add_argument("--split", default="969, 30, 1",
                    help="train,valid,test weights over documents")
     g.add_argument("--seq-length", type=int, default=None)
-    g.add_argument("--tokenizer-type", default=None, type=_tokenizer_type,
+    g.add_argument("--tokenizer-type", default=None, type=_offered_here(_OTHER_TOKENIZERS),
                    choices=["GPT2BPETokenizer", "SentencePieceTokenizer"])
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
@@ -298,7 +323,8 @@ def _logging(parser):
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-dir", default=None,
                    help="where metrics.jsonl goes (default: --tensorboard-dir, else --save)")
-    g.add_argument("--timing-log-level", type=int, choices=(0, 1), default=0,
+    g.add_argument("--timing-log-level", type=_offered_here(_TIMING_LEVELS, int),
+                   choices=(0, 1), default=0,
                    help="1: each log line is followed by the time per phase over the ranks "
                         "(--timing-log-option), ' (min, max) time across ranks (ms) | "
                         "forward: (..., ...) | backward: ... | optimizer: ... | batch "

@@ -364,6 +364,49 @@ def test_unknown_flag_is_rejected_not_ignored():
         parse("--tokenizer-type", "GPTSentencePieceTokenizer")  # later Megatron-LM's name
 
 
+@pytest.mark.parametrize("flag, value, hint", [
+    ("--timing-log-level", "2", "Megatron-LM's level 2 adds finer timers (the pipeline's sends "
+                                "and receives, compute per micro batch) that this trainer does "
+                                "not have: give 1 (forward, backward, optimizer and batch "
+                                "generator)"),
+    ("--lr-decay-style", "WSD", "later Megatron-LM's warmup-stable-decay schedule is not built: "
+                                "give constant, linear, cosine or exponential"),
+    ("--lr-decay-style", "inverse-square-root", "Megatron-LM's inverse-square-root decay is not "
+                                                "built: give constant, linear, cosine or "
+                                                "exponential"),
+    ("--data-impl", "lazy", "older Megatron-LM's lazy and cached datasets (a TNTIDX index) are "
+                            "not read: this trainer reads the mmap (MMIDIDX) format "
+                            "tools/preprocess_data.py writes; give mmap or drop the flag"),
+    ("--data-impl", "cached", "older Megatron-LM's lazy and cached datasets"),
+    ("--optimizer", "sgd", "Megatron-LM's SGD is not built: the optimizers here are adam "
+                           "(AdamW), adam8bit and adam4bit"),
+])
+def test_a_choice_another_megatron_offers_says_what_to_give_instead(flag, value, hint):
+    """Megatron-LM's values outside this trainer's choices: one error line saying what it
+    offers instead, not argparse's bare "invalid choice"; other values keep argparse's."""
+    message = (f"^argument {re.escape(flag)}: {re.escape(value)}: {re.escape(hint)}.* "
+               f"\\(.* --help lists the flags\\)$")
+    with pytest.raises(ConfigError, match=message):
+        parse(flag, value)
+    with pytest.raises(ConfigError, match=message):
+        parse(f"{flag}={value}")  # the same, joined
+
+
+def test_other_invalid_choices_keep_argparses_line():
+    with pytest.raises(ConfigError, match=r"^argument --timing-log-level: invalid choice: 3 "
+                                          r"\(choose from 0, 1\)"):
+        parse("--timing-log-level", "3")
+    with pytest.raises(ConfigError, match=r"^argument --timing-log-level: invalid int value: "
+                                          r"'x'"):
+        parse("--timing-log-level", "x")
+    with pytest.raises(ConfigError, match=r"^argument --lr-decay-style: invalid choice: 'cos' "
+                                          r"\(choose from 'constant', 'linear', 'cosine', "
+                                          r"'exponential'\)"):
+        parse("--lr-decay-style", "cos")
+    assert parse("--timing-log-level", "1", "--lr-decay-style", "cosine", "--data-impl",
+                 "infer", "--optimizer", "adam8bit").optimizer.lr_decay_style == "cosine"
+
+
 @pytest.fixture
 def ds_json(tmp_path):
     def write(**config):
