@@ -20,8 +20,10 @@
 #              live (nvme: a config with offload_param nvme, e.g. ds_zero_infinity.config)
 #   CHECKPOINT_DIR=checkpoints/gpt2_small_<config>[_stage<ZERO_STAGE>][_remote_<REMOTE_DEVICE>]
 #   RUN_DIR=runs/(the same name): one folder per configuration (e.g. gpt2_small_ds_zero_stage_2,
-#              gpt2_small_ds_zero_stage_2_stage1), since the script resumes from its folder and
-#              a checkpoint of another ZeRO stage or tiling does not load as it is
+#              gpt2_small_ds_zero_stage_2_stage1), since the script resumes from its folder.
+#              To move a run to another ZeRO stage with its optimizer state, point the new
+#              stage at its folder: CHECKPOINT_DIR=checkpoints/gpt2_small_ds_zero_stage_2
+#              ZERO_STAGE=3 TRAIN_ITERS=600 bash scripts/ds_pretrain_gpt2.sh
 # Checkpoints are DeepSpeed's layout (global_step<N>/mp_rank_00_model_states.pt,
 # [bf16_]zero_pp_rank_0_mp_rank_00_optim_states.pt (bf16_ with the default config), latest,
 # zero_to_fp32.py) plus Megatron's latest_checkpointed_iteration.txt; running the script
