@@ -107,13 +107,14 @@ def test_finetune_no_load_rng_and_no_save_rng(corpus, tmp_path, capsys):
     assert sorted(read_losses(tmp_path / "d")) == [1, 2]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage, optimizer", [(2, "adam"), (3, "adam"), (3, "adam8bit")])
 def test_a_megatron_checkpoint_resumes_under_deepspeed_at_any_stage(corpus, tmp_path, capsys,
-                                                                     stage):
+                                                                     stage, optimizer):
     """A run without --deepspeed goes on under --deepspeed (its optimizer state per parameter,
-    cut into this stage's partitions; its schedule, data position and RNG): the losses
-    continue the uninterrupted run's. A JSON scheduler would run another schedule: refused."""
-    plain = [*NO_DROPOUT, "--global-batch-size", 8]
+    8-bit codes too, cut into this stage's partitions; its schedule, data position and RNG):
+    the losses continue the uninterrupted run's. A JSON scheduler would run another schedule:
+    refused."""
+    plain = [*NO_DROPOUT, "--global-batch-size", 8, "--optimizer", optimizer]
     assert run(corpus, tmp_path / "straight", 6, *plain) == 0
     save = tmp_path / "ckpt"
     assert run(corpus, tmp_path / "split", 6, *plain, "--save", save, "--exit-interval", 3) == 0
