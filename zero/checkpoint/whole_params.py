@@ -5,10 +5,12 @@ slices (zero/checkpoint/partitions.py); stage 3 files keep every parameter cut i
 at the same offset of each rank's flat sub-groups (zero/checkpoint/stage3.py). Both readers
 here answer the same questions -- a parameter's fp32 master, each per-element optimizer state,
 the scalar state and hyperparameters of its param group, its runs of quantised scales -- from
-memory-mapped files, touching only that parameter's elements. So a loader cuts this run's
-partition out of either layout: a checkpoint resumes at any data-parallel size and at the
-other family of stages (3 <-> 0-2), fp32 masters and optimizer state included, which
-DeepSpeed does only through its universal-checkpoint conversion (ds_to_universal.py).
+memory-mapped files, touching only that parameter's elements (zero/checkpoint/per_parameter.py's
+PerParameterReader answers them for the Megatron layout's per-parameter optimizer state).
+`restore_optimizer` cuts this rank's partition out of any reader, at any stage: a checkpoint
+resumes at any data-parallel size and at the other family of stages (3 <-> 0-2), fp32
+masters and optimizer state included, which DeepSpeed does only through its
+universal-checkpoint conversion (ds_to_universal.py).
 """
 
 import os
@@ -112,8 +114,6 @@ def _check_mp_size(states, path, mp_world_size):
 class SavedStage3:
     """A stage 3 checkpoint's files, memory-mapped, and where each parameter's pieces are."""
 
-    stage = 3
-
     def __init__(self, ckpt_dir, mp_rank, mp_world_size, dp_rank=0):
         self.ckpt_dir, self.mp_rank = ckpt_dir, mp_rank
         self.path = os.path.join(ckpt_dir, stage3_model_states_name(dp_rank, mp_rank))
@@ -162,12 +162,6 @@ class SavedStage3:
 
     def has(self, name):
         return name in self.where
-
-    def names_per_group(self):
-        """[the names of each optimizer param group's parameters, in their saved order]."""
-        shapes = self.states0["param_shapes"]
-        return [[name for sub in group["params"] for name in shapes[sub]]
-                for group in self.param_groups]
 
     def group_of(self, name):
         """The index of the optimizer param group `name` was saved in."""
@@ -220,8 +214,6 @@ class SavedStage0_2:
     """A stage 0-2 checkpoint's files, memory-mapped: every param group's flat tensor, cut
     into the saved ranks' contiguous slices (the elements [s·size, (s+1)·size) in slice s)."""
 
-    stage = "0-2"
-
     def __init__(self, ckpt_dir, mp_rank, mp_world_size, dp_rank=0):
         del dp_rank  # one model states file for all data-parallel ranks
         self.ckpt_dir = ckpt_dir
@@ -243,11 +235,10 @@ class SavedStage0_2:
             self.slices = [common.torch_load(f, mmap=True)["optimizer_state_dict"]
                            for f in files]
         first = self.slices[0]
-        self.stage = first.get("zero_stage", 0)
         self.param_groups = first["base_optimizer_state"]["param_groups"]
         self.loss_scaler = first.get("loss_scaler")
         self.has_fp32 = "single_partition_of_fp32_groups" in first
-        self.where = {}  # name -> (group, offset in the flat group, numel)
+        self.where = {}  # name -> (group, offset in the flat group, numel, index in the group)
         self.group_numels = []
         for g, shapes in enumerate(self.states0["param_shapes"]):
             offset = 0
@@ -269,9 +260,6 @@ class SavedStage0_2:
 
     def has(self, name):
         return name in self.where
-
-    def names_per_group(self):
-        return [list(shapes) for shapes in self.states0["param_shapes"]]
 
     def group_of(self, name):
         return self.where[name][0]
