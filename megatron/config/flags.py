@@ -11,7 +11,7 @@ import copy
 import difflib
 import math
 
-from megatron.config.megatron_flags import add_always_so_flags
+from megatron.config.megatron_flags import add_always_so_flags, add_dense_model_flags
 from megatron.errors import ConfigError
 
 
@@ -41,7 +41,7 @@ def build_parser():
     for add_group in (_network, _regularization, _training, _learning_rate, _checkpointing,
                       _mixed_precision, _distributed, _validation, _data, _logging,
                       _reliability, _deepspeed, _zero, _activation_checkpointing, _tiling,
-                      add_always_so_flags):
+                      add_always_so_flags, add_dense_model_flags):
         add_group(parser)
     return parser
 
@@ -66,16 +66,19 @@ _OTHER_TOKENIZERS = {
                             "GPT2BPETokenizer with its vocab.json and merges.txt",
     "PretrainedFromHF": "Hugging Face tokenizers are not loaded: GPT-2's is GPT2BPETokenizer "
                         "with its vocab.json and merges.txt",
+    "HFTokenizer": "Hugging Face tokenizers are not loaded: GPT-2's is GPT2BPETokenizer with its "
+                   "vocab.json and merges.txt",
     "NullTokenizer": "a tokenizer is needed: GPT2BPETokenizer or SentencePieceTokenizer",
 }
 
 
 def _gpt2_only(accepted, why):
-    """A later Megatron-LM architecture flag: its GPT-2 value is taken, others refused."""
+    """A later Megatron-LM architecture flag: its GPT-2 value is taken, in any case
+    (Megatron-DeepSpeed spells LayerNorm `layernorm`), others refused."""
     def parse(text):
-        if text != accepted:
+        if text.lower() != accepted.lower():
             raise argparse.ArgumentTypeError(f"{text}: {why} (give {accepted} or drop the flag)")
-        return text
+        return accepted
     return parse
 
 
@@ -94,6 +97,11 @@ _LR_DECAY_STYLES = {
 _DATA_IMPLS = {"lazy": _OLD_DATASETS, "cached": _OLD_DATASETS}
 _OPTIMIZERS = {"sgd": "Megatron-LM's SGD is not built: the optimizers here are adam (AdamW), "
                       "adam8bit and adam4bit"}
+_BACKENDS = {name: f"{name} ({vendor}, Megatron-DeepSpeed's) is not built: nccl on CUDA, gloo "
+                   "on a CPU (the default picks)" for name, vendor in (("ccl", "Intel"),
+                                                                      ("hccl", "Habana"))}
+_DDP_IMPLS = {"FSDP": "torch FSDP is not built: ZeRO stage 3 (--deepspeed --zero-stage 3) "
+                      "shards parameters, gradients and optimizer states"}
 
 
 def _offered_here(other_values, convert=str):
@@ -263,6 +271,7 @@ def _distributed(parser):
                         "block of layers), which shrinks the pipeline bubble by that factor "
                         "for one more point-to-point message per chunk and micro batch")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   type=_offered_here(_BACKENDS),
                    help="default: nccl on CUDA, gloo on CPU")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank",
@@ -274,6 +283,7 @@ def _distributed(parser):
                    help="CPU threads per process (default: $OMP_NUM_THREADS, else cores / "
                         "local processes)")
     g.add_argument("--DDP-impl", default="local", choices=["local", "torch"], dest="DDP_impl",
+                   type=_offered_here(_DDP_IMPLS),
                    help="data-parallel gradient all-reduce without --deepspeed: local (the "
                         "zero engine's stage 0 buckets, overlapped with backward) or torch "
                         "(torch.nn.parallel.DistributedDataParallel)")

@@ -1,11 +1,14 @@
 """Megatron-LM flags that are not flags of this trainer, each with what to do instead: a
 ported command line gets one error naming them all, not argparse's "unrecognized arguments".
 They come from Megatron-LM 1.1.5 (DeepSpeed's fork), later Megatron-LM (whose renamed flags,
-such as --micro-batch-size, are aliases in flags.py), and from the earlier Megatron-LM of
-DeepSpeed's GPT-2 tutorial (DeepSpeedExamples' `Megatron-LM/`, whose `--train-data webtext`
-this trainer takes). Some ask for what this trainer always does; those are taken and said
-once at start-up.
+such as --micro-batch-size, are aliases in flags.py), Megatron-DeepSpeed (Microsoft's fork,
+whose example scripts carry its MoE, sequence-parallel, data-efficiency and distillation
+flags), and from the earlier Megatron-LM of DeepSpeed's GPT-2 tutorial (DeepSpeedExamples'
+`Megatron-LM/`, whose `--train-data webtext` this trainer takes). Some ask for what this
+trainer always does; those are taken and said once at start-up.
 """
+
+import argparse
 
 from megatron.errors import ConfigError
 
@@ -49,6 +52,18 @@ _WANDB = ("Weights & Biases logging is not built: metrics.jsonl (--log-dir) and 
 _NO_FUSED_KERNELS = ("none of Megatron's fused CUDA kernels is used: attention is torch's "
                      "scaled_dot_product_attention, and --compile fuses the elementwise work")
 _PROFILE = "profiling is benchmarks/step_profile.py (torch.profiler over training steps)"
+_MOE = ("Megatron-DeepSpeed's mixture of experts (DeepSpeed-MoE) is not built: each layer has "
+        "one dense GeLU MLP; drop the MoE flags")
+_ULYSSES = ("DeepSpeed-Ulysses sequence parallelism is not built: each rank runs the whole "
+            "--seq-length, so the ranks it would use are data-parallel ranks here")
+_DATA_EFFICIENCY = ("DeepSpeed's data-efficiency library (curriculum sampling, random "
+                    "layer-token drop, analysis indices) is not built: samples come in the "
+                    "index maps' shuffled order at full --seq-length, every layer sees every "
+                    "token; drop the flag and the config's data_efficiency section")
+_DISTILLATION = ("knowledge distillation (a teacher model in the loss) is not built: the loss "
+                 "is GPT-2's cross-entropy on the data; drop the teacher flags")
+_INFERENCE = ("pretrain_gpt2.py has no inference mode: tools/generate_samples.py generates "
+              "from a checkpoint and tools/evaluate_gpt2.py scores one")
 
 # flag -> why it is not taken and what to do instead
 NOT_TAKEN = {
@@ -127,7 +142,7 @@ NOT_TAKEN = {
         "--group-query-attention", "--num-query-groups", "--num-key-value-heads",
         "--use-rotary-position-embeddings", "--rotary-percent", "--rotary-base",
         "--rope-theta", "--no-position-embedding", "--apply-layernorm-1p", "--embed-layernorm",
-        "--num-experts", "--expert-model-parallel-size", "--moe-router-topk",
+        "--expert-model-parallel-size", "--moe-router-topk",
         "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-grouped-gemm",
         "--moe-token-dispatcher-type")},
     "--use-mcore-models": "Megatron-core's model classes are not built: the model is this "
@@ -181,6 +196,42 @@ NOT_TAKEN = {
     "--manual-gc": "not built: Python's collector runs as it does",
     "--manual-gc-interval": "not built: Python's collector runs as it does",
     "--use-mpi": "--deepspeed_mpi takes rank and world size from mpirun",
+    # Megatron-DeepSpeed's own
+    **{flag: "the zero-bubble (ZB-H1) pipeline schedule is not built: stages run 1F1B; "
+             "--num-layers-per-virtual-pipeline-stage interleaves them, which shrinks the "
+             "bubble" for flag in ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics")},
+    **{flag: _ULYSSES for flag in ("--force-ds-sequence-parallel", "--ds-sequence-parallel-fpdt",
+                                   "--ds-sequence-parallel-fpdt-chunk-size",
+                                   "--ds-sequence-parallel-fpdt-offloading")},
+    **{flag: _MOE for flag in ("--num-experts-switch", "--num-experts-teacher")},
+    "--rotary-position-embeddings-theta": _OTHER_MODELS,
+    **{flag: _DATA_EFFICIENCY for flag in (
+        "--random-ltd", "--data-efficiency-curriculum-learning", "--train-idx-path",
+        "--train-desc-path", "--train-doc-idx-path", "--train-sample-idx-path",
+        "--train-shuffle-idx-path", "--train-data-exact-num-epochs", "--return-data-index")},
+    **{flag: _DISTILLATION for flag in (
+        "--kd", "--mos", "--kd-alpha-ce", "--kd-beta-ce", "--kd-temp", "--num-layers-teacher",
+        "--hidden-size-teacher", "--num-attention-heads-teacher", "--load-teacher")},
+    **{flag: _INFERENCE for flag in ("--inference", "--ds-inference")},
+    "--use-dataset-only": "using the data pipeline alone is megatron.data's Python API, not a "
+                          "pretrain_gpt2.py mode",
+    "--aml-data-download-path": "AzureML mounts are not looked up: give the mounted dataset's "
+                                "prefix as --data-path",
+    "--load-tag": "the checkpoint read is the one <load>/latest names (latest_checkpointed_"
+                  "iteration.txt without --deepspeed): write the wanted tag there",
+    "--no-load-lr-state": "the schedule's state resumes with the optimizer's: "
+                          "--override-lr-scheduler takes the schedule from the flags, "
+                          "--no-load-optim starts both afresh",
+    "--reset-iteration": "restarting the iteration count with the optimizer state kept is not "
+                         "built: --finetune loads the weights and starts at iteration 0 with "
+                         "a fresh optimizer",
+    "--profile_steps": _PROFILE,
+    "--kill-switch-file": "a kill-switch file is not watched: --exit-signal-handler saves and "
+                          "exits on SIGTERM, --exit-duration-in-mins before a deadline",
+    "--trust-remote-code": "Hugging Face tokenizers are not loaded: --tokenizer-type "
+                           "GPT2BPETokenizer with --vocab-file/--merge-file, or "
+                           "SentencePieceTokenizer with --tokenizer-model",
+    "--valid-data-path": _OLD_LOADERS,
 }
 
 # flag -> what this trainer always does, which the flag asks for
@@ -213,7 +264,35 @@ ALWAYS_SO = {
     "--no-async-tensor-model-parallel-allreduce": "the tensor-parallel all-reduce of the input "
                                                   "gradient is not overlapped with the weight "
                                                   "gradient",
+    # Megatron-DeepSpeed's own
+    "--no-pipeline-parallel": "at --pipeline-model-parallel-size 1 the model is never a "
+                              "pipeline: the engine has no pipeline stages and checkpoints "
+                              "hold the whole module, as Megatron-DeepSpeed's do with this flag",
+    **{flag: "attention is torch's scaled_dot_product_attention, which runs a flash-attention "
+             "kernel where torch has one for the device and dtype"
+       for flag in ("--use-flash-attn-v1", "--use-flash-attn-v2", "--use-flash-attn-triton",
+                    "--use-flash-attn-builder")},
+    "--disable-mem-efficient-ln": "LayerNorm is torch's nn.LayerNorm; apex's memory-efficient "
+                                  "LayerNorm is never used",
+    "--ds_fused_adam": "the Adam step is torch.optim.AdamW's fused or foreach kernel, the update "
+                       "DeepSpeed's FusedAdam makes in its AdamW mode",
+    "--repeated-dataloader": "the training samples span as many epochs of the data as the run "
+                             "needs, so the loader never runs dry",
+    "--universal-checkpoint": "--load resumes the checkpoint `latest` names as it is, at any "
+                              "data-parallel size and ZeRO stage (3 <-> 0-2); DeepSpeed's "
+                              "universal folders (ds_to_universal.py) are not read",
+    **{flag: "no effect in a dense model (as in Megatron-DeepSpeed with --num-experts 1)"
+       for flag in ("--create-moe-param-group", "--disable-moe-token-dropping",
+                    "--disable-moe-top2-2nd-expert-sampling", "--use-tutel",
+                    "--enable-expert-tensor-parallelism")},
 }
+
+# Megatron-DeepSpeed flags with a value that do nothing in the dense model this trainer builds
+# (as in Megatron-DeepSpeed with --num-experts 1): taken with a note -> their type
+DENSE_MODEL_FLAGS = {"--moe-expert-parallel-size": int, "--moe-loss-coeff": float,
+                     "--moe-train-capacity-factor": float, "--moe-eval-capacity-factor": float,
+                     "--moe-min-capacity": int, "--topk": int, "--expert-interval": int,
+                     "--mlp-type": str}
 
 
 def refuse_flags_not_taken(argv, parser):
@@ -223,7 +302,10 @@ def refuse_flags_not_taken(argv, parser):
     given = [flag for flag in NOT_TAKEN if flag not in defined
              and any(arg == flag or arg.startswith(flag + "=") for arg in argv)]
     if given:
-        reasons = "; ".join(f"{flag}: {NOT_TAKEN[flag]}" for flag in given)
+        by_reason = {}  # flags with the same reason named together, the reason said once
+        for flag in given:
+            by_reason.setdefault(NOT_TAKEN[flag], []).append(flag)
+        reasons = "; ".join(f"{', '.join(flags)}: {why}" for why, flags in by_reason.items())
         raise ConfigError(f"Megatron-LM flag{'s' if len(given) > 1 else ''} not taken here "
                           f"(drop {'them' if len(given) > 1 else 'it'}): {reasons}")
 
@@ -234,10 +316,40 @@ def add_always_so_flags(parser):
         group.add_argument(flag, action="store_true", help=f"accepted: {what}")
 
 
+def add_dense_model_flags(parser):
+    group = parser.add_argument_group("Megatron-DeepSpeed MoE flags, which do nothing in a "
+                                      "dense model")
+    for flag, kind in DENSE_MODEL_FLAGS.items():
+        group.add_argument(flag, type=kind, default=None, help="accepted: no effect")
+    group.add_argument("--num-experts", type=_one_expert, nargs="+", default=None,
+                       help="1: a dense model, the only one built here")
+    group.add_argument("--ds-sequence-parallel-size", type=_one_sequence_rank, default=None,
+                       help="1: off, the only value taken here")
+
+
+def _one_expert(text):
+    if text.strip() != "1":
+        raise argparse.ArgumentTypeError(f"{text}: {_MOE}")
+    return 1
+
+
+def _one_sequence_rank(text):
+    if text.strip() != "1":
+        raise argparse.ArgumentTypeError(f"{text}: {_ULYSSES}")
+    return 1
+
+
 def always_so_notes(raw):
-    """One note per ALWAYS_SO flag given (its dest set in the parsed `raw`)."""
+    """One note per ALWAYS_SO flag given (its dest set in the parsed `raw`), and per
+    DENSE_MODEL_FLAGS flag."""
+    always = {**ALWAYS_SO,
+              "--num-experts": "the model is dense, one GeLU MLP per layer",
+              "--ds-sequence-parallel-size": "each rank runs the whole --seq-length"}
     return tuple(f" note: {flag} asks for what this trainer always does: {what}"
-                 for flag, what in ALWAYS_SO.items() if raw.get(_dest(flag)))
+                 for flag, what in always.items() if raw.get(_dest(flag))) + tuple(
+        f" note: {flag} {raw[_dest(flag)]} has no effect in a dense model (as in "
+        "Megatron-DeepSpeed with --num-experts 1)"
+        for flag in DENSE_MODEL_FLAGS if raw.get(_dest(flag)) is not None)
 
 
 def _dest(flag):

@@ -9,6 +9,7 @@ fills in or checks a flag again. Architecture checks are the model's own
 """
 
 import math
+import os
 import sys
 from types import MappingProxyType
 
@@ -230,6 +231,15 @@ def _parallel(raw, world_size):
             f"world size {world_size} is not divisible by --model-parallel-size {tp} x "
             f"--pipeline-model-parallel-size {pp} = {tp * pp} ({world_size} % {tp * pp} = "
             f"{world_size % (tp * pp)}); start a multiple of {tp * pp} processes")
+    require(not (raw["no_pipeline_parallel"] and pp > 1),
+            f"--no-pipeline-parallel asks for no pipeline, but --pipeline-model-parallel-size "
+            f"is {pp}: drop one of them")
+    require(not (raw["universal_checkpoint"] and raw["load"]
+                 and os.path.isfile(os.path.join(raw["load"], "latest_universal"))),
+            f"--universal-checkpoint: {raw['load']}/latest_universal names a folder converted "
+            "by DeepSpeed's ds_to_universal.py, which is not read here (it may be another step "
+            "than `latest`'s); --load resumes this trainer's own checkpoints at any data-"
+            "parallel size and ZeRO stage as they are: point --load at one")
     per_virtual = raw["num_layers_per_virtual_pipeline_stage"]
     chunks = 1
     if per_virtual is not None:

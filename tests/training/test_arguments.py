@@ -219,13 +219,57 @@ def test_megatron_core_command_lines_get_one_answer_for_all_their_flags():
               "--lr-warmup-tokens", "100", "--wandb-project", "x")
     message = str(error.value)
     assert message.startswith("Megatron-LM flags not taken here (drop them): ")
-    for piece in ("--swiglu: a later Megatron-LM model option", "--sequence-parallel: "
+    for piece in ("--swiglu, --use-rotary-position-embeddings: a later Megatron-LM model "
+                  "option", "--sequence-parallel: "
                   "Megatron's sequence parallelism is not built", "--use-distributed-optimizer"
                   ": Megatron's distributed optimizer is ZeRO stage 1 here",
                   "--recompute-granularity: full-layer recompute is --checkpoint-activations "
                   "--checkpoint-num-layers N", "--fp8-format: fp8 training", "--lr-warmup-tokens"
                   ": lengths in tokens", "--wandb-project: Weights & Biases"):
         assert piece in message, piece
+
+
+def test_megatron_deepspeed_command_lines_get_one_answer_for_all_their_flags(tmp_path):
+    """Megatron-DeepSpeed's own flags (its example scripts): those asking for what is always
+    done here (no pipeline engine at size 1, a dense model, flash attention, fused Adam) are
+    taken with a note, MoE and sequence-parallel sizes at 1 too; the rest are named together
+    in one error, each reason once."""
+    config = parse("--no-pipeline-parallel", "--num-experts", "1", "--moe-loss-coeff", "0.1",
+                   "--mlp-type", "standard", "--create-moe-param-group",
+                   "--ds-sequence-parallel-size", "1", "--use-flash-attn-v2", "--ds_fused_adam",
+                   "--repeated-dataloader", "--disable-mem-efficient-ln",
+                   "--normalization", "layernorm", "--universal-checkpoint")
+    assert config.model == parse().model
+    noted = [note.split(" asks")[0].split(" has no")[0] for note in config.notes]
+    assert noted == [f" note: {flag}" for flag in (
+        "--no-pipeline-parallel", "--use-flash-attn-v2", "--disable-mem-efficient-ln",
+        "--ds_fused_adam", "--repeated-dataloader", "--universal-checkpoint",
+        "--create-moe-param-group", "--num-experts", "--ds-sequence-parallel-size",
+        "--moe-loss-coeff 0.1", "--mlp-type standard")]
+    for argv, message in (
+            (["--num-experts", "8"], "--num-experts: 8: Megatron-DeepSpeed's mixture of experts"),
+            (["--ds-sequence-parallel-size", "4"], "4: DeepSpeed-Ulysses sequence parallelism "
+                                                   "is not built"),
+            (["--no-pipeline-parallel", "--pipeline-model-parallel-size", "2"],
+             "--no-pipeline-parallel asks for no pipeline, but --pipeline-model-parallel-size "
+             "is 2: drop one of them"),
+            (["--distributed-backend", "hccl"], "hccl (Habana, Megatron-DeepSpeed's) is not "
+                                                "built: nccl on CUDA, gloo on a CPU"),
+            (["--DDP-impl", "FSDP"], "torch FSDP is not built: ZeRO stage 3"),
+            (["--tokenizer-type", "HFTokenizer"], "Hugging Face tokenizers are not loaded"),
+            (["--kd", "--kd-temp", "2", "--random-ltd", "--enable-zbh1-pipeline"],
+             "Megatron-LM flags not taken here (drop them): --enable-zbh1-pipeline: the "
+             "zero-bubble (ZB-H1) pipeline schedule is not built"),
+            (["--kd", "--kd-temp", "2"], "--kd, --kd-temp: knowledge distillation (a teacher "
+                                         "model in the loss) is not built")):
+        with pytest.raises(ConfigError) as error:
+            parse(*argv, world_size=2)
+        assert message in str(error.value), (argv, str(error.value))
+    (tmp_path / "latest").write_text("global_step200")
+    (tmp_path / "latest_universal").write_text("global_step100_universal")
+    with pytest.raises(ConfigError, match="latest_universal names a folder converted by "
+                                          "DeepSpeed's ds_to_universal.py, which is not read"):
+        parse("--universal-checkpoint", "--load", str(tmp_path))
 
 
 @pytest.mark.parametrize("values, message", [

@@ -332,6 +332,22 @@ def test_disabled_sections_of_unimplemented_features_are_accepted():
     assert config.train_batch_size == 1
 
 
+@pytest.mark.parametrize("key, value, piece", [
+    ("checkpoint", {"load_universal": True}, "reads a folder converted by DeepSpeed's "
+                                             "ds_to_universal.py, which is not read here"),
+    ("curriculum_learning", {"enabled": True}, "the legacy curriculum (sequence-length "
+                                               "warm-up) is not built"),
+    ("data_efficiency", {"enabled": True}, "curriculum sampling and random layer-token drop "
+                                           "are not built"),
+    ("flops_profiler", {"enabled": True}, "the log line has MFU and tokens/s"),
+])
+def test_enabled_features_from_megatron_deepspeed_configs_say_what_runs_instead(key, value,
+                                                                                 piece):
+    with pytest.raises(ConfigError) as error:
+        load({"train_batch_size": 1, key: value})
+    assert f"'{key}'" in str(error.value) and piece in str(error.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Values and cross-key checks
 

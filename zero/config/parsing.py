@@ -12,6 +12,8 @@ DeepSpeed's pydantic sections follow, plus ours:
 - `DEFAULT_ONLY = {key: default}` lists DeepSpeed keys zero does not implement: they are
   accepted only when they ask for DeepSpeed's default (e.g. `"auto_cast": false`), so a config
   that works in DeepSpeed still loads, but no option is ever parsed and then ignored;
+- `DEFAULT_ONLY_HINTS = {key: what it is, what runs instead}` words that refusal for a
+  DEFAULT_ONLY key users bring from real configs.
 - `KEY_HINTS = {key: what to do instead}` words the error for a DeepSpeed key that is not
   built here but has a counterpart;
 - a section may define `translate_deprecated(raw, source, path) -> raw` to map old spellings,
@@ -119,7 +121,8 @@ def parse_section(cls, raw, source, path, key_homes=None):
     values, spelled = {}, {}
     for key, value in raw.items():
         if key in default_only:
-            check_default_only(key_path(path, key), value, default_only[key], source)
+            check_default_only(key_path(path, key), value, default_only[key], source,
+                               getattr(cls, "DEFAULT_ONLY_HINTS", {}).get(key))
             continue
         f = keys.get(key)
         if f is None:
@@ -209,24 +212,27 @@ def _same(value, default):
     return isinstance(value, bool) == isinstance(default, bool) and value == default
 
 
-def check_default_only(path, value, default, source):
-    """Accepts a key zero does not implement only when it asks for DeepSpeed's default."""
+def check_default_only(path, value, default, source, hint=None):
+    """Accepts a key zero does not implement only when it asks for DeepSpeed's default;
+    `hint` (the section's DEFAULT_ONLY_HINTS) says what the feature is and what runs here."""
     if isinstance(value, str) and value == AUTO:
         return
+    said = f" ({hint})" if hint else ""
     if default is DISABLED_SECTION:
         if value is None or (isinstance(value, dict) and _same(value.get("enabled", False), False)):
             return
-        fail(source, f"'{path}' enables a DeepSpeed feature that zero does not implement; "
+        fail(source, f"'{path}' enables a DeepSpeed feature that zero does not implement{said}; "
                      "remove the section or set \"enabled\": false")
     if isinstance(default, dict):
         if isinstance(value, dict) and all(k in default and _same(v, default[k])
                                            for k, v in value.items()):
             return
         fail(source, f"'{path}' = {show(value)} asks for DeepSpeed behaviour that zero does not "
-                     f"implement; remove it (accepted: only the defaults {show(default)})")
+                     f"implement{said}; remove it (accepted: only the defaults {show(default)})")
     if not _same(value, default):
         fail(source, f"'{path}' = {show(value)} asks for a DeepSpeed feature that zero does not "
-                     f"implement; remove the key (or set it to the default {show(default)})")
+                     f"implement{said}; remove the key (or set it to the default "
+                     f"{show(default)})")
 
 
 def deprecated_bool(raw, key, source, path):

@@ -355,6 +355,21 @@ class TopLevelConfig:
     compile: CompileConfig = section(CompileConfig)
 
     DEFAULT_ONLY = UNIMPLEMENTED_TOP_LEVEL
+    DEFAULT_ONLY_HINTS = {
+        "checkpoint": "load_universal reads a folder converted by DeepSpeed's "
+                      "ds_to_universal.py, which is not read here: zero's own checkpoints "
+                      "resume as they are at any data-parallel size and ZeRO stage (3 <-> "
+                      "0-2), and tools/merge_mp_partitions.py --deepspeed converts them to "
+                      "another tensor-parallel size with their optimizer state; ranks saving "
+                      "under different tags are always refused",
+        "curriculum_learning": "the legacy curriculum (sequence-length warm-up) is not built: "
+                               "every sample has the full sequence length",
+        "data_efficiency": "curriculum sampling and random layer-token drop are not built: "
+                           "samples come in the index maps' shuffled order, every layer sees "
+                           "every token",
+        "flops_profiler": "the log line has MFU and tokens/s; benchmarks/step_profile.py "
+                          "profiles training steps (torch.profiler)",
+    }
     DEPRECATED_KEYS = ("allgather_size",)
     KEY_HINTS = {
         "sparse_attention": "DeepSpeed's block-sparse attention (Triton kernels) is not "
