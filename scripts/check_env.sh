@@ -120,8 +120,9 @@ take_script_flags() {
 
 take_trainer_flags() {
     # The pretrain_gpt2.py flags the launch scripts build from their variables (the same
-    # names in every script). --warmup/--lr-warmup-fraction (a fraction) replaces the
-    # script's --warmup-iters: WARMUP_FRACTION_GIVEN=1 says so.
+    # names in every script). --warmup/--lr-warmup-fraction (a fraction) and the warmup in
+    # samples or tokens replace the script's --warmup-iters: WARMUP_FRACTION_GIVEN=1 says so.
+    # The run's length in samples would meet the script's --train-iters: refused.
     take_script_flags NLAYERS=--num-layers NHIDDEN=--hidden-size NHEADS=--num-attention-heads \
         SEQ_LEN=--seq-length MICRO_BATCH=--batch-size MICRO_BATCH=--micro-batch-size \
         GLOBAL_BATCH=--global-batch-size TRAIN_ITERS=--train-iters LR=--lr MIN_LR=--min-lr \
@@ -131,13 +132,19 @@ take_trainer_flags() {
     WARMUP_FRACTION_GIVEN=""
     local arg
     for arg in "$@"; do
-        case "$arg" in --warmup|--warmup=*|--lr-warmup-fraction|--lr-warmup-fraction=*)
-            WARMUP_FRACTION_GIVEN=1 ;;
+        case "$arg" in
+            --warmup|--warmup=*|--lr-warmup-fraction|--lr-warmup-fraction=*|\
+            --lr-warmup-samples|--lr-warmup-samples=*|--lr-warmup-tokens|--lr-warmup-tokens=*)
+                WARMUP_FRACTION_GIVEN=1 ;;
+            --train-samples|--train-samples=*)
+                _env_error "--train-samples: this script sets the run's length in iterations;" \
+                    "give TRAIN_ITERS=N (samples / global batch) instead" ;;
         esac
     done
     if [ -n "$WARMUP_FRACTION_GIVEN" ] && [ -n "${WARMUP_ITERS:-}" ]; then
         local iters="WARMUP_ITERS=$WARMUP_ITERS"
         [ -z "${_FLAG_OF[WARMUP_ITERS]:-}" ] || iters="${_FLAG_OF[WARMUP_ITERS]} $WARMUP_ITERS"
-        _env_error "$iters and --warmup (a fraction) both set the warmup: give one of them"
+        _env_error "$iters and --warmup (a fraction, or --lr-warmup-samples/-tokens) both set" \
+            "the warmup: give one of them"
     fi
 }

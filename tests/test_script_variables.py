@@ -103,10 +103,16 @@ def test_trainer_flags_set_the_variables_the_script_builds_them_from():
     ("pretrain_gpt2_distributed.sh", {}, ["--lr", "fast"],
      "--lr must be a non-negative number such as 3, 0.5 or 1e-3 (got 'fast')"),
     ("pretrain_gpt2_distributed.sh", dict(WARMUP_ITERS="3"), ["--warmup", "0.1"],
-     "WARMUP_ITERS=3 and --warmup (a fraction) both set the warmup: give one of them"),
-    ("pretrain_gpt2.sh", {}, ["--lr-warmup-iters=2", "--lr-warmup-fraction", "0.1"],
-     "--lr-warmup-iters 2 and --warmup (a fraction) both set the warmup: give one of them"),
-], ids=["env-and-flag", "wrapper-bad-value", "bad-lr", "env-and-fraction", "two-warmups"])
+     "WARMUP_ITERS=3 and --warmup (a fraction, or --lr-warmup-samples/-tokens) both set the "
+     "warmup: give one of them"),
+    ("pretrain_gpt2.sh", {}, ["--lr-warmup-iters=2", "--lr-warmup-tokens", "4096"],
+     "--lr-warmup-iters 2 and --warmup (a fraction, or --lr-warmup-samples/-tokens) both set "
+     "the warmup: give one of them"),
+    ("ds_pretrain_gpt2.sh", {}, ["--train-samples=64"],
+     "--train-samples: this script sets the run's length in iterations; give TRAIN_ITERS=N "
+     "(samples / global batch) instead"),
+], ids=["env-and-flag", "wrapper-bad-value", "bad-lr", "env-and-fraction", "two-warmups",
+        "samples"])
 def test_a_trainer_flag_against_its_variable_stops_the_script_before_setup(
         tmp_path, script, variables, extra, message):
     env = clean_environment(PYTHON="false", VENV=str(tmp_path / "venv"), **variables)

@@ -139,15 +139,28 @@ def load_deepspeed_json(raw):
 
 def micro_batch_from_json(raw, data_parallel_size):
     """--deepspeed without --batch-size: the micro batch per GPU the DeepSpeed JSON sets."""
-    final, source = _without_auto_batch_keys(*load_deepspeed_json(raw))
-    if all(final.get(key) is None for key in BATCH_KEYS):
+    parsed, source = _json_batch_sizes(raw, data_parallel_size)
+    if parsed is None:
         raise ConfigError(f"--batch-size is required: DeepSpeed config {source} sets no batch "
                           "size either (train_micro_batch_size_per_gpu / train_batch_size)")
+    return parsed.train_micro_batch_size_per_gpu
+
+
+def global_batch_from_json(raw, data_parallel_size):
+    """--deepspeed: the train_batch_size the JSON sets (None when it sets no batch size)."""
+    parsed, _ = _json_batch_sizes(raw, data_parallel_size)
+    return None if parsed is None else parsed.train_batch_size
+
+
+def _json_batch_sizes(raw, data_parallel_size):
+    """(the DeepSpeed JSON parsed for its batch sizes, or None when it sets none; its name)."""
+    final, source = _without_auto_batch_keys(*load_deepspeed_json(raw))
+    if all(final.get(key) is None for key in BATCH_KEYS):
+        return None, source
     deprecations = logging.getLogger("zero.config.deepspeed_config")
     deprecations.disabled = True  # the config's full parse, later, warns once
     try:
-        return _parse(copy.deepcopy(final), data_parallel_size,
-                      source).train_micro_batch_size_per_gpu
+        return _parse(copy.deepcopy(final), data_parallel_size, source), source
     finally:
         deprecations.disabled = False
 

@@ -186,6 +186,12 @@ def _training(parser):
                         "batch-size x data-parallel-size means gradient accumulation (default: "
                         "batch-size x data-parallel-size, or the DeepSpeed config's)")
     g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="later Megatron-LM's: the run's length in samples, instead of "
+                        "--train-iters (iterations = samples // global batch)")
+    g.add_argument("--train-tokens", type=int, default=None,
+                   help="Megatron-DeepSpeed's: stop after this many tokens (iterations = "
+                        "tokens / (global batch x --seq-length), or --train-iters if fewer)")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, if --save is set) when iteration %% N == 0")
     g.add_argument("--checkpoint-activations", action="store_true",
@@ -207,6 +213,11 @@ def _learning_rate(parser):
     g.add_argument("--lr-decay-style", default="linear", type=_offered_here(_LR_DECAY_STYLES),
                    choices=["constant", "linear", "cosine", "exponential"])
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    for unit, per in (("samples", "global batch"), ("tokens", "global batch x --seq-length")):
+        g.add_argument(f"--lr-decay-{unit}", type=int, default=None,
+                       help=f"--lr-decay-iters in {unit} (divided by the {per})")
+        g.add_argument(f"--lr-warmup-{unit}", type=int, default=None,
+                       help=f"--warmup-iters in {unit} (divided by the {per})")
     g.add_argument("--warmup", "--lr-warmup-fraction", type=float, default=0.01,
                    help="fraction of --lr-decay-iters used for linear warmup "
                         "(--lr-warmup-fraction: later Megatron-LM's name)")

@@ -19,10 +19,6 @@ _FUSED_ATTENTION = ("attention is torch's scaled_dot_product_attention wherever 
 _FP32_SCORES = ("an fp16 guard for Megatron's own attention kernel; here the scale is applied "
                 "inside the q·kᵀ product and the softmax accumulates in fp32 (on a CPU, "
                 "prefer --bf16)")
-_TOKEN_LENGTHS = ("lengths in tokens are not built: give --train-iters and --lr-decay-iters "
-                  "(tokens = iterations x global batch x --seq-length)")
-_SAMPLE_LENGTHS = ("lengths in samples are not built: give --train-iters, --lr-decay-iters "
-                   "and --warmup-iters (samples = iterations x --global-batch-size)")
 _OLD_LOADERS = ("a data loader of the tutorial's Megatron-LM that is not built: tokenize with "
                 "tools/preprocess_data.py and give --data-path, or give a loose-JSON corpus "
                 "(a \"text\" key per line) as --train-data")
@@ -75,13 +71,8 @@ NOT_TAKEN = {
                                                   "the post-LayerNorm residual is not built",
     "--onnx-safe": "the MLP's GeLU is GPT-2's tanh form; the erf form for ONNX export is not "
                    "built",
-    "--train-tokens": _TOKEN_LENGTHS,
-    "--train-samples": _SAMPLE_LENGTHS,
-    "--lr-decay-samples": _SAMPLE_LENGTHS,
-    "--lr-warmup-samples": _SAMPLE_LENGTHS,
     "--rampup-batch-size": "ramping the batch size up is not built: the global batch is "
                            "--global-batch-size from the first iteration",
-    "--lr-decay-tokens": _TOKEN_LENGTHS,
     "--scaled-upper-triang-masked-softmax-fusion": _FUSED_ATTENTION,
     "--scaled-masked-softmax-fusion": _FUSED_ATTENTION,
     "--bias-gelu-fusion": "Megatron's TorchScript fusion; --compile fuses each layer's bias, "
@@ -135,7 +126,6 @@ NOT_TAKEN = {
     "--no-log-learning-rate-to-tensorboard": "the learning rate always goes to TensorBoard",
     "--no-log-loss-scale-to-tensorboard": "the loss scale always goes to TensorBoard",
     "--log-optimizer-states-to-tensorboard": _TENSORBOARD_SCALARS,
-    "--lr-warmup-tokens": _TOKEN_LENGTHS,
     # later Megatron-LM's models, parallelism and kernels
     **{flag: _OTHER_MODELS for flag in (
         "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",

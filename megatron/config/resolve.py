@@ -13,7 +13,7 @@ import os
 import sys
 from types import MappingProxyType
 
-from megatron.config import activation, engine, json_optimizer
+from megatron.config import activation, engine, json_optimizer, lengths
 from megatron.config.command_line import (in_the_users_spelling, parse_command_line,
                                           repeated_flag_notes)
 from megatron.config.flags import build_parser, given_on_command_line
@@ -29,13 +29,15 @@ from megatron.errors import ConfigError
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "batch_size",
             "train_iters", "lr")
 POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                 "batch_size", "train_iters", "max_position_embeddings", "global_batch_size",
-                 "ffn_hidden_size", "make_vocab_size_divisible_by", "exit_interval",
-                 "save_interval", "log_interval", "eval_interval", "lr_decay_iters",
-                 "model_parallel_size", "pipeline_model_parallel_size",
+                 "batch_size", "train_iters", "train_samples", "train_tokens",
+                 "lr_decay_samples", "lr_decay_tokens", "max_position_embeddings",
+                 "global_batch_size", "ffn_hidden_size", "make_vocab_size_divisible_by",
+                 "exit_interval", "save_interval", "log_interval", "eval_interval",
+                 "lr_decay_iters", "model_parallel_size", "pipeline_model_parallel_size",
                  "num_layers_per_virtual_pipeline_stage", "threads")
 MAX_INT = 2 ** 31 - 1
-NON_NEGATIVE_INTS = ("eval_iters", "num_workers", "warmup_iters", "max_nan_iterations")
+NON_NEGATIVE_INTS = ("eval_iters", "num_workers", "warmup_iters", "max_nan_iterations",
+                     "lr_warmup_samples", "lr_warmup_tokens")
 # float flags that must be finite (NaN and inf are never meaningful) -> (low, high, what)
 FLOAT_RANGES = {
     "lr": (0.0, None, "non-negative"), "min_lr": (0.0, None, "non-negative"),
@@ -51,7 +53,9 @@ _STRICT_LOW = {"adam_eps", "init_method_std", "layernorm_epsilon",
 _INCLUSIVE_HIGH = {"warmup"}
 
 
-INT_FLAGS = tuple(action.dest for action in build_parser()._actions if action.type is int)
+# (token counts pass 2**31 in real runs: Megatron-DeepSpeed's --train-tokens 300B)
+INT_FLAGS = tuple(action.dest for action in build_parser()._actions if action.type is int
+                  and not action.dest.endswith("_tokens"))
 
 
 def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provider=None):
@@ -104,6 +108,8 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     parallel = _parallel(raw, world_size)
     if raw["batch_size"] is None:  # --deepspeed without --batch-size
         raw["batch_size"] = engine.micro_batch_from_json(raw, parallel.data_parallel_size)
+    notes += lengths.iterations_from_lengths(
+        raw, given, _global_batch_before_the_engine(raw, parallel), raw["seq_length"])
     training = _training(raw, parallel)
     settled = engine.settle_engine(raw, given, parallel.data_parallel_size,
                                    training.num_micro_batches)
@@ -186,7 +192,10 @@ def _fill_model_defaults(raw):
     for flag in REQUIRED:
         if flag in ("batch_size", "lr") and raw["deepspeed"]:
             continue  # the DeepSpeed JSON may set it (taken from there just below)
-        require(raw[flag] is not None, f"--{flag.replace('_', '-')} is required")
+        if flag == "train_iters" and (raw["train_samples"] or raw["train_tokens"]):
+            continue  # in samples or tokens (lengths.py, once the global batch is known)
+        require(raw[flag] is not None, f"--{flag.replace('_', '-')} is required"
+                + (" (or --train-samples / --train-tokens)" if flag == "train_iters" else ""))
     if raw["lr"] is None:  # --deepspeed without --lr
         raw["lr"] = engine.lr_from_json(raw)
     if raw["max_position_embeddings"] is None:
@@ -331,6 +340,16 @@ def _checkpoints_per_model_chunk(parallel, num_layers, recompute):
     return (f" note: --checkpoint-num-layers {k} does not divide the {counts} {what} of a "
             f"{where}: each {where} checkpoints {k} at a time and its last checkpoint holds "
             "the rest",)
+
+
+def _global_batch_before_the_engine(raw, parallel):
+    """The global batch the engine will settle on (--global-batch-size, the DeepSpeed JSON's
+    train_batch_size, or the micro batch x data-parallel size), for lengths in samples."""
+    if raw["global_batch_size"] is not None:
+        return raw["global_batch_size"]
+    from_json = engine.global_batch_from_json(raw, parallel.data_parallel_size) \
+        if raw["deepspeed"] else None
+    return from_json or raw["batch_size"] * parallel.data_parallel_size
 
 
 def _training(raw, parallel):

@@ -137,11 +137,9 @@ def test_a_bad_split_is_refused_with_the_flags(split, message):
 
 def test_megatron_flags_not_taken_are_one_error_that_says_what_to_do_instead():
     with pytest.raises(ConfigError) as info:
-        parse("--apply-query-key-layer-scaling", "--train-tokens", "300000",
-              "--num-unique-layers=2")
+        parse("--apply-query-key-layer-scaling", "--num-unique-layers=2")
     message = str(info.value)
     assert message.startswith("Megatron-LM flags not taken here (drop them): ")
-    assert "--train-tokens: lengths in tokens are not built: give --train-iters" in message
     assert "--num-unique-layers: sharing weights between layers is not built" in message
     assert "--apply-query-key-layer-scaling: an fp16 guard" in message
     with pytest.raises(ConfigError, match=r"flag not taken here \(drop it\): --bias-gelu-fusion: "
@@ -149,10 +147,10 @@ def test_megatron_flags_not_taken_are_one_error_that_says_what_to_do_instead():
         parse("--bias-gelu-fusion")
 
 
-def test_later_megatron_lm_names_are_aliases_and_its_sample_lengths_are_refused():
+def test_later_megatron_lm_names_are_aliases_and_its_batch_rampup_is_refused():
     """Megatron-LM 2.x renamed four flags this trainer takes: the new names set the same
-    values; its sample-based lengths and batch ramp-up are not built, and --kv-channels is
-    taken when it is the one head size built."""
+    values; batch ramp-up is not built, and --kv-channels is taken when it is the one head
+    size built (its sample-based lengths: test_lengths_in_samples_and_tokens_are_iterations)."""
     argv = [a for i, a in enumerate(BASE) if "--batch-size" not in BASE[max(i - 1, 0):i + 1]]
     old = resolve_config(argv + ["--batch-size", "2", "--model-parallel-size", "2",
                                  "--warmup-iters", "3"], world_size=4)
@@ -162,11 +160,6 @@ def test_later_megatron_lm_names_are_aliases_and_its_sample_lengths_are_refused(
     assert repr(new.engine) == repr(old.engine)  # the parsed DeepSpeed config compares by id
     assert parse("--lr-warmup-fraction", "0.5").optimizer.warmup_iters == \
         parse("--warmup", "0.5").optimizer.warmup_iters
-    for flags in (["--train-samples", "100"], ["--lr-decay-samples", "50"],
-                  ["--lr-warmup-samples", "5"]):
-        with pytest.raises(ConfigError, match=f"not taken here .*{flags[0]}: lengths in samples "
-                                              "are not built: give --train-iters"):
-            parse(*flags)
     with pytest.raises(ConfigError, match="--rampup-batch-size: ramping the batch size up is "
                                           "not built"):
         parse("--rampup-batch-size", "4", "4", "100")
@@ -216,7 +209,7 @@ def test_megatron_core_command_lines_get_one_answer_for_all_their_flags():
         parse("--swiglu", "--use-rotary-position-embeddings", "--sequence-parallel",
               "--use-distributed-optimizer",
               "--recompute-granularity", "full", "--fp8-format", "hybrid",
-              "--lr-warmup-tokens", "100", "--wandb-project", "x")
+              "--wandb-project", "x")
     message = str(error.value)
     assert message.startswith("Megatron-LM flags not taken here (drop them): ")
     for piece in ("--swiglu, --use-rotary-position-embeddings: a later Megatron-LM model "
@@ -224,8 +217,8 @@ def test_megatron_core_command_lines_get_one_answer_for_all_their_flags():
                   "Megatron's sequence parallelism is not built", "--use-distributed-optimizer"
                   ": Megatron's distributed optimizer is ZeRO stage 1 here",
                   "--recompute-granularity: full-layer recompute is --checkpoint-activations "
-                  "--checkpoint-num-layers N", "--fp8-format: fp8 training", "--lr-warmup-tokens"
-                  ": lengths in tokens", "--wandb-project: Weights & Biases"):
+                  "--checkpoint-num-layers N", "--fp8-format: fp8 training",
+                  "--wandb-project: Weights & Biases"):
         assert piece in message, piece
 
 
@@ -270,6 +263,54 @@ def test_megatron_deepspeed_command_lines_get_one_answer_for_all_their_flags(tmp
     with pytest.raises(ConfigError, match="latest_universal names a folder converted by "
                                           "DeepSpeed's ds_to_universal.py, which is not read"):
         parse("--universal-checkpoint", "--load", str(tmp_path))
+
+
+def _without_train_iters():
+    return [a for i, a in enumerate(BASE) if "--train-iters" not in BASE[max(i - 1, 0):i + 1]]
+
+
+def test_lengths_in_samples_and_tokens_are_iterations(tmp_path):
+    """Later Megatron-LM's sample lengths and Megatron-DeepSpeed's token lengths: the same run
+    and schedule as the iterations they stand for, said in one note; a length given twice (in
+    two units) is an error."""
+    def resolve(*extra):
+        return resolve_config(_without_train_iters() + ["--global-batch-size", "8",
+                                                        *extra], world_size=2)
+    in_iterations = resolve("--train-iters", "125", "--lr-decay-iters", "100",
+                            "--warmup-iters", "12")
+    seq = in_iterations.data.seq_length
+    for extra in (["--train-samples", "1000", "--lr-decay-samples", "800",
+                   "--lr-warmup-samples", "96"],
+                  ["--train-iters", "125", "--train-tokens", str(1000 * seq),
+                   "--lr-decay-tokens", str(800 * seq), "--lr-warmup-tokens", str(96 * seq)]):
+        config = resolve(*extra)
+        assert (config.training, config.optimizer) == \
+            (in_iterations.training, in_iterations.optimizer)
+    notes = [n for n in resolve("--train-samples", "1000", "--lr-warmup-samples", "100").notes
+             if "an iteration" in n]
+    assert notes == [" note: at 8 samples of 32 tokens an iteration: --train-samples 1000 is "
+                     "--train-iters 125; --lr-warmup-samples 100 is --warmup-iters 13 (12.50, "
+                     "rounded)"]
+    fewer = resolve("--train-iters", "10", "--train-tokens", str(10 ** 12))  # 300B-style
+    assert fewer.training.train_iters == 10
+    assert resolve("--train-tokens", str(20 * seq)).training.train_iters == 3  # 2.5 -> 3
+    for extra, message in (
+            (["--train-iters", "10", "--train-samples", "80"], "--train-samples and "
+                                                               "--train-iters both set"),
+            (["--train-samples", "80", "--warmup", "0.1", "--lr-warmup-samples", "8"],
+             "--lr-warmup-samples and --warmup/--warmup-iters both set the warmup"),
+            (["--train-samples", "80", "--lr-decay-samples", "80", "--lr-decay-tokens", "9"],
+             "--lr-decay-samples and --lr-decay-tokens both set"),
+            ([], "--train-iters is required (or --train-samples / --train-tokens)")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            resolve(*extra)
+    # --deepspeed: the global batch is the JSON's
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}))
+    config = resolve_config(_without_train_iters() + ["--deepspeed", "--deepspeed_config",
+                                                      str(ds_json), "--train-samples", "160"],
+                            world_size=2)
+    assert config.training.train_iters == 10
 
 
 @pytest.mark.parametrize("values, message", [
