@@ -208,11 +208,15 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
     if all(final.get(key) is None for key in BATCH_KEYS):
         final["train_micro_batch_size_per_gpu"] = raw["batch_size"]
         final["gradient_accumulation_steps"] = num_micro_batches
+    clip_note = ()
     if final.get("gradient_clipping") == AUTO:  # Hugging Face's: --clip-grad, default 1.0
         final["gradient_clipping"] = DEFAULT_CLIP_GRAD if raw["clip_grad"] is None \
             else raw["clip_grad"]
     elif raw["clip_grad"] is not None and "gradient_clipping" not in final:
         final["gradient_clipping"] = raw["clip_grad"]
+        clip_note = (f" note: --clip-grad {raw['clip_grad']:g} clips the gradients: DeepSpeed "
+                     f"config {source} sets no 'gradient_clipping' (Megatron-DeepSpeed ignores "
+                     "--clip-grad under --deepspeed, so the same script clips nothing there)",)
     if _wants_phase_times(raw):
         final["wall_clock_breakdown"] = True
     if raw["compile"]:
@@ -220,7 +224,7 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
         if section in (None, AUTO) or isinstance(section, dict):  # else the parse says why
             final["compile"] = {**(section if isinstance(section, dict) else {}),
                                 "enabled": True}
-    notes = settle_optimizer_params(final, raw, given, source)
+    notes = clip_note + settle_optimizer_params(final, raw, given, source)
     config = _parse(final, dp, source, flag_keys)
     notes += unused_key_notes(config, source)
     _check_pinned_partitions(raw, config, source)

@@ -91,6 +91,20 @@ def test_hugging_face_auto_batch_and_clipping_keys_take_the_flags(tmp_path):
         resolve_config(without + ["--deepspeed", "--deepspeed_config", config])
 
 
+def test_clip_grad_over_a_config_without_clipping_says_megatron_deepspeed_would_not_clip(
+        tmp_path):
+    config = write_config(tmp_path, "noclip.json", zero_optimization={"stage": 1})
+    parsed = parse("--deepspeed", "--deepspeed_config", config, "--clip-grad", 1.0)
+    assert parsed.engine.ds_config.gradient_clipping == 1.0
+    assert f" note: --clip-grad 1 clips the gradients: DeepSpeed config {config} sets no " \
+        "'gradient_clipping' (Megatron-DeepSpeed ignores --clip-grad under --deepspeed, so the " \
+        "same script clips nothing there)" in parsed.notes
+    assert parse("--deepspeed", "--deepspeed_config", config).engine.ds_config \
+        .gradient_clipping == 0.0  # nothing given: DeepSpeed's default, off
+    assert not any("clip" in note for note in parse("--deepspeed", "--deepspeed_config",
+                                                    config).notes)
+
+
 def test_hugging_face_auto_precision_follows_the_flags(tmp_path):
     fp16 = write_config(tmp_path, "fp16.json", fp16={"enabled": "auto", "loss_scale_window": 50})
     parsed = parse("--deepspeed", "--deepspeed_config", fp16, "--fp16")
