@@ -15,7 +15,7 @@ them back (at any stage: a --deepspeed run resumes a Megatron-layout checkpoint)
 """
 
 from zero.checkpoint.per_parameter import per_parameter_state, restore_per_parameter_state
-from zero.checkpoint.whole_params import engine_names_per_group
+from zero.checkpoint.restore import engine_names_per_group
 from zero.errors import CheckpointError as ZeroCheckpointError
 
 from megatron.errors import CheckpointError

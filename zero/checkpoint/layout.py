@@ -45,8 +45,7 @@ from zero.checkpoint.files import (all_agree, engine_counters, fsync_dir, layer_
                                    optim_files, optim_states_name, report_skipped_keys,
                                    shared_params, stage3_model_states_name, torch_load,
                                    try_)
-from zero.checkpoint.whole_params import (SavedStage3, load_buffers, restore_optimizer,
-                                          saved_stage)
+from zero.checkpoint.whole_params import SavedStage3, load_buffers, saved_stage
 from zero.comm.agreement import collective_device
 from zero.errors import CheckpointError
 from zero.fault_injection import kill_point
@@ -296,6 +295,7 @@ def _load_stage3_layout(engine, ckpt_dir, strict, with_state):
     states = saved.model_states(0)
     module = engine.module
     skipped = load_buffers(module, states, path, strict)
+    from zero.checkpoint.restore import restore_optimizer  # (it imports stage3)
     missing = restore_optimizer(engine, saved, with_state, strict)
     with torch.no_grad():
         for name, param in module.named_parameters():

@@ -161,11 +161,9 @@ class PartitionRestore:
 def restore_whole_params(optimizer, saved, names, with_state, strict):
     """Fill this rank's partition of the masters (and, `with_state`, the optimizer state)
     parameter by parameter from `saved` (zero/checkpoint/whole_params.py: a checkpoint of any
-    stage, stage 3's included). Returns the names the checkpoint lacks (not `strict`: they keep
-    their values and start with zero optimizer state)."""
-    from zero.checkpoint.whole_params import check_param_groups
-    if with_state:
-        check_param_groups(saved, [[names[p] for p in g.params] for g in optimizer.groups])
+    stage, stage 3's included; zero/checkpoint/restore.py checks its param groups first).
+    Returns the names the checkpoint lacks (not `strict`: they keep their values and start
+    with zero optimizer state)."""
     missing = [names[p] for group in optimizer.groups for p in group.params
                if not saved.has(names[p])]
     if missing and strict:

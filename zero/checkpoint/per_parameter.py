@@ -124,9 +124,9 @@ def load_per_parameter_state(optimizer, param_groups, per_group):
 def restore_per_parameter_state(engine, param_groups, per_group, loss_scaler_state, where):
     """`load_per_parameter_state` for an engine at any stage: where the optimizer holds one
     partition (stages 0-2 on one rank, stage 0 on any) directly, else through the readers
-    of zero/checkpoint/whole_params.py, which cut each parameter's part out for this rank.
+    of zero/checkpoint/restore.py, which cut each parameter's part out for this rank.
     `where` names the checkpoint in errors."""
-    from zero.checkpoint.whole_params import engine_names_per_group, restore_optimizer
+    from zero.checkpoint.restore import engine_names_per_group, restore_optimizer
     optimizer = engine.optimizer
     if getattr(optimizer, "partition_count", None) == 1 and \
             engine.zero_optimization_stage() != 3:

@@ -7,7 +7,7 @@ here answer the same questions -- a parameter's fp32 master, each per-element op
 the scalar state and hyperparameters of its param group, its runs of quantised scales -- from
 memory-mapped files, touching only that parameter's elements (zero/checkpoint/per_parameter.py's
 PerParameterReader answers them for the Megatron layout's per-parameter optimizer state).
-`restore_optimizer` cuts this rank's partition out of any reader, at any stage: a checkpoint
+zero/checkpoint/restore.py cuts this rank's partition out of any reader, at any stage: a checkpoint
 resumes at any data-parallel size and at the other family of stages (3 <-> 0-2), fp32
 masters and optimizer state included, which DeepSpeed does only through its
 universal-checkpoint conversion (ds_to_universal.py).
@@ -40,27 +40,6 @@ def open_saved(ckpt_dir, mp_rank, mp_world_size, dp_rank=0):
     model states `path` names (stage 3 writes one per data-parallel rank)."""
     reader = SavedStage0_2 if saved_stage(ckpt_dir, mp_rank) == "0-2" else SavedStage3
     return reader(ckpt_dir, mp_rank, mp_world_size, dp_rank)
-
-
-def restore_optimizer(engine, saved, with_state=True, strict=True):
-    """The engine's fp32 masters (and, `with_state`, its optimizer state and loss scale) from
-    `saved`, one of the readers here, at any stage. Returns the names `saved` lacks (not
-    `strict`: they keep their values)."""
-    if engine.zero_optimization_stage() == 3:
-        from zero.checkpoint.stage3 import restore_stage3
-        return restore_stage3(engine.optimizer, saved, with_state, strict)
-    from zero.checkpoint.partitions import restore_whole_params
-    names = {p: n for n, p in engine.module.named_parameters()}
-    return restore_whole_params(engine.optimizer, saved, names, with_state, strict)
-
-
-def engine_names_per_group(engine):
-    """[the names of each optimizer param group's parameters, in the group's order]."""
-    if engine.zero_optimization_stage() == 3:
-        from zero.checkpoint.stage3 import group_names
-        return group_names(engine.optimizer)
-    names = {p: n for n, p in engine.module.named_parameters()}
-    return [[names[p] for p in group.params] for group in engine.optimizer.groups]
 
 
 def check_param_groups(saved, names_per_group):
