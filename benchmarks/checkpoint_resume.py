@@ -24,7 +24,7 @@ from common import machine_description, markdown_table, update_docs_section
 
 import zero
 
-SECTION = "Resuming a ZeRO checkpoint at another stage (`benchmarks/checkpoint_resume.py`)"
+SECTION = "checkpoint_resume"
 
 
 def _model(width, layers):
@@ -113,7 +113,8 @@ def main():
                          f"{seconds / plain:.2f}x"])
     finally:
         shutil.rmtree(root)
-    body = (f"{machine_description()}. {args.layers} x Linear({args.width}, {args.width}): "
+    body = ("## Resuming a ZeRO checkpoint at another stage (`benchmarks/checkpoint_resume.py`)"
+            f"\n\n{machine_description()}. {args.layers} x Linear({args.width}, {args.width}): "
             f"{params / 1e6:.1f}M parameters, bf16 weights with fp32 masters and AdamW "
             f"moments, one process; best of {args.repeats} loads. Plain PyTorch (torch.load "
             f"of model and AdamW state, load_state_dict into both): {plain:.2f} s.\n\n"
