@@ -362,6 +362,35 @@ def _logging(parser):
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
                    help="write the phase times to TensorBoard too, as '<phase>-time' (the "
                         "maximum over ranks; turns them on, as --timing-log-level 1)")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="the log line, metrics.jsonl (params_norm) and TensorBoard "
+                        "(params-norm) get the L2 norm of the trained weights, from their fp32 "
+                        "master copies over every parallel rank (a collective at each log "
+                        "line)")
+    g.add_argument("--tensorboard-log-interval", type=int, default=None, metavar="N",
+                   help="write the iteration's numbers to TensorBoard every N iterations, "
+                        "each of that iteration alone (lm-loss, learning-rate, loss-scale, "
+                        "grad-norm and the ones the --log-*-to-tensorboard flags add, each "
+                        "also 'vs samples'), as Megatron-LM does; by default they go with the "
+                        "log line, the loss averaged over the interval. ms-per-iteration, "
+                        "tokens-per-s, mfu and the phase times go with the log line either "
+                        "way")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000, metavar="N",
+                   help="TensorBoard events held in memory before they are written out")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true",
+                   help="TensorBoard gets the global batch size (batch-size)")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                   help="TensorBoard gets the number of processes (world-size)")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="TensorBoard gets rank 0's memory: on a GPU the caching allocator's "
+                        "mem-reserved-bytes, mem-allocated-bytes and mem-allocated-count, on a "
+                        "CPU the process's mem-rss-bytes and mem-max-rss-bytes")
+    g.add_argument("--no-log-learning-rate-to-tensorboard", action="store_false",
+                   dest="log_learning_rate_to_tensorboard",
+                   help="leave the learning rate out of TensorBoard")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+                   dest="log_loss_scale_to_tensorboard",
+                   help="leave the loss scale out of TensorBoard")
 
 
 def _reliability(parser):

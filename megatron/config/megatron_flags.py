@@ -33,8 +33,9 @@ _AUTORESUME = ("NVIDIA's cluster autoresume is not built: --exit-signal-handler 
                "--load resumes")
 _TENSORBOARD_SCALARS = ("TensorBoard gets the log line's numbers (lm-loss, learning-rate, "
                         "loss-scale, grad-norm, ms-per-iteration, tokens-per-s, mfu, "
-                        "skipped-iterations) every --log-interval and each evaluation's loss "
-                        "and perplexity; this scalar is not written")
+                        "skipped-iterations), each evaluation's loss and perplexity, and what "
+                        "--log-params-norm and --log-{batch-size,world-size,memory,timers}-to-"
+                        "tensorboard add; the optimizer states' norms are not written")
 _OTHER_MODELS = ("a later Megatron-LM model option (rotary or ALiBi positions, SwiGLU, RMSNorm, "
                  "grouped-query attention, untied or bias-free layers, mixture of experts); "
                  "this trainer builds GPT-2: learned positions, GeLU MLP, LayerNorm, biases, "
@@ -114,17 +115,7 @@ NOT_TAKEN = {
     "--input-data-sizes-file": _OLD_LOADERS,
     "--use-tfrecords": _OLD_LOADERS,
     # later Megatron-LM's logging
-    "--log-params-norm": "the parameters' norm is not computed (the log line has the "
-                         "gradients' norm)",
     "--log-num-zeros-in-grad": "zeros in the gradients are not counted",
-    "--tensorboard-log-interval": "TensorBoard is written with the log line, every "
-                                  "--log-interval",
-    "--tensorboard-queue-size": "TensorBoard's writer keeps its default queue",
-    "--log-batch-size-to-tensorboard": _TENSORBOARD_SCALARS,
-    "--log-memory-to-tensorboard": _TENSORBOARD_SCALARS,
-    "--log-world-size-to-tensorboard": _TENSORBOARD_SCALARS,
-    "--no-log-learning-rate-to-tensorboard": "the learning rate always goes to TensorBoard",
-    "--no-log-loss-scale-to-tensorboard": "the loss scale always goes to TensorBoard",
     "--log-optimizer-states-to-tensorboard": _TENSORBOARD_SCALARS,
     # later Megatron-LM's models, parallelism and kernels
     **{flag: _OTHER_MODELS for flag in (

@@ -22,7 +22,8 @@ from megatron.config.from_checkpoint import (describe, resume_notes,
                                              values_from_checkpoint)
 from megatron.config.sections import (CheckpointConfig, DataConfig, EngineConfig, LoggingConfig,
                                       ModelConfig, OptimizerConfig, ParallelConfig,
-                                      PrecisionConfig, TrainConfig, TrainingConfig)
+                                      PrecisionConfig, TensorboardScalars, TrainConfig,
+                                      TrainingConfig)
 from megatron.data.splits import parse_splits
 from megatron.errors import ConfigError
 
@@ -153,22 +154,46 @@ def freeze(raw, given, world_size, notes=(), extra=None):
         parallel=parallel,
         training=training,
         checkpoint=checkpoint,
-        logging=_logging(raw, settled.ds_config),
+        logging=_logging(raw, given, settled.ds_config),
         engine=EngineConfig(deepspeed=raw["deepspeed"], deepspeed_config=raw["deepspeed_config"],
                             ds_config=settled.ds_config, remote_device=raw["remote_device"],
                             use_pin_memory=raw["use_pin_memory"]),
         notes=tuple(notes), extra=MappingProxyType(dict(extra or {})))
 
 
-def _logging(raw, ds_config):
+# TensorBoard-only flags (dest -> flag): each needs --tensorboard-dir
+_TENSORBOARD_FLAGS = {
+    "log_timers_to_tensorboard": "--log-timers-to-tensorboard",
+    "tensorboard_log_interval": "--tensorboard-log-interval",
+    "tensorboard_queue_size": "--tensorboard-queue-size",
+    "log_batch_size_to_tensorboard": "--log-batch-size-to-tensorboard",
+    "log_world_size_to_tensorboard": "--log-world-size-to-tensorboard",
+    "log_memory_to_tensorboard": "--log-memory-to-tensorboard",
+    "log_learning_rate_to_tensorboard": "--no-log-learning-rate-to-tensorboard",
+    "log_loss_scale_to_tensorboard": "--no-log-loss-scale-to-tensorboard",
+}
+
+
+def _logging(raw, given, ds_config):
     phase_times = ds_config.wall_clock_breakdown  # the timing flags turned it on
-    require(not raw["log_timers_to_tensorboard"] or raw["tensorboard_dir"],
-            "--log-timers-to-tensorboard needs --tensorboard-dir (where TensorBoard is written)")
+    lonely = [flag for dest, flag in _TENSORBOARD_FLAGS.items() if dest in given]
+    require(not lonely or raw["tensorboard_dir"],
+            f"{', '.join(lonely)} {'need' if len(lonely) > 1 else 'needs'} --tensorboard-dir "
+            "(where TensorBoard is written)")
+    for dest in ("tensorboard_log_interval", "tensorboard_queue_size"):
+        require(raw[dest] is None or raw[dest] >= 1,
+                f"{_TENSORBOARD_FLAGS[dest]} must be at least 1, got {raw[dest]}")
+    tensorboard = TensorboardScalars(
+        log_interval=raw["tensorboard_log_interval"], queue_size=raw["tensorboard_queue_size"],
+        learning_rate=raw["log_learning_rate_to_tensorboard"],
+        loss_scale=raw["log_loss_scale_to_tensorboard"],
+        batch_size=raw["log_batch_size_to_tensorboard"],
+        world_size=raw["log_world_size_to_tensorboard"],
+        memory=raw["log_memory_to_tensorboard"], phase_times=raw["log_timers_to_tensorboard"])
     return LoggingConfig(raw["log_interval"], raw["tensorboard_dir"],
                          raw["log_dir"] or raw["tensorboard_dir"] or raw["save"],
-                         phase_times=phase_times,
-                         phase_times_to_tensorboard=raw["log_timers_to_tensorboard"],
-                         timing_log_option=raw["timing_log_option"])
+                         phase_times=phase_times, timing_log_option=raw["timing_log_option"],
+                         params_norm=raw["log_params_norm"], tensorboard=tensorboard)
 
 
 def _timing_option_note(raw, given, ds_config):

@@ -155,13 +155,27 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class TensorboardScalars:
+    """What goes to TensorBoard besides the log line's numbers (Megatron-LM's flags)."""
+    log_interval: Optional[int] = None  # the iteration's numbers every N; None: with the line
+    queue_size: int = 1000
+    learning_rate: bool = True
+    loss_scale: bool = True
+    batch_size: bool = False
+    world_size: bool = False
+    memory: bool = False
+    phase_times: bool = False
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     log_interval: int
     tensorboard_dir: Optional[str]
     log_dir: Optional[str]  # metrics.jsonl
     phase_times: bool = False  # the engine times its phases (wall_clock_breakdown): print them
-    phase_times_to_tensorboard: bool = False
     timing_log_option: str = "minmax"  # the phase times over ranks: max, minmax or all
+    params_norm: bool = False  # the weights' norm on the log line (a collective)
+    tensorboard: TensorboardScalars = TensorboardScalars()
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ is chosen once, at start-up, by the backend class:
     MegatronBackend   Megatron's checkpoint layout (loaded at any TP x PP size); --DDP-impl torch
     ZeroBackend       DeepSpeed's checkpoint layout; zero.Init at ZeRO stage 3
 
-The trainer calls `train_step`, `report`, `save`, `load`, `checkpoint_tag` and uses `model`
-for forward passes; nothing else of the engine.
+The trainer calls `train_step`, `report`, `weights_norm`, `save`, `load`, `checkpoint_tag` and
+uses `model` for forward passes; nothing else of the engine.
 """
 
 import contextlib
@@ -137,6 +137,11 @@ class Backend:
         if self.pipeline is not None:
             record["pipeline_bubble"] = self.pipeline.bubble()
         return record
+
+    def weights_norm(self):
+        """The L2 norm of the trained weights over every parallel rank (--log-params-norm; a
+        collective, called on every rank)."""
+        return self.engine.optimizer.weights_norm()
 
     @classmethod
     def construction_context(cls, ctx):

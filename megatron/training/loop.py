@@ -48,6 +48,7 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
     compiling = _CompileWatch(backend.compile_backend, backend.compiled_regions) \
         if backend.compiled else None
     losses = _LossReads(guards)
+    iteration_scalars = _IterationScalars(config.logging, backend, logger)
     while state["iteration"] < training.train_iters:
         guards.before_iteration(state["iteration"] + 1)
         total, updated, grad_norm = backend.train_step(train_forward_step, iterator)
@@ -62,6 +63,7 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
         iteration = state["iteration"]
         losses.add(iteration,
                    _mean_over_data_parallel(total.double() / training.num_micro_batches))
+        iteration_scalars.after_step(state, grad_norm)
         logging = iteration % config.logging.log_interval == 0 or \
             iteration == training.train_iters
         evaluating = datasets[1] is not None and training.eval_iters > 0 and \
@@ -71,8 +73,9 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
         window["loss"] += losses.read(keep_newest=not (logging or evaluating or exiting
                                                        or saving))
         if logging:
-            _log_window(window, state, backend, flops_per_sample, ctx, logger, iterator)
-        losses.observe()  # the NaN guard: counts NaN losses, stops a long streak
+            _log_window(window, state, backend, flops_per_sample, ctx, logger, iterator,
+                        iteration_scalars)
+        iteration_scalars.losses_read(losses.observe())  # the NaN guard sees them there
         if evaluating:
             eval_start = time.perf_counter()
             logger.log_eval(iteration, "valid",
@@ -82,7 +85,7 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
         stop_reason = guards.stop_reason()  # SIGTERM or time limit, agreed by all ranks
         if stop_reason:
             window["loss"] += losses.read(keep_newest=False)
-            losses.observe()
+            iteration_scalars.losses_read(losses.observe())
         if saving or (checkpoint.save and stop_reason):
             backend.save(iteration, state)
             saved_at = iteration
@@ -159,9 +162,43 @@ class _LossReads:
         return sum(value for _, value in values)
 
     def observe(self):
+        """Shows the guard the losses read since the last call; returns them, (iteration,
+        loss) in order."""
         values, self.unobserved = self.unobserved, []
         for iteration, value in values:
             self.guards.after_iteration(iteration, value)
+        return values
+
+
+class _IterationScalars:
+    """--tensorboard-log-interval N: every N-th iteration's own numbers go to TensorBoard once
+    its loss is read (a step late, see _LossReads). --log-params-norm: the weights' norm, on
+    every rank (a collective) at those iterations and at each log line, computed once when
+    both fall on one iteration."""
+
+    def __init__(self, logging, backend, logger):
+        self.every = logging.tensorboard.log_interval
+        self.params_norm, self.backend, self.logger = logging.params_norm, backend, logger
+        self.pending, self.norm_at = {}, (None, None)
+
+    def after_step(self, state, grad_norm):
+        iteration = state["iteration"]
+        if self.every and iteration % self.every == 0:
+            self.pending[iteration] = {
+                "iteration": iteration, "consumed_samples": state["consumed_train_samples"],
+                **self.backend.report(), "grad_norm": grad_norm,
+                **({"params_norm": self.weights_norm(iteration)} if self.params_norm else {})}
+
+    def weights_norm(self, iteration):
+        if self.norm_at[0] != iteration:
+            self.norm_at = (iteration, self.backend.weights_norm())
+        return self.norm_at[1]
+
+    def losses_read(self, values):
+        for iteration, loss in values:
+            record = self.pending.pop(iteration, None)
+            if record is not None:
+                self.logger.log_iteration({**record, "lm_loss": loss})
 
 
 def _flops_per_sample(ctx):
@@ -227,7 +264,8 @@ def _phase_fields(backend, iterator, iterations, option):
                             for phase, seconds in times.items()}, option)
 
 
-def _log_window(window, state, backend, flops_per_sample, ctx, logger, iterator):
+def _log_window(window, state, backend, flops_per_sample, ctx, logger, iterator,
+                iteration_scalars):
     config, runtime = ctx.config, ctx.runtime
     device_mod.synchronize(runtime.device)
     elapsed = time.perf_counter() - window["start"]
@@ -249,6 +287,8 @@ def _log_window(window, state, backend, flops_per_sample, ctx, logger, iterator)
         **backend.report(),  # lr (what the schedule set, ours or the config's), loss scale
         "lm_loss": window["loss"] / window["iters"],
         "grad_norm": window["grad_norm"],
+        **({"params_norm": iteration_scalars.weights_norm(state["iteration"])}
+           if config.logging.params_norm else {}),
         "tokens_per_s": samples_per_s * config.data.seq_length,
         "mfu": mfu(samples_per_s, flops_per_sample, window["peak"]),
         "skipped_iters": state["skipped_iters"],

@@ -5,14 +5,22 @@ object per line to `<log_dir>/metrics.jsonl` (append mode, so a resumed run cont
 file), and writes them to TensorBoard when a directory is given. Other ranks do nothing here
 (the phase times are gathered from every rank before: megatron/training/phase_times.py).
 MFU values are fractions (0.413) in the record, the JSON and TensorBoard; the line shows %.
+
+TensorBoard gets two kinds of numbers: the interval's (ms-per-iteration, tokens-per-s, mfu,
+skipped-iterations, the phase times), always with the log line, and an iteration's (lm-loss,
+learning-rate, ...), with the log line (the loss averaged over the interval) or, under
+--tensorboard-log-interval, of every N-th iteration alone (`log_iteration`).
 """
 
 import json
 import math
 import os
+import resource
+import sys
 
 import torch
 
+from megatron.config.sections import TensorboardScalars
 from megatron.errors import ConfigError
 from megatron.training.phase_times import format_timers_lines
 
@@ -21,10 +29,16 @@ METRICS_FILENAME = "metrics.jsonl"
 # record key -> JSON key, in the order they are written. `train_iters` only goes to the line.
 _JSON_KEYS = ("iteration", "consumed_samples", "lm_loss", "lr", "loss_scale", "grad_norm",
               "ms_per_iter", "tokens_per_s", "mfu", "skipped_iters")
-_TENSORBOARD_TAGS = {"lm_loss": "lm-loss", "lr": "learning-rate", "loss_scale": "loss-scale",
-                     "grad_norm": "grad-norm", "ms_per_iter": "ms-per-iteration",
-                     "tokens_per_s": "tokens-per-s", "mfu": "mfu",
-                     "skipped_iters": "skipped-iterations", "pipeline_bubble": "pipeline-bubble"}
+# the interval's numbers: record key -> tag
+_INTERVAL_TAGS = {"ms_per_iter": "ms-per-iteration", "tokens_per_s": "tokens-per-s",
+                  "mfu": "mfu", "skipped_iters": "skipped-iterations",
+                  "pipeline_bubble": "pipeline-bubble"}
+# an iteration's numbers: record key -> (tag, the TensorboardScalars switch that writes it)
+_ITERATION_TAGS = {"lm_loss": ("lm-loss", None), "lr": ("learning-rate", "learning_rate"),
+                   "loss_scale": ("loss-scale", "loss_scale"), "grad_norm": ("grad-norm", None),
+                   "params_norm": ("params-norm", None),
+                   "batch_size": ("batch-size", "batch_size"),
+                   "world_size": ("world-size", "world_size")}
 
 
 def mfu(tokens_per_s, flops_per_token, peak_flops):
@@ -46,9 +60,13 @@ class TrainingLogger:
     once. Without `start_iteration` it only appends."""
 
     def __init__(self, log_dir, tensorboard_dir, rank0, start_iteration=None,
-                 phase_times_to_tensorboard=False):
+                 tensorboard=TensorboardScalars(), run_facts=None, device=None):
+        """`tensorboard`: what TensorBoard gets; `run_facts`: the numbers that do not change
+        during the run ({"batch_size": global batch, "world_size": processes}); `device`:
+        whose memory --log-memory-to-tensorboard writes."""
         self.rank0 = rank0
-        self._phase_times_to_tensorboard = phase_times_to_tensorboard
+        self._tensorboard, self._run_facts = tensorboard, dict(run_facts or {})
+        self._device = device
         self._jsonl = None
         self._writer = None
         if not rank0:
@@ -64,7 +82,7 @@ class TrainingLogger:
                 raise ConfigError(f"cannot write {path} ({error.strerror}); give --log-dir a "
                                   "writable directory") from error
         if tensorboard_dir:
-            self._writer = _open_tensorboard(tensorboard_dir)
+            self._writer = _open_tensorboard(tensorboard_dir, tensorboard.queue_size)
 
     @property
     def writes_tensorboard(self):
@@ -82,15 +100,34 @@ class TrainingLogger:
         self._write_json(entry)
         if self._writer is not None:
             iteration = record["iteration"]
-            for key, tag in _TENSORBOARD_TAGS.items():
+            for key, tag in _INTERVAL_TAGS.items():
                 if record.get(key) is not None:
                     self._writer.add_scalar(tag, _number(record[key]), iteration)
-            if record.get("lm_loss") is not None and record.get("consumed_samples") is not None:
-                self._writer.add_scalar("lm-loss vs samples", _number(record["lm_loss"]),
-                                        record["consumed_samples"])
-            if self._phase_times_to_tensorboard:  # the maximum over ranks, as Megatron's
+            if self._tensorboard.phase_times:  # the maximum over ranks, as Megatron's
                 for phase, ms in record.get("phase_ms", {}).items():
                     self._writer.add_scalar(f"{phase.replace(' ', '-')}-time", ms, iteration)
+            if self._tensorboard.log_interval is None:
+                self._write_iteration(record)
+
+    def log_iteration(self, record):
+        """--tensorboard-log-interval: one iteration's numbers (iteration, consumed_samples,
+        lm_loss, lr, loss_scale, grad_norm, params_norm) to TensorBoard."""
+        if self._writer is not None:
+            self._write_iteration(record)
+
+    def _write_iteration(self, record):
+        iteration, samples = record["iteration"], record.get("consumed_samples")
+        values = {**self._run_facts, **record}
+        for key, (tag, switch) in _ITERATION_TAGS.items():
+            if values.get(key) is None or (switch and not getattr(self._tensorboard, switch)):
+                continue
+            value = _number(values[key])
+            self._writer.add_scalar(tag, value, iteration)
+            if samples is not None:
+                self._writer.add_scalar(f"{tag} vs samples", value, samples)
+        if self._tensorboard.memory:
+            for tag, value in memory_scalars(self._device).items():
+                self._writer.add_scalar(tag, value, iteration)
 
     def log_eval(self, iteration, split, loss):
         if not self.rank0:
@@ -133,6 +170,7 @@ def format_train_line(record):
         _field("lm loss: {:.6E}", record.get("lm_loss")),
         _field("loss scale: {:.1f}", record.get("loss_scale")),
         _field("grad norm: {:.3f}", record.get("grad_norm")),
+        _field("params norm: {:.3f}", record.get("params_norm")),
         _field("tokens/s: {:.0f}", record.get("tokens_per_s")),
         _field("MFU: {:.1f}%", None if record.get("mfu") is None else 100.0 * record["mfu"]),
         _field("pipeline bubble: {:.1f}%", None if record.get("pipeline_bubble") is None
@@ -165,7 +203,25 @@ def _json_value(value):
     return value
 
 
-def _open_tensorboard(tensorboard_dir):
+def memory_scalars(device):
+    """This process's memory, as --log-memory-to-tensorboard writes it: on a GPU the caching
+    allocator's (Megatron-LM's three tags), on a CPU the resident set, now and at its peak."""
+    if device is not None and torch.device(device).type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        return {"mem-reserved-bytes": stats.get("reserved_bytes.all.current", 0),
+                "mem-allocated-bytes": stats.get("allocated_bytes.all.current", 0),
+                "mem-allocated-count": stats.get("allocation.all.current", 0)}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    found = {"mem-max-rss-bytes": peak if sys.platform == "darwin" else peak * 1024}  # KiB
+    try:
+        with open("/proc/self/statm") as f:
+            found["mem-rss-bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # no /proc (macOS): the peak only
+        pass
+    return found
+
+
+def _open_tensorboard(tensorboard_dir, queue_size):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -173,7 +229,7 @@ def _open_tensorboard(tensorboard_dir):
               "package is not installed (pip install tensorboard); continuing without "
               "TensorBoard logging", flush=True)
         return None
-    return SummaryWriter(log_dir=tensorboard_dir)
+    return SummaryWriter(log_dir=tensorboard_dir, max_queue=queue_size)
 
 
 def _drop_records_from(path, start_iteration):

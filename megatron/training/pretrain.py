@@ -102,8 +102,10 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
         _follow_train_epochs(datasets[0], train_state, ctx)
         logger = TrainingLogger(config.logging.log_dir, config.logging.tensorboard_dir,
                                 runtime.is_rank0, start_iteration=train_state["iteration"],
-                                phase_times_to_tensorboard=config.logging
-                                .phase_times_to_tensorboard)
+                                tensorboard=config.logging.tensorboard,
+                                run_facts={"batch_size": config.training.global_batch_size,
+                                           "world_size": runtime.world_size},
+                                device=runtime.device)
         guards = TrainingGuards(config, runtime, train_state)  # signals, NaNs, dead peers
         with guards.explaining_failures():
             saved_at = train(forward_step_func, backend, datasets, ctx, train_state, logger,

@@ -188,5 +188,21 @@ def read_metrics(log_dir):
     return {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in records if "lm_loss" in r}
 
 
+def read_params_norms(log_dir):
+    """{iteration: params_norm} from metrics.jsonl of a run with --log-params-norm."""
+    with open(Path(log_dir) / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    return {r["iteration"]: r["params_norm"] for r in records if "params_norm" in r}
+
+
+def assert_same_params_norms(reference_log_dir, log_dir, tolerance=1e-5):
+    """The weights' norms (--log-params-norm) of two runs of the same training agree: each
+    layout counts every weight once."""
+    reference, norms = read_params_norms(reference_log_dir), read_params_norms(log_dir)
+    assert norms and sorted(norms) == sorted(reference)
+    for it, norm in norms.items():
+        assert relative_difference(norm, reference[it]) < tolerance, (it, norm, reference[it])
+
+
 def relative_difference(a, b):
     return abs(a - b) / max(abs(a), abs(b), 1e-12)

@@ -13,9 +13,9 @@ import subprocess
 import pytest
 import torch
 
-from tests.parallel.launching import (PYTHON, REPO, build_corpus, clean_environment,
-                                      launch_ranks, read_metrics, relative_difference,
-                                      run_torchrun, trainer_argv)
+from tests.parallel.launching import (PYTHON, REPO, assert_same_params_norms, build_corpus,
+                                      clean_environment, launch_ranks, read_metrics,
+                                      relative_difference, run_torchrun, trainer_argv)
 
 GLOBAL_BATCH = 8
 ITERS = 20  # the contract's number; resume is checked at TP 2 x DP 2 from ITERS // 2
@@ -36,10 +36,12 @@ def corpus(tmp_path_factory):
 
 
 def train(corpus, out_dir, layout, iters, *extra):
-    """Run pretrain_gpt2.py with `layout`; return its {iteration: (loss, grad norm)}."""
+    """Run pretrain_gpt2.py with `layout`; return its {iteration: (loss, grad norm)} (the
+    weights' norms are in its metrics.jsonl too: --log-params-norm)."""
     tp, dp, micro = layout
     argv = trainer_argv(corpus, out_dir / "log", iters, "--model-parallel-size", tp,
-                        "--batch-size", micro, "--global-batch-size", GLOBAL_BATCH, *extra)
+                        "--batch-size", micro, "--global-batch-size", GLOBAL_BATCH,
+                        "--log-params-norm", *extra)
     results = launch_ranks(argv, tp * dp, out_dir)
     for rank, (code, output) in enumerate(results):
         assert code == 0, f"rank {rank} of {layout} failed:\n{output[-3000:]}"
@@ -55,8 +57,15 @@ def assert_same_training(reference, metrics, iters, loss_tolerance=1e-4):
 
 
 @pytest.fixture(scope="module")
-def single_process(corpus, tmp_path_factory):
-    return train(corpus, tmp_path_factory.mktemp("single"), (1, 1, GLOBAL_BATCH), ITERS)
+def single_process_dir(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    train(corpus, out, (1, 1, GLOBAL_BATCH), ITERS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_process(single_process_dir):
+    return read_metrics(single_process_dir / "log")
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +78,17 @@ def tp2_dp2_with_checkpoints(corpus, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "tp2xdp2"])
-def test_layout_matches_single_process(corpus, single_process, tmp_path, name):
+def test_layout_matches_single_process(corpus, single_process, single_process_dir, tmp_path,
+                                       name):
     metrics = train(corpus, tmp_path, LAYOUTS[name], ITERS)
     assert_same_training(single_process, metrics, ITERS)
+    assert_same_params_norms(single_process_dir / "log", tmp_path / "log")
 
 
-def test_tp2_dp2_matches_single_process(single_process, tp2_dp2_with_checkpoints):
+def test_tp2_dp2_matches_single_process(single_process, single_process_dir,
+                                        tp2_dp2_with_checkpoints):
     assert_same_training(single_process, tp2_dp2_with_checkpoints[1], ITERS)
+    assert_same_params_norms(single_process_dir / "log", tp2_dp2_with_checkpoints[0] / "log")
 
 
 def test_tp2_dp2_checkpoint_has_one_file_per_tensor_parallel_rank(tp2_dp2_with_checkpoints):

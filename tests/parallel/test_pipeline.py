@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch
 
-from tests.parallel.launching import (build_corpus, launch_ranks, read_metrics,
-                                      relative_difference, trainer_argv)
+from tests.parallel.launching import (assert_same_params_norms, build_corpus, launch_ranks,
+                                      read_metrics, relative_difference, trainer_argv)
 from tests.parallel.test_layouts import GLOBAL_BATCH, assert_same_training
 
 ITERS = 8
@@ -27,7 +27,7 @@ def corpus(tmp_path_factory):
 def train(corpus, out_dir, world_size, iters, *extra, expect_ok=True):
     """pretrain_gpt2.py on `world_size` processes: ({iteration: (loss, grad norm)}, outputs)."""
     argv = trainer_argv(corpus, out_dir / "log", iters, "--global-batch-size", GLOBAL_BATCH,
-                        *extra)
+                        "--log-params-norm", *extra)
     results = launch_ranks(argv, world_size, out_dir, timeout=300)
     if expect_ok:
         for rank, (code, output) in enumerate(results):
@@ -36,8 +36,15 @@ def train(corpus, out_dir, world_size, iters, *extra, expect_ok=True):
 
 
 @pytest.fixture(scope="module")
-def single_process(corpus, tmp_path_factory):
-    return train(corpus, tmp_path_factory.mktemp("single"), 1, ITERS, "--batch-size", 8)[0]
+def single_process_dir(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    train(corpus, out, 1, ITERS, "--batch-size", 8)
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_process(single_process_dir):
+    return read_metrics(single_process_dir / "log")
 
 
 @pytest.mark.parametrize("name, world_size, flags", [
@@ -46,14 +53,16 @@ def single_process(corpus, tmp_path_factory):
                     "--batch-size", 2]),
     ("pp2xdp2", 4, ["--pipeline-model-parallel-size", 2, "--batch-size", 1]),
 ])
-def test_pipeline_matches_single_process(corpus, single_process, tmp_path, name, world_size,
-                                         flags):
+def test_pipeline_matches_single_process(corpus, single_process, single_process_dir, tmp_path,
+                                         name, world_size, flags):
     metrics, results = train(corpus, tmp_path, world_size, ITERS, *flags)
     assert_same_training(single_process, metrics, ITERS)
+    assert_same_params_norms(single_process_dir / "log", tmp_path / "log")  # stages summed
     assert "pipeline bubble:" in results[0][1]  # rank 0, on the first stage, logs the loss
 
 
-def test_pipeline_zero2_data_parallel_matches_single_process(corpus, single_process, tmp_path):
+def test_pipeline_zero2_data_parallel_matches_single_process(corpus, single_process,
+                                                             single_process_dir, tmp_path):
     """PP 2 x DP 2 with ZeRO stage 2 (its gradients reduced per micro batch) from a DeepSpeed
     JSON: one global norm and overflow decision over both stages."""
     config = tmp_path / "ds.json"
@@ -63,6 +72,7 @@ def test_pipeline_zero2_data_parallel_matches_single_process(corpus, single_proc
     metrics, _ = train(corpus, tmp_path, 4, ITERS, "--pipeline-model-parallel-size", 2,
                        "--batch-size", 1, "--deepspeed", "--deepspeed_config", config)
     assert_same_training(single_process, metrics, ITERS)
+    assert_same_params_norms(single_process_dir / "log", tmp_path / "log")
 
 
 @pytest.mark.slow

@@ -172,10 +172,10 @@ def test_later_megatron_lm_names_are_aliases_and_its_batch_rampup_is_refused():
     with pytest.raises(ConfigError, match="^argument --position-embedding-type: rope: rope and "
                                           "alibi positions are not built"):
         parse("--position-embedding-type", "rope")
-    with pytest.raises(ConfigError, match=r"--log-params-norm: the parameters' norm is not "
-                                          r"computed.*; --tensorboard-log-interval: TensorBoard "
-                                          r"is written with the log line"):
-        parse("--log-params-norm", "--tensorboard-log-interval", "5")
+    with pytest.raises(ConfigError, match=r"--log-num-zeros-in-grad: zeros in the gradients "
+                                          r"are not counted; --log-optimizer-states-to-"
+                                          r"tensorboard: TensorBoard gets"):
+        parse("--log-num-zeros-in-grad", "--log-optimizer-states-to-tensorboard")
     assert parse("--log-validation-ppl-to-tensorboard").notes == (
         " note: --log-validation-ppl-to-tensorboard asks for what this trainer always does: "
         "each evaluation's perplexity always goes to TensorBoard (lm-loss-valid-ppl)",)
@@ -362,34 +362,6 @@ def test_a_flag_given_twice_with_different_values_keeps_the_last_and_says_so():
     parsed = resolve_config(BASE + ["--tag", "a", "--tag", "b"], world_size=1,
                             extra_args_provider=tags)
     assert parsed.extra["tag"] == ["a", "b"] and parsed.notes == ()
-
-
-def test_timing_log_level_turns_on_the_engines_phase_timers(tmp_path):
-    assert not parse().logging.phase_times
-    timed = parse("--timing-log-level", "1", "--log-timers-to-tensorboard", "--tensorboard-dir",
-                  str(tmp_path))
-    assert timed.logging.phase_times and timed.logging.phase_times_to_tensorboard
-    assert timed.engine.ds_config.wall_clock_breakdown
-    alone = parse("--log-timers-to-tensorboard", "--tensorboard-dir", str(tmp_path))
-    assert alone.logging.phase_times  # as in Megatron-LM 2.x, whose timers always print
-    with pytest.raises(ConfigError, match="^--log-timers-to-tensorboard needs "
-                                          "--tensorboard-dir"):
-        parse("--timing-log-level", "1", "--log-timers-to-tensorboard")
-
-
-def test_timing_log_option_chooses_how_the_timers_show_the_ranks():
-    """Megatron-LM's choices and default; without the timers it does nothing, which a note
-    says (Megatron-LM is silent: its level 0 has no timers to show)."""
-    assert parse().logging.timing_log_option == "minmax" and parse().notes == ()
-    for option in ("max", "minmax", "all"):
-        timed = parse("--timing-log-level", "1", "--timing-log-option", option)
-        assert timed.logging.timing_log_option == option and timed.notes == ()
-    assert parse("--timing-log-option", "all").notes == (
-        " note: --timing-log-option all does nothing without the timers: --timing-log-level 1 "
-        "turns them on",)
-    with pytest.raises(ConfigError, match=r"^argument --timing-log-option: invalid choice: "
-                                          r"'sum' \(choose from 'max', 'minmax', 'all'\)"):
-        parse("--timing-log-option", "sum")
 
 
 def test_megatron_flags_for_what_is_always_so_are_taken_and_said():

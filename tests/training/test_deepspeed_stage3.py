@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.parallel.launching import assert_same_params_norms
 from tests.training.test_deepspeed import (NO_DROPOUT, _train_dp, assert_same_training,
                                            read_losses, run, stage_config, trainer_argv)
 
@@ -37,8 +38,9 @@ def _argv(corpus, tmp_path, name, iters, *extra, micro=4, **zero_options):
 def reference(corpus, tmp_path_factory):
     """The trainer without --deepspeed, 1 process, global batch 8, dropout 0."""
     log = tmp_path_factory.mktemp("reference")
-    assert run(corpus, log, 6, *NO_DROPOUT, "--global-batch-size", 8, micro=8) == 0
-    return read_losses(log)
+    assert run(corpus, log, 6, *NO_DROPOUT, "--global-batch-size", 8, "--log-params-norm",
+               micro=8) == 0
+    return log
 
 
 def test_dp2_stage3_matches_single_process_and_resumes_exactly(corpus, tmp_path, reference):
@@ -51,7 +53,9 @@ def test_dp2_stage3_matches_single_process_and_resumes_exactly(corpus, tmp_path,
                "--finetune", micro=8) == 0
     phases = [
               # its weights loaded into partitioned parameters, one gathered at a time
-              _argv(corpus, tmp_path, "finetune", 3, "--load", megatron, "--finetune"),_argv(corpus, tmp_path, "stage3", 6, "--remote-device", "cpu"),
+              _argv(corpus, tmp_path, "finetune", 3, "--load", megatron, "--finetune"),
+              _argv(corpus, tmp_path, "stage3", 6, "--remote-device", "cpu",
+                    "--log-params-norm"),
               _argv(corpus, tmp_path, "split", 6, "--save", save, "--exit-interval", 3,
                     micro=2),
               _argv(corpus, tmp_path, "split", 6, "--save", save, "--load", save, micro=2),
@@ -60,12 +64,16 @@ def test_dp2_stage3_matches_single_process_and_resumes_exactly(corpus, tmp_path,
                     "--tile-factor", 2),
               # parameters and optimizer in host memory, layers recomputed in backward
               _argv(corpus, tmp_path, "offload", 6, "--checkpoint-activations",
-                    offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})]
+                    "--log-params-norm", offload_param={"device": "cpu"},
+                    offload_optimizer={"device": "cpu"})]
     run_distributed(_train_dp, 2, args=(str(tmp_path), phases))
-    assert_same_training(reference, read_losses(tmp_path / "stage3"))
-    assert_same_training(reference, read_losses(tmp_path / "tiled"))
-    assert_same_training(reference, read_losses(tmp_path / "offload"))
-    assert_same_training(reference, read_losses(tmp_path / "split"))
+    expected = read_losses(reference)
+    assert_same_training(expected, read_losses(tmp_path / "stage3"))
+    assert_same_training(expected, read_losses(tmp_path / "tiled"))
+    assert_same_training(expected, read_losses(tmp_path / "offload"))
+    assert_same_training(expected, read_losses(tmp_path / "split"))
+    for name in ("stage3", "offload"):  # the weights' norm over the DP partitions
+        assert_same_params_norms(reference, tmp_path / name)
     assert_same_training(read_losses(tmp_path / "finetune_plain"),
                          read_losses(tmp_path / "finetune"))
     assert sorted(p.name for p in (save / "global_step3").iterdir()) == [
@@ -88,9 +96,10 @@ def test_single_process_resume_is_exact(corpus, tmp_path):
 
 @pytest.mark.slow  # four gloo processes on two cores
 def test_tp2_dp2_stage3_matches_single_process(corpus, tmp_path, reference):
-    argv = _argv(corpus, tmp_path, "tp2dp2", 6, "--model-parallel-size", 2)
+    argv = _argv(corpus, tmp_path, "tp2dp2", 6, "--model-parallel-size", 2, "--log-params-norm")
     run_distributed(_train_dp, 4, args=(str(tmp_path), [argv]))
-    assert_same_training(reference, read_losses(tmp_path / "tp2dp2"))
+    assert_same_training(read_losses(reference), read_losses(tmp_path / "tp2dp2"))
+    assert_same_params_norms(reference, tmp_path / "tp2dp2")
 
 
 

@@ -206,7 +206,7 @@ def test_mfu_never_exceeds_100_percent_when_the_measured_peak_is_too_low(capsys)
     records, printed = [], []
     config = SimpleNamespace(training=SimpleNamespace(global_batch_size=4, train_iters=10),
                              data=SimpleNamespace(seq_length=8),
-                             logging=SimpleNamespace(phase_times=False))
+                             logging=SimpleNamespace(phase_times=False, params_norm=False))
     ctx = SimpleNamespace(config=config, runtime=SimpleNamespace(
         device=torch.device("cpu"), print0=printed.append))
     backend = SimpleNamespace(report=lambda: {"lr": 1e-3, "loss_scale": 1.0})
@@ -215,7 +215,8 @@ def test_mfu_never_exceeds_100_percent_when_the_measured_peak_is_too_low(capsys)
               "peak": 1.0}  # 1 FLOP/s: anything beats it
     for iteration in (1, 2):
         loop._log_window(window, {"iteration": iteration, "consumed_train_samples": 4,
-                                  "skipped_iters": 0}, backend, 1e6, ctx, logger, None)
+                                  "skipped_iters": 0}, backend, 1e6, ctx, logger, None,
+                          None)
         window.update(iters=1, loss=2.0, start=time.perf_counter() - 2.0)  # half the rate
     assert records[0]["mfu"] == pytest.approx(1.0) and records[1]["mfu"] == pytest.approx(0.5,
                                                                                           rel=0.05)

@@ -5,9 +5,9 @@ checkpoint hooks into their master store.
 
 A subclass sets `optimizer`, `masters` (its master store, zero/stages/masters.py),
 `loss_scaler` (None unless fp16), `settings.gradient_clipping`, `dp_comm` and `mp_comm`
-(zero.comm.communicator.Communicator; None without tensor parallelism), `pp_comm` (None
-without pipeline parallelism), `partition_count`, and provides `zero_grad()`,
-`_step_partitions(grad_divisor)` and `_partition_pieces(rank)`.
+(zero.comm.communicator.Communicator; None without tensor parallelism), `mp_rank`, `pp_comm`
+(None without pipeline parallelism), `partition_count`, and provides `zero_grad()`,
+`_step_partitions(grad_divisor)`, `_partition_pieces(rank)` and `_weight_runs()`.
 """
 
 import math
@@ -122,6 +122,33 @@ class PartitionedOptimizer:
             self.pp_comm.all_reduce(packed)
         norm_sq, overflow = packed.tolist()
         return norm_sq, overflow > 0 or not math.isfinite(norm_sq)
+
+    @torch.no_grad()
+    def weights_norm(self):
+        """The L2 norm of the trained weights, from their fp32 masters: over data, tensor and
+        pipeline parallelism, each element once (a parameter replicated over tensor
+        parallelism on TP rank 0 only, partition padding not at all). A collective: every
+        rank of the job calls it."""
+        self._catch_up_with_loaded_weights()
+        parts = []
+        for key, runs in self._weight_runs():
+            master = self.masters.read_master(key)
+            parts += [master.narrow(0, start, length) for start, length in runs]
+        device = self.dp_comm.scalar_device(parts[0] if parts else torch.empty(0))
+        total = sum_of_squares(parts, device).reshape(1)
+        if self.partition_count > 1:
+            self.dp_comm.all_reduce(total)
+        for comm in (self.mp_comm, self.pp_comm):
+            if comm is not None:
+                comm.all_reduce(total)
+        return math.sqrt(total.item())
+
+    def _counts_in_weights_norm(self, param):
+        """Whether this rank's elements of `param` count in the weights' norm: a parameter
+        replicated over tensor parallelism counts on TP rank 0 only."""
+        return self.mp_comm is None or self.mp_rank == 0 or \
+            getattr(param, "model_parallel", False) or \
+            getattr(param, "tensor_model_parallel", False)
 
     def _finish_step(self, norm_sq, overflow, fold=1.0):
         """Skip the step on inf/nan gradients, else step on the fp32 gradients unscaled and

@@ -167,6 +167,13 @@ class ZeroOptimizer(PartitionedOptimizer):
             for start, i, offset, length in group.layout.partition_param_pieces(rank)]
             for g, group in enumerate(self.groups)}
 
+    def _weight_runs(self):
+        """(key, [(start, length)]) per master: its elements that the weights' norm counts."""
+        for g, group in enumerate(self.groups):
+            yield g, [(start, length) for start, i, _, length
+                      in group.layout.partition_param_pieces(group.rank)
+                      if self._counts_in_weights_norm(group.params[i])]
+
     @staticmethod
     def piece_name(g, i):
         """The name of parameter i of group g in its pieces (the same at any DP size)."""

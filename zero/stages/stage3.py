@@ -203,6 +203,15 @@ class Stage3Optimizer(PartitionedOptimizer):
                 if param.ds_numel > rank * size]
         return found
 
+    def _weight_runs(self):
+        """(key, [(start, length)]) per master: its elements that the weights' norm counts."""
+        rank = self.dp_comm.rank
+        for key, sub_group in enumerate(self.sub_groups):
+            yield key, [(offset, min(size, param.ds_numel - rank * size))
+                        for param, offset, size in zip(sub_group.params, sub_group.offsets,
+                                                       sub_group.sizes)
+                        if param.ds_numel > rank * size and self._counts_in_weights_norm(param)]
+
     def _cut(self, params):
         runs, run, numel = [], [], 0
         for param in params:
