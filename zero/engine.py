@@ -302,7 +302,8 @@ class DeepSpeedEngine(torch.nn.Module):
                 training_data, num_replicas=self.dp_world_size, rank=self.dp_rank)
         return torch.utils.data.DataLoader(training_data,
                                            batch_size=self.train_micro_batch_size_per_gpu(),
-                                           sampler=sampler, collate_fn=collate_fn)
+                                           sampler=sampler, collate_fn=collate_fn,
+                                           drop_last=self.dataloader_drop_last())
 
     # ----- training -----
 
@@ -444,6 +445,9 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def train_micro_batch_size_per_gpu(self):
         return self.config.train_micro_batch_size_per_gpu
+
+    def dataloader_drop_last(self):
+        return self.config.dataloader_drop_last
 
     def gradient_accumulation_steps(self):
         return self.config.gradient_accumulation_steps

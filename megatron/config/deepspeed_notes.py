@@ -1,7 +1,8 @@
 """Start-up notes for DeepSpeed JSON keys that parse but would do nothing in this run, as
 DeepSpeed reads them too: an offload section with no device, NVMe paths for a CPU offload,
-stage 3 keys at a lower stage. Each is one line; none stops the run
-(the same JSON is valid for DeepSpeed, and the launch scripts switch stages with a flag)."""
+stage 3 keys at a lower stage, the option of a loader the trainer does not use. Each is one
+line; none stops the run (the same JSON is valid for DeepSpeed, and the launch scripts switch
+stages with a flag)."""
 
 import dataclasses
 
@@ -36,4 +37,8 @@ def unused_key_notes(config, source):
     if stage3 and stage != 3:
         notes.append(f" note: {', '.join(f'zero_optimization.{key}' for key in stage3)} not "
                      f"used: only ZeRO stage 3 reads them, and the stage is {stage}")
+    if config.dataloader_drop_last:
+        notes.append(" note: 'dataloader_drop_last' not used: it is for the loader of "
+                     "zero.initialize's training_data, and the trainer reads its data through "
+                     "its own sampler, which gives every iteration a whole global batch")
     return tuple(notes)

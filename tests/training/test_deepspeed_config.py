@@ -138,6 +138,7 @@ def test_old_and_empty_zero_sections_read_as_zero_reads_them(tmp_path, caplog):
 
 def test_keys_that_would_do_nothing_get_a_note_each(tmp_path):
     config = write_config(tmp_path, steps_per_print=None, wall_clock_breakdown=True,
+                          dataloader_drop_last=True,
                           zero_optimization={
                               "stage": 3, "stage3_max_live_parameters": 10,
                               "prefetch_bucket_size": 10,
@@ -151,7 +152,10 @@ def test_keys_that_would_do_nothing_get_a_note_each(tmp_path):
         " note: 'zero_optimization.offload_param' names no \"device\" (the default is "
         "\"none\"), so nothing is offloaded; add \"device\": \"cpu\" or \"nvme\"",
         " note: zero_optimization.prefetch_bucket_size, zero_optimization.stage3_max_live_parameters"
-        " not used: only ZeRO stage 3 reads them, and the stage is 2"), notes
+        " not used: only ZeRO stage 3 reads them, and the stage is 2",
+        " note: 'dataloader_drop_last' not used: it is for the loader of zero.initialize's "
+        "training_data, and the trainer reads its data through its own sampler, which gives "
+        "every iteration a whole global batch"), notes
     used = write_config(tmp_path, "used.json", zero_optimization={
         "stage": 3, "stage3_max_live_parameters": 10, "offload_param": {"device": "none"}})
     assert parse("--deepspeed", "--deepspeed_config", used).notes == ()

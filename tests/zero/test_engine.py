@@ -157,6 +157,10 @@ def test_training_data_gives_a_loader_of_micro_batches():
                                       training_data=dataset)
     sizes = [len(batch[0]) for batch in loader]
     assert sizes == [4, 4, 2]
+    _, _, loader, _ = zero.initialize(model=cases.make_model(),
+                                      config={**_config(), "dataloader_drop_last": True},
+                                      training_data=dataset)
+    assert [len(batch[0]) for batch in loader] == [4, 4]  # the short one left out
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):

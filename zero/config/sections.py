@@ -315,7 +315,7 @@ class CompileConfig:
 # Top-level DeepSpeed keys zero does not implement, accepted only at their defaults.
 UNIMPLEMENTED_TOP_LEVEL = {
     "sparse_gradients": False, "dump_state": False, "memory_breakdown": False,
-    "dataloader_drop_last": False, "zero_force_ds_cpu_optimizer": True,
+    "zero_force_ds_cpu_optimizer": True,
     "sequence_parallel_size": 1,
     "checkpoint": {"tag_validation": "Warn", "load_universal": False,
                    "use_node_local_storage": False},
@@ -340,6 +340,8 @@ class TopLevelConfig:
     gradient_predivide_factor: float = option(1.0)
     zero_allow_untested_optimizer: bool = option(False)
     gradient_checkpointing: bool = option(False)  # our extension
+    # the loader of `training_data` leaves out a last micro batch smaller than the others
+    dataloader_drop_last: bool = option(False)
     # the dtype gradients are all-reduced in; only "fp32" for 16-bit params at stage 0 differs
     # from the params' own
     communication_data_type: Optional[str] = option(None, choices=("fp32", "fp16", "bf16"))
