@@ -14,7 +14,9 @@ the data-parallel gradient all-reduce (local only: torch's DDP waits inside back
 the bytes each rank sent per iteration, measured from the kernel's count of bytes the process
 wrote (/proc/self/io `wchar`: gloo sends with writev on TCP sockets), against the analytic
 ring all-reduce volume 2 (N - 1) / N x payload, with payloads from first principles:
-    data parallel:   the gradients, numel x 4 bytes (fp32; 2 in bf16)
+    data parallel:   the gradients, numel x 4 bytes (fp32; in bf16 2 with torch's DDP and at
+                     ZeRO stage 2, 4 with --DDP-impl local, whose stage 0 sums and all-reduces
+                     bf16 gradients in fp32 as Megatron-LM does)
     tensor parallel: (4 L + 2) all-reduces of [b, s, h] activations (embedding, two per layer
                      forward and backward, the logits' input in backward; 4 bytes an element,
                      2 in bf16) + 3 of [b, s] (vocab-parallel cross entropy, fp32) per micro
@@ -177,14 +179,14 @@ def _ring(payload, n):
     return 2 * (n - 1) / n * payload if n > 1 else 0.0
 
 
-def analytic_bytes(config, tp, dp, numel, micro_batch):
+def analytic_bytes(config, tp, dp, numel, micro_batch, fp32_gradient_sums):
     """(DP payload, TP payload, ring bytes each rank sends) per iteration."""
     c = config
     element = 2 if c["bf16"] else 4  # gradients and activations travel in the params' dtype
     activations = (4 * c["num_layers"] + 2) * micro_batch * c["seq_length"] * \
         c["hidden_size"] * element
     loss = 3 * micro_batch * c["seq_length"] * 4
-    dp_payload = numel * element if dp > 1 else 0
+    dp_payload = numel * (4 if fp32_gradient_sums else element) if dp > 1 else 0
     tp_payload = activations + loss if tp > 1 else 0
     return dp_payload, tp_payload, _ring(dp_payload, dp) + _ring(tp_payload, tp)
 
@@ -198,8 +200,9 @@ def summarize(layout, config, per_rank):
     def med(key, rows=rank0):
         return statistics.median(r[key] for r in rows)
     info = per_rank[0]
+    stage0_local = impl == "local" and "--deepspeed" not in layout[6]
     dp_payload, tp_payload, ring = analytic_bytes(config, tp, info["dp"], info["numel"],
-                                                  info["micro_batch"])
+                                                  info["micro_batch"], stage0_local)
     seconds = med("seconds")
     sent = max(med("sent", rank["records"]) for rank in per_rank)
     return dict(label=label, procs=procs, threads=threads, seconds=seconds, cpu=med("cpu"),

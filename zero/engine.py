@@ -26,8 +26,9 @@ every checkpoint loads at any data-parallel size (`elastic_checkpoint`). `offloa
 (zero/offload/host_masters.py). Stage 3 (parameters partitioned too, gathered by module hooks)
 is zero/stages/stage3.py, with zero/stages/partition_parameters.py (`zero.Init`,
 `zero.GatheredParameters`). The top-level `communication_data_type` "fp32" all-reduces 16-bit
-gradients in fp32 at stage 0. `compile` {"enabled": true} compiles the module in place
-(zero/compiler.py).
+gradients in fp32 at stage 0; `data_types.grad_accum_dtype` "fp32" (bf16's default there)
+also sums the micro batches' gradients in fp32, in the masters' gradients. `compile`
+{"enabled": true} compiles the module in place (zero/compiler.py).
 """
 
 import contextlib

@@ -29,6 +29,8 @@ describe the same thing fill what the JSON leaves out, or must agree with it:
       .device                              engine keep the partitions in one place)
     gradient_checkpointing            ->   --checkpoint-activations (our extension)
     compile.enabled                   <-   --compile (the flag turns it on)
+    data_types.grad_accum_dtype       <-   --accumulate-allreduce-grads-in-fp32 ("fp32"; a
+                                           JSON that sets another dtype is an error)
     wall_clock_breakdown              <-   --timing-log-level 1, --log-timers-to-tensorboard
                                            (they turn it on; either way the log line is
                                            followed by the phase times)
@@ -43,6 +45,8 @@ Without --deepspeed the flags are the whole story:
     --ddp-bucket-size MB (default 25)  ->  zero_optimization {stage 0, reduce_bucket_size in
                                            gradient elements, overlap_comm}
     --fp32-allreduce                   ->  communication_data_type "fp32"
+    --accumulate-allreduce-grads-in-fp32  ->  data_types.grad_accum_dtype "fp32" (--bf16
+                                           with --DDP-impl local: always, as in Megatron-LM)
     --compile                          ->  compile {enabled}
     --timing-log-level 1, --log-timers-to-tensorboard  ->  wall_clock_breakdown
 """
@@ -199,6 +203,7 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
             raise ConfigError(f"{flag} has no effect under --deepspeed: "
                               f"{reason.format(source=source)}; drop the flag")
     flag_keys = _apply_zero_flags(final, raw, source)
+    flag_keys.update(_apply_fp32_accumulation_flag(final, raw, source))
     _settle_auto_precision(final, raw)
     stage = final["zero_optimization"].get("stage", 0)
     if stage != 3 and (raw["remote_device"] is not None or raw["use_pin_memory"]):
@@ -292,6 +297,24 @@ def _apply_zero_flags(final, raw, source):
     return flag_keys
 
 
+def _apply_fp32_accumulation_flag(final, raw, source):
+    """--accumulate-allreduce-grads-in-fp32 under --deepspeed: the JSON's
+    data_types.grad_accum_dtype "fp32" (returns {key: flag} when the flag set it)."""
+    from zero.config.parsing import show
+    if not raw["accumulate_allreduce_grads_in_fp32"]:
+        return {}
+    flag, key = "--accumulate-allreduce-grads-in-fp32", "data_types.grad_accum_dtype"
+    section = final.get("data_types")
+    section = dict(section) if isinstance(section, dict) else {}
+    given = section.get("grad_accum_dtype")
+    if given is not None and str(given).lower() != "fp32":
+        raise ConfigError(f"{flag} disagrees with '{key}': {show(given)} in DeepSpeed config "
+                          f"{source}; drop the flag or set the key to \"fp32\"")
+    section["grad_accum_dtype"] = "fp32"
+    final["data_types"] = section
+    return {key: flag}
+
+
 def _wants_phase_times(raw):
     """--timing-log-level 1, or --log-timers-to-tensorboard (which in Megatron-LM 2.x, where
     timers always print, needs nothing else): the engine's wall_clock_breakdown."""
@@ -383,7 +406,15 @@ def _from_megatron_flags(raw, given, dp, num_micro_batches):
                           f"{MAX_DDP_BUCKET_MB} (1 TiB), got {raw['ddp_bucket_size']}")
     if not (math.isfinite(clip) and clip >= 0):
         raise ConfigError(f"--clip-grad must be >= 0 (0 disables clipping), got {clip}")
-    comm_bytes = 4 if raw["fp32_allreduce"] or not (raw["fp16"] or raw["bf16"]) else 2
+    if raw["accumulate_allreduce_grads_in_fp32"] and raw["DDP_impl"] == "torch":
+        raise ConfigError("--accumulate-allreduce-grads-in-fp32 needs --DDP-impl local: torch's "
+                          "DistributedDataParallel sums and all-reduces the gradients in the "
+                          "parameters' dtype")
+    # 16-bit gradients summed in fp32 are all-reduced in fp32 too (zero/stages/build.py)
+    fp32_sums = raw["accumulate_allreduce_grads_in_fp32"] or (raw["bf16"]
+                                                              and raw["DDP_impl"] == "local")
+    comm_bytes = 4 if raw["fp32_allreduce"] or fp32_sums or not (raw["fp16"] or raw["bf16"]) \
+        else 2
     config = {
         "train_micro_batch_size_per_gpu": raw["batch_size"],
         "gradient_accumulation_steps": num_micro_batches,
@@ -396,6 +427,8 @@ def _from_megatron_flags(raw, given, dp, num_micro_batches):
     }
     if raw["fp32_allreduce"]:
         config["communication_data_type"] = "fp32"
+    if raw["accumulate_allreduce_grads_in_fp32"]:
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     if _wants_phase_times(raw):
         config["wall_clock_breakdown"] = True
     if raw["compile"]:

@@ -304,6 +304,11 @@ def _distributed(parser):
                         "backward, larger ones make fewer calls")
     g.add_argument("--fp32-allreduce", action="store_true",
                    help="all-reduce 16-bit (--fp16/--bf16) gradients in fp32 (ZeRO stage 0)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="sum the micro batches' 16-bit gradients, and all-reduce them, in fp32 "
+                        "(the fp32 master weights' gradients; ZeRO stage 0). Always so with "
+                        "--bf16 and --DDP-impl local, as in Megatron-LM; under --deepspeed it "
+                        "is the config's data_types.grad_accum_dtype \"fp32\"")
 
 
 def _validation(parser):

@@ -74,8 +74,10 @@ def _grads(module):
     return {name: p.grad.detach().clone() for name, p in module.named_parameters()}
 
 
-def _engine(impl, num_micro, dtype, bucket_mb, fp32_allreduce, checkpoint_activations):
-    """The trainer's engine without --deepspeed: ZeRO stage 0 (and torch's DDP for 'torch')."""
+def _engine(impl, num_micro, dtype, bucket_mb, fp32_allreduce, checkpoint_activations,
+            accum_dtype=None):
+    """The trainer's engine without --deepspeed: ZeRO stage 0 (and torch's DDP for 'torch');
+    `accum_dtype` its data_types.grad_accum_dtype (None: bf16 sums in fp32 at stage 0)."""
     module = _build_model(dtype, checkpoint_activations)
     model = module
     if impl == "torch":
@@ -88,6 +90,8 @@ def _engine(impl, num_micro, dtype, bucket_mb, fp32_allreduce, checkpoint_activa
               "bf16": {"enabled": dtype == torch.bfloat16}}
     if fp32_allreduce:
         config["communication_data_type"] = "fp32"
+    if accum_dtype is not None:
+        config["data_types"] = {"grad_accum_dtype": accum_dtype}
     engine, *_ = zero.initialize(model=model, optimizer=torch.optim.AdamW(module.parameters()),
                                  mpu=mpu, config=config)
     return engine
@@ -109,9 +113,10 @@ def _reduced_grads(engine):
 
 
 def _ddp_step(impl, num_micro, dtype=torch.float32, bucket_mb=25.0, fp32_allreduce=False,
-              checkpoint_activations=False):
+              checkpoint_activations=False, accum_dtype=None):
     """One accumulated step's backward through the engine: (grads, comm stats) of this rank."""
-    engine = _engine(impl, num_micro, dtype, bucket_mb, fp32_allreduce, checkpoint_activations)
+    engine = _engine(impl, num_micro, dtype, bucket_mb, fp32_allreduce, checkpoint_activations,
+                     accum_dtype)
     batches = _micro_batches(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
                              num_micro)
     stats = engine.optimizer.dp_comm.stats
@@ -151,6 +156,17 @@ def _local_then_flat_allreduce():
                     torch._utils._unflatten_dense_tensors(flat, grads)))
 
 
+def _bf16_micro_grads(num_micro):
+    """This rank's bf16 gradients of each micro batch (its loss / num_micro), apart."""
+    module, found = _build_model(torch.bfloat16), []
+    for tokens, labels in _micro_batches(mpu.get_data_parallel_rank(),
+                                         mpu.get_data_parallel_world_size(), num_micro):
+        module.zero_grad()
+        (_loss(module, tokens, labels) / num_micro).backward()
+        found.append(_grads(module))
+    return found
+
+
 def _bf16_local_grads(num_micro=1):
     """This rank's bf16 gradients (accumulated in bf16) before any synchronisation."""
     module = _build_model(torch.bfloat16)
@@ -169,7 +185,10 @@ def dp2_worker(rank, world_size):
                many_buckets=_ddp_step("local", 1, bucket_mb=0.001),
                checkpointed=_ddp_step("local", 2, bucket_mb=0.004, checkpoint_activations=True),
                bf16_local_accum=_bf16_local_grads(2),
+               bf16_micro=_bf16_micro_grads(2),
+               bf16_accum=_ddp_step("local", 2, torch.bfloat16, bucket_mb=0.004),
                bf16_fp32_allreduce_accum=_ddp_step("local", 2, torch.bfloat16, bucket_mb=0.004,
+                                                   accum_dtype="bf16",
                                                    fp32_allreduce=True))
     return _to_bytes(out)
 
@@ -178,7 +197,8 @@ def world4_worker(rank, world_size, impl):
     """Both layouts of 4 processes, in one start of the ranks."""
     mpu.initialize_model_parallel(1)
     out = dict(impl=impl, dp4=_ddp_step(impl, 1), bf16_local=_bf16_local_grads(),
-               bf16=_ddp_step(impl, 1, torch.bfloat16),
+               bf16=_ddp_step(impl, 1, torch.bfloat16, accum_dtype="bf16"),
+               bf16_default=_ddp_step(impl, 1, torch.bfloat16),
                bf16_fp32_allreduce=_ddp_step(impl, 1, torch.bfloat16, fp32_allreduce=True))
     mpu.initialize_model_parallel(2)  # tensor-parallel 2 x data-parallel 2
     out["tp2_accum"] = _ddp_step(impl, 2, bucket_mb=0.004)
@@ -294,20 +314,24 @@ def test_tp2_dp2_grads_equal_slices_of_single_process(world4):
 
 
 def test_bf16_fp32_allreduce_is_the_exact_mean(world4):
-    """fp32 all-reduce: the fp32 masters' gradients hold the mean of the 4 ranks' bf16
-    gradients, exact in fp32 (torch's DDP: rounded to bf16 once); bf16 all-reduce rounds
-    more."""
+    """fp32 all-reduce (--fp32-allreduce, or bf16's default fp32 sums at stage 0): the fp32
+    masters' gradients hold the mean of the 4 ranks' bf16 gradients, exact in fp32 (torch's
+    DDP: rounded to bf16 once); bf16 all-reduce (grad_accum_dtype "bf16") rounds more."""
     local = [out["bf16_local"] for out in world4]
     exact = {name: sum(g[name].double() for g in local) / len(local) for name in local[0]}
     bf16_errors = []
     for out in world4:
-        for name, grad in out["bf16_fp32_allreduce"][0].items():
-            if out["impl"] == "local":
-                assert grad.dtype == torch.float32
-                torch.testing.assert_close(grad.double(), exact[name], rtol=1e-6, atol=0,
-                                           msg=name)
-            else:
-                assert torch.equal(grad, exact[name].to(torch.bfloat16)), name
+        # (torch's DDP reduces in bf16 unless asked: the default is the engine's own)
+        variants = ("bf16_fp32_allreduce", "bf16_default") if out["impl"] == "local" \
+            else ("bf16_fp32_allreduce",)
+        for variant in variants:
+            for name, grad in out[variant][0].items():
+                if out["impl"] == "local":
+                    assert grad.dtype == torch.float32
+                    torch.testing.assert_close(grad.double(), exact[name], rtol=1e-6, atol=0,
+                                               msg=f"{variant} {name}")
+                else:
+                    assert torch.equal(grad, exact[name].to(torch.bfloat16)), name
         for name, grad in out["bf16"][0].items():
             error = (grad.double() - exact[name]).abs().max().item()
             bf16_errors.append(error)
@@ -315,12 +339,25 @@ def test_bf16_fp32_allreduce_is_the_exact_mean(world4):
             assert error <= 2 ** -6 * exact[name].abs().max().item(), name
         if out["impl"] == "local":
             _assert_payload(out["bf16_fp32_allreduce"][1], _numel(exact, 4))
+            _assert_payload(out["bf16_default"][1], _numel(exact, 4))
             _assert_payload(out["bf16"][1], _numel(exact, 2))
     assert max(bf16_errors) > 0, "bf16 all-reduce was exact: the test cannot tell fp32 apart"
 
 
+def test_dp2_bf16_micro_batches_are_summed_and_reduced_in_fp32(dp2):
+    """bf16 at stage 0 by default: each rank sums its two micro batches' bf16 gradients in
+    fp32 and the mean over ranks is reduced in fp32: the exact mean, to fp32 rounding."""
+    micro = [out["bf16_micro"] for out in dp2]
+    for out in dp2:
+        for name, grad in out["bf16_accum"][0].items():
+            exact = sum(g[name].double() for rank in micro for g in rank) / 2
+            assert grad.dtype == torch.float32
+            torch.testing.assert_close(grad.double(), exact, rtol=1e-6, atol=0, msg=name)
+
+
 def test_dp2_bf16_accumulation_with_fp32_allreduce_is_the_exact_mean(dp2):
-    """Each rank accumulates its two micro batches in bf16; their mean is reduced in fp32."""
+    """grad_accum_dtype "bf16": each rank accumulates its two micro batches in bf16; their mean
+    is reduced in fp32 (--fp32-allreduce)."""
     local = [out["bf16_local_accum"] for out in dp2]
     for out in dp2:
         for name, grad in out["bf16_fp32_allreduce_accum"][0].items():

@@ -56,8 +56,17 @@ def test_megatron_flags_become_the_stage_0_engine_config():
             ds.fp16.hysteresis, ds.fp16.loss_scale) == (True, 10, 50, 3, 0.0)
     assert ds.gradient_clipping == 0.5 and ds.communication_data_type == "fp32"
     assert (ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (4, 2)
+    # bf16 gradients are summed and all-reduced in fp32 (as in Megatron-LM), fp16 ones in fp16
     assert parse("--bf16").engine.ds_config.zero_optimization.reduce_bucket_size == \
+        25 * 2 ** 20 // 4
+    assert parse("--fp16").engine.ds_config.zero_optimization.reduce_bucket_size == \
         25 * 2 ** 20 // 2
+    fp32_sums = parse("--fp16", "--accumulate-allreduce-grads-in-fp32").engine.ds_config
+    assert fp32_sums.data_types.grad_accum_dtype == "fp32"
+    assert fp32_sums.zero_optimization.reduce_bucket_size == 25 * 2 ** 20 // 4
+    with pytest.raises(ConfigError, match="^--accumulate-allreduce-grads-in-fp32 needs "
+                                          "--DDP-impl local"):
+        parse("--bf16", "--accumulate-allreduce-grads-in-fp32", "--DDP-impl", "torch")
 
 
 def test_named_model_size_fills_unset_flags():

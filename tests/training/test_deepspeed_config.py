@@ -268,6 +268,17 @@ BAD_FLAGS = {
     "fp32-allreduce-mismatch": ({}, ["--fp32-allreduce"],
                                 "--fp32-allreduce True disagrees with 'communication_data_type': "
                                 "null"),
+    "fp32-accumulation-mismatch": ({"bf16": {"enabled": True},
+                                    "data_types": {"grad_accum_dtype": "bf16"}},
+                                   ["--accumulate-allreduce-grads-in-fp32"],
+                                   "--accumulate-allreduce-grads-in-fp32 disagrees with "
+                                   "'data_types.grad_accum_dtype': \"bf16\" in DeepSpeed config"),
+    "fp32-accumulation-at-stage-1": ({"bf16": {"enabled": True},
+                                      "zero_optimization": {"stage": 1}},
+                                     ["--accumulate-allreduce-grads-in-fp32"],
+                                     "'data_types.grad_accum_dtype' 'fp32' with bf16 parameters "
+                                     "at ZeRO stage 1: gradients are summed in the parameters' "
+                                     "dtype (bf16)"),
     "ddp-impl": ({}, ["--DDP-impl", "torch"], "--DDP-impl has no effect under --deepspeed"),
     "no-save-optim": ({}, ["--no-save-optim"], "--no-save-optim has no effect under --deepspeed"),
 }

@@ -68,6 +68,13 @@ class BF16Config:
 
 
 @dataclass(frozen=True)
+class DataTypesConfig:
+    # the dtype micro batches' gradients are summed in; None: fp32 for bf16 parameters at
+    # stage 0 (DeepSpeed's default there), else the parameters' own (zero/stages/build.py)
+    grad_accum_dtype: Optional[str] = option(None, choices=("fp32", "fp16", "bf16"))
+
+
+@dataclass(frozen=True)
 class OptimizerSection:
     type: Optional[str] = option(None)  # as given; compared case-insensitively
     params: dict = option({})
@@ -319,7 +326,6 @@ UNIMPLEMENTED_TOP_LEVEL = {
     "sequence_parallel_size": 1,
     "checkpoint": {"tag_validation": "Warn", "load_universal": False,
                    "use_node_local_storage": False},
-    "data_types": {"grad_accum_dtype": None},
     "disable_allgather": False, "graph_harvesting": False,
     **{name: DISABLED_SECTION for name in (
         "amp", "flops_profiler", "wandb", "csv_monitor", "comet", "comms_logger", "elasticity",
@@ -355,6 +361,7 @@ class TopLevelConfig:
     aio: AioConfig = section(AioConfig)
     tensorboard: TensorboardConfig = section(TensorboardConfig)
     compile: CompileConfig = section(CompileConfig)
+    data_types: DataTypesConfig = section(DataTypesConfig)
 
     DEFAULT_ONLY = UNIMPLEMENTED_TOP_LEVEL
     DEFAULT_ONLY_HINTS = {
@@ -390,6 +397,28 @@ class TopLevelConfig:
                     "checkpoint interval); drop the section",
     }
 
+    def _check_grad_accum_dtype(self, source, params, stage):
+        """What each stage sums micro batches' gradients in: fp32 parameters' in fp32; 16-bit
+        parameters' at stage 0 in their dtype or fp32 (the masters' gradients), at stage 1 in
+        their dtype (its full gradient buffer), at stages 2-3 in fp32 (the reduced gradients
+        go into the masters')."""
+        chosen = self.data_types.grad_accum_dtype
+        if params == "fp32":
+            built, what = {"fp32"}, "fp32, the parameters' dtype"
+        elif stage == 0:
+            built, what = {params, "fp32"}, f"the parameters' dtype ({params}) or fp32"
+        elif stage == 1:
+            built, what = {params}, (f"the parameters' dtype ({params}): ZeRO stage 1 sums them "
+                                     "in its full gradient buffer (stages 0, 2 and 3 sum them "
+                                     "in fp32)")
+        else:
+            built, what = {"fp32"}, (f"fp32: ZeRO stage {stage} adds each micro batch's "
+                                     "reduced gradients into the fp32 masters' gradients")
+        if chosen is not None and chosen not in built:
+            fail(source, f"'data_types.grad_accum_dtype' {chosen!r} with {params} parameters "
+                         f"at ZeRO stage {stage}: gradients are summed in {what}; drop the key "
+                         "or change it")
+
     @staticmethod
     def translate_deprecated(raw, source, path):
         zero = raw.get("zero_optimization")
@@ -420,6 +449,7 @@ class TopLevelConfig:
                          f"{params} parameters at ZeRO stage {zero.stage}: zero communicates "
                          "gradients in the parameters' dtype, except \"fp32\" for 16-bit "
                          "parameters at stage 0; drop the key or change it")
+        self._check_grad_accum_dtype(source, params, zero.stage)
         if zero.stage >= 2 and zero.reduce_scatter:
             # DeepSpeed asserts both: its reduce-scatter averages with a fixed 1/dp
             if self.prescale_gradients:

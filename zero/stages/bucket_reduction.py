@@ -18,9 +18,10 @@ from zero.errors import ZeroError
 
 
 def reduces_in_masters(settings, group):
-    """Stage 0 with fp32 communication of 16-bit gradients: each bucket is copied into the
-    fp32 master's gradient and all-reduced there."""
-    return settings.stage == 0 and settings.fp32_communication \
+    """Stage 0 with fp32 communication or accumulation of 16-bit gradients: each bucket is
+    copied (or, after micro batches summed there, added) into the fp32 master's gradient and
+    all-reduced there."""
+    return settings.stage == 0 and (settings.fp32_communication or settings.fp32_accumulation) \
         and not settings.external_reduction and not group.master_is_flat
 
 
@@ -31,6 +32,8 @@ class BucketReduction:
     backward (launches what is left, waits for everything), `reset()` before the next.
     `fresh_partition_grads` says the partition gradients hold nothing yet this step (the
     optimizer's zero_grad sets it): the first reduced bucket is copied in, later ones added.
+    `summed_in_masters` says stage 0's fp32 master gradients hold earlier micro batches'
+    gradients (fp32 accumulation), which a bucket adds to before they are reduced.
     """
 
     def __init__(self, groups, settings, dp_comm, param_order, pre_factor, post_factor,
@@ -40,6 +43,7 @@ class BucketReduction:
         self.pre_factor, self.post_factor = pre_factor, post_factor
         self.partition_rank = partition_rank
         self.fresh_partition_grads = True
+        self.summed_in_masters = False
         self.reset()
 
     def reset(self):
@@ -118,7 +122,12 @@ class BucketReduction:
         else:
             source = group.flat_bucket(group.full_grads, k)
             if reduces_in_masters(self.settings, group):  # reduce the fp32 copy: the master's grad
-                source = group.flat_bucket(group.master.grad, k).copy_(source)
+                target = group.flat_bucket(group.master.grad, k)
+                if self.summed_in_masters:
+                    add_into(target, source)
+                    source = target
+                else:
+                    source = target.copy_(source)
         if async_op and (self.settings.stage == 2 or group.units is not None):
             while len(self._in_flight) >= 2:  # bound the buffers in flight
                 self._in_flight.pop(0).wait()
@@ -207,4 +216,23 @@ def _accumulate_into(target, reduced, fresh):
     if fresh:
         target.copy_(reduced)
     else:
-        target.add_(reduced.to(target.device))
+        add_into(target, reduced.to(target.device))
+
+
+_WIDENING_CHUNK = 1 << 20
+
+
+def add_into(target, source):
+    """target += source. On a CPU torch adds a 16-bit tensor into an fp32 one several times
+    slower than it converts one (docs/benchmarks.md, bf16 gradient sums): there the source is
+    widened a chunk at a time into one fp32 buffer first."""
+    if source.dtype == target.dtype or target.device.type != "cpu":
+        target.add_(source)
+        return
+    flat_target, flat_source = target.view(-1), source.reshape(-1)
+    numel = flat_target.numel()
+    widened = torch.empty(min(_WIDENING_CHUNK, numel), dtype=target.dtype)
+    for lo in range(0, numel, _WIDENING_CHUNK):
+        n = min(_WIDENING_CHUNK, numel - lo)
+        chunk = widened[:n].copy_(flat_source[lo:lo + n])
+        flat_target[lo:lo + n].add_(chunk)

@@ -33,7 +33,7 @@ from functools import partial
 import torch
 
 from zero.errors import ZeroError
-from zero.stages.bucket_reduction import BucketReduction, reduces_in_masters
+from zero.stages.bucket_reduction import BucketReduction, add_into, reduces_in_masters
 from zero.stages.flat_buffers import FlatGroup, FlatLayout
 from zero.stages.masters import DeviceMasters
 from zero.stages.partitioned_optimizer import PartitionedOptimizer
@@ -53,6 +53,9 @@ class ZeroSettings:
     ignore_unused_parameters: bool
     fp32_communication: bool  # stage 0: all-reduce 16-bit gradients in fp32 (their masters)
     external_reduction: bool  # the module reduces its own gradients (torch DDP), stage 0
+    # stage 0, 16-bit params: micro batches' gradients summed, and reduced, in the fp32
+    # masters' gradients
+    fp32_accumulation: bool = False
 
 
 class ZeroOptimizer(PartitionedOptimizer):
@@ -198,8 +201,12 @@ class ZeroOptimizer(PartitionedOptimizer):
         self._backward_since_zero_grad = True
         self._reducing = (reduce_gradients and not self.settings.external_reduction) \
             or self.settings.stage == 2
-        reduced_earlier = self._restart_reduced_full_grads() \
-            if self.settings.stage == 1 and not self._reduction.fresh_partition_grads else []
+        reduced_earlier = []
+        if not self._reduction.fresh_partition_grads:  # a backward reduced since zero_grad
+            if self.settings.stage == 1:
+                reduced_earlier = self._restart_reduced_full_grads()
+            elif self.settings.fp32_accumulation:
+                reduced_earlier = self._restart_after_reduced_masters()
         if self.settings.stage < 2 and not self._grads_released:
             self._adopt_grads()  # the user may have set grads to None (zero_grad)
         scaled = loss * self.cur_scale if self.loss_scaler is not None and grad is None \
@@ -215,6 +222,8 @@ class ZeroOptimizer(PartitionedOptimizer):
                 self._grads_released = False
             if self._reducing:
                 self._reduction.finish()
+            elif self.settings.fp32_accumulation:
+                self._sum_into_masters()
             for partition_grad, earlier in reduced_earlier:
                 partition_grad.add_(earlier)
         finally:
@@ -241,6 +250,52 @@ class ZeroOptimizer(PartitionedOptimizer):
             group.full_grads.zero_()
         return kept
 
+    def _restart_after_reduced_masters(self):
+        """Stage 0 summing in fp32, a backward after one that reduced, before the step: the
+        fp32 masters' gradients hold the reduced sum so far and the flat buffer the last
+        micro batch's gradients, already in it. The buffer starts empty; a backward that
+        reduces reduces its own gradients, the sum so far kept aside and added back after
+        (returns those (master gradient, kept copy) pairs), one that does not adds them to
+        the sum, which is only right where there is nothing to reduce over (one rank)."""
+        self._empty_full_grads()
+        if not self._reducing:
+            if self.dp_comm.world_size > 1:
+                raise ZeroError("a backward pass with reduce_gradients=False after one that "
+                                "reduced the gradients, before the step: summed in fp32 at "
+                                "ZeRO stage 0, its gradients would reach the optimizer "
+                                "without the reduction over data parallelism. Let the last "
+                                "backward before the step reduce")
+            self._reduction.summed_in_masters = True
+            return []
+        self._reduction.summed_in_masters = False
+        return [(group.master.grad, group.master.grad.clone()) for group in self.groups
+                if reduces_in_masters(self.settings, group)]
+
+    def _sum_into_masters(self):
+        """Stage 0 summing in fp32, after a backward that did not reduce: its 16-bit gradients
+        are added into the fp32 masters' gradients, and the flat buffer starts the next micro
+        batch empty (the reduction at the step's last backward adds that one's too)."""
+        for group in self.groups:
+            if reduces_in_masters(self.settings, group):
+                target = group.master.grad
+                if self._reduction.summed_in_masters:
+                    add_into(target, group.full_grads)
+                else:
+                    target.copy_(group.full_grads)
+        self._reduction.summed_in_masters = True
+        self._empty_full_grads()
+
+    def _empty_full_grads(self):
+        """The full gradient buffer holds nothing: zeroed, or its views released (param.grad
+        None: the next backward hands autograd's fresh gradients over)."""
+        for group in self.groups:
+            if group.full_grads is not None and not self._releases_grads:
+                group.full_grads.zero_()
+            else:
+                for param in group.params:
+                    param.grad = None
+        self._grads_released = self._releases_grads
+
     def _adopt_grads(self):
         for group in self.groups:
             for i in range(len(group.params)):
@@ -259,14 +314,9 @@ class ZeroOptimizer(PartitionedOptimizer):
     def zero_grad(self):
         """Zeroes the full gradient buffer, or releases its views (param.grad None; the
         buffer is stale until the next backward or step adopts the gradients into it)."""
-        for group in self.groups:
-            if group.full_grads is not None and not self._releases_grads:
-                group.full_grads.zero_()
-            else:
-                for param in group.params:
-                    param.grad = None
-        self._grads_released = self._releases_grads
+        self._empty_full_grads()
         self._reduction.fresh_partition_grads = True
+        self._reduction.summed_in_masters = False
         self._backward_since_zero_grad = False
 
     def step(self):
@@ -311,15 +361,17 @@ class ZeroOptimizer(PartitionedOptimizer):
 
     def _stage_master_grads(self):
         """Stage 0 with 16-bit params: the fp32 master's grad is a copy of the reduced grads
-        (already there when they were reduced in fp32). Stages 1 and 2 after a step with no
-        backward since the last one: zeros, as stage 0 then has (what param.grad held, None
-        counting as zeros), not the partition gradients the last step used."""
+        (already there when they were reduced, or summed, in fp32; copied from the buffer when
+        no backward ran since zero_grad, the gradients set by hand). Stages 1 and 2 after a
+        step with no backward since the last one: zeros, as stage 0 then has (what param.grad
+        held, None counting as zeros), not the partition gradients the last step used."""
         nothing_reduced = self._nothing_reduced_since_zero_grad()
         for group in self.groups:
             if nothing_reduced:
                 group.master.grad.zero_()
-            elif self.settings.stage == 0 and not group.master_is_flat \
-                    and not reduces_in_masters(self.settings, group):
+            elif self.settings.stage == 0 and not group.master_is_flat and (
+                    not reduces_in_masters(self.settings, group)
+                    or not self._backward_since_zero_grad):  # gradients set by hand only
                 group.master.grad.copy_(group.full_grads)
 
     def _reduced_grad_norm_sq(self):

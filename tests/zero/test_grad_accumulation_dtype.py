@@ -1,0 +1,176 @@
+"""Summing micro batches' 16-bit gradients in fp32 at ZeRO stage 0 ('data_types.
+grad_accum_dtype', bf16's default there): against the float64 sum of the same bf16 gradients,
+on one rank and over two data-parallel ranks (reduced in fp32), with two losses at the step,
+hand-set gradients, and the combinations the config refuses."""
+
+import pytest
+import torch
+
+import zero
+from tests.dist_utils import run_distributed
+from zero.errors import ConfigError, ZeroError
+
+WIDTH, MICRO = 64, 4
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(),
+                               torch.nn.Linear(WIDTH, WIDTH)).to(torch.bfloat16)
+
+
+def _micro_batch(index):
+    generator = torch.Generator().manual_seed(100 + index)
+    return torch.randn(MICRO, WIDTH, generator=generator).to(torch.bfloat16)
+
+
+def _loss(model, batch):
+    return model(batch).float().pow(2).mean()
+
+
+def _bf16_grads(indices, divisor):
+    """Each micro batch's bf16 gradients of loss / divisor (what the engine's backward makes),
+    summed in float64: {name: tensor}."""
+    model, total = _model(), {}
+    for index in indices:
+        model.zero_grad()
+        (_loss(model, _micro_batch(index)) / divisor).backward()
+        for name, param in model.named_parameters():
+            total[name] = total.get(name, 0) + param.grad.double()
+    return total
+
+
+def _config(gas, precision="bf16", **extra):
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+              "zero_optimization": {"stage": 0},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **extra}
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    return config
+
+
+def _master_grads(engine):
+    """{name: the summed gradient} of a stage 0 engine after its last backward (before the
+    step): the fp32 master's gradient where it sums in fp32, else param.grad."""
+    names = {param: name for name, param in engine.module.named_parameters()}
+    in_masters = engine.optimizer.settings.fp32_accumulation
+    found = {}
+    for group in engine.optimizer.groups:
+        for param, offset, numel in zip(group.params, group.layout.offsets,
+                                        group.layout.numels):
+            found[names[param]] = group.master.grad[offset:offset + numel].view(param.shape) \
+                if in_masters else param.grad
+    return found
+
+
+def _accumulate(engine, indices):
+    for index in indices:
+        engine.backward(_loss(engine, _micro_batch(index)))
+        if index != indices[-1]:
+            engine.step()  # not a boundary: does nothing
+
+
+def _worst_error(found, expected):
+    return max(((found[n].double() - expected[n]).abs().max() / expected[n].abs().max()).item()
+               for n in expected)
+
+
+@pytest.mark.parametrize("data_types, summed_in_fp32", [
+    ({}, True),  # bf16's default at stage 0
+    ({"data_types": {"grad_accum_dtype": "fp32"}}, True),
+    ({"data_types": {"grad_accum_dtype": "bf16"}}, False),
+])
+def test_micro_batches_are_summed_in_the_dtype_asked_for(data_types, summed_in_fp32):
+    gas = 16
+    engine, *_ = zero.initialize(model=_model(), config=_config(gas, **data_types))
+    assert engine.optimizer.settings.fp32_accumulation == summed_in_fp32
+    _accumulate(engine, list(range(gas)))
+    error = _worst_error(_master_grads(engine), _bf16_grads(range(gas), gas))
+    if summed_in_fp32:
+        assert error < 1e-6, error  # fp32 rounding of exact bf16 addends
+    else:
+        assert 1e-4 < error < 2e-2, error  # bf16 rounding at each of the 15 additions
+
+
+def _dp2_master_grads(rank, world_size):
+    engine, *_ = zero.initialize(model=_model(), config=_config(4))
+    _accumulate(engine, [4 * rank + i for i in range(4)])
+    return {name: grad.clone() for name, grad in _master_grads(engine).items()}
+
+
+def test_two_data_parallel_ranks_reduce_the_fp32_sums():
+    expected = {name: grad / 2 for name, grad in _bf16_grads(range(8), 4).items()}  # the mean
+    for found in run_distributed(_dp2_master_grads, 2):
+        assert _worst_error(found, expected) < 1e-6
+
+
+def _two_losses_at_the_step(rank, world_size):
+    """Micro batches 0-1 accumulate, then two losses are backpropagated at the boundary."""
+    engine, *_ = zero.initialize(model=_model(), config=_config(3))
+    base = 10 * rank
+    engine.backward(_loss(engine, _micro_batch(base)))
+    engine.step()
+    engine.backward(_loss(engine, _micro_batch(base + 1)))
+    engine.step()
+    for index in (base + 2, base + 3):  # both reduce: the step's boundary
+        engine.backward(_loss(engine, _micro_batch(index)))
+    grads = {name: grad.clone() for name, grad in _master_grads(engine).items()}
+    with pytest.raises(ZeroError, match="reduce_gradients=False after one that reduced"), \
+            engine.no_sync():
+        engine.backward(_loss(engine, _micro_batch(base)))
+    return grads
+
+
+def test_two_losses_backpropagated_at_the_step_add_their_gradients():
+    expected = {name: grad / 2 for name, grad in
+                _bf16_grads([0, 1, 2, 3, 10, 11, 12, 13], 3).items()}
+    for found in run_distributed(_two_losses_at_the_step, 2):
+        assert _worst_error(found, expected) < 1e-6
+
+
+def test_gradients_set_by_hand_reach_the_masters():
+    config = _config(1)
+    config["optimizer"]["params"]["weight_decay"] = 0.0  # only a gradient moves a weight
+    engine, *_ = zero.initialize(model=_model(), config=config)
+    for param in engine.module.parameters():
+        param.grad = torch.full_like(param, 0.5)
+    before = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    engine.step()
+    for name, param in engine.module.named_parameters():
+        assert not torch.equal(param.detach().float(), before[name]), name  # Adam moved it
+
+
+@pytest.mark.parametrize("precision, stage, dtype, message", [
+    ("bf16", 1, "fp32", r"'data_types.grad_accum_dtype' 'fp32' with bf16 parameters at ZeRO "
+                        r"stage 1: gradients are summed in the parameters' dtype \(bf16\)"),
+    ("bf16", 2, "bf16", r"'bf16' with bf16 parameters at ZeRO stage 2: gradients are summed "
+                        r"in fp32"),
+    ("fp32", 0, "bf16", r"'bf16' with fp32 parameters at ZeRO stage 0: gradients are summed "
+                        r"in fp32, the parameters' dtype"),
+])
+def test_a_dtype_the_stage_does_not_sum_in_is_refused(precision, stage, dtype, message):
+    config = _config(1, precision=precision, data_types={"grad_accum_dtype": dtype})
+    config["zero_optimization"]["stage"] = stage
+    with pytest.raises(ConfigError, match=message):
+        zero.initialize(model=_model().float() if precision == "fp32" else _model(),
+                        config=config)
+
+
+def test_fp16_sums_in_fp16_unless_asked():
+    fp16 = _config(1, precision="fp16")
+    engine, *_ = zero.initialize(model=_model().half(), config=fp16)
+    assert not engine.optimizer.settings.fp32_accumulation
+    engine, *_ = zero.initialize(model=_model().half(),
+                                 config={**fp16, "data_types": {"grad_accum_dtype": "fp32"}})
+    assert engine.optimizer.settings.fp32_accumulation
+
+
+def test_a_long_16bit_tensor_adds_into_fp32_in_chunks():
+    """add_into widens a CPU 16-bit source a chunk at a time: every chunk lands, the last
+    short one too."""
+    from zero.stages.bucket_reduction import add_into
+    source = torch.randn(2_500_003).to(torch.bfloat16)
+    target = torch.randn(2_500_003)
+    expected = target + source.float()
+    add_into(target, source)
+    assert torch.equal(target, expected)
