@@ -69,9 +69,12 @@ def _write_failures_explained(path, tmp):
 
 def safe_load(path, mmap=False):
     """Load a checkpoint file without executing pickled code; with `mmap`, mapped from the
-    file (privately; zero.checkpoint.files.load_plain)."""
+    file (privately; zero.checkpoint.files.load_plain). Megatron-LM's pickled arguments and
+    NumPy RNG state are allowed (megatron/checkpointing/megatron_lm.py), nothing else."""
+    from megatron.checkpointing.megatron_lm import allowed_globals
     try:
-        return load_plain(path, mmap)
+        with torch.serialization.safe_globals(allowed_globals()):
+            return load_plain(path, mmap)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} does not exist") from None
     except Exception as exc:  # corrupt file or a pickle with code in it

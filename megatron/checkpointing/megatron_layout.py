@@ -33,6 +33,7 @@ import torch
 from megatron import mpu
 from megatron.checkpointing.files import (atomic_torch_save, barrier,
                                           is_global_rank0, safe_load)
+from megatron.checkpointing.megatron_lm import as_this_layout, require_weights_only
 from megatron.checkpointing.optimizer_state import (load_megatron_optimizer_state,
                                                     megatron_optimizer_state)
 from megatron.checkpointing.retention import MEGATRON_LAYOUT, publish_checkpoint
@@ -252,7 +253,8 @@ def load_checkpoint(module, engine, checkpoint, run_args, device, convert=None):
     else:
         if not os.path.isfile(path):
             _explain_missing_file(load_dir, iteration, path, directory, run_args)
-        state = safe_load(path)
+        state = as_this_layout(safe_load(path), path)
+    require_weights_only(state, checkpoint, path)
     if "args" in state:
         _check_model_parallel_size(load_dir, run_args, directory,
                                    state["args"].get("model_parallel_size"))

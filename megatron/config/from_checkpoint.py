@@ -42,9 +42,11 @@ def _first_rank_state(load_dir, deepspeed):
     path = _deepspeed_states_path(load_dir) if deepspeed else _megatron_path(load_dir)
     if path is None or not os.path.isfile(path):
         return None  # a missing file is reported by the load itself, with its full context
-    from zero.checkpoint.files import load_plain  # torch: only when there is a checkpoint
+    # torch: only when there is a checkpoint
+    from megatron.checkpointing.files import safe_load
+    from megatron.checkpointing.megatron_lm import as_this_layout
     try:
-        return load_plain(path, mmap=True)
+        return as_this_layout(safe_load(path, mmap=True), path)
     except Exception:  # noqa: BLE001 -- the load itself reports a damaged file properly
         return None
 

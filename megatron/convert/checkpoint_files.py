@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import List
 
 from megatron.checkpointing.files import atomic_torch_save, atomic_write_text, safe_load
+from megatron.checkpointing.megatron_lm import as_this_layout
 from megatron.checkpointing.megatron_layout import (TRACKER_FILENAME, get_checkpoint_name,
                                                     read_tracker)
 from megatron.convert.pipeline_layout import join_stages, split_stages
@@ -59,7 +60,7 @@ def read_sharded_checkpoint(load_dir, iteration=None):
         return _read_staged(load_dir, iteration, release, directory, stages)
     first_path = get_checkpoint_name(load_dir, iteration, mp_rank=0, release=release,
                                      pipeline_parallel=False)
-    first = safe_load(first_path, mmap=True)
+    first = _read_file(first_path)
     if not isinstance(first, dict) or not isinstance(first.get("args"), dict) \
             or "model" not in first:
         raise CheckpointError(f"{first_path} has no 'model' and 'args' entries: it was not "
@@ -70,7 +71,7 @@ def read_sharded_checkpoint(load_dir, iteration=None):
     for rank in range(1, size):
         path = get_checkpoint_name(load_dir, iteration, mp_rank=rank, release=release,
                                    pipeline_parallel=False)
-        shard = safe_load(path, mmap=True)
+        shard = _read_file(path)
         saved_size = shard.get("args", {}).get("model_parallel_size")
         if saved_size != size or shard.get("iteration") != first.get("iteration"):
             raise CheckpointError(
@@ -82,6 +83,12 @@ def read_sharded_checkpoint(load_dir, iteration=None):
     return ShardedCheckpoint(load_dir, iteration, release, shards)
 
 
+def _read_file(path):
+    """One model_optim_rng.pt, memory-mapped, in this trainer's layout (Megatron-LM's own
+    files renamed: megatron/checkpointing/megatron_lm.py)."""
+    return as_this_layout(safe_load(path, mmap=True), path)
+
+
 def _pipeline_stages(directory):
     stages = {int(m.group(1)) for m in map(_STAGE_DIR.fullmatch, os.listdir(directory)) if m}
     return max(stages) + 1 if stages else 1
@@ -91,7 +98,7 @@ def _read_staged(load_dir, iteration, release, directory, stages):
     """Every mp_rank_TT_PPP file, each tensor-parallel rank's stages joined into one."""
     first_path = get_checkpoint_name(load_dir, iteration, 0, release, pp_rank=0,
                                      pipeline_parallel=True)
-    first = safe_load(first_path, mmap=True)
+    first = _read_file(first_path)
     if not isinstance(first, dict) or not isinstance(first.get("args"), dict):
         raise CheckpointError(f"{first_path} has no 'args' entry: it was not saved by "
                               "pretrain_gpt2.py and cannot be converted")
@@ -110,9 +117,8 @@ def _read_staged(load_dir, iteration, release, directory, stages):
     shards = []
     for rank in range(size):
         files = [first if rank == 0 and stage == 0 else
-                 safe_load(get_checkpoint_name(load_dir, iteration, rank, release,
-                                               pp_rank=stage, pipeline_parallel=True),
-                           mmap=True)
+                 _read_file(get_checkpoint_name(load_dir, iteration, rank, release,
+                                                pp_rank=stage, pipeline_parallel=True))
                  for stage in range(saved_stages)]
         for stage, contents in enumerate(files):
             if contents.get("iteration") != first.get("iteration"):

@@ -10,11 +10,12 @@ tools/merge_mp_partitions.py, in memory. The data-parallel size is free in this 
 """
 
 from megatron import mpu
+from megatron.checkpointing.files import safe_load
+from megatron.checkpointing.megatron_lm import as_this_layout
 from megatron.checkpointing.megatron_layout import first_rank_checkpoint_name, read_tracker
 from megatron.convert.checkpoint_files import read_sharded_checkpoint
 from megatron.convert.pipeline_layout import stage_file, stage_parameter_names
 from megatron.convert.reshard import check_target_stages, checkpoint_of_rank, resharded
-from zero.checkpoint.files import load_plain
 
 
 def saved_layout(load_dir):
@@ -23,9 +24,9 @@ def saved_layout(load_dir):
     iteration, release = read_tracker(load_dir)
     if iteration is None:
         return None
+    path = first_rank_checkpoint_name(load_dir, iteration, release)
     try:
-        args = load_plain(first_rank_checkpoint_name(load_dir, iteration, release),
-                          mmap=True)["args"]
+        args = as_this_layout(safe_load(path, mmap=True), path)["args"]
     except Exception:  # noqa: BLE001 -- the load itself reports a missing or damaged file
         return None
     return (args.get("model_parallel_size", 1), args.get("pipeline_model_parallel_size", 1),

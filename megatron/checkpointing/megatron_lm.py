@@ -1,0 +1,157 @@
+"""Checkpoints saved by Megatron-LM itself (1.x to 3.x, before Megatron-core models) and by
+Megatron-DeepSpeed without --deepspeed, read as this trainer's Megatron layout.
+
+Their files are this layout's (iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt), but they pickle
+their arguments (an argparse.Namespace) and NumPy's RNG state, which a weights-only load
+refuses: `safe_load` (files.py) allows those classes alone, so no pickled code runs. The rest
+differs by names and one ordering (megatron/checkpointing/checkpointing.py in Megatron-LM):
+
+    language_model 'encoder' (2.x and later)   -> 'transformer'
+    layers.N.self_attention.*                  -> layers.N.attention.*
+    args tensor_model_parallel_size            -> model_parallel_size
+    checkpoint_version 0 (or none): each query_key_value's rows are [3, heads, head size],
+    1.0: [heads, head size, 3]                 -> 2.0's [heads, 3, head size], as this model's
+
+A model this trainer does not build (SwiGLU, rotary positions, RMSNorm, untied output layer,
+no biases, grouped-query attention, experts, Megatron-core's layer names, interleaved
+pipeline chunks) is one error naming what differs. Its optimizer and RNG states are in
+Megatron-LM's formats, which are not read: such a checkpoint is weights only (--finetune,
+or --no-load-optim --no-load-rng).
+"""
+
+import argparse
+
+from megatron.errors import CheckpointError
+
+SOURCE = "Megatron-LM"
+# the args a foreign checkpoint records that this trainer's model needs to match; their
+# absence means Megatron-LM's default
+_NOT_BUILT = (
+    ("swiglu", lambda v: v, "SwiGLU MLPs"),
+    ("untie_embeddings_and_output_weights", lambda v: v, "an output layer untied from the "
+                                                          "word embeddings"),
+    ("use_rotary_position_embeddings", lambda v: v, "rotary position embeddings"),
+    ("position_embedding_type", lambda v: v not in (None, "learned_absolute"),
+     "position embeddings other than learned absolute ones"),
+    ("normalization", lambda v: v not in (None, "LayerNorm"), "a normalization other than "
+                                                               "LayerNorm"),
+    ("add_bias_linear", lambda v: v is False, "linear layers without biases"),
+    ("group_query_attention", lambda v: v, "grouped-query attention"),
+    ("num_experts", lambda v: v not in (None, 1, [1]), "mixture of experts"),
+    ("apply_residual_connection_post_layernorm", lambda v: v, "the post-LayerNorm residual"),
+    ("use_mcore_models", lambda v: v, "Megatron-core's model classes"),
+)
+
+
+def numpy_globals():
+    """What a weights-only load needs for NumPy's RNG state in a pickle: the array
+    reconstructor (under both of its module names: NumPy 1 pickles name numpy.core, NumPy 2
+    numpy._core), ndarray and dtype; none runs code."""
+    import numpy
+    multiarray = getattr(numpy, "_core", None) or numpy.core
+    reconstruct = multiarray.multiarray._reconstruct
+    return [numpy.ndarray, numpy.dtype, reconstruct,
+            (reconstruct, "numpy.core.multiarray._reconstruct"),
+            (reconstruct, "numpy._core.multiarray._reconstruct"),
+            *{type(numpy.dtype(code)) for code in ("uint32", "float64", "int64")}]
+
+
+def allowed_globals():
+    return [argparse.Namespace, *numpy_globals()]
+
+
+def as_this_layout(state, path):
+    """A checkpoint file's contents in this trainer's layout: Megatron-LM's (args pickled as
+    an argparse.Namespace) renamed and re-ordered, marked with state["saved_by"]; this
+    trainer's own unchanged."""
+    if not isinstance(state, dict) or not isinstance(state.get("args"), argparse.Namespace):
+        return state
+    args = dict(vars(state["args"]))
+    _refuse_models_not_built(args, state, path)
+    version = state.get("checkpoint_version", 0) or 0
+    args.setdefault("model_parallel_size", args.get("tensor_model_parallel_size", 1))
+    args.setdefault("pipeline_model_parallel_size", 1)
+    if args.get("layernorm_epsilon") is None and args.get("norm_epsilon") is not None:
+        args["layernorm_epsilon"] = args["norm_epsilon"]
+    model = state.get("model")
+    if not isinstance(model, dict) or "language_model" not in model:
+        raise CheckpointError(f"{path} was saved by {SOURCE} but holds no "
+                              "model['language_model']: not a GPT model checkpoint")
+    # its optimizer, schedule and RNG states are in Megatron-LM's formats: not carried
+    converted = {key: state[key] for key in ("iteration", "train_state") if key in state}
+    converted.update(args=args, model=_renamed_model(model, args, version, path),
+                     checkpoint_version=2.0, saved_by=SOURCE)
+    return converted
+
+
+def _refuse_models_not_built(args, state, path):
+    what = [label for key, differs, label in _NOT_BUILT if differs(args.get(key))]
+    chunks = sorted(key for key in state if key.startswith("model") and key[5:].isdigit())
+    if chunks:
+        what.append(f"interleaved pipeline chunks ({', '.join(chunks)}: "
+                    "--num-layers-per-virtual-pipeline-stage)")
+    model = state.get("model")
+    if isinstance(model, dict) and ("decoder" in model or any(
+            str(key).startswith(("decoder.", "embedding.")) for key in model)):
+        what.append("Megatron-core's layer names (--use-mcore-models)")
+    language_model = model.get("language_model", {}) if isinstance(model, dict) else {}
+    if isinstance(language_model, dict) and "output_layer" in language_model:
+        what.append("an output layer untied from the word embeddings")
+    if what:
+        raise CheckpointError(
+            f"{path} was saved by {SOURCE} for a model this trainer does not build: "
+            f"{'; '.join(dict.fromkeys(what))}. This trainer builds GPT-2 (learned positions, "
+            "LayerNorm, GeLU MLP with biases, tied embeddings); convert only such a model (a "
+            "Megatron-core one first to the legacy format with Megatron-LM's "
+            "tools/checkpoint/convert.py)")
+
+
+def _renamed_model(model, args, version, path):
+    renamed = {key: value for key, value in model.items()
+               if key not in ("language_model", "word_embeddings_for_head")}
+    # (word_embeddings_for_head: a last pipeline stage's copy of the tied word embeddings)
+    language_model = dict(model["language_model"])
+    if "encoder" in language_model:
+        language_model["transformer"] = language_model.pop("encoder")
+    layers = language_model.get("transformer")
+    if isinstance(layers, dict):
+        heads = args["num_attention_heads"] // args["model_parallel_size"]
+        language_model["transformer"] = {
+            name: _qkv_in_version_2(tensor, name, heads, version, path)
+            for name, tensor in ((key.replace(".self_attention.", ".attention."), value)
+                                 for key, value in layers.items())}
+    renamed["language_model"] = language_model
+    return renamed
+
+
+def _qkv_in_version_2(tensor, name, heads, version, path):
+    """A query_key_value weight or bias of this tensor-parallel shard (`heads` heads) with
+    its rows in checkpoint version 2.0's order [heads, 3, head size]."""
+    if not name.endswith((".query_key_value.weight", ".query_key_value.bias")) or version >= 2:
+        return tensor
+    if version not in (0, 1):
+        raise CheckpointError(f"{path}: checkpoint_version {version} is not one Megatron-LM "
+                              "wrote (0, 1.0, 2.0, 3.0)")
+    rows, rest = tensor.shape[0], tuple(tensor.shape[1:])
+    head_size = rows // (3 * heads)
+    if version == 0:  # [3, heads, head size]
+        ordered = tensor.reshape(3, heads, head_size, *rest).transpose(0, 1)
+    else:  # 1.0: [heads, head size, 3]
+        ordered = tensor.reshape(heads, head_size, 3, *rest).transpose(1, 2)
+    return ordered.reshape(rows, *rest).contiguous()
+
+
+def require_weights_only(state, checkpoint, path):
+    """A Megatron-LM checkpoint resumed with its optimizer or RNG state: one error saying
+    what to give instead (their formats are Megatron-LM's own)."""
+    if state.get("saved_by") != SOURCE or checkpoint.finetune:
+        return
+    wanted = [flag for flag, skipped in (("--no-load-optim", checkpoint.no_load_optim),
+                                         ("--no-load-rng", checkpoint.no_load_rng))
+              if not skipped]
+    if wanted:
+        raise CheckpointError(
+            f"{path} was saved by {SOURCE}, whose optimizer and RNG states are in its own "
+            "formats, not read here: load its weights with --finetune (from iteration 0), or "
+            f"add {' '.join(wanted)} to continue at its iteration {state.get('iteration')} "
+            "with a fresh optimizer")

@@ -1,0 +1,151 @@
+"""Checkpoints saved by Megatron-LM itself (checkpoint versions 0, 1.0 and 3.0) and by
+Megatron-DeepSpeed without --deepspeed: made here from this trainer's own by Megatron-LM's
+renames (pickled argparse.Namespace arguments, NumPy RNG state, 'encoder', 'self_attention',
+the older QKV row orders), then converted and trained from — the same weights as the
+original, bit for bit."""
+
+import argparse
+import os
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.convert.loaders import load_model_weights
+from megatron.errors import CheckpointError
+from tests.convert.conftest import load_tool
+from tests.training.test_deepspeed import NO_DROPOUT, read_losses, run
+
+tool = load_tool("convert_checkpoint")
+HEADS = 4
+
+
+def _megatron_lm_file(state, version, extra_args=None):
+    """Our checkpoint file's contents as Megatron-LM would have saved them."""
+    args = dict(state["args"])
+    args["tensor_model_parallel_size"] = args.pop("model_parallel_size")
+    args.update(bias_gelu_fusion=True, position_embedding_type="learned_absolute",
+                swiglu=False, params_dtype=torch.float32)
+    args.update(extra_args or {})
+    heads = HEADS // args["tensor_model_parallel_size"]
+    language_model = dict(state["model"]["language_model"])
+    layers = {key.replace(".attention.", ".self_attention."): _old_qkv(key, value, heads,
+                                                                       version)
+              for key, value in language_model.pop("transformer").items()}
+    language_model["encoder" if version >= 2 else "transformer"] = layers
+    saved = {"args": argparse.Namespace(**args), "iteration": state["iteration"],
+             "model": {"language_model": language_model},
+             "optimizer": {"optimizer": {"state": {}, "param_groups": []},
+                           "fp32_from_fp16_params": [], "grad_scaler": None},
+             "opt_param_scheduler": {"num_steps": state["iteration"]},
+             "rng_state": [{"random_rng_state": random.getstate(),
+                            "np_rng_state": np.random.get_state(),
+                            "torch_rng_state": torch.get_rng_state()}]}
+    if version:
+        saved["checkpoint_version"] = version
+    return saved
+
+
+def _old_qkv(key, tensor, heads, version):
+    """Rows [heads, 3, head size] (2.0) in version 0's [3, heads, size] or 1.0's [heads,
+    size, 3] order."""
+    if not key.endswith((".query_key_value.weight", ".query_key_value.bias")) or version >= 2:
+        return tensor
+    rows, rest = tensor.shape[0], tuple(tensor.shape[1:])
+    split = tensor.reshape(heads, 3, rows // (3 * heads), *rest)
+    old = split.transpose(0, 1) if version == 0 else split.transpose(1, 2)
+    return old.reshape(rows, *rest).contiguous()
+
+
+def _as_megatron_lm(source, target, version, **extra_args):
+    """A copy of the Megatron-layout checkpoint `source` in Megatron-LM's form."""
+    shutil.copytree(source, target)
+    for folder, _, files in os.walk(target):
+        if "model_optim_rng.pt" in files:
+            path = os.path.join(folder, "model_optim_rng.pt")
+            state = torch.load(path, weights_only=True)
+            torch.save(_megatron_lm_file(state, version, extra_args), path)
+    return target
+
+
+@pytest.fixture(scope="module")
+def ours(corpus, tmp_path_factory):
+    """This trainer's checkpoint after 2 iterations (TP 1), and the same at TP 2."""
+    root = tmp_path_factory.mktemp("ours")
+    assert run(corpus, root / "log", 2, *NO_DROPOUT, "--save", root / "tp1") == 0
+    assert tool.main(["--load-dir", str(root / "tp1"), "--save-dir", str(root / "tp2"),
+                      "--saver", "megatron", "--target-tensor-parallel-size", "2"]) == 0
+    return root
+
+
+@pytest.mark.parametrize("version, layout", [(3.0, "tp1"), (3.0, "tp2"), (1.0, "tp2"),
+                                             (0, "tp2"), (0, "tp1")])
+def test_a_megatron_lm_checkpoint_converts_to_the_same_weights(ours, tmp_path, version, layout):
+    mlm = _as_megatron_lm(ours / layout, tmp_path / "mlm", version)
+    expected = load_model_weights(str(ours / layout))
+    found = load_model_weights(str(mlm))  # the format detected: Megatron's folders
+    assert sorted(found.state_dict) == sorted(expected.state_dict)
+    for name, tensor in expected.state_dict.items():
+        assert torch.equal(found.state_dict[name], tensor), name
+    assert found.iteration == expected.iteration
+    assert tool.main(["--load-dir", str(mlm), "--save-dir", str(tmp_path / "hf"),
+                      "--saver", "hf"]) == 0
+
+
+def test_the_trainer_fine_tunes_from_it_as_from_the_original(corpus, ours, tmp_path):
+    """--finetune from the Megatron-LM form at TP 1 and at TP 2 (merged to TP 1 as it
+    loads): the same losses as from this trainer's own checkpoint of that layout."""
+    for layout in ("tp1", "tp2"):
+        assert run(corpus, tmp_path / f"expected_{layout}", 2, *NO_DROPOUT, "--load",
+                   ours / layout, "--finetune") == 0
+        mlm = _as_megatron_lm(ours / layout, tmp_path / f"mlm_{layout}", 3.0)
+        assert run(corpus, tmp_path / layout, 2, *NO_DROPOUT, "--load", mlm,
+                   "--finetune") == 0
+        assert read_losses(tmp_path / layout) == read_losses(tmp_path / f"expected_{layout}")
+
+
+def test_its_optimizer_state_is_not_read(corpus, ours, tmp_path, capsys):
+    mlm = _as_megatron_lm(ours / "tp1", tmp_path / "mlm", 3.0)
+    assert run(corpus, tmp_path / "resume", 4, *NO_DROPOUT, "--load", mlm) == 2
+    out = capsys.readouterr()
+    assert "was saved by Megatron-LM, whose optimizer and RNG states are in its own formats" \
+        in out.out + out.err
+    assert "add --no-load-optim --no-load-rng to continue at its iteration 2" in out.out + out.err
+    assert run(corpus, tmp_path / "fresh", 4, *NO_DROPOUT, "--load", mlm, "--no-load-optim",
+               "--no-load-rng") == 0
+    assert sorted(read_losses(tmp_path / "fresh")) == [3, 4]
+
+
+@pytest.mark.parametrize("extra_args, state_change, message", [
+    ({"swiglu": True, "normalization": "RMSNorm"}, None,
+     "for a model this trainer does not build: SwiGLU MLPs; a normalization other than "
+     "LayerNorm"),
+    ({"untie_embeddings_and_output_weights": True}, None,
+     "an output layer untied from the word embeddings"),
+    ({}, lambda s: s.update(model0=s["model"]), "interleaved pipeline chunks (model0"),
+    ({}, lambda s: s.update(model={"decoder": {}}), "Megatron-core's layer names"),
+])
+def test_a_model_this_trainer_does_not_build_is_one_error(ours, tmp_path, extra_args,
+                                                          state_change, message):
+    mlm = _as_megatron_lm(ours / "tp1", tmp_path / "mlm", 3.0, **extra_args)
+    if state_change is not None:
+        path = mlm / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+        state = torch.load(path, weights_only=False)
+        state_change(state)
+        torch.save(state, path)
+    with pytest.raises(CheckpointError, match="was saved by Megatron-LM") as error:
+        load_model_weights(str(mlm))
+    assert message in str(error.value)
+
+
+def test_other_pickled_classes_are_still_refused(ours, tmp_path):
+    """Only Megatron-LM's argparse.Namespace and NumPy's RNG arrays are let through."""
+    mlm = _as_megatron_lm(ours / "tp1", tmp_path / "mlm", 3.0)
+    path = mlm / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["args"].hook = shutil.rmtree  # a callable: what a malicious pickle would carry
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match="Unsupported global: GLOBAL shutil.rmtree"):
+        load_model_weights(str(mlm))
