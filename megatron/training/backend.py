@@ -9,8 +9,8 @@ is chosen once, at start-up, by the backend class:
     MegatronBackend   Megatron's checkpoint layout (loaded at any TP x PP size); --DDP-impl torch
     ZeroBackend       DeepSpeed's checkpoint layout; zero.Init at ZeRO stage 3
 
-The trainer calls `train_step`, `report`, `weights_norm`, `save`, `load`, `checkpoint_tag` and
-uses `model` for forward passes; nothing else of the engine.
+The trainer calls `train_step`, `report`, `optimizer_scalars`, `weights_norm`, `save`, `load`,
+`checkpoint_tag` and uses `model` for forward passes; nothing else of the engine.
 """
 
 import contextlib
@@ -129,11 +129,15 @@ class Backend:
             times["optimizer"] = times.pop("step")
         return times
 
+    def optimizer_scalars(self):
+        """The learning rate (what the schedule set, ours or the config's) and loss scale."""
+        return {"lr": self.engine.optimizer.param_groups[0]["lr"],
+                "loss_scale": self.engine.optimizer.cur_scale}
+
     def report(self):
-        """What the log line shows of the optimizer (and of the pipeline: its bubble). Called
-        on every rank."""
-        record = {"lr": self.engine.optimizer.param_groups[0]["lr"],
-                  "loss_scale": self.engine.optimizer.cur_scale}
+        """What the log line shows of the optimizer and of the pipeline: its bubble since the
+        last report (a collective over the stages). Called on every rank."""
+        record = self.optimizer_scalars()
         if self.pipeline is not None:
             record["pipeline_bubble"] = self.pipeline.bubble()
         return record

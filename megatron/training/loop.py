@@ -186,7 +186,7 @@ class _IterationScalars:
         if self.every and iteration % self.every == 0:
             self.pending[iteration] = {
                 "iteration": iteration, "consumed_samples": state["consumed_train_samples"],
-                **self.backend.report(), "grad_norm": grad_norm,
+                **self.backend.optimizer_scalars(), "grad_norm": grad_norm,
                 **({"params_norm": self.weights_norm(iteration)} if self.params_norm else {})}
 
     def weights_norm(self, iteration):

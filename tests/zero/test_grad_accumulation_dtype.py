@@ -49,25 +49,33 @@ def _config(gas, precision="bf16", **extra):
     return config
 
 
-def _master_grads(engine):
-    """{name: the summed gradient} of a stage 0 engine after its last backward (before the
-    step): the fp32 master's gradient where it sums in fp32, else param.grad."""
+def _step_grads(engine):
+    """Run the step; return {name: the fp32 master's gradient it used (copied as its norm is
+    taken, before Adam)}."""
+    optimizer, seen = engine.optimizer, {}
     names = {param: name for name, param in engine.module.named_parameters()}
-    in_masters = engine.optimizer.settings.fp32_accumulation
-    found = {}
-    for group in engine.optimizer.groups:
-        for param, offset, numel in zip(group.params, group.layout.offsets,
-                                        group.layout.numels):
-            found[names[param]] = group.master.grad[offset:offset + numel].view(param.shape) \
-                if in_masters else param.grad
-    return found
+    norm = optimizer._reduced_grad_norm_sq
+
+    def capture():
+        for group in optimizer.groups:
+            for param, offset, numel in zip(group.params, group.layout.offsets,
+                                            group.layout.numels):
+                grad = group.master.grad[offset:offset + numel].view(param.shape)
+                seen[names[param]] = grad.clone()
+        return norm()
+    optimizer._reduced_grad_norm_sq = capture
+    engine.step()
+    optimizer._reduced_grad_norm_sq = norm
+    return seen
 
 
 def _accumulate(engine, indices):
+    """Backward of each micro batch and the steps between (not at a boundary: nothing), up to
+    the last backward."""
     for index in indices:
         engine.backward(_loss(engine, _micro_batch(index)))
         if index != indices[-1]:
-            engine.step()  # not a boundary: does nothing
+            engine.step()
 
 
 def _worst_error(found, expected):
@@ -85,7 +93,7 @@ def test_micro_batches_are_summed_in_the_dtype_asked_for(data_types, summed_in_f
     engine, *_ = zero.initialize(model=_model(), config=_config(gas, **data_types))
     assert engine.optimizer.settings.fp32_accumulation == summed_in_fp32
     _accumulate(engine, list(range(gas)))
-    error = _worst_error(_master_grads(engine), _bf16_grads(range(gas), gas))
+    error = _worst_error(_step_grads(engine), _bf16_grads(range(gas), gas))
     if summed_in_fp32:
         assert error < 1e-6, error  # fp32 rounding of exact bf16 addends
     else:
@@ -95,7 +103,7 @@ def test_micro_batches_are_summed_in_the_dtype_asked_for(data_types, summed_in_f
 def _dp2_master_grads(rank, world_size):
     engine, *_ = zero.initialize(model=_model(), config=_config(4))
     _accumulate(engine, [4 * rank + i for i in range(4)])
-    return {name: grad.clone() for name, grad in _master_grads(engine).items()}
+    return _step_grads(engine)
 
 
 def test_two_data_parallel_ranks_reduce_the_fp32_sums():
@@ -114,7 +122,9 @@ def _two_losses_at_the_step(rank, world_size):
     engine.step()
     for index in (base + 2, base + 3):  # both reduce: the step's boundary
         engine.backward(_loss(engine, _micro_batch(index)))
-    grads = {name: grad.clone() for name, grad in _master_grads(engine).items()}
+    grads = _step_grads(engine)
+    engine, *_ = zero.initialize(model=_model(), config=_config(1))
+    engine.backward(_loss(engine, _micro_batch(base)))  # reduces: a boundary
     with pytest.raises(ZeroError, match="reduce_gradients=False after one that reduced"), \
             engine.no_sync():
         engine.backward(_loss(engine, _micro_batch(base)))
@@ -126,6 +136,40 @@ def test_two_losses_backpropagated_at_the_step_add_their_gradients():
                 _bf16_grads([0, 1, 2, 3, 10, 11, 12, 13], 3).items()}
     for found in run_distributed(_two_losses_at_the_step, 2):
         assert _worst_error(found, expected) < 1e-6
+
+
+def _one_rank_two_losses():
+    engine, *_ = zero.initialize(model=_model(), config=_config(3))
+    _accumulate(engine, [0, 1, 2])
+    engine.backward(_loss(engine, _micro_batch(3)))  # a second loss at the boundary
+    return _step_grads(engine)
+
+
+def test_one_rank_sums_two_losses_at_the_step_too():
+    found = _one_rank_two_losses()
+    assert _worst_error(found, _bf16_grads([0, 1, 2, 3], 3)) < 1e-2  # the last two: bf16
+    # (on one rank the boundary's losses are summed in param.grad, read at the step)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_gradients_edited_after_backward_reach_the_step_on_one_rank(precision):
+    """Nothing is reduced on one rank, so the last micro batch's gradients join the fp32 sum
+    at the step, as param.grad holds them then: zeroed by hand after backward, nothing
+    moves."""
+    config = _config(2, precision=precision)
+    config["optimizer"]["params"]["weight_decay"] = 0.0
+    model = _model() if precision == "bf16" else _model().half()
+    engine, *_ = zero.initialize(model=model, config=config)
+    assert engine.optimizer.settings.fp32_accumulation == (precision == "bf16")
+    dtype = next(engine.module.parameters()).dtype
+    engine.backward(_loss(engine, _micro_batch(0).to(dtype)).detach().requires_grad_())
+    engine.step()  # (a micro batch that gave no parameter a gradient)
+    engine.backward(_loss(engine, _micro_batch(1).to(dtype)))
+    for param in engine.module.parameters():
+        param.grad.zero_()
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    engine.step()
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, engine.module.parameters()))
 
 
 def test_gradients_set_by_hand_reach_the_masters():
@@ -174,3 +218,15 @@ def test_a_long_16bit_tensor_adds_into_fp32_in_chunks():
     expected = target + source.float()
     add_into(target, source)
     assert torch.equal(target, expected)
+
+
+def test_a_16bit_communication_dtype_keeps_bf16_sums_unless_fp32_is_asked_for():
+    """communication_data_type "bf16" asks for bf16 reductions: the default sums follow it;
+    "fp32" sums with it are one error (fp32 sums are reduced in fp32)."""
+    config = _config(1, communication_data_type="bf16")
+    engine, *_ = zero.initialize(model=_model(), config=config)
+    assert not engine.optimizer.settings.fp32_accumulation
+    with pytest.raises(ConfigError, match="'data_types.grad_accum_dtype' \"fp32\" and "
+                                          "'communication_data_type' 'bf16'"):
+        zero.initialize(model=_model(), config={**config,
+                                                "data_types": {"grad_accum_dtype": "fp32"}})

@@ -418,6 +418,12 @@ class TopLevelConfig:
             fail(source, f"'data_types.grad_accum_dtype' {chosen!r} with {params} parameters "
                          f"at ZeRO stage {stage}: gradients are summed in {what}; drop the key "
                          "or change it")
+        if chosen == "fp32" != params and stage == 0 and \
+                self.communication_data_type not in (None, "fp32"):
+            fail(source, f"'data_types.grad_accum_dtype' \"fp32\" and "
+                         f"'communication_data_type' {self.communication_data_type!r}: "
+                         "gradients summed in fp32 are reduced in fp32 at ZeRO stage 0; drop "
+                         "one of them")
 
     @staticmethod
     def translate_deprecated(raw, source, path):

@@ -80,9 +80,10 @@ def zero_settings(config, module_reduces_gradients=False):
 def _sums_16bit_gradients_in_fp32(config, module_reduces_gradients):
     """Stage 0 with 16-bit parameters: whether micro batches' gradients are summed (and
     reduced) in the fp32 masters' gradients. 'data_types.grad_accum_dtype' decides; without
-    it bf16 does (DeepSpeed's default for bf16 without ZeRO, Megatron-LM's for bf16), fp16
-    does not. A module that reduces its own gradients (torch DDP) reduces them in its
-    parameters' dtype, so there they are summed in it too."""
+    it bf16 does (DeepSpeed's default for bf16 without ZeRO, Megatron-LM's for bf16) unless
+    'communication_data_type' asks for bf16 reductions, fp16 does not. A module that reduces
+    its own gradients (torch DDP) reduces them in its parameters' dtype, so there they are
+    summed in it too."""
     params = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
     if config.zero_optimization.stage != 0 or params == "fp32":
         return False
@@ -92,8 +93,9 @@ def _sums_16bit_gradients_in_fp32(config, module_reduces_gradients):
                           "\"fp32\" with a model that reduces its own gradients (torch "
                           f"DistributedDataParallel), which reduces them in {params}; let the "
                           "engine reduce them (Megatron: --DDP-impl local), or drop the key")
-    if chosen is None:
-        return params == "bf16" and not module_reduces_gradients
+    if chosen is None:  # (a 16-bit communication_data_type asks for 16-bit reductions)
+        return params == "bf16" and not module_reduces_gradients \
+            and config.communication_data_type in (None, "fp32")
     return chosen == "fp32"
 
 

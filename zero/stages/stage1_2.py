@@ -96,6 +96,9 @@ class ZeroOptimizer(PartitionedOptimizer):
         self._releases_grads = self._releases_grads_after_step()
         self._grads_released = False
         self._backward_since_zero_grad = False
+        # fp32 sums on one rank, where nothing is reduced: the step adds the last micro
+        # batch's gradients, as param.grad holds them then (edited after backward too)
+        self._sums_at_step = settings.fp32_accumulation and dp_comm.world_size == 1
 
     # ----- construction -----
 
@@ -220,9 +223,9 @@ class ZeroOptimizer(PartitionedOptimizer):
                 # zeros of parameters that took no gradient
                 self._adopt_grads()
                 self._grads_released = False
-            if self._reducing:
+            if self._reducing and not self._sums_at_step:
                 self._reduction.finish()
-            elif self.settings.fp32_accumulation:
+            elif self.settings.fp32_accumulation and not self._reducing:
                 self._sum_into_masters()
             for partition_grad, earlier in reduced_earlier:
                 partition_grad.add_(earlier)
@@ -361,18 +364,22 @@ class ZeroOptimizer(PartitionedOptimizer):
 
     def _stage_master_grads(self):
         """Stage 0 with 16-bit params: the fp32 master's grad is a copy of the reduced grads
-        (already there when they were reduced, or summed, in fp32; copied from the buffer when
-        no backward ran since zero_grad, the gradients set by hand). Stages 1 and 2 after a
-        step with no backward since the last one: zeros, as stage 0 then has (what param.grad
-        held, None counting as zeros), not the partition gradients the last step used."""
+        (already there when they were reduced in fp32, or summed there over several ranks;
+        copied from the buffer when no backward ran since zero_grad, the gradients set by
+        hand; on one rank summing in fp32, the last micro batch's added now). Stages 1 and 2
+        after a step with no backward since the last one: zeros, as stage 0 then has (what
+        param.grad held, None counting as zeros), not the partition gradients the last step
+        used."""
         nothing_reduced = self._nothing_reduced_since_zero_grad()
         for group in self.groups:
             if nothing_reduced:
                 group.master.grad.zero_()
-            elif self.settings.stage == 0 and not group.master_is_flat and (
-                    not reduces_in_masters(self.settings, group)
-                    or not self._backward_since_zero_grad):  # gradients set by hand only
-                group.master.grad.copy_(group.full_grads)
+            elif self.settings.stage == 0 and not group.master_is_flat:
+                if self._sums_at_step and self._reduction.summed_in_masters:
+                    add_into(group.master.grad, group.full_grads)
+                elif self._sums_at_step or not reduces_in_masters(self.settings, group) \
+                        or not self._backward_since_zero_grad:  # gradients set by hand only
+                    group.master.grad.copy_(group.full_grads)
 
     def _reduced_grad_norm_sq(self):
         """(sum of squares of the averaged, loss-scaled gradient over DP and TP, overflow)."""
