@@ -18,6 +18,7 @@ micro batch gradients (the largest difference over the largest gradient, worst p
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,7 +29,7 @@ import zero  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     machine_description, markdown_table, median_seconds, update_docs_section)
 
-FULL = dict(width=1024, layers=8, accumulation=(1, 4, 16), repeats=9)
+FULL = dict(width=1024, layers=8, accumulation=(1, 4, 16), repeats=15)
 QUICK = dict(width=256, layers=4, accumulation=(1, 4), repeats=3)
 
 
@@ -96,23 +97,27 @@ class ZeroStage0:
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
         model = build_model(width, layers)
         self.engine, *_ = zero.initialize(model=model, config=config)
-        self.in_masters = self.engine.optimizer.settings.fp32_accumulation
 
     def step(self, batches, keep_sums=False):
-        engine = self.engine
-        for i, batch in enumerate(batches):
+        engine, optimizer = self.engine, self.engine.optimizer
+        norm = optimizer._reduced_grad_norm_sq
+        if keep_sums:  # the masters' gradients the step uses, as its norm is taken
+            def capture():
+                self.summed = self._masters_grads()
+                return norm()
+            optimizer._reduced_grad_norm_sq = capture
+        for batch in batches:
             engine.backward(loss_of(engine, batch))
-            if keep_sums and i == len(batches) - 1:
-                self.summed = self._summed()
             engine.step()
+        optimizer._reduced_grad_norm_sq = norm
 
-    def _summed(self):
+    def _masters_grads(self):
         found = {}
         for group in self.engine.optimizer.groups:
             for param, offset, numel in zip(group.params, group.layout.offsets,
                                             group.layout.numels):
-                found[param] = (group.master.grad[offset:offset + numel].view(param.shape).clone()
-                                if self.in_masters else param.grad.clone())
+                grad = group.master.grad[offset:offset + numel]
+                found[param] = grad.view(param.shape).clone()
         return [found[p] for p in self.engine.module.parameters()]
 
 
@@ -130,10 +135,12 @@ def measure(config):
         for name, runner in runners.items():  # the error of the first step's sums
             runner.step(batches, keep_sums=True)
             first[name] = worst_error(runner.summed, exact)
-        times = {name: 0.0 for name in runners}
-        for name, runner in runners.items():
-            times[name] = median_seconds(lambda r=runner: r.step(batches), warmup=1,
-                                         repeats=config["repeats"])
+        samples = {name: [] for name in runners}
+        for _ in range(config["repeats"]):  # in turns, so a slower stretch hits all three
+            for name, runner in runners.items():
+                samples[name].append(median_seconds(lambda r=runner: r.step(batches),
+                                                    warmup=0, repeats=1))
+        times = {name: statistics.median(values) for name, values in samples.items()}
         plain = times["plain PyTorch (bf16 sums)"]
         for name in runners:
             rows.append([accumulation, name, f"{times[name] * 1e3:.1f}",
@@ -156,7 +163,8 @@ def main():
             f"Model: {config['layers']} bf16 Linear({config['width']}, {config['width']}) + "
             f"tanh layers, {numel / 1e6:.1f}M parameters, fp32 master weights, AdamW; micro "
             "batches of one row (the gradient handling, not the matmuls, is what differs). "
-            f"Medians of {config['repeats']} steps after one warm-up, each way in turn. Error: "
+            f"Medians of {config['repeats']} steps after one warm-up, the three ways taking "
+            "turns. Error: "
             "the largest difference of the summed gradient from the float64 sum of the same "
             "bf16 micro batch gradients, over the largest gradient (worst parameter).\n\n"
             + table + "\n")
