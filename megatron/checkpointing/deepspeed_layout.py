@@ -130,6 +130,13 @@ def _saved_args(model_states_path):
     try:
         states = load_plain(model_states_path, mmap=True)
     except Exception as exc:
+        if "argparse.Namespace" in load_failure_reason(exc):  # Megatron-DeepSpeed's args
+            checkpoint = os.path.dirname(os.path.dirname(model_states_path))
+            raise CheckpointError(
+                f"{model_states_path} was saved by Megatron-DeepSpeed, whose DeepSpeed files "
+                "this engine does not resume: convert its weights with tools/"
+                f"convert_checkpoint.py --load-dir {checkpoint} --save-dir DIR --saver "
+                "megatron, then --load DIR") from None
         raise CheckpointError(f"cannot read checkpoint {model_states_path}: "
                               f"{load_failure_reason(exc)}. The file is corrupt or not a "
                               "plain-tensor checkpoint") from None

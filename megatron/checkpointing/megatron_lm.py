@@ -1,5 +1,7 @@
 """Checkpoints saved by Megatron-LM itself (1.x to 3.x, before Megatron-core models) and by
-Megatron-DeepSpeed without --deepspeed, read as this trainer's Megatron layout.
+Megatron-DeepSpeed without --deepspeed, read as this trainer's Megatron layout; and the
+model-states files of Megatron-DeepSpeed's --deepspeed checkpoints (`deepspeed_states_as_this_
+layout`, for megatron/convert/deepspeed_source.py: their module's weights only).
 
 Their files are this layout's (iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt), but they pickle
 their arguments (an argparse.Namespace) and NumPy's RNG state, which a weights-only load
@@ -66,13 +68,9 @@ def as_this_layout(state, path):
     trainer's own unchanged."""
     if not isinstance(state, dict) or not isinstance(state.get("args"), argparse.Namespace):
         return state
-    args = dict(vars(state["args"]))
+    args = _this_trainers_args(state["args"])
     _refuse_models_not_built(args, state, path)
     version = state.get("checkpoint_version", 0) or 0
-    args.setdefault("model_parallel_size", args.get("tensor_model_parallel_size", 1))
-    args.setdefault("pipeline_model_parallel_size", 1)
-    if args.get("layernorm_epsilon") is None and args.get("norm_epsilon") is not None:
-        args["layernorm_epsilon"] = args["norm_epsilon"]
     model = state.get("model")
     if not isinstance(model, dict) or "language_model" not in model:
         raise CheckpointError(f"{path} was saved by {SOURCE} but holds no "
@@ -82,6 +80,48 @@ def as_this_layout(state, path):
     converted.update(args=args, model=_renamed_model(model, args, version, path),
                      checkpoint_version=2.0, saved_by=SOURCE)
     return converted
+
+
+def deepspeed_states_as_this_layout(states, path):
+    """A DeepSpeed model-states file saved by Megatron-DeepSpeed (its client state's args
+    pickled as an argparse.Namespace): args as this trainer's, the flat `module` renamed and
+    re-ordered as `as_this_layout` does, marked with states["saved_by"]; this trainer's own
+    unchanged. (With pipeline stages its module is in layer files: refused, not read.)"""
+    if not isinstance(states, dict) or not isinstance(states.get("args"), argparse.Namespace):
+        return states
+    args = _this_trainers_args(states["args"])
+    module = states.get("module")
+    if module is None:
+        raise CheckpointError(f"{path} was saved by Megatron-DeepSpeed with pipeline stages "
+                              "(its module in layer files), which are not read here: save or "
+                              "convert it without them (--no-pipeline-parallel)")
+    nested = {"language_model": {"transformer": {}}}
+    for key in module:
+        if str(key).startswith("language_model.output_layer."):
+            nested["language_model"]["output_layer"] = {}
+    _refuse_models_not_built(args, {"model": nested}, path)
+    heads = args["num_attention_heads"] // args["model_parallel_size"]
+    version = states.get("checkpoint_version", 0) or 0
+    renamed = {}
+    for key, tensor in module.items():
+        key = key.replace("language_model.encoder.", "language_model.transformer.") \
+            .replace(".self_attention.", ".attention.")
+        renamed[key] = _qkv_in_version_2(tensor, key, heads, version, path)
+    converted = {key: value for key, value in states.items()
+                 if key in ("iteration", "global_steps", "mp_world_size", "dp_world_size")}
+    converted.update(args=args, module=renamed, checkpoint_version=2.0,
+                     saved_by="Megatron-DeepSpeed")
+    return converted
+
+
+def _this_trainers_args(namespace):
+    """Megatron-LM's arguments as this trainer names them."""
+    args = dict(vars(namespace))
+    args.setdefault("model_parallel_size", args.get("tensor_model_parallel_size", 1))
+    args.setdefault("pipeline_model_parallel_size", 1)
+    if args.get("layernorm_epsilon") is None and args.get("norm_epsilon") is not None:
+        args["layernorm_epsilon"] = args["norm_epsilon"]
+    return args
 
 
 def _refuse_models_not_built(args, state, path):
@@ -99,7 +139,8 @@ def _refuse_models_not_built(args, state, path):
         what.append("an output layer untied from the word embeddings")
     if what:
         raise CheckpointError(
-            f"{path} was saved by {SOURCE} for a model this trainer does not build: "
+            f"{path} was saved by {SOURCE} (or Megatron-DeepSpeed) for a model this trainer "
+            "does not build: "
             f"{'; '.join(dict.fromkeys(what))}. This trainer builds GPT-2 (learned positions, "
             "LayerNorm, GeLU MLP with biases, tied embeddings); convert only such a model (a "
             "Megatron-core one first to the legacy format with Megatron-LM's "

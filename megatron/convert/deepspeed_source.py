@@ -29,6 +29,7 @@ import os
 import torch
 
 from megatron.checkpointing.files import safe_load
+from megatron.checkpointing.megatron_lm import deepspeed_states_as_this_layout
 from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, read_tracker,
                                                     to_nested_state_dict)
 from megatron.convert.checkpoint_files import ShardedCheckpoint, inside_a_checkpoint
@@ -96,10 +97,14 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
     size = int(first["args"].get("model_parallel_size", first.get("mp_world_size", 1)))
     stages = int(first["args"].get("pipeline_model_parallel_size", 1))
 
+    foreign = first.get("saved_by")
+
     def shard_of(mp_rank, tp_rank, stage):
         """The Megatron file contents of one file of DeepSpeed's model-parallel rank
         `mp_rank` (stage x TP + TP rank)."""
         states = first if mp_rank == 0 else _model_states(tag_dir, mp_rank, size * stages)
+        if foreign:  # DeepSpeed's optimizer files pickle its classes: the module's weights
+            return _module_weights_only(states)
         try:
             fp32 = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag, mp_rank=mp_rank)
         except ZeroCheckpointError as e:
@@ -126,6 +131,16 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
         shards.append(files[0] if stages == 1 else join_stages(files))
     return ShardedCheckpoint(load_dir, int(first.get("iteration", first["global_steps"])),
                              False, shards, stages)
+
+
+def _module_weights_only(states):
+    """A Megatron-DeepSpeed checkpoint's shard: the weights of its module (the dtype it
+    trained in; its fp32 masters are in DeepSpeed's optimizer files, which pickle DeepSpeed's
+    classes and are not unpickled here), no optimizer or RNG state."""
+    return {"iteration": states.get("iteration", states.get("global_steps", 0)),
+            "checkpoint_version": CHECKPOINT_VERSION, "args": dict(states["args"]),
+            "model": to_nested_state_dict(dict(states["module"])),
+            "saved_by": states["saved_by"]}
 
 
 def _optimizer_entry(tag_dir, mp_rank, size, model, module):
@@ -211,7 +226,8 @@ def _model_states(tag_dir, mp_rank, size=None):
                               "the checkpoint is incomplete (not saved by pretrain_gpt2.py "
                               "--deepspeed, or a rank's files are missing). Copy the missing "
                               "rank files, or convert another step")
-    states = safe_load(path, mmap=True)  # a damaged file: one error naming it and why
+    # a damaged file: one error naming it and why; Megatron-DeepSpeed's: renamed
+    states = deepspeed_states_as_this_layout(safe_load(path, mmap=True), path)
     if not isinstance(states.get("args"), dict) or "module" not in states:
         raise CheckpointError(f"{path} has no 'args'/'module': it was not saved by "
                               "pretrain_gpt2.py --deepspeed and cannot be converted")
