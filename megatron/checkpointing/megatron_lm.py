@@ -4,8 +4,9 @@ model-states files of Megatron-DeepSpeed's --deepspeed checkpoints (`deepspeed_s
 layout`, for megatron/convert/deepspeed_source.py: their module's weights only).
 
 Their files are this layout's (iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt), but they pickle
-their arguments (an argparse.Namespace) and NumPy's RNG state, which a weights-only load
-refuses: `safe_load` (files.py) allows those classes alone, so no pickled code runs. The rest
+their arguments (an argparse.Namespace, with two of Megatron's enums) and NumPy's RNG state,
+which a weights-only load refuses: `safe_load` (files.py) allows those classes alone (the
+enums read as their values), so no pickled code runs. The rest
 differs by names and one ordering (megatron/checkpointing/checkpointing.py in Megatron-LM):
 
     language_model 'encoder' (2.x and later)   -> 'transformer'
@@ -33,10 +34,12 @@ _NOT_BUILT = (
     ("untie_embeddings_and_output_weights", lambda v: v, "an output layer untied from the "
                                                           "word embeddings"),
     ("use_rotary_position_embeddings", lambda v: v, "rotary position embeddings"),
-    ("position_embedding_type", lambda v: v not in (None, "learned_absolute"),
+    # (a string in Megatron-LM, an enum in Megatron-DeepSpeed, whose absolute is 2)
+    ("position_embedding_type", lambda v: v not in (None, "learned_absolute", 2),
      "position embeddings other than learned absolute ones"),
-    ("normalization", lambda v: v not in (None, "LayerNorm"), "a normalization other than "
-                                                               "LayerNorm"),
+    ("model_type", lambda v: v not in (None, 1), "an encoder-decoder model"),
+    ("normalization", lambda v: v is not None and str(v).lower() != "layernorm",
+     "a normalization other than LayerNorm"),  # (Megatron-DeepSpeed spells it layernorm)
     ("add_bias_linear", lambda v: v is False, "linear layers without biases"),
     ("group_query_attention", lambda v: v, "grouped-query attention"),
     ("num_experts", lambda v: v not in (None, 1, [1]), "mixture of experts"),
@@ -58,8 +61,25 @@ def numpy_globals():
             *{type(numpy.dtype(code)) for code in ("uint32", "float64", "int64")}]
 
 
+class SavedEnum:
+    """A member of one of Megatron's enums pickled in a checkpoint's arguments, read back as
+    its value alone (Megatron's class is not imported)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+# the enums Megatron-LM and Megatron-DeepSpeed keep in their arguments, where their forks
+# define them
+_ARGUMENT_ENUMS = tuple(f"{module}.{name}"
+                        for module in ("megatron.model.enums", "megatron.enums",
+                                       "megatron.core.enums")
+                        for name in ("ModelType", "PositionEmbeddingType"))
+
+
 def allowed_globals():
-    return [argparse.Namespace, *numpy_globals()]
+    return [argparse.Namespace, *numpy_globals(),
+            *((SavedEnum, name) for name in _ARGUMENT_ENUMS)]
 
 
 def as_this_layout(state, path):
@@ -116,7 +136,8 @@ def deepspeed_states_as_this_layout(states, path):
 
 def _this_trainers_args(namespace):
     """Megatron-LM's arguments as this trainer names them."""
-    args = dict(vars(namespace))
+    args = {key: value.value if isinstance(value, SavedEnum) else value
+            for key, value in vars(namespace).items()}
     args.setdefault("model_parallel_size", args.get("tensor_model_parallel_size", 1))
     args.setdefault("pipeline_model_parallel_size", 1)
     if args.get("layernorm_epsilon") is None and args.get("norm_epsilon") is not None:

@@ -5,9 +5,13 @@ the older QKV row orders, DeepSpeed classes in the optimizer files), then conver
 trained from — the same weights as the original, bit for bit."""
 
 import argparse
+import contextlib
+import enum
 import os
 import random
 import shutil
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -20,6 +24,34 @@ from tests.training.test_deepspeed import NO_DROPOUT, read_losses, run
 
 tool = load_tool("convert_checkpoint")
 HEADS = 4
+
+
+class ModelType(enum.Enum):  # as Megatron defines them, pickled under Megatron's module
+    encoder_or_decoder = 1
+    encoder_and_decoder = 2
+
+
+class PositionEmbeddingType(enum.Enum):  # Megatron-DeepSpeed's
+    rotary = 1
+    absolute = 2
+    alibi = 3
+
+
+@contextlib.contextmanager
+def _megatron_enums(module="megatron.model.enums"):
+    """torch.save pickles the two enums as Megatron's `module` would (a module of that name
+    only while saving: loading must not need it)."""
+    fake = types.ModuleType(module)
+    for cls in (ModelType, PositionEmbeddingType):
+        setattr(fake, cls.__name__, cls)
+        cls.__module__ = module
+    sys.modules[module] = fake
+    try:
+        yield
+    finally:
+        del sys.modules[module]
+        for cls in (ModelType, PositionEmbeddingType):
+            cls.__module__ = __name__
 
 
 def _megatron_lm_file(state, version, extra_args=None):
@@ -62,11 +94,13 @@ def _old_qkv(key, tensor, heads, version):
 def _as_megatron_lm(source, target, version, **extra_args):
     """A copy of the Megatron-layout checkpoint `source` in Megatron-LM's form."""
     shutil.copytree(source, target)
+    extra_args = {"model_type": ModelType.encoder_or_decoder, **extra_args}
     for folder, _, files in os.walk(target):
         if "model_optim_rng.pt" in files:
             path = os.path.join(folder, "model_optim_rng.pt")
             state = torch.load(path, weights_only=True)
-            torch.save(_megatron_lm_file(state, version, extra_args), path)
+            with _megatron_enums():
+                torch.save(_megatron_lm_file(state, version, extra_args), path)
     return target
 
 
@@ -124,6 +158,9 @@ def test_its_optimizer_state_is_not_read(corpus, ours, tmp_path, capsys):
      "LayerNorm"),
     ({"untie_embeddings_and_output_weights": True}, None,
      "an output layer untied from the word embeddings"),
+    ({"position_embedding_type": PositionEmbeddingType.rotary}, None,
+     "position embeddings other than learned absolute ones"),
+    ({"model_type": ModelType.encoder_and_decoder}, None, "an encoder-decoder model"),
     ({}, lambda s: s.update(model0=s["model"]), "interleaved pipeline chunks (model0"),
     ({}, lambda s: s.update(model={"decoder": {}}), "Megatron-core's layer names"),
 ])
@@ -132,9 +169,10 @@ def test_a_model_this_trainer_does_not_build_is_one_error(ours, tmp_path, extra_
     mlm = _as_megatron_lm(ours / "tp1", tmp_path / "mlm", 3.0, **extra_args)
     if state_change is not None:
         path = mlm / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
-        state = torch.load(path, weights_only=False)
-        state_change(state)
-        torch.save(state, path)
+        with _megatron_enums():
+            state = torch.load(path, weights_only=False)
+            state_change(state)
+            torch.save(state, path)
     with pytest.raises(CheckpointError, match="was saved by Megatron-LM") as error:
         load_model_weights(str(mlm))
     assert message in str(error.value)
@@ -144,9 +182,10 @@ def test_other_pickled_classes_are_still_refused(ours, tmp_path):
     """Only Megatron-LM's argparse.Namespace and NumPy's RNG arrays are let through."""
     mlm = _as_megatron_lm(ours / "tp1", tmp_path / "mlm", 3.0)
     path = mlm / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
-    state = torch.load(path, weights_only=False)
-    state["args"].hook = shutil.rmtree  # a callable: what a malicious pickle would carry
-    torch.save(state, path)
+    with _megatron_enums():
+        state = torch.load(path, weights_only=False)
+        state["args"].hook = shutil.rmtree  # a callable: what a malicious pickle would carry
+        torch.save(state, path)
     with pytest.raises(CheckpointError, match="Unsupported global: GLOBAL shutil.rmtree"):
         load_model_weights(str(mlm))
 
@@ -167,12 +206,16 @@ def _as_megatron_deepspeed(source, target):
                 state = torch.load(path, weights_only=True)
                 args = dict(state["args"])
                 args["tensor_model_parallel_size"] = args.pop("model_parallel_size")
-                state.update(args=argparse.Namespace(**args, num_experts=[1]),
-                             checkpoint_version=3.0,
-                             module={key.replace(".transformer.", ".encoder.")
-                                     .replace(".attention.", ".self_attention."): value
-                                     for key, value in state["module"].items()})
-                torch.save(state, path)
+                state.update(args=argparse.Namespace(
+                    **args, num_experts=[1], normalization="layernorm",
+                    model_type=ModelType.encoder_or_decoder,
+                    position_embedding_type=PositionEmbeddingType.absolute),
+                    checkpoint_version=3.0,
+                    module={key.replace(".transformer.", ".encoder.")
+                            .replace(".attention.", ".self_attention."): value
+                            for key, value in state["module"].items()})
+                with _megatron_enums("megatron.enums"):  # (BigScience's fork keeps them here)
+                    torch.save(state, path)
             elif name.endswith("_optim_states.pt"):
                 state = torch.load(path, weights_only=True)
                 state["optimizer_state_dict"]["loss_scaler"] = _LossScaler()
