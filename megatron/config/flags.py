@@ -11,7 +11,9 @@ import copy
 import difflib
 import math
 
-from megatron.config.megatron_flags import add_always_so_flags, add_dense_model_flags
+from megatron.config.logging_flags import add_logging_flags
+from megatron.config.megatron_flags import (add_always_so_flags, add_dense_model_flags,
+                                           offered_here)
 from megatron.errors import ConfigError
 
 
@@ -39,7 +41,7 @@ def _with_suggestion(arg, known):
 def build_parser():
     parser = _FlagParser(description="Megatron-style GPT-2 pretraining", allow_abbrev=False)
     for add_group in (_network, _regularization, _training, _learning_rate, _checkpointing,
-                      _mixed_precision, _distributed, _validation, _data, _logging,
+                      _mixed_precision, _distributed, _validation, _data, add_logging_flags,
                       _reliability, _deepspeed, _zero, _activation_checkpointing, _tiling,
                       add_always_so_flags, add_dense_model_flags):
         add_group(parser)
@@ -87,9 +89,6 @@ _OLD_DATASETS = ("older Megatron-LM's lazy and cached datasets (a TNTIDX index) 
                  "this trainer reads the mmap (MMIDIDX) format tools/preprocess_data.py writes; "
                  "give mmap or drop the flag (mmap is the default)")
 # a value other Megatron-LMs offer for a choice flag -> what this trainer offers instead
-_TIMING_LEVELS = {"2": "Megatron-LM's level 2 adds finer timers (the pipeline's sends and "
-                       "receives, compute per micro batch) that this trainer does not have: "
-                       "give 1 (forward, backward, optimizer and batch generator)"}
 _LR_DECAY_STYLES = {
     "WSD": f"later Megatron-LM's warmup-stable-decay schedule is not built: {_DECAY_STYLES}",
     "inverse-square-root": f"Megatron-LM's inverse-square-root decay is not built: "
@@ -102,18 +101,6 @@ _BACKENDS = {name: f"{name} ({vendor}, Megatron-DeepSpeed's) is not built: nccl 
                                                                       ("hccl", "Habana"))}
 _DDP_IMPLS = {"FSDP": "torch FSDP is not built: ZeRO stage 3 (--deepspeed --zero-stage 3) "
                       "shards parameters, gradients and optimizer states"}
-
-
-def _offered_here(other_values, convert=str):
-    """The type of a choice flag: a value that another Megatron-LM offers and this trainer does
-    not is refused with what to give instead, where argparse's "invalid choice" would only
-    list the choices; any other value goes on to argparse's own checks."""
-    def parse(text):
-        if text in other_values:
-            raise argparse.ArgumentTypeError(f"{text}: {other_values[text]}")
-        return convert(text)
-    parse.__name__ = convert.__name__  # argparse's "invalid int value: 'x'" names it
-    return parse
 
 
 def _byte_count(text):
@@ -168,7 +155,7 @@ def _regularization(parser):
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--optimizer", choices=("adam", "adam8bit", "adam4bit"), default="adam",
-                   type=_offered_here(_OPTIMIZERS),
+                   type=offered_here(_OPTIMIZERS),
                    help="adam: AdamW with fp32 states; adam8bit / adam4bit: the same update "
                         "with 8-bit / 4-bit block-wise states (zero.optim.quantized_adam, "
                         "~2 / ~1.06 bytes/param instead of 8; ZeRO stages 0-3, "
@@ -210,7 +197,7 @@ def _learning_rate(parser):
     g = parser.add_argument_group("learning rate")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="linear", type=_offered_here(_LR_DECAY_STYLES),
+    g.add_argument("--lr-decay-style", default="linear", type=offered_here(_LR_DECAY_STYLES),
                    choices=["constant", "linear", "cosine", "exponential"])
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     for unit, per in (("samples", "global batch"), ("tokens", "global batch x --seq-length")):
@@ -282,7 +269,7 @@ def _distributed(parser):
                         "block of layers), which shrinks the pipeline bubble by that factor "
                         "for one more point-to-point message per chunk and micro batch")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
-                   type=_offered_here(_BACKENDS),
+                   type=offered_here(_BACKENDS),
                    help="default: nccl on CUDA, gloo on CPU")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank",
@@ -294,7 +281,7 @@ def _distributed(parser):
                    help="CPU threads per process (default: $OMP_NUM_THREADS, else cores / "
                         "local processes)")
     g.add_argument("--DDP-impl", default="local", choices=["local", "torch"], dest="DDP_impl",
-                   type=_offered_here(_DDP_IMPLS),
+                   type=offered_here(_DDP_IMPLS),
                    help="data-parallel gradient all-reduce without --deepspeed: local (the "
                         "zero engine's stage 0 buckets, overlapped with backward) or torch "
                         "(torch.nn.parallel.DistributedDataParallel)")
@@ -324,7 +311,7 @@ def _data(parser):
     g.add_argument("--train-data", default=None,
                    help="a named loose-JSON corpus (webtext) or a .json path; tokenized into "
                         ".bin/.idx next to it on first use")
-    g.add_argument("--data-impl", default="mmap", type=_offered_here(_DATA_IMPLS),
+    g.add_argument("--data-impl", default="mmap", type=offered_here(_DATA_IMPLS),
                    choices=["mmap", "infer"],
                    help="only the mmap (MMIDIDX) format is supported; infer checks the file")
     g.add_argument("--mmap-warmup", action="store_true",
@@ -332,7 +319,7 @@ def _data(parser):
     g.add_argument("--split", default="969, 30, 1",
                    help="train,valid,test weights over documents")
     g.add_argument("--seq-length", type=int, default=None)
-    g.add_argument("--tokenizer-type", default=None, type=_offered_here(_OTHER_TOKENIZERS),
+    g.add_argument("--tokenizer-type", default=None, type=offered_here(_OTHER_TOKENIZERS),
                    choices=["GPT2BPETokenizer", "SentencePieceTokenizer"])
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
@@ -341,61 +328,6 @@ def _data(parser):
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
-
-
-def _logging(parser):
-    g = parser.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--log-dir", default=None,
-                   help="where metrics.jsonl goes (default: --tensorboard-dir, else --save)")
-    g.add_argument("--timing-log-level", type=_offered_here(_TIMING_LEVELS, int),
-                   choices=(0, 1), default=0,
-                   help="1: each log line is followed by the time per phase over the ranks "
-                        "(--timing-log-option), ' (min, max) time across ranks (ms) | "
-                        "forward: (..., ...) | backward: ... | optimizer: ... | batch "
-                        "generator: ...' (per iteration, over the interval; the engine's "
-                        "wall_clock_breakdown, which synchronises a GPU after each phase). "
-                        "0: none. Also on when a --deepspeed config sets "
-                        "\"wall_clock_breakdown\": true")
-    g.add_argument("--timing-log-option", choices=("max", "minmax", "all"), default="minmax",
-                   help="how the timers line shows each phase over the job's ranks: max (the "
-                        "slowest rank's time), minmax (the fastest and the slowest rank's), "
-                        "all (every rank's, one line per phase). metrics.jsonl's phase_ms and "
-                        "TensorBoard have the maximum; minmax adds phase_ms_min, all "
-                        "phase_ms_by_rank. Needs the timers on (--timing-log-level 1)")
-    g.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="write the phase times to TensorBoard too, as '<phase>-time' (the "
-                        "maximum over ranks; turns them on, as --timing-log-level 1)")
-    g.add_argument("--log-params-norm", action="store_true",
-                   help="the log line, metrics.jsonl (params_norm) and TensorBoard "
-                        "(params-norm) get the L2 norm of the trained weights, from their fp32 "
-                        "master copies over every parallel rank (a collective at each log "
-                        "line)")
-    g.add_argument("--tensorboard-log-interval", type=int, default=None, metavar="N",
-                   help="write the iteration's numbers to TensorBoard every N iterations, "
-                        "each of that iteration alone (lm-loss, learning-rate, loss-scale, "
-                        "grad-norm and the ones the --log-*-to-tensorboard flags add, each "
-                        "also 'vs samples'), as Megatron-LM does; by default they go with the "
-                        "log line, the loss averaged over the interval. ms-per-iteration, "
-                        "tokens-per-s, mfu and the phase times go with the log line either "
-                        "way")
-    g.add_argument("--tensorboard-queue-size", type=int, default=1000, metavar="N",
-                   help="TensorBoard events held in memory before they are written out")
-    g.add_argument("--log-batch-size-to-tensorboard", action="store_true",
-                   help="TensorBoard gets the global batch size (batch-size)")
-    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
-                   help="TensorBoard gets the number of processes (world-size)")
-    g.add_argument("--log-memory-to-tensorboard", action="store_true",
-                   help="TensorBoard gets rank 0's memory: on a GPU the caching allocator's "
-                        "mem-reserved-bytes, mem-allocated-bytes and mem-allocated-count, on a "
-                        "CPU the process's mem-rss-bytes and mem-max-rss-bytes")
-    g.add_argument("--no-log-learning-rate-to-tensorboard", action="store_false",
-                   dest="log_learning_rate_to_tensorboard",
-                   help="leave the learning rate out of TensorBoard")
-    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
-                   dest="log_loss_scale_to_tensorboard",
-                   help="leave the loss scale out of TensorBoard")
 
 
 def _reliability(parser):

@@ -5,7 +5,8 @@ such as --micro-batch-size, are aliases in flags.py), Megatron-DeepSpeed (Micros
 whose example scripts carry its MoE, sequence-parallel, data-efficiency and distillation
 flags), and from the earlier Megatron-LM of DeepSpeed's GPT-2 tutorial (DeepSpeedExamples'
 `Megatron-LM/`, whose `--train-data webtext` this trainer takes). Some ask for what this
-trainer always does; those are taken and said once at start-up.
+trainer always does; those are taken and said once at start-up. A choice flag's value that
+another Megatron-LM offers and this trainer does not is answered the same way (`offered_here`).
 """
 
 import argparse
@@ -274,6 +275,18 @@ DENSE_MODEL_FLAGS = {"--moe-expert-parallel-size": int, "--moe-loss-coeff": floa
                      "--moe-train-capacity-factor": float, "--moe-eval-capacity-factor": float,
                      "--moe-min-capacity": int, "--topk": int, "--expert-interval": int,
                      "--mlp-type": str}
+
+
+def offered_here(other_values, convert=str):
+    """The type of a choice flag: a value that another Megatron-LM offers and this trainer does
+    not is refused with what to give instead, where argparse's "invalid choice" would only
+    list the choices; any other value goes on to argparse's own checks."""
+    def parse(text):
+        if text in other_values:
+            raise argparse.ArgumentTypeError(f"{text}: {other_values[text]}")
+        return convert(text)
+    parse.__name__ = convert.__name__  # argparse's "invalid int value: 'x'" names it
+    return parse
 
 
 def refuse_flags_not_taken(argv, parser):

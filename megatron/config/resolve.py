@@ -17,13 +17,13 @@ from megatron.config import activation, engine, json_optimizer, lengths
 from megatron.config.command_line import (in_the_users_spelling, parse_command_line,
                                           repeated_flag_notes)
 from megatron.config.flags import build_parser, given_on_command_line
+from megatron.config.logging_flags import resolve_logging, timing_option_note
 from megatron.config.megatron_flags import always_so_notes
 from megatron.config.from_checkpoint import (describe, resume_notes,
                                              values_from_checkpoint)
-from megatron.config.sections import (CheckpointConfig, DataConfig, EngineConfig, LoggingConfig,
-                                      ModelConfig, OptimizerConfig, ParallelConfig,
-                                      PrecisionConfig, TensorboardScalars, TrainConfig,
-                                      TrainingConfig)
+from megatron.config.sections import (CheckpointConfig, DataConfig, EngineConfig, ModelConfig,
+                                      OptimizerConfig, ParallelConfig, PrecisionConfig,
+                                      TrainConfig, TrainingConfig)
 from megatron.data.splits import parse_splits
 from megatron.errors import ConfigError
 
@@ -133,7 +133,7 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     if settled.ds_config.scheduler is None:  # else the JSON's schedule sets the lr
         notes += _schedule_end_note(raw, training.train_iters)
     notes += _check_pipeline(raw, parallel, training, settled.ds_config)
-    notes += _timing_option_note(raw, given, settled.ds_config)
+    notes += timing_option_note(raw, given, settled.ds_config)
     recompute = activation.activation_checkpointing(
         raw, settled.checkpoint_activations, settled.ds_config.activation_checkpointing,
         model.num_layers, parallel.model_parallel_size)
@@ -154,55 +154,11 @@ def freeze(raw, given, world_size, notes=(), extra=None):
         parallel=parallel,
         training=training,
         checkpoint=checkpoint,
-        logging=_logging(raw, given, settled.ds_config),
+        logging=resolve_logging(raw, given, settled.ds_config),
         engine=EngineConfig(deepspeed=raw["deepspeed"], deepspeed_config=raw["deepspeed_config"],
                             ds_config=settled.ds_config, remote_device=raw["remote_device"],
                             use_pin_memory=raw["use_pin_memory"]),
         notes=tuple(notes), extra=MappingProxyType(dict(extra or {})))
-
-
-# TensorBoard-only flags (dest -> flag): each needs --tensorboard-dir
-_TENSORBOARD_FLAGS = {
-    "log_timers_to_tensorboard": "--log-timers-to-tensorboard",
-    "tensorboard_log_interval": "--tensorboard-log-interval",
-    "tensorboard_queue_size": "--tensorboard-queue-size",
-    "log_batch_size_to_tensorboard": "--log-batch-size-to-tensorboard",
-    "log_world_size_to_tensorboard": "--log-world-size-to-tensorboard",
-    "log_memory_to_tensorboard": "--log-memory-to-tensorboard",
-    "log_learning_rate_to_tensorboard": "--no-log-learning-rate-to-tensorboard",
-    "log_loss_scale_to_tensorboard": "--no-log-loss-scale-to-tensorboard",
-}
-
-
-def _logging(raw, given, ds_config):
-    phase_times = ds_config.wall_clock_breakdown  # the timing flags turned it on
-    lonely = [flag for dest, flag in _TENSORBOARD_FLAGS.items() if dest in given]
-    require(not lonely or raw["tensorboard_dir"],
-            f"{', '.join(lonely)} {'need' if len(lonely) > 1 else 'needs'} --tensorboard-dir "
-            "(where TensorBoard is written)")
-    for dest in ("tensorboard_log_interval", "tensorboard_queue_size"):
-        require(raw[dest] is None or raw[dest] >= 1,
-                f"{_TENSORBOARD_FLAGS[dest]} must be at least 1, got {raw[dest]}")
-    tensorboard = TensorboardScalars(
-        log_interval=raw["tensorboard_log_interval"], queue_size=raw["tensorboard_queue_size"],
-        learning_rate=raw["log_learning_rate_to_tensorboard"],
-        loss_scale=raw["log_loss_scale_to_tensorboard"],
-        batch_size=raw["log_batch_size_to_tensorboard"],
-        world_size=raw["log_world_size_to_tensorboard"],
-        memory=raw["log_memory_to_tensorboard"], phase_times=raw["log_timers_to_tensorboard"])
-    return LoggingConfig(raw["log_interval"], raw["tensorboard_dir"],
-                         raw["log_dir"] or raw["tensorboard_dir"] or raw["save"],
-                         phase_times=phase_times, timing_log_option=raw["timing_log_option"],
-                         params_norm=raw["log_params_norm"], tensorboard=tensorboard)
-
-
-def _timing_option_note(raw, given, ds_config):
-    """--timing-log-option without the timers does nothing (as in Megatron-LM, where level 0
-    has no timers to show); a ported command line keeps working, with a note."""
-    if "timing_log_option" not in given or ds_config.wall_clock_breakdown:
-        return ()
-    return (f" note: --timing-log-option {raw['timing_log_option']} does nothing without the "
-            "timers: --timing-log-level 1 turns them on",)
 
 
 def _fill_model_defaults(raw):
