@@ -254,22 +254,20 @@ class ZeroOptimizer(PartitionedOptimizer):
         return kept
 
     def _restart_after_reduced_masters(self):
-        """Stage 0 summing in fp32, a backward after one that reduced, before the step: the
-        fp32 masters' gradients hold the reduced sum so far and the flat buffer the last
-        micro batch's gradients, already in it. The buffer starts empty; a backward that
-        reduces reduces its own gradients, the sum so far kept aside and added back after
-        (returns those (master gradient, kept copy) pairs), one that does not adds them to
-        the sum, which is only right where there is nothing to reduce over (one rank)."""
-        self._empty_full_grads()
+        """Stage 0 summing in fp32 over several ranks (one rank reduces nothing: it sums at
+        the step), a backward after one that reduced, before the step: the fp32 masters'
+        gradients hold the reduced sum so far and the flat buffer the last micro batch's
+        gradients, already in it. The buffer starts empty and this backward's reduction
+        reduces its own gradients, the sum so far kept aside and added back after (returns
+        those (master gradient, kept copy) pairs); a backward that does not reduce is refused:
+        its gradients would join the sum unreduced."""
         if not self._reducing:
-            if self.dp_comm.world_size > 1:
-                raise ZeroError("a backward pass with reduce_gradients=False after one that "
-                                "reduced the gradients, before the step: summed in fp32 at "
-                                "ZeRO stage 0, its gradients would reach the optimizer "
-                                "without the reduction over data parallelism. Let the last "
-                                "backward before the step reduce")
-            self._reduction.summed_in_masters = True
-            return []
+            raise ZeroError("a backward pass with reduce_gradients=False after one that "
+                            "reduced the gradients, before the step: summed in fp32 at ZeRO "
+                            "stage 0, its gradients would reach the optimizer without the "
+                            "reduction over data parallelism. Let the last backward before "
+                            "the step reduce")
+        self._empty_full_grads()
         self._reduction.summed_in_masters = False
         return [(group.master.grad, group.master.grad.clone()) for group in self.groups
                 if reduces_in_masters(self.settings, group)]
