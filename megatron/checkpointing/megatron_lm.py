@@ -1,7 +1,8 @@
 """Checkpoints saved by Megatron-LM itself (1.x to 3.x, before Megatron-core models) and by
 Megatron-DeepSpeed without --deepspeed, read as this trainer's Megatron layout; and the
-model-states files of Megatron-DeepSpeed's --deepspeed checkpoints (`deepspeed_states_as_this_
-layout`, for megatron/convert/deepspeed_source.py: their module's weights only).
+model-states files of Megatron-DeepSpeed's --deepspeed checkpoints, with or without pipeline
+stages (`deepspeed_states_as_this_layout`, `deepspeed_pipeline_module`, for megatron/convert/
+deepspeed_source.py: their module's weights only).
 
 Their files are this layout's (iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt), but they pickle
 their arguments (an argparse.Namespace, with two of Megatron's enums) and NumPy's RNG state,
@@ -23,6 +24,10 @@ or --no-load-optim --no-load-rng).
 """
 
 import argparse
+import os
+import re
+
+import torch
 
 from megatron.errors import CheckpointError
 
@@ -106,32 +111,113 @@ def deepspeed_states_as_this_layout(states, path):
     """A DeepSpeed model-states file saved by Megatron-DeepSpeed (its client state's args
     pickled as an argparse.Namespace): args as this trainer's, the flat `module` renamed and
     re-ordered as `as_this_layout` does, marked with states["saved_by"]; this trainer's own
-    unchanged. (With pipeline stages its module is in layer files: refused, not read.)"""
+    unchanged. With pipeline stages its module is None: the weights are in layer files
+    (`deepspeed_pipeline_module`)."""
     if not isinstance(states, dict) or not isinstance(states.get("args"), argparse.Namespace):
         return states
     args = _this_trainers_args(states["args"])
     module = states.get("module")
-    if module is None:
-        raise CheckpointError(f"{path} was saved by Megatron-DeepSpeed with pipeline stages "
-                              "(its module in layer files), which are not read here: save or "
-                              "convert it without them (--no-pipeline-parallel)")
     nested = {"language_model": {"transformer": {}}}
-    for key in module:
+    for key in module or ():
         if str(key).startswith("language_model.output_layer."):
             nested["language_model"]["output_layer"] = {}
     _refuse_models_not_built(args, {"model": nested}, path)
-    heads = args["num_attention_heads"] // args["model_parallel_size"]
     version = states.get("checkpoint_version", 0) or 0
+    converted = {key: value for key, value in states.items()
+                 if key in ("iteration", "global_steps", "mp_world_size", "dp_world_size")}
+    converted.update(args=args, checkpoint_version=2.0, saved_by="Megatron-DeepSpeed",
+                     module=None if module is None else
+                     _renamed_module(module, args, version, path),
+                     saved_checkpoint_version=version)
+    return converted
+
+
+def deepspeed_pipeline_module(tag_dir, tp_rank, states):
+    """Tensor-parallel rank `tp_rank`'s whole module (all pipeline stages) of a Megatron-
+    DeepSpeed checkpoint saved with pipeline stages, in this trainer's names. `states`: its
+    first model-states file as `deepspeed_states_as_this_layout` returns it.
+
+    DeepSpeed's PipelineModule saves each layer that has weights to
+    layer_{index:02d}-model_{tp:02d}-model_states.pt, numbered by its place in GPTModelPipe's
+    list, where functions (casts, transposes) take numbers too and the list changed between
+    versions: so each file is known by its keys. In order: the embeddings, the transformer
+    layers, the final LayerNorm, then the tied output layer's copy of the embeddings (the same
+    weights, not kept)."""
+    files = sorted((int(match.group(1)), os.path.join(tag_dir, name))
+                   for name in os.listdir(tag_dir)
+                   for match in [_LAYER_FILE.fullmatch(name)]
+                   if match and int(match.group(2)) == tp_rank)
+    if not files:
+        raise CheckpointError(f"{tag_dir} was saved by Megatron-DeepSpeed with pipeline stages "
+                              f"but has no layer_*-model_{tp_rank:02d}-model_states.pt files "
+                              f"(tensor-parallel rank {tp_rank}'s weights): it is incomplete")
+    embedding, layers, final_layernorm = None, [], None
+    for _, path in files:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        kind = _layer_file_kind(state, path)
+        expected = ("embedding",) if embedding is None else \
+            ("transformer layer", "final LayerNorm") if final_layernorm is None else \
+            ("tied output layer",)
+        if kind not in expected:
+            raise CheckpointError(f"{path} holds {kind} where {' or '.join(expected)} was "
+                                  "expected: the layer files are not one GPT model's")
+        if kind == "embedding":
+            embedding = state
+        elif kind == "transformer layer":
+            layers.append(state)
+        elif kind == "final LayerNorm":
+            final_layernorm = state
+        elif not torch.equal(state["word_embeddings.weight"],
+                             embedding["word_embeddings.weight"]):
+            raise CheckpointError(f"{path}: the output layer's copy of the word embeddings "
+                                  "differs from the embedding layer's: the files come from "
+                                  "different saves")
+    args = states["args"]
+    if final_layernorm is None or len(layers) != args["num_layers"]:
+        raise CheckpointError(f"{tag_dir} holds {len(layers)} transformer layers"
+                              f"{'' if final_layernorm else ' and no final LayerNorm'} for "
+                              f"tensor-parallel rank {tp_rank}, but its args say "
+                              f"--num-layers {args['num_layers']}: layer files are missing")
+    module = {f"language_model.embedding.{key}": value for key, value in embedding.items()}
+    for number, layer in enumerate(layers):
+        module.update({f"language_model.encoder.layers.{number}.{key}": value
+                       for key, value in layer.items()})
+    module.update({f"language_model.encoder.final_layernorm.{key}": value
+                   for key, value in final_layernorm.items()})
+    return _renamed_module(module, args, states["saved_checkpoint_version"], tag_dir)
+
+
+_LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
+_EMBEDDINGS = {"word_embeddings.weight", "position_embeddings.weight"}
+
+
+def _layer_file_kind(state, path):
+    keys = set(state) if isinstance(state, dict) else set()
+    if "word_embeddings.weight" in keys and keys <= _EMBEDDINGS:
+        return "embedding" if keys == _EMBEDDINGS else "tied output layer"
+    if keys and all(key.startswith(_LAYER_PARTS) for key in keys):
+        return "transformer layer"
+    if keys == {"weight", "bias"}:
+        return "final LayerNorm"
+    raise CheckpointError(f"{path} holds {sorted(keys)[:6]}: not a layer of the GPT model this "
+                          "trainer builds (embeddings, transformer layers with LayerNorm, "
+                          "attention and GeLU MLP, a final LayerNorm)")
+
+
+_LAYER_PARTS = ("input_layernorm.", "self_attention.", "attention.",
+                "post_attention_layernorm.", "mlp.dense_h_to_4h.", "mlp.dense_4h_to_h.")
+
+
+def _renamed_module(module, args, version, path):
+    """A Megatron-DeepSpeed module (flat names) in this trainer's names, QKV rows in version
+    2.0's order."""
+    heads = args["num_attention_heads"] // args["model_parallel_size"]
     renamed = {}
     for key, tensor in module.items():
         key = key.replace("language_model.encoder.", "language_model.transformer.") \
             .replace(".self_attention.", ".attention.")
         renamed[key] = _qkv_in_version_2(tensor, key, heads, version, path)
-    converted = {key: value for key, value in states.items()
-                 if key in ("iteration", "global_steps", "mp_world_size", "dp_world_size")}
-    converted.update(args=args, module=renamed, checkpoint_version=2.0,
-                     saved_by="Megatron-DeepSpeed")
-    return converted
+    return renamed
 
 
 def _this_trainers_args(namespace):

@@ -7,7 +7,9 @@
     <load>/<tag>/*zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   fp32 partitions
     <load>/<tag>/layer_{i:02d}-model_{tp:02d}-model_states.pt   with pipeline stages: the
                                                     module, layer by layer (mp counts stages
-                                                    x TP + TP rank then)
+                                                    x TP + TP rank then; Megatron-DeepSpeed
+                                                    numbers its layers otherwise: read by
+                                                    megatron_lm.deepspeed_pipeline_module)
 
 Per tensor-parallel rank the fp32 weights are consolidated over the data-parallel partitions
 by zero's own `get_fp32_state_dict_from_zero_checkpoint` (any ZeRO stage, any DP size) and
@@ -29,12 +31,13 @@ import os
 import torch
 
 from megatron.checkpointing.files import safe_load
-from megatron.checkpointing.megatron_lm import deepspeed_states_as_this_layout
+from megatron.checkpointing.megatron_lm import (deepspeed_pipeline_module,
+                                                deepspeed_states_as_this_layout)
 from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, read_tracker,
                                                     to_nested_state_dict)
 from megatron.convert.checkpoint_files import ShardedCheckpoint, inside_a_checkpoint
 from megatron.convert.optimizer_state import optimizer_group_names
-from megatron.convert.pipeline_layout import join_stages, stage_layer_numbers
+from megatron.convert.pipeline_layout import join_stages, stage_layer_numbers, with_stages
 from megatron.errors import CheckpointError
 from megatron.model.gpt2_model import pipeline_layer_slots
 from megatron.model.tiling import join_tiled_weights
@@ -98,6 +101,13 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
     stages = int(first["args"].get("pipeline_model_parallel_size", 1))
 
     foreign = first.get("saved_by")
+    iteration = int(first.get("iteration", first["global_steps"]))
+    if foreign and first["module"] is None:  # Megatron-DeepSpeed's pipeline: its layer files
+        shards = [_module_weights_only(dict(first, args=with_stages(first["args"], 1, None),
+                                            module=deepspeed_pipeline_module(tag_dir, tp_rank,
+                                                                             first)))
+                  for tp_rank in range(size)]
+        return ShardedCheckpoint(load_dir, iteration, False, shards, stages)
 
     def shard_of(mp_rank, tp_rank, stage):
         """The Megatron file contents of one file of DeepSpeed's model-parallel rank
@@ -129,8 +139,7 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
     for tp_rank in range(size):
         files = [shard_of(stage * size + tp_rank, tp_rank, stage) for stage in range(stages)]
         shards.append(files[0] if stages == 1 else join_stages(files))
-    return ShardedCheckpoint(load_dir, int(first.get("iteration", first["global_steps"])),
-                             False, shards, stages)
+    return ShardedCheckpoint(load_dir, iteration, False, shards, stages)
 
 
 def _module_weights_only(states):

@@ -124,7 +124,7 @@ def join_stages(stages):
                 hypers.setdefault(kind, hyper)
         flat.update(renumbered)
     joined = {k: v for k, v in stages[0].items() if k not in ("model", "optimizer")}
-    joined["args"] = _with_stages(stages[0]["args"], 1, None)
+    joined["args"] = with_stages(stages[0]["args"], 1, None)
     flat = _in_model_order(flat)
     joined["model"] = to_nested_state_dict(flat)
     if all(with_optimizer):
@@ -133,7 +133,7 @@ def join_stages(stages):
     return joined
 
 
-def _with_stages(args, stages, layers_per_virtual_stage):
+def with_stages(args, stages, layers_per_virtual_stage):
     """`args` recording a layout of `stages` stages (and model chunks of that many layers)."""
     args = dict(args, pipeline_model_parallel_size=stages)
     if layers_per_virtual_stage is not None or "num_layers_per_virtual_pipeline_stage" in args:
@@ -168,7 +168,7 @@ def stage_file(whole, stages, stage, layers_per_virtual_stage=None):
 def stage_parameter_names(names, args, stages, stage, layers_per_virtual_stage=None):
     """The parameters, of a single-stage model's flat `names`, that pipeline stage `stage`
     of `stages` holds."""
-    numbers = set(stage_layer_numbers(_with_stages(args, stages, layers_per_virtual_stage),
+    numbers = set(stage_layer_numbers(with_stages(args, stages, layers_per_virtual_stage),
                                       stages, stage))
     return [name for name in names if _held_by_stage(name, numbers, stage, stages)]
 
@@ -188,7 +188,7 @@ def _split(whole, stages, wanted, layers_per_virtual_stage):
     if stages > num_layers:
         raise CheckpointError(f"{stages} pipeline stages need at least as many layers; the "
                               f"checkpoint has {num_layers}")
-    args = _with_stages(whole["args"], stages, layers_per_virtual_stage)
+    args = with_stages(whole["args"], stages, layers_per_virtual_stage)
     if stages == 1:
         return [dict(whole, args=args)]
     entries = hypers = None

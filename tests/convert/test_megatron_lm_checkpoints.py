@@ -248,3 +248,113 @@ def test_a_megatron_deepspeed_checkpoint_converts_its_modules_weights(corpus, tm
                       "--saver", "megatron"]) == 0
     assert run(corpus, tmp_path / "finetune", 2, *NO_DROPOUT, "--load", tmp_path / "meg",
                "--finetune") == 0
+
+
+# where GPTModelPipe's list puts the layers with weights (the rest are functions, no files):
+# Megatron-DeepSpeed's current list, and BigScience's fork (transposes around the layers)
+_PIPELINE_NUMBERING = {"current": (1, 2, 1), "bigscience": (1, 3, 2)}
+
+
+def _as_megatron_deepspeed_pipeline(source, target, numbering="current", stages=2):
+    """This trainer's Megatron-layout checkpoint `source` as Megatron-DeepSpeed saves it with
+    pipeline stages: model-states files per stage x TP rank with no module, and each layer's
+    weights in layer_XX-model_TT-model_states.pt, numbered as `numbering` places them."""
+    saved = next(folder for folder in source.iterdir() if folder.is_dir())  # iter_* or release
+    shards = sorted(saved.iterdir())
+    iteration = torch.load(shards[0] / "model_optim_rng.pt", weights_only=True)["iteration"]
+    tag = target / f"global_step{iteration}"
+    tag.mkdir(parents=True)
+    (target / "latest").write_text(tag.name)
+    embedding_at, first_layer_at, layernorm_after = _PIPELINE_NUMBERING[numbering]
+    for tp_rank, shard in enumerate(shards):
+        state = torch.load(shard / "model_optim_rng.pt", weights_only=True)
+        language_model = state["model"]["language_model"]
+        layers = language_model["transformer"]
+        num_layers = state["args"]["num_layers"]
+
+        def save_layer(index, weights):
+            torch.save(weights, tag / f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt")
+
+        save_layer(embedding_at, {f"{group}.{key}": value
+                                  for group, entries in language_model["embedding"].items()
+                                  for key, value in entries.items()})
+        for number in range(num_layers):
+            prefix = f"layers.{number}."
+            save_layer(first_layer_at + number, {
+                key[len(prefix):].replace("attention.", "self_attention.", 1): value
+                for key, value in layers.items() if key.startswith(prefix)})
+        last = first_layer_at + num_layers - 1 + layernorm_after
+        save_layer(last, {key.split(".")[-1]: value for key, value in layers.items()
+                          if key.startswith("final_layernorm.")})
+        save_layer(last + 1, {"word_embeddings.weight":
+                              language_model["embedding"]["word_embeddings"]["weight"]})
+        args = dict(state["args"])
+        args["tensor_model_parallel_size"] = args.pop("model_parallel_size")
+        args.update(pipeline_model_parallel_size=stages, num_experts=[1],
+                    model_type=ModelType.encoder_or_decoder)
+        for stage in range(stages):
+            with _megatron_enums():
+                torch.save({"module": None, "args": argparse.Namespace(**args),
+                            "iteration": iteration, "global_steps": iteration,
+                            "checkpoint_version": 3.0, "mp_world_size": stages * len(shards)},
+                           tag / f"mp_rank_{stage * len(shards) + tp_rank:02d}"
+                                 "_model_states.pt")
+    return target
+
+
+@pytest.mark.parametrize("layout, numbering", [("tp1", "current"), ("tp2", "current"),
+                                               ("tp2", "bigscience")])
+def test_a_megatron_deepspeed_pipeline_checkpoint_converts_from_its_layer_files(
+        ours, tmp_path, layout, numbering):
+    mds = _as_megatron_deepspeed_pipeline(ours / layout, tmp_path / "mds", numbering)
+    expected, found = load_model_weights(str(ours / layout)), load_model_weights(str(mds))
+    assert sorted(found.state_dict) == sorted(expected.state_dict)
+    for name, tensor in expected.state_dict.items():
+        assert torch.equal(found.state_dict[name], tensor), name
+    assert found.iteration == expected.iteration
+    assert tool.main(["--load-dir", str(mds), "--save-dir", str(tmp_path / "meg"),
+                      "--saver", "megatron", "--target-pipeline-model-parallel-size", "2"]) == 0
+    converted = load_model_weights(str(tmp_path / "meg"))
+    for name, tensor in expected.state_dict.items():
+        assert torch.equal(converted.state_dict[name], tensor), name
+
+
+def _layer_files(mds, tp_rank=0):
+    return sorted(mds.glob(f"global_step*/layer_*-model_{tp_rank:02d}-model_states.pt"))
+
+
+def _remove_a_layer(mds):
+    _layer_files(mds)[1].unlink()
+
+
+def _add_a_key(mds):
+    path = _layer_files(mds)[1]
+    torch.save({**torch.load(path), "mlp.deepspeed_moe.gate.wg.weight": torch.zeros(2)}, path)
+
+
+def _change_the_tied_copy(mds):
+    path = _layer_files(mds)[-1]
+    torch.save({key: value + 1 for key, value in torch.load(path).items()}, path)
+
+
+def _remove_tp_rank_1(mds):
+    for path in _layer_files(mds, 1):
+        path.unlink()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_remove_a_layer, "holds 1 transformer layers for tensor-parallel rank 0, but its args say "
+                      "--num-layers 2: layer files are missing"),
+    (_add_a_key, "holds ['input_layernorm.bias', 'input_layernorm.weight', "
+                 "'mlp.deepspeed_moe.gate.wg.weight'"),
+    (_change_the_tied_copy, "the output layer's copy of the word embeddings differs"),
+    (_remove_tp_rank_1, "has no layer_*-model_01-model_states.pt files (tensor-parallel rank "
+                        "1's weights): it is incomplete"),
+])
+def test_megatron_deepspeed_layer_files_that_do_not_make_one_model_are_one_error(
+        ours, tmp_path, damage, message):
+    mds = _as_megatron_deepspeed_pipeline(ours / "tp2", tmp_path / "mds")
+    damage(mds)
+    with pytest.raises(CheckpointError) as error:
+        load_model_weights(str(mds))
+    assert message in str(error.value)
