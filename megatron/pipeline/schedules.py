@@ -43,7 +43,7 @@ class PipelineStage:
                  ctx.model_config.hidden_size)
         self.links = StageLinks(shape, config.precision.torch_dtype, ctx.runtime.device,
                                 ring=self.chunks > 1)
-        self.tied = TiedEmbeddings(self.module, ctx.runtime.device,
+        self.tied = TiedEmbeddings(self.module, engine.optimizer, ctx.runtime.device,
                                    config.precision.torch_dtype)
         self.first = mpu.is_pipeline_first_stage(ignore_virtual=True)
         self.last = mpu.is_pipeline_last_stage(ignore_virtual=True)
@@ -105,6 +105,8 @@ class PipelineStage:
         else:
             self.engine.backward(output, grad=output_grad,
                                  reduce_gradients=final if self.chunks > 1 else None)
+        if self.last:
+            self.tied.collect_grad()
         self._compute += time.perf_counter() - start
         return None if input_tensor is None else input_tensor.grad
 

@@ -90,6 +90,16 @@ def test_pipeline_fp16_with_recompute_follows_single_process(corpus, single_proc
         assert relative_difference(metrics[it][0], single_process[it][0]) < 2e-3, it
 
 
+def test_pipeline_bf16_follows_single_process(corpus, tmp_path):
+    """bf16, whose gradients the engine sums in fp32 (the tied output layer's on the last
+    stage too: tests/parallel/test_tied_embedding_sums.py), against bf16 in one process."""
+    single, _ = train(corpus, tmp_path / "single", 1, ITERS, "--batch-size", 8, "--bf16")
+    metrics, _ = train(corpus, tmp_path / "pp2", 2, ITERS, "--pipeline-model-parallel-size", 2,
+                       "--batch-size", 2, "--bf16")
+    for it in range(1, ITERS + 1):
+        assert relative_difference(metrics[it][0], single[it][0]) < 1e-2, it
+
+
 FOUR_LAYERS = ["--num-layers", 4]
 
 

@@ -230,3 +230,56 @@ def test_a_16bit_communication_dtype_keeps_bf16_sums_unless_fp32_is_asked_for():
                                           "'communication_data_type' 'bf16'"):
         zero.initialize(model=_model(), config={**config,
                                                 "data_types": {"grad_accum_dtype": "fp32"}})
+
+
+def _outside_gradient():
+    """An fp32 gradient for the first layer's weight summed outside the engine (the pipeline's
+    tied output layer's): values bf16 cannot hold."""
+    return torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(7)) / 3
+
+
+def _with_outside_gradient(gas, data_types=None):
+    """The step's gradients with the outside one added before the last backward."""
+    engine, *_ = zero.initialize(model=_model(), config=_config(gas, **(data_types or {})))
+    for index in range(gas - 1):
+        engine.backward(_loss(engine, _micro_batch(index)))
+        engine.step()  # (not the boundary)
+    engine.optimizer.add_to_gradient(engine.module[0].weight, _outside_gradient())
+    engine.backward(_loss(engine, _micro_batch(gas - 1)))
+    return _step_grads(engine)
+
+
+def _plus_outside(expected, divisor=1):
+    expected = dict(expected)
+    expected["0.weight"] = expected["0.weight"] + _outside_gradient().double() / divisor
+    return expected
+
+
+@pytest.mark.parametrize("gas", [1, 4])
+def test_a_gradient_added_from_outside_joins_the_fp32_sums_unrounded(gas):
+    found = _with_outside_gradient(gas)
+    assert _worst_error(found, _plus_outside(_bf16_grads(range(gas), gas))) < 1e-6
+    # summed in bf16, it is added in bf16, with the rounding that brings
+    found = _with_outside_gradient(gas, {"data_types": {"grad_accum_dtype": "bf16"}})
+    assert 1e-4 < _worst_error(found, _plus_outside(_bf16_grads(range(gas), gas))) < 2e-2
+
+
+def _dp2_with_outside_gradient(rank, world_size):
+    engine, *_ = zero.initialize(model=_model(), config=_config(2))
+    engine.backward(_loss(engine, _micro_batch(2 * rank)))
+    engine.step()
+    engine.optimizer.add_to_gradient(engine.module[0].weight, _outside_gradient())
+    engine.backward(_loss(engine, _micro_batch(2 * rank + 1)))
+    return _step_grads(engine)
+
+
+def test_a_gradient_added_from_outside_is_reduced_with_the_sums():
+    expected = _plus_outside({name: grad / 2 for name, grad in _bf16_grads(range(4), 2).items()})
+    for found in run_distributed(_dp2_with_outside_gradient, 2):
+        assert _worst_error(found, expected) < 1e-6
+
+
+def test_adding_to_a_parameter_the_optimizer_does_not_train_is_refused():
+    engine, *_ = zero.initialize(model=_model(), config=_config(1))
+    with pytest.raises(ZeroError, match="not one this optimizer trains"):
+        engine.optimizer.add_to_gradient(torch.nn.Parameter(torch.zeros(2)), torch.zeros(2))

@@ -310,6 +310,36 @@ class ZeroOptimizer(PartitionedOptimizer):
                 return
         self._reduction.grad_ready(g, i, param)
 
+    @property
+    def sums_gradients_in_fp32(self):
+        """Stage 0 sums the micro batches' 16-bit gradients in the fp32 masters' gradients."""
+        return self.settings.fp32_accumulation
+
+    @torch.no_grad()
+    def add_to_gradient(self, param, grad):
+        """Adds `grad` to `param`'s gradient of this step: a gradient summed outside this
+        engine's backward (the pipeline's tied output layer on another stage), given before
+        the backward that reduces the step's gradients. Where stage 0 sums in fp32 it joins
+        the fp32 masters' sums (an fp32 `grad` is not rounded to 16 bits); otherwise
+        param.grad, in the parameter's dtype."""
+        group, index = next(((group, i) for group in self.groups
+                             for i, p in enumerate(group.params) if p is param), (None, None))
+        if group is None:
+            raise ZeroError("add_to_gradient: the parameter is not one this optimizer trains")
+        if not (self.settings.fp32_accumulation and reduces_in_masters(self.settings, group)):
+            if param.grad is None:
+                param.grad = grad.to(param.dtype)
+            else:
+                param.grad.add_(grad)
+            return
+        if not self._reduction.summed_in_masters:  # the masters' gradients start the sum
+            for each in self.groups:
+                if reduces_in_masters(self.settings, each):
+                    each.master.grad.zero_()
+            self._reduction.summed_in_masters = True
+        offset, numel = group.layout.offsets[index], group.layout.numels[index]
+        group.master.grad.narrow(0, offset, numel).add_(grad.reshape(-1))
+
     # ----- step -----
 
     def zero_grad(self):
