@@ -8,14 +8,14 @@ client state and Megatron's tracker file, as Megatron-DeepSpeed's save_ds_checkp
 The client state holds the iteration, the data position, the run's args and the RNG states.
 """
 
+import argparse
 import os
 
-from zero.checkpoint.files import (load_failure_reason, load_plain, model_states_name,
-                                   stage3_model_states_name)
+from zero.checkpoint.files import load_plain, model_states_name, stage3_model_states_name
 from zero.checkpoint.layout import read_latest
 from zero.checkpoint.whole_params import saved_stage
 
-from megatron.checkpointing.files import atomic_write_text, barrier, is_global_rank0
+from megatron.checkpointing.files import atomic_write_text, barrier, is_global_rank0, safe_load
 from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, check_checkpoint_args,
                                                     finetunes, get_checkpoint_tracker_filename,
                                                     optimizer_state_tiling_mismatch,
@@ -127,20 +127,15 @@ def _saved_args(model_states_path):
     names what is missing)."""
     if not os.path.isfile(model_states_path):
         return {}
-    try:
-        states = load_plain(model_states_path, mmap=True)
-    except Exception as exc:
-        if "argparse.Namespace" in load_failure_reason(exc):  # Megatron-DeepSpeed's args
-            checkpoint = os.path.dirname(os.path.dirname(model_states_path))
-            raise CheckpointError(
-                f"{model_states_path} was saved by Megatron-DeepSpeed, whose DeepSpeed files "
-                "this engine does not resume: convert its weights with tools/"
-                f"convert_checkpoint.py --load-dir {checkpoint} --save-dir DIR --saver "
-                "megatron, then --load DIR") from None
-        raise CheckpointError(f"cannot read checkpoint {model_states_path}: "
-                              f"{load_failure_reason(exc)}. The file is corrupt or not a "
-                              "plain-tensor checkpoint") from None
-    return states["args"] if isinstance(states.get("args"), dict) else {}
+    states = safe_load(model_states_path, mmap=True)  # (damaged: one error naming why)
+    args = states.get("args") if isinstance(states, dict) else None
+    if isinstance(args, argparse.Namespace):  # Megatron-DeepSpeed's
+        checkpoint = os.path.dirname(os.path.dirname(model_states_path))
+        raise CheckpointError(
+            f"{model_states_path} was saved by Megatron-DeepSpeed, whose DeepSpeed files this "
+            "engine does not resume: convert its weights with tools/convert_checkpoint.py "
+            f"--load-dir {checkpoint} --save-dir DIR --saver megatron, then --load DIR")
+    return args if isinstance(args, dict) else {}
 
 
 def _check_saved_args(model_states_path, run_args, fresh_optimizer):
