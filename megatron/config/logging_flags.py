@@ -61,6 +61,12 @@ def add_logging_flags(parser):
                    help="TensorBoard gets rank 0's memory: on a GPU the caching allocator's "
                         "mem-reserved-bytes, mem-allocated-bytes and mem-allocated-count, on a "
                         "CPU the process's mem-rss-bytes and mem-max-rss-bytes")
+    g.add_argument("--log-optimizer-states-to-tensorboard", action="store_true",
+                   help="TensorBoard gets the L2 and L1 norms and the largest magnitude of "
+                        "Adam's moments and of the fp32 weights, as Megatron-DeepSpeed names "
+                        "them (optimizer/variance_l2, variance_sqrt_l2, momentum_l2, "
+                        "weight_l2, the same as _l1 and _abs_max), each element once over "
+                        "every parallel rank (a collective where TensorBoard is written)")
     g.add_argument("--no-log-learning-rate-to-tensorboard", action="store_false",
                    dest="log_learning_rate_to_tensorboard",
                    help="leave the learning rate out of TensorBoard")
@@ -77,6 +83,7 @@ _TENSORBOARD_FLAGS = {
     "log_batch_size_to_tensorboard": "--log-batch-size-to-tensorboard",
     "log_world_size_to_tensorboard": "--log-world-size-to-tensorboard",
     "log_memory_to_tensorboard": "--log-memory-to-tensorboard",
+    "log_optimizer_states_to_tensorboard": "--log-optimizer-states-to-tensorboard",
     "log_learning_rate_to_tensorboard": "--no-log-learning-rate-to-tensorboard",
     "log_loss_scale_to_tensorboard": "--no-log-loss-scale-to-tensorboard",
 }
@@ -93,17 +100,30 @@ def resolve_logging(raw, given, ds_config):
     for dest in ("tensorboard_log_interval", "tensorboard_queue_size"):
         if raw[dest] is not None and raw[dest] < 1:
             raise ConfigError(f"{_TENSORBOARD_FLAGS[dest]} must be at least 1, got {raw[dest]}")
+    if raw["log_optimizer_states_to_tensorboard"]:
+        _check_adam_moments(raw, ds_config)
     tensorboard = TensorboardScalars(
         log_interval=raw["tensorboard_log_interval"], queue_size=raw["tensorboard_queue_size"],
         learning_rate=raw["log_learning_rate_to_tensorboard"],
         loss_scale=raw["log_loss_scale_to_tensorboard"],
         batch_size=raw["log_batch_size_to_tensorboard"],
         world_size=raw["log_world_size_to_tensorboard"],
-        memory=raw["log_memory_to_tensorboard"], phase_times=raw["log_timers_to_tensorboard"])
+        memory=raw["log_memory_to_tensorboard"], phase_times=raw["log_timers_to_tensorboard"],
+        optimizer_states=raw["log_optimizer_states_to_tensorboard"])
     return LoggingConfig(raw["log_interval"], raw["tensorboard_dir"],
                          raw["log_dir"] or raw["tensorboard_dir"] or raw["save"],
                          phase_times=phase_times, timing_log_option=raw["timing_log_option"],
                          params_norm=raw["log_params_norm"], tensorboard=tensorboard)
+
+
+def _check_adam_moments(raw, ds_config):
+    """--log-optimizer-states-to-tensorboard writes Adam's moments: a DeepSpeed config's
+    optimizer without them (SGD, Adagrad) is one error."""
+    section = ds_config.optimizer if raw["deepspeed"] else None
+    if section is not None and "adam" not in str(section.type).lower():
+        raise ConfigError(f"--log-optimizer-states-to-tensorboard writes Adam's moments "
+                          f"(exp_avg, exp_avg_sq); the DeepSpeed config's optimizer "
+                          f"{section.type!r} keeps none: drop the flag or use an Adam")
 
 
 def timing_option_note(raw, given, ds_config):

@@ -32,11 +32,6 @@ _OLD_EVAL_DATA = ("validation and test data are --split's shares of the training
 _AUTORESUME = ("NVIDIA's cluster autoresume is not built: --exit-signal-handler saves and "
                "exits on SIGTERM, --exit-duration-in-mins before the allocation ends, and "
                "--load resumes")
-_TENSORBOARD_SCALARS = ("TensorBoard gets the log line's numbers (lm-loss, learning-rate, "
-                        "loss-scale, grad-norm, ms-per-iteration, tokens-per-s, mfu, "
-                        "skipped-iterations), each evaluation's loss and perplexity, and what "
-                        "--log-params-norm and --log-{batch-size,world-size,memory,timers}-to-"
-                        "tensorboard add; the optimizer states' norms are not written")
 _OTHER_MODELS = ("a later Megatron-LM model option (rotary or ALiBi positions, SwiGLU, RMSNorm, "
                  "grouped-query attention, untied or bias-free layers, mixture of experts); "
                  "this trainer builds GPT-2: learned positions, GeLU MLP, LayerNorm, biases, "
@@ -117,7 +112,6 @@ NOT_TAKEN = {
     "--use-tfrecords": _OLD_LOADERS,
     # later Megatron-LM's logging
     "--log-num-zeros-in-grad": "zeros in the gradients are not counted",
-    "--log-optimizer-states-to-tensorboard": _TENSORBOARD_SCALARS,
     # later Megatron-LM's models, parallelism and kernels
     **{flag: _OTHER_MODELS for flag in (
         "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",

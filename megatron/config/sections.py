@@ -165,6 +165,7 @@ class TensorboardScalars:
     world_size: bool = False
     memory: bool = False
     phase_times: bool = False
+    optimizer_states: bool = False  # Adam's moments' and the weights' norms (a collective)
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,11 @@ class Backend:
         collective, called on every rank)."""
         return self.engine.optimizer.weights_norm()
 
+    def optimizer_state_norms(self):
+        """{name: value} of Adam's moments and the weights (--log-optimizer-states-to-
+        tensorboard; a collective, called on every rank)."""
+        return self.engine.optimizer.optimizer_state_norms()
+
     @classmethod
     def construction_context(cls, ctx):
         """The context the model is built in."""

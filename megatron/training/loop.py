@@ -174,11 +174,14 @@ class _IterationScalars:
     """--tensorboard-log-interval N: every N-th iteration's own numbers go to TensorBoard once
     its loss is read (a step late, see _LossReads). --log-params-norm: the weights' norm, on
     every rank (a collective) at those iterations and at each log line, computed once when
-    both fall on one iteration."""
+    both fall on one iteration. --log-optimizer-states-to-tensorboard: the optimizer states'
+    norms (a collective) where TensorBoard gets the iteration's numbers: those iterations, or
+    each log line without the interval."""
 
     def __init__(self, logging, backend, logger):
         self.every = logging.tensorboard.log_interval
         self.params_norm, self.backend, self.logger = logging.params_norm, backend, logger
+        self.optimizer_states = logging.tensorboard.optimizer_states
         self.pending, self.norm_at = {}, (None, None)
 
     def after_step(self, state, grad_norm):
@@ -187,7 +190,19 @@ class _IterationScalars:
             self.pending[iteration] = {
                 "iteration": iteration, "consumed_samples": state["consumed_train_samples"],
                 **self.backend.optimizer_scalars(), "grad_norm": grad_norm,
-                **({"params_norm": self.weights_norm(iteration)} if self.params_norm else {})}
+                **({"params_norm": self.weights_norm(iteration)} if self.params_norm else {}),
+                **self._optimizer_states()}
+
+    def with_the_line(self, iteration):
+        """What the log line's record adds: the weights' norm, and the optimizer states'
+        norms when TensorBoard takes the iteration's numbers from the line."""
+        return {**({"params_norm": self.weights_norm(iteration)} if self.params_norm else {}),
+                **(self._optimizer_states() if not self.every else {})}
+
+    def _optimizer_states(self):
+        if not self.optimizer_states:
+            return {}
+        return {"optimizer_states": self.backend.optimizer_state_norms()}
 
     def weights_norm(self, iteration):
         if self.norm_at[0] != iteration:
@@ -287,8 +302,7 @@ def _log_window(window, state, backend, flops_per_sample, ctx, logger, iterator,
         **backend.report(),  # lr (what the schedule set, ours or the config's), loss scale
         "lm_loss": window["loss"] / window["iters"],
         "grad_norm": window["grad_norm"],
-        **({"params_norm": iteration_scalars.weights_norm(state["iteration"])}
-           if config.logging.params_norm else {}),
+        **iteration_scalars.with_the_line(state["iteration"]),
         "tokens_per_s": samples_per_s * config.data.seq_length,
         "mfu": mfu(samples_per_s, flops_per_sample, window["peak"]),
         "skipped_iters": state["skipped_iters"],

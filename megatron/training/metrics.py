@@ -111,7 +111,7 @@ class TrainingLogger:
 
     def log_iteration(self, record):
         """--tensorboard-log-interval: one iteration's numbers (iteration, consumed_samples,
-        lm_loss, lr, loss_scale, grad_norm, params_norm) to TensorBoard."""
+        lm_loss, lr, loss_scale, grad_norm, params_norm, optimizer_states) to TensorBoard."""
         if self._writer is not None:
             self._write_iteration(record)
 
@@ -125,6 +125,10 @@ class TrainingLogger:
             self._writer.add_scalar(tag, value, iteration)
             if samples is not None:
                 self._writer.add_scalar(f"{tag} vs samples", value, samples)
+        for name, value in values.get("optimizer_states", {}).items():
+            self._writer.add_scalar(f"optimizer/{name}", value, iteration)
+            if samples is not None:
+                self._writer.add_scalar(f"optimizer/{name} vs samples", value, samples)
         if self._tensorboard.memory:
             for tag, value in memory_scalars(self._device).items():
                 self._writer.add_scalar(tag, value, iteration)

@@ -36,6 +36,8 @@ def test_megatron_logging_flags_choose_what_tensorboard_gets(tmp_path):
         world_size=True, memory=True)
     assert flags.params_norm
     assert parse("--log-params-norm").logging.params_norm  # the line and metrics.jsonl
+    assert parse("--tensorboard-dir", str(tmp_path), "--log-optimizer-states-to-tensorboard",
+                 "--optimizer", "adam8bit").logging.tensorboard.optimizer_states
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -43,6 +45,8 @@ def test_megatron_logging_flags_choose_what_tensorboard_gets(tmp_path):
      "^--tensorboard-queue-size, --log-batch-size-to-tensorboard need --tensorboard-dir"),
     (["--no-log-loss-scale-to-tensorboard"],
      "^--no-log-loss-scale-to-tensorboard needs --tensorboard-dir"),
+    (["--log-optimizer-states-to-tensorboard"],
+     "^--log-optimizer-states-to-tensorboard needs --tensorboard-dir"),
     (["--tensorboard-dir", "tb", "--tensorboard-log-interval", "0"],
      "^--tensorboard-log-interval must be at least 1, got 0"),
     (["--tensorboard-dir", "tb", "--tensorboard-queue-size", "-1"],
@@ -66,3 +70,13 @@ def test_timing_log_option_chooses_how_the_timers_show_the_ranks():
     with pytest.raises(ConfigError, match=r"^argument --timing-log-option: invalid choice: "
                                           r"'sum' \(choose from 'max', 'minmax', 'all'\)"):
         parse("--timing-log-option", "sum")
+
+
+def test_optimizer_states_of_an_optimizer_without_adams_moments_are_one_error(tmp_path):
+    from tests.training.test_deepspeed import write_config
+    config = write_config(tmp_path, train_micro_batch_size_per_gpu=4,
+                          optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    with pytest.raises(ConfigError, match="^--log-optimizer-states-to-tensorboard writes "
+                                          "Adam's moments .* optimizer 'SGD' keeps none"):
+        parse("--deepspeed", "--deepspeed_config", str(config), "--tensorboard-dir",
+              str(tmp_path), "--log-optimizer-states-to-tensorboard")

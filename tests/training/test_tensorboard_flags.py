@@ -75,3 +75,24 @@ def test_params_norm_goes_with_the_log_line_by_default(corpus, tmp_path, capsys)
     assert scalars["lm-loss"][1][1] == pytest.approx(records[6]["lm_loss"], rel=1e-6)
     out = capsys.readouterr().out
     assert f"| params norm: {records[6]['params_norm']:.3f} |" in out
+
+
+def test_optimizer_states_go_to_tensorboard_with_the_iterations_numbers(corpus, tmp_path):
+    """Megatron-DeepSpeed's twelve optimizer/* numbers at the TensorBoard interval (each also
+    vs samples); the weights' L2 norm is --log-params-norm's."""
+    tb = tmp_path / "tb"
+    assert run(corpus, tmp_path, "--tensorboard-dir", str(tb), "--tensorboard-log-interval",
+               "2", "--log-optimizer-states-to-tensorboard", "--log-params-norm",
+               iters=4) == 0
+    records, scalars = _records(tmp_path / "run"), _scalars(tb)
+    names = sorted(tag for tag in scalars if tag.startswith("optimizer/") and " vs " not in tag)
+    assert names == sorted(f"optimizer/{kind}_{norm}" for norm in ("l2", "l1", "abs_max")
+                           for kind in ("variance", "variance_sqrt", "momentum", "weight"))
+    for name in names:
+        assert [step for step, _ in scalars[name]] == [2, 4], name
+        assert [step for step, _ in scalars[f"{name} vs samples"]] == [8, 16], name
+    assert [v for _, v in scalars["optimizer/weight_l2"]] == pytest.approx(
+        [records[2]["params_norm"], records[4]["params_norm"]], rel=1e-6)
+    (_, variance_l1), (_, variance_sqrt_l2) = (scalars["optimizer/variance_l1"][-1],
+                                               scalars["optimizer/variance_sqrt_l2"][-1])
+    assert variance_sqrt_l2 == pytest.approx(math.sqrt(variance_l1), rel=1e-5)

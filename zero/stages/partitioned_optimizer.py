@@ -22,22 +22,37 @@ from zero.errors import CheckpointError, ZeroError
 _NORM_PIECE = 1 << 14
 
 
-def sum_of_squares(tensors, device):
-    """Float64 sum of the squares of the elements of `tensors` (flat tensors), on `device`.
-    A tensor's whole pieces are the rows of one [pieces, _NORM_PIECE] view, normed in one
-    call (on CPU, torch._foreach_norm over a list of pieces costs a call per piece:
-    docs/design/grad-norm.md)."""
+def piece_norms(tensors, ord=2):
+    """The `ord` norms of the pieces of `tensors` (flat tensors) of _NORM_PIECE elements, one
+    float per piece. A tensor's whole pieces are the rows of one [pieces, _NORM_PIECE] view,
+    normed in one call (on CPU, torch._foreach_norm over a list of pieces costs a call per
+    piece: docs/design/grad-norm.md)."""
     norms = []
     for tensor in tensors:
         rows = tensor.numel() // _NORM_PIECE
         if rows:
             whole = tensor[:rows * _NORM_PIECE].view(rows, _NORM_PIECE)
-            norms.append(torch.linalg.vector_norm(whole, dim=1))
+            norms.append(torch.linalg.vector_norm(whole, ord, dim=1).float())
         if tensor.numel() > rows * _NORM_PIECE:
-            norms.append(torch.linalg.vector_norm(tensor[rows * _NORM_PIECE:]).reshape(1))
-    if not norms:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.cat(norms).double().pow(2).sum().to(device)
+            norms.append(torch.linalg.vector_norm(tensor[rows * _NORM_PIECE:], ord)
+                         .float().reshape(1))
+    return torch.cat(norms) if norms else torch.zeros(0)
+
+
+def sum_of_squares(tensors, device):
+    """Float64 sum of the squares of the elements of `tensors` (flat tensors), on `device`."""
+    return piece_norms(tensors).double().pow(2).sum().to(device)
+
+
+def _dense_moments(entry, pieces, numel):
+    """(exp_avg, exp_avg_sq) of one master's saved optimizer state, fp32 per element (Adam8bit
+    and Adam4bit's codes decoded); (None, None) before the first step."""
+    from zero.optim.quantized_state import decode, is_quantized
+    if is_quantized(entry):
+        return decode(entry, pieces, numel)
+    if "exp_avg" in entry:
+        return entry["exp_avg"].reshape(-1), entry["exp_avg_sq"].reshape(-1)
+    return None, None
 
 
 # Keys a saved param group may lack and still be this optimizer's kind: torch's implementation
@@ -142,6 +157,56 @@ class PartitionedOptimizer:
             if comm is not None:
                 comm.all_reduce(total)
         return math.sqrt(total.item())
+
+    @torch.no_grad()
+    def optimizer_state_norms(self):
+        """Norms of Adam's moments and of the fp32 master weights, with Megatron-DeepSpeed's
+        names (its --log-optimizer-states-to-tensorboard): the L2 and L1 norms and the
+        largest magnitude of exp_avg_sq ("variance"), of its square root ("variance_sqrt"),
+        of exp_avg ("momentum") and of the weights. Each element counts once, as in
+        `weights_norm`; moments not made yet (before the first step) are Adam's zeros. A
+        collective: every rank of the job calls it."""
+        self._catch_up_with_loaded_weights()
+        saved = self.base_state_dict()  # (offload: swapped in; quantised: decoded below)
+        rank = self.dp_comm.rank if self.partition_count > 1 else 0
+        pieces = self._partition_pieces(rank)  # {master: its pieces}, in key order
+        masters = list(pieces)
+        index = {id(p): i for i, p in enumerate(
+            p for group in self.optimizer.param_groups for p in group["params"])}
+        parts = {"variance": [], "momentum": [], "weight": []}
+        for key, runs in self._weight_runs():
+            master = self.masters.read_master(key)
+            entry = saved["state"].get(index[id(masters[key])], {})
+            exp_avg, exp_avg_sq = _dense_moments(entry, pieces[masters[key]], master.numel())
+            for start, length in runs:
+                parts["weight"].append(master.narrow(0, start, length))
+                if exp_avg is not None:
+                    parts["momentum"].append(exp_avg.narrow(0, start, length))
+                    parts["variance"].append(exp_avg_sq.narrow(0, start, length))
+        device = self.dp_comm.scalar_device(masters[0] if masters else torch.empty(0))
+        sums, maxima = {}, {}
+        for name, tensors in parts.items():
+            l2, l1 = piece_norms(tensors, 2).double(), piece_norms(tensors, 1).double()
+            sums[f"{name}_l2"], sums[f"{name}_l1"] = l2.pow(2).sum(), l1.sum()
+            maxima[f"{name}_abs_max"] = piece_norms(tensors, math.inf).double().max() \
+                if tensors else torch.zeros((), dtype=torch.float64)
+        # sqrt(v): its squares sum to v's L1 norm; ord 0.5 gives (sum sqrt|v|)**2 per piece
+        sums["variance_sqrt_l1"] = piece_norms(parts["variance"], 0.5).double().sqrt().sum()
+        sums["variance_sqrt_l2"] = sums["variance_l1"]
+        maxima["variance_sqrt_abs_max"] = maxima["variance_abs_max"]
+        summed = torch.stack(list(sums.values())).to(device)
+        largest = torch.stack(list(maxima.values())).to(device)
+        for comm in (self.dp_comm if self.partition_count > 1 else None, self.mp_comm,
+                     self.pp_comm):
+            if comm is not None:
+                comm.all_reduce(summed)
+                comm.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+        values = dict(zip(sums, summed.tolist()))
+        values.update(zip(maxima, largest.tolist()))
+        for name in ("variance_l2", "variance_sqrt_l2", "momentum_l2", "weight_l2"):
+            values[name] = math.sqrt(values[name])
+        values["variance_sqrt_abs_max"] = math.sqrt(values["variance_sqrt_abs_max"])
+        return values
 
     def _counts_in_weights_norm(self, param):
         """Whether this rank's elements of `param` count in the weights' norm: a parameter
