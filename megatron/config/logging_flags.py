@@ -1,7 +1,8 @@
 """The logging flags: Megatron-LM's log line and timers (--log-interval, --timing-log-level,
 --timing-log-option), metrics.jsonl (--log-dir) and what TensorBoard gets (--tensorboard-dir,
 --log-timers-to-tensorboard, --tensorboard-log-interval, the --log-*-to-tensorboard flags,
---log-params-norm): defined for the parser and resolved into the frozen LoggingConfig.
+--log-params-norm, --log-num-zeros-in-grad): defined for the parser and resolved into the
+frozen LoggingConfig.
 """
 
 from megatron.config.megatron_flags import offered_here
@@ -43,6 +44,11 @@ def add_logging_flags(parser):
                         "(params-norm) get the L2 norm of the trained weights, from their fp32 "
                         "master copies over every parallel rank (a collective at each log "
                         "line)")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="the log line, metrics.jsonl (num_zeros_in_grad) and TensorBoard "
+                        "(num-zeros) get the number of zero elements in the step's gradient, "
+                        "over every parallel rank, each element once (a collective inside "
+                        "each step); none for a skipped step")
     g.add_argument("--tensorboard-log-interval", type=int, default=None, metavar="N",
                    help="write the iteration's numbers to TensorBoard every N iterations, "
                         "each of that iteration alone (lm-loss, learning-rate, loss-scale, "
@@ -113,7 +119,8 @@ def resolve_logging(raw, given, ds_config):
     return LoggingConfig(raw["log_interval"], raw["tensorboard_dir"],
                          raw["log_dir"] or raw["tensorboard_dir"] or raw["save"],
                          phase_times=phase_times, timing_log_option=raw["timing_log_option"],
-                         params_norm=raw["log_params_norm"], tensorboard=tensorboard)
+                         params_norm=raw["log_params_norm"],
+                         num_zeros_in_grad=raw["log_num_zeros_in_grad"], tensorboard=tensorboard)
 
 
 def _check_adam_moments(raw, ds_config):

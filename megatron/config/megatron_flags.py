@@ -111,7 +111,6 @@ NOT_TAKEN = {
     "--input-data-sizes-file": _OLD_LOADERS,
     "--use-tfrecords": _OLD_LOADERS,
     # later Megatron-LM's logging
-    "--log-num-zeros-in-grad": "zeros in the gradients are not counted",
     # later Megatron-LM's models, parallelism and kernels
     **{flag: _OTHER_MODELS for flag in (
         "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",

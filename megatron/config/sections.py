@@ -176,6 +176,7 @@ class LoggingConfig:
     phase_times: bool = False  # the engine times its phases (wall_clock_breakdown): print them
     timing_log_option: str = "minmax"  # the phase times over ranks: max, minmax or all
     params_norm: bool = False  # the weights' norm on the log line (a collective)
+    num_zeros_in_grad: bool = False  # zeros in each step's gradient (a collective in the step)
     tensorboard: TensorboardScalars = TensorboardScalars()
 
 

@@ -39,6 +39,8 @@ class Backend:
         if mpu.get_pipeline_model_parallel_world_size() > 1:
             from megatron.pipeline.schedules import PipelineStage
             self.pipeline = PipelineStage(engine, ctx)
+        if ctx.config.logging.num_zeros_in_grad:
+            engine.optimizer.count_zeros_in_grad()
 
     @property
     def model(self):
@@ -130,9 +132,13 @@ class Backend:
         return times
 
     def optimizer_scalars(self):
-        """The learning rate (what the schedule set, ours or the config's) and loss scale."""
-        return {"lr": self.engine.optimizer.param_groups[0]["lr"],
-                "loss_scale": self.engine.optimizer.cur_scale}
+        """The learning rate (what the schedule set, ours or the config's), the loss scale,
+        and with --log-num-zeros-in-grad the last step's zeros in the gradient."""
+        optimizer = self.engine.optimizer
+        scalars = {"lr": optimizer.param_groups[0]["lr"], "loss_scale": optimizer.cur_scale}
+        if optimizer.counts_zeros_in_grad:
+            scalars["num_zeros_in_grad"] = optimizer.num_zeros_in_grad
+        return scalars
 
     def report(self):
         """What the log line shows of the optimizer and of the pipeline: its bubble since the

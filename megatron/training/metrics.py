@@ -37,6 +37,7 @@ _INTERVAL_TAGS = {"ms_per_iter": "ms-per-iteration", "tokens_per_s": "tokens-per
 _ITERATION_TAGS = {"lm_loss": ("lm-loss", None), "lr": ("learning-rate", "learning_rate"),
                    "loss_scale": ("loss-scale", "loss_scale"), "grad_norm": ("grad-norm", None),
                    "params_norm": ("params-norm", None),
+                   "num_zeros_in_grad": ("num-zeros", None),
                    "batch_size": ("batch-size", "batch_size"),
                    "world_size": ("world-size", "world_size")}
 
@@ -174,6 +175,7 @@ def format_train_line(record):
         _field("lm loss: {:.6E}", record.get("lm_loss")),
         _field("loss scale: {:.1f}", record.get("loss_scale")),
         _field("grad norm: {:.3f}", record.get("grad_norm")),
+        _field("num zeros: {:.1f}", record.get("num_zeros_in_grad")),
         _field("params norm: {:.3f}", record.get("params_norm")),
         _field("tokens/s: {:.0f}", record.get("tokens_per_s")),
         _field("MFU: {:.1f}%", None if record.get("mfu") is None else 100.0 * record["mfu"]),

@@ -96,3 +96,21 @@ def test_optimizer_states_go_to_tensorboard_with_the_iterations_numbers(corpus, 
     (_, variance_l1), (_, variance_sqrt_l2) = (scalars["optimizer/variance_l1"][-1],
                                                scalars["optimizer/variance_sqrt_l2"][-1])
     assert variance_sqrt_l2 == pytest.approx(math.sqrt(variance_l1), rel=1e-5)
+
+
+def test_zeros_in_the_gradient_go_on_the_line_in_metrics_and_to_tensorboard(corpus, tmp_path,
+                                                                           capsys):
+    """--log-num-zeros-in-grad: Megatron-LM's ' num zeros: N |' after the grad norm (few here:
+    the output layer tied to the word embeddings gives every row a gradient; counting is
+    tested in tests/zero/test_zeros_in_grad.py)."""
+    tb = tmp_path / "tb"
+    assert run(corpus, tmp_path, "--tensorboard-dir", str(tb), "--log-num-zeros-in-grad",
+               "--log-interval", "2", iters=4) == 0
+    records, scalars = _records(tmp_path / "run"), _scalars(tb)
+    assert sorted(records) == [2, 4]
+    counts = [records[it]["num_zeros_in_grad"] for it in (2, 4)]
+    assert all(isinstance(count, int) and count >= 0 for count in counts)
+    assert [value for _, value in scalars["num-zeros"]] == counts
+    assert [step for step, _ in scalars["num-zeros vs samples"]] == [8, 16]
+    out = capsys.readouterr().out
+    assert f"| grad norm: {records[4]['grad_norm']:.3f} | num zeros: {counts[1]:.1f} |" in out

@@ -7,7 +7,8 @@ A subclass sets `optimizer`, `masters` (its master store, zero/stages/masters.py
 `loss_scaler` (None unless fp16), `settings.gradient_clipping`, `dp_comm` and `mp_comm`
 (zero.comm.communicator.Communicator; None without tensor parallelism), `mp_rank`, `pp_comm`
 (None without pipeline parallelism), `partition_count`, and provides `zero_grad()`,
-`_step_partitions(grad_divisor)`, `_partition_pieces(rank)` and `_weight_runs()`.
+`_step_partitions(grad_divisor)`, `_partition_pieces(rank)`, `_weight_runs()` and
+`_master_grad(key)`.
 """
 
 import math
@@ -68,6 +69,8 @@ class PartitionedOptimizer:
     _masters_behind_model = False  # weights were loaded into the module since the masters' last
     overflow = False  # the last step found inf/nan gradients and was skipped
     global_grad_norm = None  # the last step's gradient norm before clipping (unscaled)
+    counts_zeros_in_grad = False  # count_zeros_in_grad() turns it on
+    num_zeros_in_grad = None  # the last applied step's count (None when not counted)
 
     @property
     def param_groups(self):
@@ -208,6 +211,28 @@ class PartitionedOptimizer:
         values["variance_sqrt_abs_max"] = math.sqrt(values["variance_sqrt_abs_max"])
         return values
 
+    def count_zeros_in_grad(self):
+        """From now on each applied step counts the zero elements of its gradient
+        (`num_zeros_in_grad`: Megatron-LM's --log-num-zeros-in-grad), over every parallel
+        rank, each element once: a collective inside step()."""
+        self.counts_zeros_in_grad = True
+
+    @torch.no_grad()
+    def _zeros_in_grad(self):
+        zeros, device = 0, None
+        for key, runs in self._weight_runs():
+            grad = self._master_grad(key)
+            device = device or self.dp_comm.scalar_device(grad)
+            zeros += sum(length - int(torch.count_nonzero(grad.narrow(0, start, length)))
+                         for start, length in runs)
+        total = torch.tensor([zeros], dtype=torch.float64,
+                             device=device or self.dp_comm.scalar_device(torch.empty(0)))
+        for comm in (self.dp_comm if self.partition_count > 1 else None, self.mp_comm,
+                     self.pp_comm):
+            if comm is not None:
+                comm.all_reduce(total)
+        return int(total.item())
+
     def _counts_in_weights_norm(self, param):
         """Whether this rank's elements of `param` count in the weights' norm: a parameter
         replicated over tensor parallelism counts on TP rank 0 only."""
@@ -228,11 +253,14 @@ class PartitionedOptimizer:
         scale = self.cur_scale
         self.overflow = bool(overflow)
         self.global_grad_norm = math.sqrt(norm_sq) / scale if math.isfinite(norm_sq) else norm_sq
+        self.num_zeros_in_grad = None
         if self.overflow:
             if self.loss_scaler is not None:
                 self.loss_scaler.update_scale(True)
             self.zero_grad()
             return False
+        if self.counts_zeros_in_grad:
+            self.num_zeros_in_grad = self._zeros_in_grad()
         combined = scale
         clip = self.settings.gradient_clipping
         if clip > 0 and math.isfinite(norm_sq):

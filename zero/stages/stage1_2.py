@@ -180,6 +180,9 @@ class ZeroOptimizer(PartitionedOptimizer):
                       in group.layout.partition_param_pieces(group.rank)
                       if self._counts_in_weights_norm(group.params[i])]
 
+    def _master_grad(self, key):
+        return self.groups[key].master.grad
+
     @staticmethod
     def piece_name(g, i):
         """The name of parameter i of group g in its pieces (the same at any DP size)."""

@@ -212,6 +212,9 @@ class Stage3Optimizer(PartitionedOptimizer):
                                                        sub_group.sizes)
                         if param.ds_numel > rank * size and self._counts_in_weights_norm(param)]
 
+    def _master_grad(self, key):
+        return self.sub_groups[key].master.grad
+
     def _cut(self, params):
         runs, run, numel = [], [], 0
         for param in params:
