@@ -50,6 +50,9 @@ _NOT_BUILT = (
     ("num_experts", lambda v: v not in (None, 1, [1]), "mixture of experts"),
     ("apply_residual_connection_post_layernorm", lambda v: v, "the post-LayerNorm residual"),
     ("use_mcore_models", lambda v: v, "Megatron-core's model classes"),
+    ("apply_layernorm_1p", lambda v: v, "LayerNorm weights stored zero-centred "
+                                        "(--apply-layernorm-1p)"),
+    ("add_position_embedding", lambda v: v is False, "no position embeddings"),
 )
 
 
@@ -141,8 +144,8 @@ def deepspeed_pipeline_module(tag_dir, tp_rank, states):
     layer_{index:02d}-model_{tp:02d}-model_states.pt, numbered by its place in GPTModelPipe's
     list, where functions (casts, transposes) take numbers too and the list changed between
     versions: so each file is known by its keys. In order: the embeddings, the transformer
-    layers, the final LayerNorm, then the tied output layer's copy of the embeddings (the same
-    weights, not kept)."""
+    layers, the final LayerNorm. (The tied output layer has no file: its entry is a function
+    of the embedding layer's module.)"""
     files = sorted((int(match.group(1)), os.path.join(tag_dir, name))
                    for name in os.listdir(tag_dir)
                    for match in [_LAYER_FILE.fullmatch(name)]
@@ -155,23 +158,18 @@ def deepspeed_pipeline_module(tag_dir, tp_rank, states):
     for _, path in files:
         state = torch.load(path, map_location="cpu", weights_only=True)
         kind = _layer_file_kind(state, path)
-        expected = ("embedding",) if embedding is None else \
-            ("transformer layer", "final LayerNorm") if final_layernorm is None else \
-            ("tied output layer",)
+        expected = ("the embeddings",) if embedding is None else \
+            ("a transformer layer", "the final LayerNorm") if final_layernorm is None else \
+            ("nothing (after the final LayerNorm)",)
         if kind not in expected:
             raise CheckpointError(f"{path} holds {kind} where {' or '.join(expected)} was "
                                   "expected: the layer files are not one GPT model's")
-        if kind == "embedding":
+        if kind == "the embeddings":
             embedding = state
-        elif kind == "transformer layer":
+        elif kind == "a transformer layer":
             layers.append(state)
-        elif kind == "final LayerNorm":
+        else:
             final_layernorm = state
-        elif not torch.equal(state["word_embeddings.weight"],
-                             embedding["word_embeddings.weight"]):
-            raise CheckpointError(f"{path}: the output layer's copy of the word embeddings "
-                                  "differs from the embedding layer's: the files come from "
-                                  "different saves")
     args = states["args"]
     if final_layernorm is None or len(layers) != args["num_layers"]:
         raise CheckpointError(f"{tag_dir} holds {len(layers)} transformer layers"
@@ -188,17 +186,17 @@ def deepspeed_pipeline_module(tag_dir, tp_rank, states):
 
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
-_EMBEDDINGS = {"word_embeddings.weight", "position_embeddings.weight"}
 
 
 def _layer_file_kind(state, path):
     keys = set(state) if isinstance(state, dict) else set()
-    if "word_embeddings.weight" in keys and keys <= _EMBEDDINGS:
-        return "embedding" if keys == _EMBEDDINGS else "tied output layer"
+    if keys == {"word_embeddings.weight", "position_embeddings.weight"}:
+        return "the embeddings"
     if keys and all(key.startswith(_LAYER_PARTS) for key in keys):
-        return "transformer layer"
+        return "a transformer layer"
     if keys == {"weight", "bias"}:
-        return "final LayerNorm"
+        return "the final LayerNorm"
+    _refuse_sequence_parallel_positions(keys, path)
     raise CheckpointError(f"{path} holds {sorted(keys)[:6]}: not a layer of the GPT model this "
                           "trainer builds (embeddings, transformer layers with LayerNorm, "
                           "attention and GeLU MLP, a final LayerNorm)")
@@ -208,9 +206,18 @@ _LAYER_PARTS = ("input_layernorm.", "self_attention.", "attention.",
                 "post_attention_layernorm.", "mlp.dense_h_to_4h.", "mlp.dense_4h_to_h.")
 
 
+def _refuse_sequence_parallel_positions(names, path):
+    if any("position_embeddings.local_embeddings." in str(name) for name in names):
+        raise CheckpointError(f"{path} was saved with Megatron-DeepSpeed's --sequence-parallel, "
+                              "which cuts the position embeddings over the tensor-parallel "
+                              "ranks (position_embeddings.local_embeddings): not joined here; "
+                              "save it without --sequence-parallel")
+
+
 def _renamed_module(module, args, version, path):
     """A Megatron-DeepSpeed module (flat names) in this trainer's names, QKV rows in version
     2.0's order."""
+    _refuse_sequence_parallel_positions(module, path)
     heads = args["num_attention_heads"] // args["model_parallel_size"]
     renamed = {}
     for key, tensor in module.items():
@@ -259,6 +266,9 @@ def _renamed_model(model, args, version, path):
                if key not in ("language_model", "word_embeddings_for_head")}
     # (word_embeddings_for_head: a last pipeline stage's copy of the tied word embeddings)
     language_model = dict(model["language_model"])
+    positions = (language_model.get("embedding") or {}).get("position_embeddings") or {}
+    _refuse_sequence_parallel_positions([f"position_embeddings.{key}" for key in positions],
+                                        path)
     if "encoder" in language_model:
         language_model["transformer"] = language_model.pop("encoder")
     layers = language_model.get("transformer")

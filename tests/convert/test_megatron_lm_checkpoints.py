@@ -161,6 +161,8 @@ def test_its_optimizer_state_is_not_read(corpus, ours, tmp_path, capsys):
     ({"position_embedding_type": PositionEmbeddingType.rotary}, None,
      "position embeddings other than learned absolute ones"),
     ({"model_type": ModelType.encoder_and_decoder}, None, "an encoder-decoder model"),
+    ({"apply_layernorm_1p": True, "add_position_embedding": False}, None,
+     "LayerNorm weights stored zero-centred (--apply-layernorm-1p); no position embeddings"),
     ({}, lambda s: s.update(model0=s["model"]), "interleaved pipeline chunks (model0"),
     ({}, lambda s: s.update(model={"decoder": {}}), "Megatron-core's layer names"),
 ])
@@ -283,11 +285,10 @@ def _as_megatron_deepspeed_pipeline(source, target, numbering="current", stages=
             save_layer(first_layer_at + number, {
                 key[len(prefix):].replace("attention.", "self_attention.", 1): value
                 for key, value in layers.items() if key.startswith(prefix)})
-        last = first_layer_at + num_layers - 1 + layernorm_after
-        save_layer(last, {key.split(".")[-1]: value for key, value in layers.items()
-                          if key.startswith("final_layernorm.")})
-        save_layer(last + 1, {"word_embeddings.weight":
-                              language_model["embedding"]["word_embeddings"]["weight"]})
+        # (the tied output layer's entry is a function of the embeddings' module: no file)
+        save_layer(first_layer_at + num_layers - 1 + layernorm_after,
+                   {key.split(".")[-1]: value for key, value in layers.items()
+                    if key.startswith("final_layernorm.")})
         args = dict(state["args"])
         args["tensor_model_parallel_size"] = args.pop("model_parallel_size")
         args.update(pipeline_model_parallel_size=stages, num_experts=[1],
@@ -332,9 +333,18 @@ def _add_a_key(mds):
     torch.save({**torch.load(path), "mlp.deepspeed_moe.gate.wg.weight": torch.zeros(2)}, path)
 
 
-def _change_the_tied_copy(mds):
-    path = _layer_files(mds)[-1]
-    torch.save({key: value + 1 for key, value in torch.load(path).items()}, path)
+def _a_file_after_the_final_layernorm(mds):
+    first = _layer_files(mds)[0]
+    shutil.copy(first, first.parent / "layer_99-model_00-model_states.pt")
+
+
+def _cut_positions_over_ranks(mds):
+    """Megatron-DeepSpeed's --sequence-parallel: each TP rank holds a slice of positions."""
+    path = _layer_files(mds)[0]
+    state = torch.load(path)
+    state["position_embeddings.local_embeddings.weight"] = \
+        state.pop("position_embeddings.weight")[:16]
+    torch.save(state, path)
 
 
 def _remove_tp_rank_1(mds):
@@ -347,7 +357,11 @@ def _remove_tp_rank_1(mds):
                       "--num-layers 2: layer files are missing"),
     (_add_a_key, "holds ['input_layernorm.bias', 'input_layernorm.weight', "
                  "'mlp.deepspeed_moe.gate.wg.weight'"),
-    (_change_the_tied_copy, "the output layer's copy of the word embeddings differs"),
+    (_a_file_after_the_final_layernorm, "holds the embeddings where nothing (after the final "
+                                        "LayerNorm) was expected"),
+    (_cut_positions_over_ranks, "was saved with Megatron-DeepSpeed's --sequence-parallel, "
+                                "which cuts the position embeddings over the tensor-parallel "
+                                "ranks"),
     (_remove_tp_rank_1, "has no layer_*-model_01-model_states.pt files (tensor-parallel rank "
                         "1's weights): it is incomplete"),
 ])
@@ -358,3 +372,18 @@ def test_megatron_deepspeed_layer_files_that_do_not_make_one_model_are_one_error
     with pytest.raises(CheckpointError) as error:
         load_model_weights(str(mds))
     assert message in str(error.value)
+
+
+def test_position_embeddings_cut_over_ranks_are_refused_in_the_megatron_layout(ours, tmp_path):
+    """Megatron-DeepSpeed without --deepspeed, --sequence-parallel: the same one error."""
+    mlm = _as_megatron_lm(ours / "tp1", tmp_path / "mlm", 3.0)
+    path = mlm / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    with _megatron_enums():
+        state = torch.load(path, weights_only=False)
+        embedding = state["model"]["language_model"]["embedding"]
+        embedding["position_embeddings"] = {
+            "local_embeddings.weight": embedding["position_embeddings"]["weight"]}
+        torch.save(state, path)
+    with pytest.raises(CheckpointError, match="Megatron-DeepSpeed's --sequence-parallel, which "
+                                              "cuts the position embeddings"):
+        load_model_weights(str(mlm))

@@ -96,8 +96,11 @@ def test_pipeline_bf16_follows_single_process(corpus, tmp_path):
     single, _ = train(corpus, tmp_path / "single", 1, ITERS, "--batch-size", 8, "--bf16")
     metrics, _ = train(corpus, tmp_path / "pp2", 2, ITERS, "--pipeline-model-parallel-size", 2,
                        "--batch-size", 2, "--bf16")
+    # (measured: 1e-5 in loss, 3e-4 in norm; the output layer's sum cut to its last micro
+    # batch was 65% off in norm)
     for it in range(1, ITERS + 1):
-        assert relative_difference(metrics[it][0], single[it][0]) < 1e-2, it
+        assert relative_difference(metrics[it][0], single[it][0]) < 1e-3, it
+        assert relative_difference(metrics[it][1], single[it][1]) < 3e-3, it
 
 
 FOUR_LAYERS = ["--num-layers", 4]

@@ -238,30 +238,38 @@ def _outside_gradient():
     return torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(7)) / 3
 
 
-def _with_outside_gradient(gas, data_types=None):
-    """The step's gradients with the outside one added before the last backward."""
-    engine, *_ = zero.initialize(model=_model(), config=_config(gas, **(data_types or {})))
+def _with_outside_gradient(gas, name, data_types=None):
+    """The second step's gradients with the outside one added to parameter `name` before its
+    last backward (lr 0: the first step leaves the weights as they were)."""
+    config = _config(gas, **(data_types or {}))
+    config["optimizer"]["params"].update(lr=0.0)
+    engine, *_ = zero.initialize(model=_model(), config=config)
+    for index in range(gas):  # a first step, whose sums must not reach the second's
+        engine.backward(_loss(engine, _micro_batch(index)))
+        engine.step()
     for index in range(gas - 1):
         engine.backward(_loss(engine, _micro_batch(index)))
         engine.step()  # (not the boundary)
-    engine.optimizer.add_to_gradient(engine.module[0].weight, _outside_gradient())
+    param = dict(engine.module.named_parameters())[name]
+    engine.optimizer.add_to_gradient(param, _outside_gradient())
     engine.backward(_loss(engine, _micro_batch(gas - 1)))
     return _step_grads(engine)
 
 
-def _plus_outside(expected, divisor=1):
+def _plus_outside(expected, name="0.weight", divisor=1):
     expected = dict(expected)
-    expected["0.weight"] = expected["0.weight"] + _outside_gradient().double() / divisor
+    expected[name] = expected[name] + _outside_gradient().double() / divisor
     return expected
 
 
 @pytest.mark.parametrize("gas", [1, 4])
-def test_a_gradient_added_from_outside_joins_the_fp32_sums_unrounded(gas):
-    found = _with_outside_gradient(gas)
-    assert _worst_error(found, _plus_outside(_bf16_grads(range(gas), gas))) < 1e-6
+@pytest.mark.parametrize("name", ["0.weight", "2.weight"])  # the first, a later parameter
+def test_a_gradient_added_from_outside_joins_the_fp32_sums_unrounded(gas, name):
+    expected = _plus_outside(_bf16_grads(range(gas), gas), name)
+    assert _worst_error(_with_outside_gradient(gas, name), expected) < 1e-6
     # summed in bf16, it is added in bf16, with the rounding that brings
-    found = _with_outside_gradient(gas, {"data_types": {"grad_accum_dtype": "bf16"}})
-    assert 1e-4 < _worst_error(found, _plus_outside(_bf16_grads(range(gas), gas))) < 2e-2
+    found = _with_outside_gradient(gas, name, {"data_types": {"grad_accum_dtype": "bf16"}})
+    assert 1e-4 < _worst_error(found, expected) < 2e-2
 
 
 def _dp2_with_outside_gradient(rank, world_size):
