@@ -10,26 +10,26 @@ def model_provider(ctx):
 
 def train_valid_test_datasets_provider(ctx, num_samples):
     from megatron.data.gpt2_dataset import (build_train_valid_test_datasets,
-                                            require_training_documents)
+                                            indexed_datasets, require_training_documents)
     from megatron.data.token_range import check_token_ids
     from megatron.data.tokenization_record import check_dataset_tokenization
     data = ctx.config.data
-    data_prefix = data.data_path
+    data_path = data.data_path
     if data.train_data is not None:
         from megatron.data.corpora import corpus_data_prefix
-        data_prefix = corpus_data_prefix(data.train_data, ctx.tokenizer)
+        data_path = corpus_data_prefix(data.train_data, ctx.tokenizer)
     train, valid, test = build_train_valid_test_datasets(
-        data_prefix, data.split, num_samples, data.seq_length, ctx.config.parallel.seed,
+        data_path, data.split, num_samples, data.seq_length, ctx.config.parallel.seed,
         skip_warmup=not data.mmap_warmup)
-    require_training_documents(train, data_prefix, data.split)
+    require_training_documents(train, data_path, data.split)
     if valid is None and ctx.config.training.eval_iters > 0:
         from megatron.data.rank_zero import log_rank_zero
         log_rank_zero(f" note: --split {data.split} leaves the valid split no documents (see "
                       f"the split line above): --eval-iters {ctx.config.training.eval_iters} "
                       "evaluates nothing and no validation loss is reported")
-    check_dataset_tokenization(train.indexed_dataset, ctx.tokenizer)
-    check_token_ids(train.indexed_dataset, ctx.model_config.vocab_size,
-                    ctx.tokenizer.vocab_size)  # the splits share one .bin
+    for indexed_dataset in indexed_datasets(train):  # (the splits share a dataset's .bin)
+        check_dataset_tokenization(indexed_dataset, ctx.tokenizer)
+        check_token_ids(indexed_dataset, ctx.model_config.vocab_size, ctx.tokenizer.vocab_size)
     return train, valid, test
 
 

@@ -39,16 +39,16 @@ def build(argv=None):
                             defaults={"tokenizer_type": "GPT2BPETokenizer"},
                             world_size=world_size)
     data, seed = config.data, config.parallel.seed
-    data_prefix = data.data_path
+    data_path = data.data_path
     if data.train_data is not None:
         from megatron.data.corpora import corpus_data_prefix
         from megatron.tokenizer import build_tokenizer
         tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file,
                                     data.tokenizer_model)
-        data_prefix = corpus_data_prefix(data.train_data, tokenizer)
+        data_path = corpus_data_prefix(data.train_data, tokenizer)
     samples = num_samples_per_split(config)
     start = time.perf_counter()
-    paths = build_index_mappings_only(data_prefix, data.split, samples, data.seq_length, seed)
+    paths = build_index_mappings_only(data_path, data.split, samples, data.seq_length, seed)
     print(f" > index maps for {samples[0]} train / {samples[1]} valid / {samples[2]} test "
           f"samples of {data.seq_length} tokens (seed {seed}) ready in "
           f"{time.perf_counter() - start:.2f} s:", flush=True)

@@ -32,10 +32,9 @@ def in_the_users_spelling(parser, argv):
 
 def parse_command_line(parser, argv):
     """(argv as parsed, its values as a dict). argparse's own errors (an unknown flag, a value
-    of the wrong type) are one ConfigError line (flags.py); Megatron-LM flags not taken and
-    several --data-path datasets, which it would word misleadingly, are ours."""
+    of the wrong type) are one ConfigError line (flags.py); Megatron-LM flags not taken, which
+    it would word misleadingly, are ours."""
     refuse_flags_not_taken(argv, parser)
-    argv = _one_data_path(argv)
     argv = _split_value_with_a_dash(argv)
     return argv, vars(parser.parse_args(argv))
 
@@ -48,9 +47,12 @@ def repeated_flag_notes(parser, argv):
     for i, arg in enumerate(argv):
         flag, joined, value = arg.partition("=")
         action = parser._option_string_actions.get(flag)  # argparse's own table
-        if not isinstance(action, argparse._StoreAction) or action.nargs is not None:
-            continue  # not a flag that stores one value (store_true, append, lists)
-        if not joined:
+        if not isinstance(action, argparse._StoreAction) or action.nargs not in (None, "+"):
+            continue  # not a flag that stores its values (store_true, append)
+        if action.nargs == "+" and not joined:  # (--data-path's blend)
+            value = " ".join(itertools.takewhile(lambda a: not a.startswith("--"),
+                                                 argv[i + 1:]))
+        elif not joined:
             value = argv[i + 1] if i + 1 < len(argv) else None
         values.setdefault(action.dest, []).append((flag, value))
     notes = []
@@ -59,25 +61,6 @@ def repeated_flag_notes(parser, argv):
             shown = ", then ".join(f"{flag} {value}" for flag, value in given)
             notes.append(f" note: {shown}: the last one is used")
     return tuple(notes)
-
-
-def _one_data_path(argv):
-    """`--data-path 1 PREFIX` (a later Megatron's blend of one dataset, whose weight is moot)
-    as `--data-path PREFIX`. Several datasets, weighted (`0.3 A 0.7 B`) or not (`A B`, as
-    Megatron-core takes them), would be argparse's "unrecognized arguments" naming the paths:
-    say what is not supported instead."""
-    for i, arg in enumerate(argv):
-        if arg != "--data-path":
-            continue
-        values = list(itertools.takewhile(lambda a: not a.startswith("--"), argv[i + 1:]))
-        if len(values) == 2 and _is_number(values[0]) and float(values[0]) > 0:
-            return argv[:i + 1] + argv[i + 2:]
-        if len(values) >= 2:
-            raise ConfigError(f"--data-path takes one dataset prefix, got {' '.join(values)}: "
-                              "blends of several datasets (weighted, W1 PREFIX1 W2 PREFIX2 ..., "
-                              "or not) are a later Megatron's; put the corpora's JSON lines in "
-                              "one file and preprocess it into one dataset")
-    return argv
 
 
 def _split_value_with_a_dash(argv):

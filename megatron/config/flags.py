@@ -306,8 +306,10 @@ def _validation(parser):
 
 def _data(parser):
     g = parser.add_argument_group("data and tokenizer")
-    g.add_argument("--data-path", default=None,
-                   help="prefix of a preprocessed dataset (without .bin/.idx)")
+    g.add_argument("--data-path", nargs="+", default=None, metavar="[WEIGHT] PREFIX",
+                   help="prefix of a preprocessed dataset (without .bin/.idx); several make a "
+                        "blend: W1 PREFIX1 W2 PREFIX2 ... (weights, normalized), or PREFIX1 "
+                        "PREFIX2 ... (weighted by their tokens)")
     g.add_argument("--train-data", default=None,
                    help="a named loose-JSON corpus (webtext) or a .json path; tokenized into "
                         ".bin/.idx next to it on first use")

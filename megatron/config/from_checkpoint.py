@@ -11,8 +11,10 @@ line is taken from the checkpoint, with one note listing them; a flag the user d
 its value, and loading rejects it later when it disagrees with the checkpoint.
 """
 
+import math
 import os
 
+from megatron.data.data_path import parse_data_path
 from megatron.data.splits import parse_splits
 from megatron.errors import CheckpointError, MegatronError
 
@@ -162,19 +164,48 @@ def _json_chooses_the_optimizer(raw):
     return isinstance(config, dict) and config.get("optimizer") is not None
 
 
+def _same_path(ours, theirs):
+    """As written, or resolved."""
+    return os.path.normpath(str(ours)) == os.path.normpath(str(theirs)) or \
+        os.path.realpath(str(ours)) == os.path.realpath(str(theirs))
+
+
+def _same_data_path(ours, theirs):
+    """--data-path values (a checkpoint from before blends recorded one string): the same
+    datasets by the same weights ("1 A" is "A")."""
+    as_list = lambda value: [value] if isinstance(value, str) else list(value)  # noqa: E731
+    try:
+        ours, theirs = parse_data_path(as_list(ours)), parse_data_path(as_list(theirs))
+    except MegatronError:  # a bad recorded value: the values decide
+        return as_list(ours) == as_list(theirs)
+    if len(ours.prefixes) != len(theirs.prefixes) or not all(
+            _same_path(a, b) for a, b in zip(ours.prefixes, theirs.prefixes)):
+        return False
+    if len(ours.prefixes) == 1 or ours.weights == theirs.weights:
+        return True
+    return ours.weights is not None and theirs.weights is not None and all(
+        math.isclose(a, b, rel_tol=1e-9) for a, b in zip(ours.weights, theirs.weights))
+
+
+def _shown(value):
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+
+
 def _sample_order_notes(raw, saved):
     def same(key):
         ours, theirs = raw.get(key), saved.get(key)
-        if key in ("data_path", "train_data") and ours and theirs:  # as written, or resolved
-            return os.path.normpath(str(ours)) == os.path.normpath(str(theirs)) or \
-                os.path.realpath(str(ours)) == os.path.realpath(str(theirs))
+        if key == "data_path" and ours and theirs:
+            return _same_data_path(ours, theirs)
+        if key == "train_data" and ours and theirs:
+            return _same_path(ours, theirs)
         if key == "split" and ours and theirs:  # "969, 30, 1" is "969,30,1"
             try:
                 return parse_splits(str(ours)) == parse_splits(str(theirs))
             except MegatronError:  # a bad recorded split: the strings decide
                 return ours == theirs
         return ours == theirs
-    changed = [f"--{key.replace('_', '-')} {raw.get(key)} (the checkpoint's: {saved[key]})"
+    changed = [f"--{key.replace('_', '-')} {_shown(raw.get(key))} (the checkpoint's: "
+               f"{_shown(saved[key])})"
                for key in _SAMPLE_ORDER if key in saved and not same(key)]
     if not changed:
         return ()

@@ -24,6 +24,7 @@ from megatron.config.from_checkpoint import (describe, resume_notes,
 from megatron.config.sections import (CheckpointConfig, DataConfig, EngineConfig, ModelConfig,
                                       OptimizerConfig, ParallelConfig, PrecisionConfig,
                                       TrainConfig, TrainingConfig)
+from megatron.data.data_path import parse_data_path
 from megatron.data.splits import parse_splits
 from megatron.errors import ConfigError
 
@@ -381,7 +382,11 @@ def _data(raw):
     else:
         require(raw["tokenizer_model"], "SentencePieceTokenizer needs --tokenizer-model")
     parse_splits(raw["split"])  # its errors now, not after the model is built
-    return DataConfig(**{name: raw[name] for name in DataConfig.__dataclass_fields__})
+    values = {name: raw[name] for name in DataConfig.__dataclass_fields__}
+    if raw["data_path"] is not None:
+        parse_data_path(raw["data_path"])  # its errors now too
+        values["data_path"] = tuple(raw["data_path"])
+    return DataConfig(**values)
 
 
 def _optimizer(raw, clip_grad):

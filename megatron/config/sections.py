@@ -53,7 +53,7 @@ class ActivationCheckpointConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    data_path: Optional[str]
+    data_path: Optional[Tuple[str, ...]]  # --data-path's values (megatron/data/blend.py)
     train_data: Optional[str]
     data_impl: str
     mmap_warmup: bool
@@ -229,6 +229,9 @@ def _plain_fields(section):
         value = getattr(section, f.name)
         if value is None or isinstance(value, (bool, int, float, str)):
             plain[f.name] = value
+        elif isinstance(value, tuple) and f.name != "notes" and \
+                all(isinstance(v, (bool, int, float, str)) for v in value):
+            plain[f.name] = list(value)  # (--data-path's values)
         elif dataclasses.is_dataclass(value) and f.name != "ds_config":
             plain.update(_plain_fields(value))
     if isinstance(section, ActivationCheckpointConfig):

@@ -1,10 +1,13 @@
 """GPT-2 training samples: fixed windows of seq_length+1 tokens over a shuffled document stream."""
 
+import math
 import os
 
 import numpy as np
 import torch
 
+from megatron.data.blend import MARGIN, BlendedDataset, cached_choices
+from megatron.data.data_path import parse_data_path
 from megatron.data.index_maps import (build_index_mappings, index_map_paths,
                                       sample_counts_spanning)
 from megatron.data.indexed_dataset import MMapIndexedDataset
@@ -28,6 +31,8 @@ class GPT2Dataset(torch.utils.data.Dataset):
             name, data_prefix, documents, indexed_dataset.sizes, num_samples, seq_length, seed,
             group)
         self.num_epochs = len(self.doc_idx) // len(documents)  # the documents' repeats
+        self.map_paths = list(index_map_paths(data_prefix, name, num_samples, seq_length,
+                                              seed).values())
         self._tokens_per_epoch = int(np.sum(indexed_dataset.sizes[documents], dtype=np.int64))
 
     def sample_counts_spanning(self, num_epochs):
@@ -81,9 +86,11 @@ def _check_num_samples(train_valid_test_num_samples):
             raise ValueError(f"number of samples must be >= 0, got {n}")
 
 
-def build_train_valid_test_datasets(data_prefix, splits_string, train_valid_test_num_samples,
+def build_train_valid_test_datasets(data_path, splits_string, train_valid_test_num_samples,
                                     seq_length, seed, skip_warmup=True, group=None):
-    """(train, valid, test) GPT2Datasets; None for a split with no documents or 0 samples.
+    """(train, valid, test) datasets of `data_path` (one prefix, or --data-path's values: a
+    blend, megatron/data/blend.py): GPT2Datasets, or BlendedDatasets of them; None for a split
+    with no documents or 0 samples.
 
     group: the process group whose ranks all call this (default: every rank).  Its rank 0
     builds missing index maps while the others wait.
@@ -91,40 +98,77 @@ def build_train_valid_test_datasets(data_prefix, splits_string, train_valid_test
     if seq_length < 1:
         raise ValueError(f"seq_length must be >= 1, got {seq_length}")
     _check_num_samples(train_valid_test_num_samples)
-    indexed_dataset, bounds = _split_documents(data_prefix, splits_string, skip_warmup)
+    blend = parse_data_path(data_path)
+    cut = [_split_documents(prefix, splits_string, skip_warmup) for prefix in blend.prefixes]
     datasets = []
     for k, name in enumerate(SPLIT_NAMES):
         num_samples = int(train_valid_test_num_samples[k])
-        if bounds[k + 1] <= bounds[k] or num_samples == 0:
+        present = [i for i, (_, bounds) in enumerate(cut) if bounds[k + 1] > bounds[k]]
+        if not present or num_samples == 0:
             datasets.append(None)
-            continue
-        documents = np.arange(bounds[k], bounds[k + 1], dtype=np.int32)
-        datasets.append(GPT2Dataset(name, data_prefix, documents, indexed_dataset, num_samples,
-                                    seq_length, seed, group))
+        elif len(blend.prefixes) == 1:
+            datasets.append(_split_dataset(name, blend.prefixes[0], *cut[0], k, num_samples,
+                                           seq_length, seed, group))
+        else:
+            datasets.append(_blended_split(name, blend, cut, present, k, num_samples,
+                                           seq_length, seed, group))
     return tuple(datasets)
 
 
-def require_training_documents(train, data_prefix, splits_string):
+def _split_dataset(name, data_prefix, indexed_dataset, bounds, k, num_samples, seq_length,
+                   seed, group):
+    documents = np.arange(bounds[k], bounds[k + 1], dtype=np.int32)
+    return GPT2Dataset(name, data_prefix, documents, indexed_dataset, num_samples, seq_length,
+                       seed, group)
+
+
+def _blended_split(name, blend, cut, present, k, num_samples, seq_length, seed, group):
+    """Split k of every dataset that has documents in it, blended by their weights (or their
+    tokens in it), renormalized over those datasets."""
+    if blend.weights is None:
+        shares = [int(np.sum(cut[i][0].sizes[cut[i][1][k]:cut[i][1][k + 1]], dtype=np.int64))
+                  for i in present]
+    else:
+        shares = [blend.weights[i] for i in present]
+    shares = [share / sum(shares) for share in shares]
+    prefixes = [blend.prefixes[i] for i in present]
+    choices, choices_path = cached_choices(name, prefixes, shares, num_samples, group)
+    counts = np.bincount(choices, minlength=len(present))
+    datasets = [_split_dataset(name, prefixes[j], *cut[i], k,
+                               max(math.ceil(num_samples * shares[j] * MARGIN), int(counts[j])),
+                               seq_length, seed, group) for j, i in enumerate(present)]
+    log_rank_zero(f" > {name} blend: " + ", ".join(
+        f"{prefix} {share:.1%} ({int(count)} samples)"
+        for prefix, share, count in zip(prefixes, shares, counts)))
+    return BlendedDataset(name, datasets, choices, choices_path)
+
+
+def require_training_documents(train, data_path, splits_string):
     """DataError when the train split (`train`, from build_train_valid_test_datasets) is
     empty."""
     if train is None:
+        shown = data_path if isinstance(data_path, str) else " ".join(data_path)
         raise DataError(f"--split {splits_string!r} leaves no training documents in "
-                        f"{data_prefix}; give the first split a positive weight")
+                        f"{shown}; give the first split a positive weight")
 
 
-def build_index_mappings_only(data_prefix, splits_string, train_valid_test_num_samples,
+def indexed_datasets(dataset):
+    """The MMapIndexedDatasets a split's dataset reads (several for a blend)."""
+    if isinstance(dataset, BlendedDataset):
+        return [d.indexed_dataset for d in dataset.datasets]
+    return [dataset.indexed_dataset]
+
+
+def build_index_mappings_only(data_path, splits_string, train_valid_test_num_samples,
                               seq_length, seed):
-    """Pre-build (or validate) the cached index maps of every split, e.g. from a login node
-    before a job starts, so no GPU waits on rank 0.  Returns the .npy paths.
+    """Pre-build (or validate) the cached index maps of every split (and a blend's choices),
+    e.g. from a login node before a job starts, so no GPU waits on rank 0.  Returns the .npy
+    paths.
     """
-    datasets = build_train_valid_test_datasets(data_prefix, splits_string,
+    datasets = build_train_valid_test_datasets(data_path, splits_string,
                                                train_valid_test_num_samples, seq_length, seed)
-    require_training_documents(datasets[0], data_prefix, splits_string)
-    paths = []
-    for k, dataset in enumerate(datasets):
-        if dataset is not None:
-            paths += index_map_paths(data_prefix, SPLIT_NAMES[k],
-                                     int(train_valid_test_num_samples[k]), seq_length,
-                                     seed).values()
+    require_training_documents(datasets[0], data_path, splits_string)
+    paths = [path for dataset in datasets if dataset is not None
+             for path in dataset.map_paths]
     assert all(os.path.exists(p) for p in paths)
     return paths

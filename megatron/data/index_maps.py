@@ -118,7 +118,7 @@ def _cache_problem(paths, expected, data_index_path, documents):
     return None
 
 
-def _save_atomic(path, array):
+def save_atomic(path, array):
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -161,7 +161,7 @@ def build_index_mappings(name, data_prefix, documents, sizes, num_samples, seq_l
         start = time.perf_counter()
         maps = compute_index_maps(documents, sizes, num_samples, seq_length, seed)
         for kind, array in zip(MAP_KINDS, maps):
-            _save_atomic(paths[kind], array)
+            save_atomic(paths[kind], array)
             _not_older_than(paths[kind], data_index_path)
         log_rank_zero(f" > built {name} index maps ({problem}) in "
                       f"{time.perf_counter() - start:.2f} s: {expected['shuffle_idx'][0]} samples "

@@ -319,18 +319,34 @@ def test_lengths_in_samples_and_tokens_are_iterations(tmp_path):
     assert config.training.train_iters == 10
 
 
-@pytest.mark.parametrize("values, message", [
-    (["1", "x"], None),  # one dataset of weight 1: the weight is moot
-    (["x", "y"], "--data-path takes one dataset prefix, got x y: blends of several datasets"),
-    (["0.3", "x", "0.7", "y"], "--data-path takes one dataset prefix, got 0.3 x 0.7 y"),
-], ids=["one-weighted", "two-unweighted", "two-weighted"])
-def test_later_megatron_data_paths(values, message):
+@pytest.mark.parametrize("values, prefixes, weights", [
+    (["x"], ("x",), None),
+    (["1", "x"], ("x",), (1.0,)),  # one dataset of weight 1 (later Megatron-LM's scripts)
+    (["x", "y"], ("x", "y"), None),  # weighted by their tokens, as Megatron-core
+    (["3", "x", "1", "y"], ("x", "y"), (0.75, 0.25)),
+    (["0.3", "x", "0.7", "y"], ("x", "y"), (0.3, 0.7)),
+])
+def test_later_megatron_data_paths_are_one_dataset_or_a_blend(values, prefixes, weights):
+    from megatron.data.data_path import parse_data_path
     argv = [a for i, a in enumerate(BASE) if "--data-path" not in BASE[max(i - 1, 0):i + 1]]
-    if message is None:
-        assert resolve_config(argv + ["--data-path", *values], world_size=1).data.data_path \
-            == "x"
-        return
-    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+    data_path = resolve_config(argv + ["--data-path", *values], world_size=1).data.data_path
+    assert data_path == tuple(values)
+    blend = parse_data_path(data_path)
+    assert blend.prefixes == prefixes
+    assert blend.weights == (None if weights is None else pytest.approx(weights))
+
+
+@pytest.mark.parametrize("values, message", [
+    (["0.3", "x", "y"], "a weighted blend alternates weights and prefixes"),
+    (["0.3", "x", "0.7"], "a weighted blend alternates weights and prefixes"),
+    (["x", "0.5", "y"], "give a weight before every prefix (W1 PREFIX1 W2 PREFIX2 ...) or none"),
+    (["0.5", "x", "0", "y"], "every weight must be a positive number"),
+    (["nan", "x", "1", "y"], "every weight must be a positive number"),
+    (["0.5", "x", "0.5", "x"], "--data-path names x twice"),
+])
+def test_a_malformed_blend_is_one_error(values, message):
+    argv = [a for i, a in enumerate(BASE) if "--data-path" not in BASE[max(i - 1, 0):i + 1]]
+    with pytest.raises(ConfigError, match=re.escape(message)):
         resolve_config(argv + ["--data-path", *values], world_size=1)
 
 
