@@ -20,14 +20,18 @@ def train_valid_test_datasets_provider(ctx, num_samples):
         data_path = corpus_data_prefix(data.train_data, ctx.tokenizer)
     train, valid, test = build_train_valid_test_datasets(
         data_path, data.split, num_samples, data.seq_length, ctx.config.parallel.seed,
-        skip_warmup=not data.mmap_warmup)
+        skip_warmup=not data.mmap_warmup, split_data_paths=data.split_data_paths)
     require_training_documents(train, data_path, data.split)
-    if valid is None and ctx.config.training.eval_iters > 0:
+    if valid is None and ctx.config.training.eval_iters > 0 and data.split_data_paths is None:
         from megatron.data.rank_zero import log_rank_zero
         log_rank_zero(f" note: --split {data.split} leaves the valid split no documents (see "
                       f"the split line above): --eval-iters {ctx.config.training.eval_iters} "
                       "evaluates nothing and no validation loss is reported")
-    for indexed_dataset in indexed_datasets(train):  # (the splits share a dataset's .bin)
+    checked = {}  # (the splits cut from --data-path share their datasets' .bin)
+    for split in (train, valid, test):
+        for indexed_dataset in indexed_datasets(split) if split is not None else ():
+            checked.setdefault(indexed_dataset.prefix, indexed_dataset)
+    for indexed_dataset in checked.values():
         check_dataset_tokenization(indexed_dataset, ctx.tokenizer)
         check_token_ids(indexed_dataset, ctx.model_config.vocab_size, ctx.tokenizer.vocab_size)
     return train, valid, test

@@ -48,7 +48,8 @@ def build(argv=None):
         data_path = corpus_data_prefix(data.train_data, tokenizer)
     samples = num_samples_per_split(config)
     start = time.perf_counter()
-    paths = build_index_mappings_only(data_path, data.split, samples, data.seq_length, seed)
+    paths = build_index_mappings_only(data_path, data.split, samples, data.seq_length, seed,
+                                      split_data_paths=data.split_data_paths)
     print(f" > index maps for {samples[0]} train / {samples[1]} valid / {samples[2]} test "
           f"samples of {data.seq_length} tokens (seed {seed}) ready in "
           f"{time.perf_counter() - start:.2f} s:", flush=True)

@@ -310,6 +310,13 @@ def _data(parser):
                    help="prefix of a preprocessed dataset (without .bin/.idx); several make a "
                         "blend: W1 PREFIX1 W2 PREFIX2 ... (weights, normalized), or PREFIX1 "
                         "PREFIX2 ... (weighted by their tokens)")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="+", default=None,
+                       metavar="[WEIGHT] PREFIX",
+                       help=f"the {split} split's own dataset (or blend, as --data-path), all "
+                            "of its documents; instead of --data-path and --split (later "
+                            "Megatron-LM's)" + (": --valid-data-path and --test-data-path "
+                                                "are optional" if split == "train" else ""))
     g.add_argument("--train-data", default=None,
                    help="a named loose-JSON corpus (webtext) or a .json path; tokenized into "
                         ".bin/.idx next to it on first use")

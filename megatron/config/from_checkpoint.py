@@ -112,7 +112,8 @@ def describe(load_dir, taken):
 # takes the saved parameter groups' values, as Megatron's resume does)
 _SAVED_WITH_OPTIMIZER_STATE = ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
 # what decides the order of the training samples, which a resume continues by count
-_SAMPLE_ORDER = ("data_path", "train_data", "split", "seq_length", "seed")
+_SAMPLE_ORDER = ("data_path", "train_data_path", "valid_data_path", "test_data_path",
+                 "train_data", "split", "seq_length", "seed")
 
 
 def resume_notes(raw):
@@ -194,7 +195,7 @@ def _shown(value):
 def _sample_order_notes(raw, saved):
     def same(key):
         ours, theirs = raw.get(key), saved.get(key)
-        if key == "data_path" and ours and theirs:
+        if key.endswith("data_path") and ours and theirs:
             return _same_data_path(ours, theirs)
         if key == "train_data" and ours and theirs:
             return _same_path(ours, theirs)
@@ -212,6 +213,7 @@ def _sample_order_notes(raw, saved):
     note = (f" note: {', '.join(changed)}: training continues at the checkpoint's count of "
             "consumed samples, in another order of samples (as in Megatron: some are seen "
             "again, some never)")
-    if any(item.startswith(("--split", "--data-path", "--train-data")) for item in changed):
+    if any(item.startswith(("--split", "--data-path", "--train-data", "--valid-data-path",
+                            "--test-data-path")) for item in changed):
         note += ("; validation and test may now hold documents the model trained on")
     return (note,)

@@ -105,12 +105,9 @@ NOT_TAKEN = {
     "--eval-max-preds-per-seq": "a BERT flag; this trainer trains GPT-2",
     "--delim": _OLD_LOADERS,
     "--use-npy-data-loader": _OLD_LOADERS,
-    "--train-data-path": _OLD_LOADERS,
     "--val-data-path": _OLD_LOADERS,
-    "--test-data-path": _OLD_LOADERS,
     "--input-data-sizes-file": _OLD_LOADERS,
     "--use-tfrecords": _OLD_LOADERS,
-    # later Megatron-LM's logging
     # later Megatron-LM's models, parallelism and kernels
     **{flag: _OTHER_MODELS for flag in (
         "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
@@ -206,7 +203,6 @@ NOT_TAKEN = {
     "--trust-remote-code": "Hugging Face tokenizers are not loaded: --tokenizer-type "
                            "GPT2BPETokenizer with --vocab-file/--merge-file, or "
                            "SentencePieceTokenizer with --tokenizer-model",
-    "--valid-data-path": _OLD_LOADERS,
 }
 
 # flag -> what this trainer always does, which the flag asks for

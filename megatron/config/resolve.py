@@ -149,7 +149,7 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     return TrainConfig(
         model=model,
         activation_checkpointing=recompute,
-        data=_data(raw),
+        data=_data(raw, given),
         optimizer=_optimizer(raw, settled.clip_grad),
         precision=PrecisionConfig(fp16=settled.fp16, bf16=settled.bf16),
         parallel=parallel,
@@ -370,10 +370,19 @@ def _model(raw, model_parallel_size):
     return model
 
 
-def _data(raw):
-    require((raw["data_path"] is None) != (raw["train_data"] is None),
-            "give exactly one of --data-path (a preprocessed .bin/.idx prefix) or "
-            "--train-data (a loose-JSON corpus name or path)")
+def _data(raw, given):
+    sources = [raw["data_path"], raw["train_data"], raw["train_data_path"]]
+    require(sum(source is not None for source in sources) == 1,
+            "give exactly one of --data-path (a preprocessed .bin/.idx prefix, or a blend), "
+            "--train-data (a loose-JSON corpus name or path) or --train-data-path (the train "
+            "split's own datasets, with --valid-data-path and --test-data-path)")
+    require(raw["train_data_path"] is not None or (raw["valid_data_path"] is None
+                                                   and raw["test_data_path"] is None),
+            "--valid-data-path and --test-data-path go with --train-data-path (each split's "
+            "own datasets); with --data-path, --split cuts the validation and test documents")
+    require(raw["train_data_path"] is None or "split" not in given,
+            "--split cuts --data-path's datasets into train, validation and test; with "
+            "--train-data-path each split reads all of its own datasets: drop --split")
     require(raw["tokenizer_type"] is not None, "--tokenizer-type is required")
     if raw["tokenizer_type"] == "GPT2BPETokenizer":
         require(raw["vocab_file"] and raw["merge_file"],
@@ -383,9 +392,10 @@ def _data(raw):
         require(raw["tokenizer_model"], "SentencePieceTokenizer needs --tokenizer-model")
     parse_splits(raw["split"])  # its errors now, not after the model is built
     values = {name: raw[name] for name in DataConfig.__dataclass_fields__}
-    if raw["data_path"] is not None:
-        parse_data_path(raw["data_path"])  # its errors now too
-        values["data_path"] = tuple(raw["data_path"])
+    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if raw[name] is not None:
+            parse_data_path(raw[name], flag=f"--{name.replace('_', '-')}")  # its errors now
+            values[name] = tuple(raw[name])
     return DataConfig(**values)
 
 

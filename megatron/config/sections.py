@@ -54,6 +54,9 @@ class ActivationCheckpointConfig:
 @dataclass(frozen=True)
 class DataConfig:
     data_path: Optional[Tuple[str, ...]]  # --data-path's values (megatron/data/blend.py)
+    train_data_path: Optional[Tuple[str, ...]]  # or each split's own (None: no such split)
+    valid_data_path: Optional[Tuple[str, ...]]
+    test_data_path: Optional[Tuple[str, ...]]
     train_data: Optional[str]
     data_impl: str
     mmap_warmup: bool
@@ -67,6 +70,13 @@ class DataConfig:
     reset_position_ids: bool
     reset_attention_mask: bool
     eod_mask_loss: bool
+
+    @property
+    def split_data_paths(self):
+        """(train, valid, test) data paths of their own, or None: --data-path cut by --split."""
+        if self.train_data_path is None:
+            return None
+        return (self.train_data_path, self.valid_data_path, self.test_data_path)
 
 
 @dataclass(frozen=True)

@@ -17,30 +17,30 @@ class DataBlend:
     weights: Optional[Tuple[float, ...]]  # summing to 1; None: by each dataset's tokens
 
 
-def parse_data_path(values):
-    """--data-path's values: PREFIX, W1 PREFIX1 W2 PREFIX2 ..., or PREFIX1 PREFIX2 ...; one
-    ConfigError for anything else."""
+def parse_data_path(values, flag="--data-path"):
+    """--data-path's values (or those of `flag`: --train-data-path, ...): PREFIX, W1 PREFIX1
+    W2 PREFIX2 ..., or PREFIX1 PREFIX2 ...; one ConfigError for anything else."""
     values = [values] if isinstance(values, str) else list(values)
     numbers = [_number(v) for v in values]
     if not values:
-        raise ConfigError("--data-path needs a dataset prefix")
+        raise ConfigError(f"{flag} needs a dataset prefix")
     if numbers[0] is None:  # prefixes alone
         if any(n is not None for n in numbers):
-            raise ConfigError(f"--data-path {' '.join(values)}: give a weight before every "
+            raise ConfigError(f"{flag} {' '.join(values)}: give a weight before every "
                               "prefix (W1 PREFIX1 W2 PREFIX2 ...) or none")
-        _check_distinct(values)
+        _check_distinct(values, flag)
         return DataBlend(tuple(values), None)
     pairs = list(zip(values[0::2], numbers[0::2], values[1::2], numbers[1::2]))
     if len(values) % 2 or any(weight is None or prefix_number is not None
                               for _, weight, _, prefix_number in pairs):
-        raise ConfigError(f"--data-path {' '.join(values)}: a weighted blend alternates "
+        raise ConfigError(f"{flag} {' '.join(values)}: a weighted blend alternates "
                           "weights and prefixes, W1 PREFIX1 W2 PREFIX2 ...")
     weights = [weight for _, weight, _, _ in pairs]
     if any(not (math.isfinite(w) and w > 0) for w in weights):
-        raise ConfigError(f"--data-path {' '.join(values)}: every weight must be a positive "
+        raise ConfigError(f"{flag} {' '.join(values)}: every weight must be a positive "
                           "number")
     prefixes = [prefix for _, _, prefix, _ in pairs]
-    _check_distinct(prefixes)
+    _check_distinct(prefixes, flag)
     total = sum(weights)
     return DataBlend(tuple(prefixes), tuple(w / total for w in weights))
 
@@ -52,8 +52,8 @@ def _number(value):
         return None
 
 
-def _check_distinct(prefixes):
+def _check_distinct(prefixes, flag):
     repeated = sorted({p for p in prefixes if prefixes.count(p) > 1})
     if repeated:
-        raise ConfigError(f"--data-path names {', '.join(repeated)} twice: give each dataset "
+        raise ConfigError(f"{flag} names {', '.join(repeated)} twice: give each dataset "
                           "once, with its whole weight")

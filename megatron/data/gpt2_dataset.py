@@ -66,11 +66,16 @@ class GPT2Dataset(torch.utils.data.Dataset):
         return {"text": tokens}
 
 
-def _split_documents(data_prefix, splits_string, skip_warmup):
+def _open(data_prefix, skip_warmup):
     indexed_dataset = MMapIndexedDataset(data_prefix, skip_warmup=skip_warmup)
     if len(indexed_dataset) == 0:
         raise DataError(f"{data_prefix}.bin/.idx hold no documents: the input they were made "
                         "from had none that tokenized (see tools/preprocess_data.py's report)")
+    return indexed_dataset
+
+
+def _split_documents(data_prefix, splits_string, skip_warmup):
+    indexed_dataset = _open(data_prefix, skip_warmup)
     bounds = split_document_ranges(splits_string, len(indexed_dataset))
     log_rank_zero(f" > {data_prefix}: {len(indexed_dataset)} documents; split "
                   + ", ".join(f"{name} [{bounds[k]}, {bounds[k + 1]})"
@@ -87,10 +92,14 @@ def _check_num_samples(train_valid_test_num_samples):
 
 
 def build_train_valid_test_datasets(data_path, splits_string, train_valid_test_num_samples,
-                                    seq_length, seed, skip_warmup=True, group=None):
+                                    seq_length, seed, skip_warmup=True, group=None,
+                                    split_data_paths=None):
     """(train, valid, test) datasets of `data_path` (one prefix, or --data-path's values: a
-    blend, megatron/data/blend.py): GPT2Datasets, or BlendedDatasets of them; None for a split
-    with no documents or 0 samples.
+    blend, megatron/data/blend.py) cut by `splits_string`: GPT2Datasets, or BlendedDatasets of
+    them; None for a split with no documents or 0 samples. With `split_data_paths` (the
+    values of --train-data-path, --valid-data-path, --test-data-path; None: no such split)
+    each split reads every document of its own datasets instead, and `data_path` and
+    `splits_string` are not used.
 
     group: the process group whose ranks all call this (default: every rank).  Its rank 0
     builds missing index maps while the others wait.
@@ -98,21 +107,38 @@ def build_train_valid_test_datasets(data_path, splits_string, train_valid_test_n
     if seq_length < 1:
         raise ValueError(f"seq_length must be >= 1, got {seq_length}")
     _check_num_samples(train_valid_test_num_samples)
-    blend = parse_data_path(data_path)
-    cut = [_split_documents(prefix, splits_string, skip_warmup) for prefix in blend.prefixes]
-    datasets = []
-    for k, name in enumerate(SPLIT_NAMES):
-        num_samples = int(train_valid_test_num_samples[k])
-        present = [i for i, (_, bounds) in enumerate(cut) if bounds[k + 1] > bounds[k]]
-        if not present or num_samples == 0:
-            datasets.append(None)
-        elif len(blend.prefixes) == 1:
-            datasets.append(_split_dataset(name, blend.prefixes[0], *cut[0], k, num_samples,
-                                           seq_length, seed, group))
-        else:
-            datasets.append(_blended_split(name, blend, cut, present, k, num_samples,
-                                           seq_length, seed, group))
-    return tuple(datasets)
+    if split_data_paths is None:
+        blend = parse_data_path(data_path)
+        sources = [(blend, [_split_documents(prefix, splits_string, skip_warmup)
+                            for prefix in blend.prefixes])] * 3
+    else:
+        sources = [None if values is None else _whole_datasets(values, k, skip_warmup)
+                   for k, values in enumerate(split_data_paths)]
+    return tuple(None if sources[k] is None else
+                 _dataset_of_split(name, *sources[k], k, int(train_valid_test_num_samples[k]),
+                                   seq_length, seed, group)
+                 for k, name in enumerate(SPLIT_NAMES))
+
+
+def _whole_datasets(values, k, skip_warmup):
+    """(blend, [(indexed dataset, bounds)]) of one split's own data path: split k of each
+    dataset is all of its documents."""
+    blend, cut = parse_data_path(values), []
+    for prefix in blend.prefixes:
+        indexed_dataset = _open(prefix, skip_warmup)
+        log_rank_zero(f" > {prefix}: {len(indexed_dataset)} documents, all {SPLIT_NAMES[k]}")
+        cut.append((indexed_dataset, [0] * (k + 1) + [len(indexed_dataset)] * (3 - k)))
+    return blend, cut
+
+
+def _dataset_of_split(name, blend, cut, k, num_samples, seq_length, seed, group):
+    present = [i for i, (_, bounds) in enumerate(cut) if bounds[k + 1] > bounds[k]]
+    if not present or num_samples == 0:
+        return None
+    if len(blend.prefixes) == 1:
+        return _split_dataset(name, blend.prefixes[0], *cut[0], k, num_samples, seq_length,
+                              seed, group)
+    return _blended_split(name, blend, cut, present, k, num_samples, seq_length, seed, group)
 
 
 def _split_dataset(name, data_prefix, indexed_dataset, bounds, k, num_samples, seq_length,
@@ -160,13 +186,14 @@ def indexed_datasets(dataset):
 
 
 def build_index_mappings_only(data_path, splits_string, train_valid_test_num_samples,
-                              seq_length, seed):
+                              seq_length, seed, split_data_paths=None):
     """Pre-build (or validate) the cached index maps of every split (and a blend's choices),
     e.g. from a login node before a job starts, so no GPU waits on rank 0.  Returns the .npy
     paths.
     """
     datasets = build_train_valid_test_datasets(data_path, splits_string,
-                                               train_valid_test_num_samples, seq_length, seed)
+                                               train_valid_test_num_samples, seq_length, seed,
+                                               split_data_paths=split_data_paths)
     require_training_documents(datasets[0], data_path, splits_string)
     paths = [path for dataset in datasets if dataset is not None
              for path in dataset.map_paths]

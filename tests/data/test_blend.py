@@ -99,3 +99,22 @@ def test_the_choices_are_cached_and_the_tool_lists_them(corpora, capsys):
     other = build_train_valid_test_datasets(["0.7", a, "0.3", b], "1", [30, 0, 0], SEQ, SEED)[0]
     assert other.map_paths[0] != paths[0]  # other weights: another cache file
     assert isinstance(other.datasets[0], GPT2Dataset)
+
+
+def test_each_split_can_read_all_of_its_own_datasets(corpora, tmp_path):
+    """--train-data-path / --valid-data-path / --test-data-path: no --split; a split without
+    its own path has no dataset."""
+    a, b = corpora
+    c = _corpus(tmp_path / "c", 9000, num_docs=5)
+    train, valid, test = build_train_valid_test_datasets(
+        None, None, [30, 10, 4], SEQ, SEED, split_data_paths=(["0.5", a, "0.5", b], [c], None))
+    assert test is None
+    assert [d.indexed_dataset.prefix for d in train.datasets] == [a, b]
+    assert len(train.datasets[0].doc_idx) % 12 == 0 and sorted(set(train.datasets[0].doc_idx)) \
+        == list(range(12))  # every document of a, none held back
+    assert isinstance(valid, GPT2Dataset) and valid.indexed_dataset.prefix == c
+    assert sorted(set(valid.doc_idx)) == list(range(5))
+    assert {int(t) // 1000 for k in range(len(valid)) for t in valid[k]["text"]} == {9}
+    paths = build_index_mappings_only(None, None, [30, 10, 4], SEQ, SEED,
+                                      split_data_paths=([a, b], [c], None))
+    assert any("_valid_indexmap_10ns_" in p and p.startswith(c) for p in paths)

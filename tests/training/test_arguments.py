@@ -484,3 +484,24 @@ def test_other_invalid_choices_keep_argparses_line():
         parse("--lr-decay-style", "cos")
     assert parse("--timing-log-level", "1", "--lr-decay-style", "cosine", "--data-impl",
                  "infer", "--optimizer", "adam8bit").optimizer.lr_decay_style == "cosine"
+
+
+def test_each_split_can_have_its_own_data_path():
+    """Later Megatron-LM's --train-data-path / --valid-data-path / --test-data-path: each
+    split's own datasets (or blend), instead of --data-path cut by --split."""
+    argv = [a for i, a in enumerate(BASE) if "--data-path" not in BASE[max(i - 1, 0):i + 1]]
+    data = resolve_config(argv + ["--train-data-path", "0.4", "a", "0.6", "b",
+                                  "--valid-data-path", "v"], world_size=1).data
+    assert data.data_path is None
+    assert data.split_data_paths == (("0.4", "a", "0.6", "b"), ("v",), None)
+    assert parse().data.split_data_paths is None
+    for extra, message in (
+            (["--data-path", "x", "--train-data-path", "a"], "give exactly one of --data-path"),
+            (["--data-path", "x", "--valid-data-path", "v"],
+             "--valid-data-path and --test-data-path go with --train-data-path"),
+            (["--train-data-path", "a", "--split", "9,1,0"],
+             "with --train-data-path each split reads all of its own datasets: drop --split"),
+            (["--train-data-path", "a", "--valid-data-path", "0.5", "v", "w"],
+             "--valid-data-path 0.5 v w: a weighted blend alternates weights and prefixes")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            resolve_config(argv + extra, world_size=1)

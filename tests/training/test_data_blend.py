@@ -16,10 +16,13 @@ def _copy_of(prefix, new_prefix):
     return new_prefix
 
 
-def _run(corpus, tmp_path, data_path, *extra, log_dir="run"):
-    argv = TINY + ["--batch-size", "4", "--train-iters", "6", "--data-path", *data_path,
-                   "--vocab-file", corpus["vocab"], "--merge-file", corpus["merges"],
-                   "--log-dir", str(tmp_path / log_dir)]
+def _run(corpus, tmp_path, data_path, *extra, log_dir="run", tiny=TINY):
+    """pretrain_gpt2.py on `data_path` (--data-path's values, or the flags themselves when
+    they start with --)."""
+    data = data_path if data_path[0].startswith("--") else ["--data-path", *data_path]
+    argv = tiny + ["--batch-size", "4", "--train-iters", "6", *data, "--vocab-file",
+                   corpus["vocab"], "--merge-file", corpus["merges"], "--log-dir",
+                   str(tmp_path / log_dir)]
     return pretrain_gpt2.main(argv + list(extra))
 
 
@@ -51,3 +54,24 @@ def test_a_blend_trains_and_resumes_exactly(corpus, tmp_path, capsys):
                 str(tmp_path / "one"), log_dir="one") == 0
     assert "another order" not in capsys.readouterr().out
     assert os.path.exists(tmp_path / "one" / "iter_0000006")
+
+
+def test_each_split_trains_and_validates_on_its_own_datasets(corpus, tmp_path, capsys):
+    """--train-data-path (a blend) and --valid-data-path: no --split; validation runs on its
+    own dataset, and resuming is exact."""
+    a = corpus["prefix"]
+    b = _copy_of(a, str(tmp_path / "copy_text_document"))
+    valid = _copy_of(a, str(tmp_path / "valid_text_document"))
+    tiny = [arg for i, arg in enumerate(TINY) if "--split" not in TINY[max(i - 1, 0):i + 1]]
+    flags = ["--train-data-path", "0.5", a, "0.5", b, "--valid-data-path", valid,
+             "--eval-interval", "3", "--eval-iters", "2"]
+    assert _run(corpus, tmp_path, flags, log_dir="full", tiny=tiny) == 0
+    out = capsys.readouterr().out
+    assert f" > {valid}: 200 documents, all valid" in out
+    assert "validation loss at iteration 3" in out and "test loss" not in out
+    save = str(tmp_path / "ckpt")
+    assert _run(corpus, tmp_path, flags, "--save", save, "--exit-interval", "3",
+                log_dir="split", tiny=tiny) == 0
+    assert _run(corpus, tmp_path, flags, "--save", save, "--load", save, log_dir="split",
+                tiny=tiny) == 0
+    assert losses(tmp_path, "full") == losses(tmp_path, "split")
