@@ -383,6 +383,11 @@ def _data(raw, given):
     require(raw["train_data_path"] is None or "split" not in given,
             "--split cuts --data-path's datasets into train, validation and test; with "
             "--train-data-path each split reads all of its own datasets: drop --split")
+    values = {name: raw[name] for name in DataConfig.__dataclass_fields__}
+    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if raw[name] is not None:  # (a string from a caller's defaults: one prefix)
+            values[name] = (raw[name],) if isinstance(raw[name], str) else tuple(raw[name])
+            parse_data_path(values[name], flag=f"--{name.replace('_', '-')}")  # errors now
     require(raw["tokenizer_type"] is not None, "--tokenizer-type is required")
     if raw["tokenizer_type"] == "GPT2BPETokenizer":
         require(raw["vocab_file"] and raw["merge_file"],
@@ -391,11 +396,6 @@ def _data(raw, given):
     else:
         require(raw["tokenizer_model"], "SentencePieceTokenizer needs --tokenizer-model")
     parse_splits(raw["split"])  # its errors now, not after the model is built
-    values = {name: raw[name] for name in DataConfig.__dataclass_fields__}
-    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        if raw[name] is not None:
-            parse_data_path(raw[name], flag=f"--{name.replace('_', '-')}")  # its errors now
-            values[name] = tuple(raw[name])
     return DataConfig(**values)
 
 

@@ -5,8 +5,9 @@ Each dataset is cut by --split and sampled as alone (its own index maps, for at 
 share of the samples plus 0.5%, Megatron-LM's margin); sample i of a split's blend is the
 next unserved sample of the dataset furthest behind its share after i samples, the first on
 ties (the rule of Megatron-LM's build_blending_indices), so that after any number of samples
-every dataset's count is within two of its share. That per-sample choice is computed once per
-blend and sample count, on rank 0, and cached beside the first dataset.
+every dataset's count is within two of its share. That per-sample choice (and which sample of
+its dataset each one is) is computed once per blend and sample count, on rank 0, and cached
+beside the first dataset, where every rank maps it from.
 """
 
 import hashlib
@@ -16,6 +17,8 @@ import time
 
 import numpy as np
 import torch
+
+from megatron.errors import DataError
 
 MARGIN = 1.005  # each dataset's samples over its share (Megatron-LM's)
 
@@ -47,13 +50,18 @@ def samples_within(choices, num_datasets):
 
 
 class BlendedDataset(torch.utils.data.Dataset):
-    """`num_samples` samples drawn from `datasets` by `choices` (blending_choices)."""
+    """Sample i is sample `within[i]` of dataset `choices[i]` (cached_choices)."""
 
-    def __init__(self, name, datasets, choices, choices_path):
+    def __init__(self, name, datasets, choices, within, paths):
         self.name, self.datasets = name, list(datasets)
-        self.choices = choices
-        self.within = samples_within(choices, len(self.datasets))
-        self.map_paths = [choices_path] + [p for d in self.datasets for p in d.map_paths]
+        self.choices, self.within = choices, within
+        self.map_paths = list(paths) + [p for d in self.datasets for p in d.map_paths]
+
+    @property
+    def num_epochs(self):
+        """Each dataset's epochs: its own maps shuffle all of them together, so another
+        count reorders that dataset's samples."""
+        return [dataset.num_epochs for dataset in self.datasets]
 
     def __len__(self):
         return len(self.choices)
@@ -65,24 +73,31 @@ class BlendedDataset(torch.utils.data.Dataset):
 
 
 def cached_choices(name, prefixes, weights, num_samples, group=None):
-    """(blending_choices, the .npy it is cached in beside the first dataset; rank 0 of `group`
-    builds it)."""
+    """(choices, within, their two .npy paths): blending_choices and samples_within, cached
+    beside the first dataset (rank 0 of `group` builds them) and mapped from there."""
     from megatron.data.index_maps import save_atomic
     from megatron.data.rank_zero import build_on_rank_zero, log_rank_zero
     key = json.dumps([[os.path.realpath(p), w] for p, w in zip(prefixes, weights)])
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
-    path = f"{prefixes[0]}_{name}_blend_{digest}_{num_samples}ns_choices.npy"
+    base = f"{prefixes[0]}_{name}_blend_{digest}_{num_samples}ns"
+    paths = (f"{base}_choices.npy", f"{base}_within.npy")
 
     def build_if_needed():
-        if _loads_with_length(path, num_samples):
+        if all(_loads_with_length(path, num_samples) for path in paths):
             return
         start = time.perf_counter()
-        save_atomic(path, blending_choices(weights, num_samples))
+        choices = blending_choices(weights, num_samples)
+        save_atomic(paths[1], samples_within(choices, len(prefixes)))
+        save_atomic(paths[0], choices)
         log_rank_zero(f" > built the {name} blend of {len(prefixes)} datasets in "
-                      f"{time.perf_counter() - start:.2f} s: {num_samples} samples ({path})")
+                      f"{time.perf_counter() - start:.2f} s: {num_samples} samples ({base}_*)")
 
-    build_on_rank_zero(build_if_needed, group, what=f"the {name} blend {path}")
-    return np.load(path, mmap_mode="r"), path
+    build_on_rank_zero(build_if_needed, group, what=f"the {name} blend {base}_*")
+    if not all(_loads_with_length(path, num_samples) for path in paths):
+        raise DataError(f"the {name} blend {base}_* is unusable after rank 0 built it. Is "
+                        f"{os.path.dirname(os.path.abspath(base))} on a filesystem shared by "
+                        "all ranks?")
+    return (*(np.load(path, mmap_mode="r") for path in paths), paths)
 
 
 def _loads_with_length(path, num_samples):

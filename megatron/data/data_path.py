@@ -19,22 +19,28 @@ class DataBlend:
 
 def parse_data_path(values, flag="--data-path"):
     """--data-path's values (or those of `flag`: --train-data-path, ...): PREFIX, W1 PREFIX1
-    W2 PREFIX2 ..., or PREFIX1 PREFIX2 ...; one ConfigError for anything else."""
+    W2 PREFIX2 ..., or PREFIX1 PREFIX2 ...; one ConfigError for anything else. One value is
+    a prefix whatever it reads as (`2020`); in a blend a value that reads as a number is a
+    weight (write such a prefix as ./2020)."""
     values = [values] if isinstance(values, str) else list(values)
     numbers = [_number(v) for v in values]
     if not values:
         raise ConfigError(f"{flag} needs a dataset prefix")
+    if len(values) == 1:
+        return DataBlend(tuple(values), None)
     if numbers[0] is None:  # prefixes alone
         if any(n is not None for n in numbers):
             raise ConfigError(f"{flag} {' '.join(values)}: give a weight before every "
-                              "prefix (W1 PREFIX1 W2 PREFIX2 ...) or none")
+                              "prefix (W1 PREFIX1 W2 PREFIX2 ...) or none (a prefix that "
+                              "reads as a number: ./2020)")
         _check_distinct(values, flag)
         return DataBlend(tuple(values), None)
     pairs = list(zip(values[0::2], numbers[0::2], values[1::2], numbers[1::2]))
     if len(values) % 2 or any(weight is None or prefix_number is not None
                               for _, weight, _, prefix_number in pairs):
         raise ConfigError(f"{flag} {' '.join(values)}: a weighted blend alternates "
-                          "weights and prefixes, W1 PREFIX1 W2 PREFIX2 ...")
+                          "weights and prefixes, W1 PREFIX1 W2 PREFIX2 ... (a prefix that "
+                          "reads as a number: ./2020)")
     weights = [weight for _, weight, _, _ in pairs]
     if any(not (math.isfinite(w) and w > 0) for w in weights):
         raise ConfigError(f"{flag} {' '.join(values)}: every weight must be a positive "

@@ -152,13 +152,15 @@ def _blended_split(name, blend, cut, present, k, num_samples, seq_length, seed, 
     """Split k of every dataset that has documents in it, blended by their weights (or their
     tokens in it), renormalized over those datasets."""
     if blend.weights is None:
-        shares = [int(np.sum(cut[i][0].sizes[cut[i][1][k]:cut[i][1][k + 1]], dtype=np.int64))
-                  for i in present]
+        tokens = {i: int(np.sum(cut[i][0].sizes[cut[i][1][k]:cut[i][1][k + 1]],
+                                dtype=np.int64)) for i in present}
+        present = [i for i in present if tokens[i]] or present[:1]  # (none: its error)
+        shares = [tokens[i] or 1 for i in present]
     else:
         shares = [blend.weights[i] for i in present]
     shares = [share / sum(shares) for share in shares]
     prefixes = [blend.prefixes[i] for i in present]
-    choices, choices_path = cached_choices(name, prefixes, shares, num_samples, group)
+    choices, within, paths = cached_choices(name, prefixes, shares, num_samples, group)
     counts = np.bincount(choices, minlength=len(present))
     datasets = [_split_dataset(name, prefixes[j], *cut[i], k,
                                max(math.ceil(num_samples * shares[j] * MARGIN), int(counts[j])),
@@ -166,7 +168,7 @@ def _blended_split(name, blend, cut, present, k, num_samples, seq_length, seed, 
     log_rank_zero(f" > {name} blend: " + ", ".join(
         f"{prefix} {share:.1%} ({int(count)} samples)"
         for prefix, share, count in zip(prefixes, shares, counts)))
-    return BlendedDataset(name, datasets, choices, choices_path)
+    return BlendedDataset(name, datasets, choices, within, paths)
 
 
 def require_training_documents(train, data_path, splits_string):

@@ -171,10 +171,13 @@ def _follow_train_epochs(train, train_state, ctx):
     train_state["train_epochs"] = num_epochs
     if before is None or before == num_epochs or train_state["iteration"] == 0:
         return
-    note = (f" note: the train split's samples now span {num_epochs} epoch(s) of its "
-            f"documents (the checkpoint's run: {before}), and the samples of all epochs are "
+    note = (f" note: the train split's samples now span {_epochs(num_epochs)} (the "
+            f"checkpoint's run: {_epochs(before)}), and the samples of all epochs are "
             "shuffled together, as in Megatron: training continues at the checkpoint's count "
             "of consumed samples in another order (some are seen again, some never)")
+    if not isinstance(num_epochs, int) or not isinstance(before, int):  # a blend's
+        ctx.runtime.print0(note)
+        return
     global_batch = ctx.config.training.global_batch_size
     fewest, most = train.sample_counts_spanning(before)
     lowest = max(-(-fewest // global_batch), train_state["iteration"] + 1)
@@ -182,6 +185,13 @@ def _follow_train_epochs(train, train_state, ctx):
         note += (f"; --train-iters {lowest} to {most // global_batch} at global batch size "
                  f"{global_batch} would keep the checkpoint's order")
     ctx.runtime.print0(note)
+
+
+def _epochs(num_epochs):
+    """One dataset's epoch count, or each of a blend's."""
+    if isinstance(num_epochs, int):
+        return f"{num_epochs} epoch(s) of its documents"
+    return f"{', '.join(map(str, num_epochs))} epochs of its datasets' documents"
 
 
 def _how_to_resume(config):

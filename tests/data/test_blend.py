@@ -41,6 +41,16 @@ def test_every_dataset_stays_within_two_samples_of_its_share(weights):
         assert list(within[choices == d]) == list(range(int(np.sum(choices == d))))
 
 
+@pytest.mark.parametrize("weights, expected", [
+    ((0.2, 0.3, 0.5), [2, 1, 0, 2, 1, 2, 0, 2, 1, 2, 0, 2]),
+    ((0.1, 0.45, 0.45), [1, 2, 0, 1, 2, 1, 2, 1, 2, 1, 2, 0]),
+])
+def test_the_choices_follow_megatrons_rule(weights, expected):
+    """Sample s goes to the dataset with the largest weight x max(s, 1) - samples so far,
+    the first on ties (worked by hand for the first: s=0 and s=1 both count as 1)."""
+    assert blending_choices(weights, 12).tolist() == expected
+
+
 def test_each_sample_is_its_datasets_own_in_its_order(corpora):
     a, b = corpora
     train, valid, test = build_train_valid_test_datasets(["0.3", a, "0.7", b], "8,2,0",
@@ -95,7 +105,8 @@ def test_the_choices_are_cached_and_the_tool_lists_them(corpora, capsys):
     assert "built the train blend" not in capsys.readouterr().out  # read from the cache
     paths = build_index_mappings_only(["0.3", a, "0.7", b], "1", [30, 0, 0], SEQ, SEED)
     assert paths == train.map_paths and paths[0].endswith("_30ns_choices.npy")
-    assert len(paths) == 1 + 2 * 3  # the choices, each dataset's three maps
+    assert paths[1].endswith("_30ns_within.npy")
+    assert len(paths) == 2 + 2 * 3  # the choices, which sample of its dataset, three maps each
     other = build_train_valid_test_datasets(["0.7", a, "0.3", b], "1", [30, 0, 0], SEQ, SEED)[0]
     assert other.map_paths[0] != paths[0]  # other weights: another cache file
     assert isinstance(other.datasets[0], GPT2Dataset)
@@ -118,3 +129,10 @@ def test_each_split_can_read_all_of_its_own_datasets(corpora, tmp_path):
     paths = build_index_mappings_only(None, None, [30, 10, 4], SEQ, SEED,
                                       split_data_paths=([a, b], [c], None))
     assert any("_valid_indexmap_10ns_" in p and p.startswith(c) for p in paths)
+
+
+def test_a_dataset_whose_split_holds_no_tokens_has_no_share_of_an_unweighted_blend(tmp_path):
+    a = write_token_dataset(tmp_path / "a", [[1000 + t for t in range(6)]] * 9 + [[]])
+    b = _corpus(tmp_path / "b", 5000, num_docs=20)
+    _, valid, _ = build_train_valid_test_datasets([a, b], "9,1", [20, 6, 0], SEQ, SEED)
+    assert [d.indexed_dataset.prefix for d in valid.datasets] == [b]

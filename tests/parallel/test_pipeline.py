@@ -39,8 +39,25 @@ def train(corpus, out_dir, world_size, iters, *extra, expect_ok=True):
 @pytest.fixture(scope="module")
 def single_process_dir(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
-    train(corpus, out, 1, ITERS, "--batch-size", 8)
+    train(corpus, out, 1, ITERS, "--batch-size", 8, *optimizer_states(out))
     return out
+
+
+def optimizer_states(out):
+    """TensorBoard's optimizer/* numbers of every iteration."""
+    return ("--tensorboard-dir", out / "tb", "--tensorboard-log-interval", 1,
+            "--log-optimizer-states-to-tensorboard")
+
+
+def assert_same_optimizer_states(reference_dir, out):
+    """Adam's moments and the weights, each element once: the stages' sums are the model's."""
+    from tests.training.test_tensorboard_flags import _scalars
+    reference, found = _scalars(reference_dir / "tb"), _scalars(out / "tb")
+    names = [tag for tag in reference if tag.startswith("optimizer/") and " vs " not in tag]
+    assert len(names) == 12
+    for name in names:
+        for (step, value), (_, expected) in zip(found[name], reference[name], strict=True):
+            assert relative_difference(value, expected) < 1e-4, (name, step, value, expected)
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +74,11 @@ def single_process(single_process_dir):
 def test_pipeline_matches_single_process(corpus, single_process, single_process_dir, tmp_path,
                                          name, world_size, flags):
     # (TensorBoard every iteration: its numbers are read without resetting the bubble's)
-    metrics, results = train(corpus, tmp_path, world_size, ITERS, *flags, "--tensorboard-dir",
-                             tmp_path / "tb", "--tensorboard-log-interval", 1)
+    metrics, results = train(corpus, tmp_path, world_size, ITERS, *flags,
+                             *optimizer_states(tmp_path))
     assert_same_training(single_process, metrics, ITERS)
     assert_same_params_norms(single_process_dir / "log", tmp_path / "log")  # stages summed
+    assert_same_optimizer_states(single_process_dir, tmp_path)
     # rank 0, on the first stage, logs the loss
     bubbles = [float(b) for b in re.findall(r"pipeline bubble: ([0-9.]+)%", results[0][1])]
     assert len(bubbles) == ITERS and max(bubbles) < 90.0, bubbles

@@ -321,6 +321,7 @@ def test_lengths_in_samples_and_tokens_are_iterations(tmp_path):
 
 @pytest.mark.parametrize("values, prefixes, weights", [
     (["x"], ("x",), None),
+    (["2020"], ("2020",), None),  # one value is a prefix, whatever it reads as
     (["1", "x"], ("x",), (1.0,)),  # one dataset of weight 1 (later Megatron-LM's scripts)
     (["x", "y"], ("x", "y"), None),  # weighted by their tokens, as Megatron-core
     (["3", "x", "1", "y"], ("x", "y"), (0.75, 0.25)),
@@ -505,3 +506,10 @@ def test_each_split_can_have_its_own_data_path():
              "--valid-data-path 0.5 v w: a weighted blend alternates weights and prefixes")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             resolve_config(argv + extra, world_size=1)
+
+
+def test_a_data_path_default_given_as_a_string_is_one_prefix():
+    """(tools and Megatron-style callers pass defaults={"data_path": "..."})"""
+    argv = [a for i, a in enumerate(BASE) if "--data-path" not in BASE[max(i - 1, 0):i + 1]]
+    config = resolve_config(argv, world_size=1, defaults={"data_path": "data/webtext"})
+    assert config.data.data_path == ("data/webtext",)

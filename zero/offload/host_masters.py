@@ -33,7 +33,7 @@ from zero.offload.state_store import STATE_NAMES, NvmeStateStore, ResidentStateS
 from zero.offload.swap_dir import (agree_on_errors, check_nvme_path, fresh_swap_dir,
                                    remove_swap_dir, swap_dir_for)
 from zero.ops.cpu_adam import CPUAdam
-from zero.stages.masters import divide_grads
+from zero.stages.masters import divide_grads, saved_state_of
 
 logger = logging.getLogger("zero.offload")
 
@@ -208,6 +208,12 @@ class HostMasters:
         if self.store is None:
             return self.masters[key].detach()
         return self.store.read(key, "master")
+
+    def saved_state(self, key):
+        if self.offload.device == "nvme" and not self._own_state:  # swap it in
+            return {"exp_avg": self.store.read(key, "exp_avg"),
+                    "exp_avg_sq": self.store.read(key, "exp_avg_sq")}
+        return saved_state_of(self.optimizer, self.masters[key])
 
     def state_dict(self):
         saved = self.optimizer.state_dict()

@@ -231,16 +231,19 @@ class QuantizedAdam(torch.optim.Optimizer):
         tensor loaded from AdamW's format and not stepped since keeps that format."""
         packed = super().state_dict()
         index = {id(p): i for i, p in enumerate(self._tensors())}
-        for p, state in self.state.items():
-            if "pending" in state:
-                m, v = state["pending"]
-                entry = {"step": state["step"].clone(), "exp_avg": m, "exp_avg_sq": v}
-            elif "m_codes" in state:
-                entry = self._saved_entry(p)
-            else:
-                continue
-            packed["state"][index[id(p)]] = entry
+        for p in self.state:
+            entry = self.saved_entry(p)
+            if entry:
+                packed["state"][index[id(p)]] = entry
         return packed
+
+    def saved_entry(self, p):
+        """Tensor `p`'s entry of the state dict ({} before its first step)."""
+        state = self.state.get(p, {})
+        if "pending" in state:
+            m, v = state["pending"]
+            return {"step": state["step"].clone(), "exp_avg": m, "exp_avg_sq": v}
+        return self._saved_entry(p) if "m_codes" in state else {}
 
     def adamw_state_dict(self):
         """The state in AdamW's format (fp32 exp_avg / exp_avg_sq), for torch.optim.AdamW."""

@@ -27,6 +27,7 @@ The protocol both follow, in the order a stage uses it:
                                        every updated range (not for aliased masters)
     store.publish(write_back)          write_back every master (after a checkpoint load)
     read_master / state_dict / restore_target / commit / load_state_dict   checkpoints
+    saved_state(key)                   one master's optimizer state, as state_dict has it
     master_bytes / state_bytes / close
 """
 
@@ -104,6 +105,9 @@ class DeviceMasters:
     def read_master(self, key):
         return self.masters[key].detach()
 
+    def saved_state(self, key):
+        return saved_state_of(self.optimizer, self.masters[key])
+
     def state_dict(self):
         return self.optimizer.state_dict()
 
@@ -128,6 +132,13 @@ class DeviceMasters:
 
     def close(self):
         pass
+
+
+def saved_state_of(optimizer, master):
+    """`master`'s optimizer state as the optimizer's state dict holds it: AdamW's tensors, or
+    Adam8bit/4bit's codes (zero/optim/quantized_state.py); {} before its first step."""
+    saved_entry = getattr(optimizer, "saved_entry", None)
+    return saved_entry(master) if saved_entry is not None else optimizer.state.get(master, {})
 
 
 @torch.no_grad()

@@ -167,38 +167,35 @@ class PartitionedOptimizer:
         names (its --log-optimizer-states-to-tensorboard): the L2 and L1 norms and the
         largest magnitude of exp_avg_sq ("variance"), of its square root ("variance_sqrt"),
         of exp_avg ("momentum") and of the weights. Each element counts once, as in
-        `weights_norm`; moments not made yet (before the first step) are Adam's zeros. A
+        `weights_norm`; moments not made yet (before the first step) are Adam's zeros. One
+        master at a time (offloaded moments swapped in, 8-bit ones decoded, then dropped). A
         collective: every rank of the job calls it."""
         self._catch_up_with_loaded_weights()
-        saved = self.base_state_dict()  # (offload: swapped in; quantised: decoded below)
         rank = self.dp_comm.rank if self.partition_count > 1 else 0
         pieces = self._partition_pieces(rank)  # {master: its pieces}, in key order
         masters = list(pieces)
-        index = {id(p): i for i, p in enumerate(
-            p for group in self.optimizer.param_groups for p in group["params"])}
-        parts = {"variance": [], "momentum": [], "weight": []}
+        sums = dict.fromkeys(("variance_l2", "variance_l1", "variance_sqrt_l1", "momentum_l2",
+                              "momentum_l1", "weight_l2", "weight_l1"), 0.0)
+        maxima = dict.fromkeys(("variance_abs_max", "momentum_abs_max", "weight_abs_max"), 0.0)
         for key, runs in self._weight_runs():
             master = self.masters.read_master(key)
-            entry = saved["state"].get(index[id(masters[key])], {})
-            exp_avg, exp_avg_sq = _dense_moments(entry, pieces[masters[key]], master.numel())
-            for start, length in runs:
-                parts["weight"].append(master.narrow(0, start, length))
-                if exp_avg is not None:
-                    parts["momentum"].append(exp_avg.narrow(0, start, length))
-                    parts["variance"].append(exp_avg_sq.narrow(0, start, length))
+            exp_avg, exp_avg_sq = _dense_moments(self.masters.saved_state(key),
+                                                 pieces[masters[key]], master.numel())
+            for name, tensor in (("weight", master), ("momentum", exp_avg),
+                                 ("variance", exp_avg_sq)):
+                if tensor is None or not runs:
+                    continue
+                parts = [tensor.narrow(0, start, length) for start, length in runs]
+                sums[f"{name}_l2"] += piece_norms(parts, 2).double().pow(2).sum().item()
+                sums[f"{name}_l1"] += piece_norms(parts, 1).double().sum().item()
+                maxima[f"{name}_abs_max"] = max(maxima[f"{name}_abs_max"],
+                                                piece_norms(parts, math.inf).max().item())
+                if name == "variance":  # ord 0.5 gives (sum of sqrt|v|)**2 per piece
+                    sums["variance_sqrt_l1"] += piece_norms(parts, 0.5).double().sqrt() \
+                        .sum().item()
         device = self.dp_comm.scalar_device(masters[0] if masters else torch.empty(0))
-        sums, maxima = {}, {}
-        for name, tensors in parts.items():
-            l2, l1 = piece_norms(tensors, 2).double(), piece_norms(tensors, 1).double()
-            sums[f"{name}_l2"], sums[f"{name}_l1"] = l2.pow(2).sum(), l1.sum()
-            maxima[f"{name}_abs_max"] = piece_norms(tensors, math.inf).double().max() \
-                if tensors else torch.zeros((), dtype=torch.float64)
-        # sqrt(v): its squares sum to v's L1 norm; ord 0.5 gives (sum sqrt|v|)**2 per piece
-        sums["variance_sqrt_l1"] = piece_norms(parts["variance"], 0.5).double().sqrt().sum()
-        sums["variance_sqrt_l2"] = sums["variance_l1"]
-        maxima["variance_sqrt_abs_max"] = maxima["variance_abs_max"]
-        summed = torch.stack(list(sums.values())).to(device)
-        largest = torch.stack(list(maxima.values())).to(device)
+        summed = torch.tensor(list(sums.values()), dtype=torch.float64, device=device)
+        largest = torch.tensor(list(maxima.values()), dtype=torch.float64, device=device)
         for comm in (self.dp_comm if self.partition_count > 1 else None, self.mp_comm,
                      self.pp_comm):
             if comm is not None:
@@ -206,9 +203,11 @@ class PartitionedOptimizer:
                 comm.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
         values = dict(zip(sums, summed.tolist()))
         values.update(zip(maxima, largest.tolist()))
-        for name in ("variance_l2", "variance_sqrt_l2", "momentum_l2", "weight_l2"):
+        for name in ("variance_l2", "momentum_l2", "weight_l2"):
             values[name] = math.sqrt(values[name])
-        values["variance_sqrt_abs_max"] = math.sqrt(values["variance_sqrt_abs_max"])
+        # sqrt(v)'s squares sum to v's L1 norm; its largest is the largest v's root
+        values["variance_sqrt_l2"] = math.sqrt(values["variance_l1"])
+        values["variance_sqrt_abs_max"] = math.sqrt(values["variance_abs_max"])
         return values
 
     def count_zeros_in_grad(self):
@@ -219,14 +218,15 @@ class PartitionedOptimizer:
 
     @torch.no_grad()
     def _zeros_in_grad(self):
-        zeros, device = 0, None
+        counted, nonzero, device = 0, 0, None
         for key, runs in self._weight_runs():
             grad = self._master_grad(key)
             device = device or self.dp_comm.scalar_device(grad)
-            zeros += sum(length - int(torch.count_nonzero(grad.narrow(0, start, length)))
-                         for start, length in runs)
-        total = torch.tensor([zeros], dtype=torch.float64,
-                             device=device or self.dp_comm.scalar_device(torch.empty(0)))
+            for start, length in runs:  # (summed where the gradient is: one sync at the end)
+                counted += length
+                nonzero = nonzero + torch.count_nonzero(grad.narrow(0, start, length))
+        device = device or self.dp_comm.scalar_device(torch.empty(0))
+        total = (counted - torch.as_tensor(nonzero, device=device)).double().reshape(1)
         for comm in (self.dp_comm if self.partition_count > 1 else None, self.mp_comm,
                      self.pp_comm):
             if comm is not None:
