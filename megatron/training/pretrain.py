@@ -171,8 +171,9 @@ def _follow_train_epochs(train, train_state, ctx):
     train_state["train_epochs"] = num_epochs
     if before is None or before == num_epochs or train_state["iteration"] == 0:
         return
+    shown_before = before if isinstance(before, int) else ", ".join(map(str, before))
     note = (f" note: the train split's samples now span {_epochs(num_epochs)} (the "
-            f"checkpoint's run: {_epochs(before)}), and the samples of all epochs are "
+            f"checkpoint's run: {shown_before}), and the samples of all epochs are "
             "shuffled together, as in Megatron: training continues at the checkpoint's count "
             "of consumed samples in another order (some are seen again, some never)")
     if not isinstance(num_epochs, int) or not isinstance(before, int):  # a blend's

@@ -216,7 +216,7 @@ def test_mfu_never_exceeds_100_percent_when_the_measured_peak_is_too_low(capsys)
     for iteration in (1, 2):
         loop._log_window(window, {"iteration": iteration, "consumed_train_samples": 4,
                                   "skipped_iters": 0}, backend, 1e6, ctx, logger, None,
-                          None)
+                          SimpleNamespace(with_the_line=lambda iteration: {}))
         window.update(iters=1, loss=2.0, start=time.perf_counter() - 2.0)  # half the rate
     assert records[0]["mfu"] == pytest.approx(1.0) and records[1]["mfu"] == pytest.approx(0.5,
                                                                                           rel=0.05)
