@@ -104,6 +104,15 @@ def _as_megatron_lm(source, target, version, **extra_args):
     return target
 
 
+def _edit_megatron_lm_file(mlm, change):
+    """change(state) on the TP-rank-0 file of the Megatron-LM form `mlm` (iteration 2)."""
+    path = mlm / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    with _megatron_enums():
+        state = torch.load(path, weights_only=False)
+        change(state)
+        torch.save(state, path)
+
+
 @pytest.fixture(scope="module")
 def ours(corpus, tmp_path_factory):
     """This trainer's checkpoint after 2 iterations (TP 1), and the same at TP 2."""
@@ -170,11 +179,7 @@ def test_a_model_this_trainer_does_not_build_is_one_error(ours, tmp_path, extra_
                                                           state_change, message):
     mlm = _as_megatron_lm(ours / "tp1", tmp_path / "mlm", 3.0, **extra_args)
     if state_change is not None:
-        path = mlm / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
-        with _megatron_enums():
-            state = torch.load(path, weights_only=False)
-            state_change(state)
-            torch.save(state, path)
+        _edit_megatron_lm_file(mlm, state_change)
     with pytest.raises(CheckpointError, match="was saved by Megatron-LM") as error:
         load_model_weights(str(mlm))
     assert message in str(error.value)
@@ -183,11 +188,8 @@ def test_a_model_this_trainer_does_not_build_is_one_error(ours, tmp_path, extra_
 def test_other_pickled_classes_are_still_refused(ours, tmp_path):
     """Only Megatron-LM's argparse.Namespace and NumPy's RNG arrays are let through."""
     mlm = _as_megatron_lm(ours / "tp1", tmp_path / "mlm", 3.0)
-    path = mlm / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
-    with _megatron_enums():
-        state = torch.load(path, weights_only=False)
-        state["args"].hook = shutil.rmtree  # a callable: what a malicious pickle would carry
-        torch.save(state, path)
+    # a callable: what a malicious pickle would carry
+    _edit_megatron_lm_file(mlm, lambda state: setattr(state["args"], "hook", shutil.rmtree))
     with pytest.raises(CheckpointError, match="Unsupported global: GLOBAL shutil.rmtree"):
         load_model_weights(str(mlm))
 
@@ -377,13 +379,12 @@ def test_megatron_deepspeed_layer_files_that_do_not_make_one_model_are_one_error
 def test_position_embeddings_cut_over_ranks_are_refused_in_the_megatron_layout(ours, tmp_path):
     """Megatron-DeepSpeed without --deepspeed, --sequence-parallel: the same one error."""
     mlm = _as_megatron_lm(ours / "tp1", tmp_path / "mlm", 3.0)
-    path = mlm / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
-    with _megatron_enums():
-        state = torch.load(path, weights_only=False)
+
+    def cut_positions(state):
         embedding = state["model"]["language_model"]["embedding"]
         embedding["position_embeddings"] = {
             "local_embeddings.weight": embedding["position_embeddings"]["weight"]}
-        torch.save(state, path)
+    _edit_megatron_lm_file(mlm, cut_positions)
     with pytest.raises(CheckpointError, match="Megatron-DeepSpeed's --sequence-parallel, which "
                                               "cuts the position embeddings"):
         load_model_weights(str(mlm))

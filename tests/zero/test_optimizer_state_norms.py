@@ -11,7 +11,8 @@ import torch
 import zero
 from tests.dist_utils import run_distributed
 from tests.zero import engine_cases as cases
-from tests.zero.test_stage1_2 import _FakeMpu, _ShardedAndReplicated
+from tests.zero.test_stage1_2 import _FakeMpu
+from tests.zero.test_weights_norm import filled_tensor_parallel_model
 
 STEPS = 2
 # name: (stage, zero options, optimizer section or None: torch's AdamW)
@@ -106,15 +107,11 @@ def _check(name, found, reference):
 
 
 def _tensor_parallel_norms(rank, world_size):
-    """TP over 2 ranks: a sharded parameter (rank r holds 5 elements of value r + 1) and a
-    replicated one (3 elements of 2 on each rank), before any step."""
+    """Before any step, on test_weights_norm's TP model."""
     mpu = _FakeMpu(rank, world_size)
     norms = {}
     for stage in (0, 2, 3):
-        model = _ShardedAndReplicated(rank)
-        with torch.no_grad():
-            model.sharded.fill_(rank + 1)
-            model.replicated.fill_(2.0)
+        model = filled_tensor_parallel_model(rank)
         config = {"train_batch_size": 1, "zero_optimization": {"stage": stage},
                   "optimizer": {"type": "AdamW", "params": {"lr": 1.0}}}
         engine, *_ = zero.initialize(model=model, config=config, mpu=mpu)

@@ -87,16 +87,21 @@ def _check(name, before, after, reference):
     assert after != pytest.approx(before, rel=1e-6)  # the steps moved the weights
 
 
-def _tensor_parallel_norms(rank, world_size):
+def filled_tensor_parallel_model(rank):
     """TP over 2 ranks: a sharded parameter (rank r holds 5 elements of value r + 1) and a
     replicated one (3 elements of 2 on each rank)."""
+    model = _ShardedAndReplicated(rank)
+    with torch.no_grad():
+        model.sharded.fill_(rank + 1)
+        model.replicated.fill_(2.0)
+    return model
+
+
+def _tensor_parallel_norms(rank, world_size):
     mpu = _FakeMpu(rank, world_size)
     norms = {}
     for stage in (0, 2, 3):
-        model = _ShardedAndReplicated(rank)
-        with torch.no_grad():
-            model.sharded.fill_(rank + 1)
-            model.replicated.fill_(2.0)
+        model = filled_tensor_parallel_model(rank)
         config = {"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
                   "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": stage}}
         engine, *_ = zero.initialize(model=model, config=config, mpu=mpu)
