@@ -3,6 +3,8 @@ and schedule flags (under --deepspeed): a given flag fills an "auto" or absent k
 agree with a set one; a 'scheduler' section replaces Megatron's schedule, its "auto" values
 filled from the schedule the flags describe, as Hugging Face's Trainer fills them."""
 
+import math
+
 from megatron.errors import ConfigError
 
 # Megatron optimizer flags -> the key of the JSON optimizer's params they describe
@@ -19,10 +21,14 @@ _SCHEDULE_FLAGS = {"lr": "--lr", "lr_decay_style": "--lr-decay-style",
 
 def schedule_lengths(raw):
     """(decay iterations, warmup iterations) of the learning-rate schedule the flags `raw`
-    describe: --lr-decay-iters (default --train-iters), --warmup-iters or --warmup x that."""
+    describe: --lr-decay-iters (default --train-iters), --warmup-iters or --warmup x that.
+    A fraction's warmup stays fractional, as in Megatron-LM (0.01 of 150 iterations is 1.5:
+    the first step's lr is 1/1.5 of --lr); an int where it is whole."""
     decay_iters = raw["train_iters"] if raw["lr_decay_iters"] is None else raw["lr_decay_iters"]
-    warmup_iters = int(raw["warmup"] * decay_iters) if raw["warmup_iters"] is None \
-        else raw["warmup_iters"]
+    warmup_iters = raw["warmup_iters"]
+    if warmup_iters is None:
+        warmup_iters = raw["warmup"] * decay_iters
+        warmup_iters = int(warmup_iters) if warmup_iters.is_integer() else warmup_iters
     if not 0 <= warmup_iters <= decay_iters:
         raise ConfigError(f"warmup iterations ({warmup_iters}, from --warmup or --warmup-iters) "
                           f"must lie between 0 and --lr-decay-iters ({decay_iters})")
@@ -32,15 +38,17 @@ def schedule_lengths(raw):
 def _fill_auto_schedule(section, raw):
     """Hugging Face's "auto" in a JSON 'scheduler' takes the schedule the flags describe (as
     its Trainer fills them): warmup_min_lr 0, warmup_max_lr --lr, warmup_num_steps the
-    warmup iterations, total_num_steps the decay iterations. Returns the flag dests used."""
+    warmup iterations (rounded up where a --warmup fraction leaves part of one, as the
+    Trainer rounds its warmup_ratio), total_num_steps the decay iterations. Returns the flag
+    dests used."""
     from zero.config.parsing import AUTO
     params = section.get("params")
     if not isinstance(params, dict):
         return set()  # the parse says why
     decay_iters, warmup_iters = schedule_lengths(raw)
     fills = {"warmup_min_lr": (0.0, ()), "warmup_max_lr": (raw["lr"], ("lr",)),
-             "warmup_num_steps": (warmup_iters, ("warmup", "warmup_iters", "lr_decay_iters",
-                                                 "train_iters")),
+             "warmup_num_steps": (math.ceil(warmup_iters),
+                                  ("warmup", "warmup_iters", "lr_decay_iters", "train_iters")),
              "total_num_steps": (decay_iters, ("lr_decay_iters", "train_iters"))}
     used = set()
     for key, (value, dests) in fills.items():

@@ -91,7 +91,7 @@ class OptimizerConfig:
     adam_eps: float
     lr_decay_style: str
     lr_decay_iters: int
-    warmup_iters: int
+    warmup_iters: int | float  # a --warmup fraction's may be fractional, as in Megatron-LM
     override_lr_scheduler: bool
     use_checkpoint_lr_scheduler: bool
     # lengths derived from --train-iters (no --lr-decay-iters / --warmup-iters given), as the

@@ -3,6 +3,7 @@
 The formula is Megatron-LM 1.1.5's `AnnealingLR.get_lr`, with n = number of steps taken:
 
     n <= warmup_steps (and warmup_steps > 0):  lr = max_lr * n / warmup_steps
+        (warmup_steps is fractional where --warmup's fraction of the decay is, as in 1.1.5)
     n >  decay_steps:                          lr = min_lr
     otherwise, ratio = (n - warmup_steps) / (decay_steps - warmup_steps) in [0, 1] and
         linear       lr = max_lr * (1 - ratio)
@@ -60,7 +61,7 @@ class AnnealingLR:
         self.optimizer = optimizer
         self.max_lr = float(max_lr)
         self.min_lr = float(min_lr)
-        self.warmup_steps = int(warmup_steps)
+        self.warmup_steps = warmup_steps  # fractional from a --warmup fraction, as in 1.1.5
         self.decay_steps = int(decay_steps)
         self.decay_style = decay_style
         self.use_checkpoint_lr_scheduler = use_checkpoint_lr_scheduler
@@ -107,6 +108,9 @@ class AnnealingLR:
             if key not in sd:
                 raise _missing_key_error(key)
             ours = getattr(self, attribute)
+            if key == "warmup_iter" and self._truncated_warmup(ours, sd[key]):
+                self.warmup_steps = sd[key]
+                continue
             if key in self.follows_train_iters and not self.use_checkpoint_lr_scheduler \
                     and ours != sd[key]:
                 lengthened.append(f"{attribute.replace('_', ' ')} {sd[key]} -> {ours}")
@@ -124,6 +128,18 @@ class AnnealingLR:
                   self.decay_style)
         self.num_steps = int(sd["num_iters"])
         self.step(0)
+
+    def _truncated_warmup(self, ours, checkpoint_value):
+        """Whether the checkpoint holds this --warmup fraction's warmup cut to whole steps,
+        as this trainer saved it before keeping Megatron's fraction: the run resumes with the
+        schedule it was trained with."""
+        if isinstance(ours, int) or ours.is_integer() or checkpoint_value != math.floor(ours):
+            return False
+        self.resume_notes.append(
+            f"learning-rate schedule: the checkpoint's warmup is {checkpoint_value} "
+            f"iterations, --warmup's {ours:g} cut to whole iterations by the trainer that saved "
+            "it; the run keeps its warmup")
+        return True
 
     def _choose(self, ours, checkpoint_value, flag):
         if ours != checkpoint_value and (self.override_lr_scheduler

@@ -24,7 +24,7 @@ def test_defaults_and_derived_values():
     config = parse()
     assert config.model.max_position_embeddings == 32 and config.model.ffn_hidden_size == 256
     assert config.training.global_batch_size == 4 and config.training.num_micro_batches == 1
-    assert config.optimizer.lr_decay_iters == 10 and config.optimizer.warmup_iters == 0
+    assert config.optimizer.lr_decay_iters == 10 and config.optimizer.warmup_iters == 0.1  # 0.01 x 10
     assert config.optimizer.clip_grad == 1.0 and config.model.tile_factor == 1
     assert config.precision.params_dtype == "float32"
     assert config.checkpoint.save_interval is None and config.logging.log_dir is None
@@ -32,6 +32,9 @@ def test_defaults_and_derived_values():
     assert config.parallel.data_parallel_size == 2 and config.training.num_micro_batches == 2
     assert parse("--bf16").precision.params_dtype == "bfloat16"
     assert parse("--warmup-iters", "3").optimizer.warmup_iters == 3
+    # a fraction's warmup is Megatron's product, fractional or whole (train iters 10)
+    assert parse("--warmup", "0.15").optimizer.warmup_iters == 1.5
+    assert type(parse("--warmup", "0.2").optimizer.warmup_iters) is int
     config = parse("--save", "ckpt", "--tensorboard-dir", "tb")
     assert config.checkpoint.save_interval == 10 and config.logging.log_dir == "tb"
 

@@ -430,6 +430,9 @@ def test_hugging_face_auto_schedule_takes_megatrons_schedule(tmp_path):
                                 f"DeepSpeed config {config} sets the learning rate under "
                                 "--deepspeed, not Megatron's schedule")
     assert not any("--lr," in note or "--warmup-iters" in note for note in parsed.notes)
+    fraction = parse("--deepspeed", "--deepspeed_config", config, "--warmup", "0.15")
+    assert fraction.optimizer.warmup_iters == 1.5  # a whole number of steps in the JSON:
+    assert fraction.engine.ds_config.scheduler.params["warmup_num_steps"] == 2  # rounded up
     with pytest.raises(ConfigError, match=r"warmup iterations \(20, from --warmup or "
                                           r"--warmup-iters\) must lie between 0 and "
                                           r"--lr-decay-iters \(10\)"):

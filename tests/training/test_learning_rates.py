@@ -163,3 +163,35 @@ def test_a_length_the_user_set_still_must_agree():
                          use_checkpoint_lr_scheduler=False, follows_train_iters=("warmup_iter",))
     with pytest.raises(ConfigError, match="--lr-decay-iters = 100 but the command line gives 300"):
         resumed.load_state_dict(saved.state_dict())
+
+
+def test_a_fractional_warmup_is_megatrons():
+    """--warmup 0.01 of 150 iterations is 1.5 warmup steps in Megatron-LM (not 1): the first
+    step runs at 1/1.5 of the peak, the decay window starts at 1.5."""
+    scheduler = _scheduler("linear", warmup_steps=1.5, decay_steps=21)
+    assert _lr_at(scheduler, 1) == pytest.approx(MAX_LR / 1.5)
+    assert _lr_at(scheduler, 2) == pytest.approx(MAX_LR * (1 - 0.5 / 19.5))
+    resumed = _scheduler("linear", warmup_steps=1.5, decay_steps=21)
+    resumed.load_state_dict(scheduler.state_dict())
+    assert (resumed.warmup_steps, resumed.get_lr(), resumed.resume_notes) == \
+        (1.5, scheduler.get_lr(), [])
+
+
+def test_a_checkpoint_with_the_fraction_cut_to_whole_steps_keeps_its_warmup():
+    """Before keeping Megatron's fraction this trainer saved int(0.015 * 100) = 1: such a
+    run resumes with the warmup it was trained with, and says so; another value is still the
+    mismatch error."""
+    saved = _scheduler("linear", warmup_steps=1, decay_steps=100)
+    saved.step(5)
+    resumed = _scheduler("linear", warmup_steps=1.5, decay_steps=100,
+                         use_checkpoint_lr_scheduler=False, follows_train_iters=("warmup_iter",))
+    resumed.load_state_dict(saved.state_dict())
+    assert (resumed.warmup_steps, resumed.get_lr()) == (1, saved.get_lr())
+    assert resumed.resume_notes == [
+        "learning-rate schedule: the checkpoint's warmup is 1 iterations, --warmup's 1.5 cut "
+        "to whole iterations by the trainer that saved it; the run keeps its warmup"]
+    other = _scheduler("linear", warmup_steps=2.5, decay_steps=100,
+                       use_checkpoint_lr_scheduler=False)
+    with pytest.raises(ConfigError, match="--warmup / --warmup-iters = 1 but the command line "
+                                          "gives 2.5"):
+        other.load_state_dict(saved.state_dict())
