@@ -7,7 +7,10 @@ bf16 and saves; DeepSpeed's own `get_fp32_state_dict_from_zero_checkpoint` (in i
 consolidates each checkpoint. Its tensors must equal, bit for bit, what our zero_to_fp32 gives,
 and the module's parameters (fp32) or their rounding (bf16: the masters round to the weights).
 DeepSpeed -> ours: real DeepSpeed trains TinyNet at DP=2 for stages 1-3 and saves; our
-`zero.get_fp32_state_dict_from_zero_checkpoint` must give its live weights exactly.
+`zero.get_fp32_state_dict_from_zero_checkpoint` must give its live weights exactly, and our
+per-parameter reader (zero/checkpoint/whole_params.py, which converts Megatron-DeepSpeed's
+checkpoints with their optimizer) each parameter's fp32 master and Adam moments as
+DeepSpeed's optimizer held them (its safe_get_full_fp32_param / safe_get_full_optimizer_state).
 A stage our engine does not offer yet is reported as skipped. Used by
 tests/zero/test_deepspeed_compat.py and benchmarks/zero_memory_comm.py.
 """
@@ -161,10 +164,35 @@ def deepspeed_to_ours(root, stages):
             continue
         live = torch.load(os.path.join(out, "live.pt"), weights_only=True)
         ours = get_fp32_state_dict_from_zero_checkpoint(os.path.join(out, "ckpt"))
-        problem = _compare(ours, live, "fp32", "DeepSpeed's live weights")
+        problem = _compare(ours, live, "fp32", "DeepSpeed's live weights") or \
+            _optimizer_state_problem(os.path.join(out, "ckpt"), torch.load(
+                os.path.join(out, "live_optimizer.pt"), weights_only=True))
         rows.append((stage, "fp32", "FAIL" if problem else "ok",
-                     problem or f"{len(ours)} tensors equal"))
+                     problem or f"{len(ours)} tensors equal; each parameter's master, "
+                     "exp_avg and exp_avg_sq equal"))
     return rows
+
+
+def _optimizer_state_problem(checkpoint_dir, live):
+    """'' when zero's per-parameter reader (zero/checkpoint/whole_params.py, with DeepSpeed's
+    pickled classes read as stand-ins) gives every parameter's fp32 master and Adam moments
+    as DeepSpeed's optimizer held them, else what differs."""
+    from zero.checkpoint.whole_params import open_saved
+    from zero.checkpoint.zero_to_fp32 import load_zero_file
+    with open(os.path.join(checkpoint_dir, "latest")) as f:
+        tag_dir = os.path.join(checkpoint_dir, f.read().strip())
+    saved = open_saved(tag_dir, 0, 1, load=load_zero_file)
+    if not saved.names():
+        return "no parameters read"
+    problems = [] if saved.loss_scaler == {"dynamic": False, "cur_scale": 1} else \
+        [f"its loss scaler read as {saved.loss_scaler!r}"]
+    for name in saved.names():
+        numel = live[name]["master"].numel()
+        found = {"master": saved.master(name, numel),
+                 **{key: saved.state(name, key, numel) for key in ("exp_avg", "exp_avg_sq")}}
+        problems += [f"{name} {key} differs" for key, value in found.items()
+                     if not torch.equal(value.reshape(-1), live[name][key].reshape(-1))]
+    return "; ".join(problems[:3])
 
 
 def run_all(root, stages=(1, 2, 3), precisions=("fp32", "bf16"), reverse=True):

@@ -6,7 +6,8 @@
         a checkpoint it rejects writes <out.pt>.error with the message instead
     RANK=.. WORLD_SIZE=.. python deepspeed_tasks.py train_tiny <out_dir> <stage> [steps]
         real DeepSpeed trains TinyNet (fp32, gloo) and saves a checkpoint to <out_dir>/ckpt;
-        rank 0 writes the live fp32 weights to <out_dir>/live.pt
+        rank 0 writes the live fp32 weights to <out_dir>/live.pt, and each parameter's fp32
+        master and Adam moments, as DeepSpeed's optimizer holds them, to live_optimizer.pt
 
 Started through benchmarks/deepspeed_venv.py, which sets DS_ACCELERATOR=cpu.
 """
@@ -82,8 +83,15 @@ def train_tiny(out_dir, stage, steps=3):
     params = list(engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=int(stage) == 3):
         live = {name: p.detach().float().clone() for name, p in params}
+    # the optimizer's own view of each parameter (collectives: every rank asks)
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    optimizer_state = {name: {"master": safe_get_full_fp32_param(p).clone(),
+                              **{key: safe_get_full_optimizer_state(p, key).clone()
+                                 for key in ("exp_avg", "exp_avg_sq")}}
+                       for name, p in params}
     if rank == 0:
         torch.save(live, os.path.join(out_dir, "live.pt"))
+        torch.save(optimizer_state, os.path.join(out_dir, "live_optimizer.pt"))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -32,6 +32,12 @@ resume with --no-load-optim). Resume it without --deepspeed, or under --deepspee
     python tools/merge_mp_partitions.py --deepspeed --load checkpoints/ds --save ckpt_mp2 \
         --target-model-parallel-size 2
 
+A Megatron-DeepSpeed --deepspeed checkpoint (its pickled arguments, Megatron-LM 2.x's names)
+converts the same way, its fp32 masters and Adam moments read out of DeepSpeed's ZeRO files
+(stages 1-3; their pickled DeepSpeed classes are read as plain values, no code runs) and its
+learning-rate schedule counted in iterations; not its RNG states (resume with --no-load-rng),
+nor the optimizer state of a ZeRO stage 0 or pipeline checkpoint (the weights only).
+
 RNG states: every target rank gets rank 0's python/numpy/torch generators (identical on all
 TP ranks anyway); the per-rank attention-dropout stream continues on ranks that existed and
 is re-derived from --seed for new ones, as the trainer seeds them.
@@ -43,6 +49,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.checkpointing.megatron_lm import MEGATRON_DEEPSPEED  # noqa: E402
 from megatron.convert import read_sharded_checkpoint, reshard_checkpoint  # noqa: E402
 from megatron.convert.checkpoint_files import trainer_command  # noqa: E402
 from megatron.convert.deepspeed_source import read_deepspeed_checkpoint  # noqa: E402
@@ -96,10 +103,17 @@ def run(args):
                                 else read_sharded_checkpoint,
                                 target_pp=args.target_pipeline_model_parallel_size)
     name = "release" if result.release else f"iteration {result.iteration}"
+    foreign = result.saved_by == MEGATRON_DEEPSPEED
     optimizer = "converted" if result.optimizer_converted else \
+        "not converted (Megatron-DeepSpeed's without ZeRO partitions, stage 0, or with " \
+        "pipeline stages): resume with --no-load-optim" if foreign else \
         "not converted (pipeline stages or tiled linears: ZeRO keeps it per stage or tile): " \
         "resume with --no-load-optim" if args.deepspeed else "none in the source checkpoint"
-    fresh = args.deepspeed and not result.optimizer_converted
+    resume_flags = [flag for flag, wanted in (
+        ("--no-load-optim", args.deepspeed and not result.optimizer_converted),
+        ("--override-lr-scheduler", foreign and result.optimizer_converted
+         and not result.schedule_converted),
+        ("--no-load-rng", foreign)) if wanted]
     print("\n".join([
         f" converted {args.load} ({name}): tensor-parallel size {result.source_tp} -> "
         f"{result.target_tp}, pipeline stages {result.source_pp} -> {result.target_pp}",
@@ -108,7 +122,7 @@ def run(args):
         f" optimizer state: {optimizer}",
         f" wrote {len(result.paths)} file(s) under {os.path.dirname(result.paths[0])}/..",
         f" resume with: {trainer_command(args.save, result.target_tp, result.target_pp)}"
-        f"{' --no-load-optim' if fresh else ''} ...",
+        f"{''.join(' ' + flag for flag in resume_flags)} ...",
     ]), flush=True)
     return result
 

@@ -133,8 +133,9 @@ def _saved_args(model_states_path):
         checkpoint = os.path.dirname(os.path.dirname(model_states_path))
         raise CheckpointError(
             f"{model_states_path} was saved by Megatron-DeepSpeed, whose DeepSpeed files this "
-            "engine does not resume: convert its weights with tools/convert_checkpoint.py "
-            f"--load-dir {checkpoint} --save-dir DIR --saver megatron, then --load DIR")
+            "engine does not resume: convert it with tools/merge_mp_partitions.py --deepspeed "
+            f"--load {checkpoint} --save DIR (its ZeRO optimizer state too), then --load DIR "
+            "--no-load-rng")
     return args if isinstance(args, dict) else {}
 
 

@@ -33,13 +33,15 @@ import torch
 from megatron import mpu
 from megatron.checkpointing.files import (atomic_torch_save, barrier,
                                           is_global_rank0, safe_load)
-from megatron.checkpointing.megatron_lm import as_this_layout, require_weights_only
+from megatron.checkpointing.megatron_lm import (MEGATRON_DEEPSPEED, as_this_layout,
+                                                require_weights_only)
 from megatron.checkpointing.optimizer_state import (load_megatron_optimizer_state,
                                                     megatron_optimizer_state)
 from megatron.checkpointing.retention import MEGATRON_LAYOUT, publish_checkpoint
 from megatron.checkpointing.rng import get_rng_states, set_rng_states
 from megatron.errors import CheckpointError
 from megatron.runtime.fault_injection import kill_point
+from megatron.training.learning_rates import AnnealingLR
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 2.0
@@ -293,17 +295,38 @@ def _load_optimizer(engine, state, run_args, path, fp32_weights):
     if mismatch:
         raise CheckpointError(f"{path}: {mismatch}")
     saved_args = state.get("args") or {}
+    from_megatron_deepspeed = state.get("saved_by") == MEGATRON_DEEPSPEED
     why = "saved with --no-save-optim" if saved_args.get("no_save_optim") else \
+        "converted from a Megatron-DeepSpeed checkpoint without ZeRO partitions (stage 0) or " \
+        "with pipeline stages, whose optimizer state is not carried" \
+        if from_megatron_deepspeed else \
         "converted from a --deepspeed checkpoint with pipeline stages or tiled linears, " \
         "whose optimizer state tools/merge_mp_partitions.py does not carry" \
         if saved_args.get("deepspeed") else \
         "written without it"
-    for key in ("optimizer", "lr_scheduler"):
-        if key not in state:
-            raise CheckpointError(f"{path} has no {key} state ({why}); load it with "
-                                  "--no-load-optim or --finetune")
+    if "optimizer" not in state:
+        raise CheckpointError(f"{path} has no optimizer state ({why}); load it with "
+                              "--no-load-optim or --finetune")
+    scheduler = engine.lr_scheduler
+    if "lr_scheduler" not in state and not (from_megatron_deepspeed
+                                             and isinstance(scheduler, AnnealingLR)
+                                             and scheduler.override_lr_scheduler):
+        raise CheckpointError(
+            f"{path} has no lr_scheduler state ({why}); load it with --no-load-optim or "
+            "--finetune" if not from_megatron_deepspeed else
+            f"{path} has no lr_scheduler state: it was converted from Megatron-DeepSpeed, "
+            "whose schedule (token-based lengths, or a decay style not built here) this "
+            "trainer does not run. Pass --override-lr-scheduler to continue the command "
+            "line's schedule from the checkpoint's iteration, or --no-load-optim")
     load_megatron_optimizer_state(engine, state["optimizer"], path, fp32_weights)
-    engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    if "lr_scheduler" in state:
+        scheduler.load_state_dict(state["lr_scheduler"])
+    else:
+        scheduler.step(state["iteration"])
+        scheduler.resume_notes.append(
+            f"learning-rate schedule: the command line's, from iteration {state['iteration']} "
+            "(--override-lr-scheduler; the checkpoint's Megatron-DeepSpeed schedule is not "
+            "one this trainer runs)")
 
 
 def _explain_missing_file(load_dir, iteration, path, directory, run_args):

@@ -30,8 +30,10 @@ import re
 import torch
 
 from megatron.errors import CheckpointError
+from megatron.training.learning_rates import DECAY_STYLES
 
 SOURCE = "Megatron-LM"
+MEGATRON_DEEPSPEED = "Megatron-DeepSpeed"  # saved_by of its --deepspeed checkpoints
 # the args a foreign checkpoint records that this trainer's model needs to match; their
 # absence means Megatron-LM's default
 _NOT_BUILT = (
@@ -127,8 +129,9 @@ def deepspeed_states_as_this_layout(states, path):
     _refuse_models_not_built(args, {"model": nested}, path)
     version = states.get("checkpoint_version", 0) or 0
     converted = {key: value for key, value in states.items()
-                 if key in ("iteration", "global_steps", "mp_world_size", "dp_world_size")}
-    converted.update(args=args, checkpoint_version=2.0, saved_by="Megatron-DeepSpeed",
+                 if key in ("iteration", "global_steps", "mp_world_size", "dp_world_size",
+                            "lr_scheduler")}
+    converted.update(args=args, checkpoint_version=2.0, saved_by=MEGATRON_DEEPSPEED,
                      module=None if module is None else
                      _renamed_module(module, args, version, path),
                      saved_checkpoint_version=version)
@@ -214,17 +217,60 @@ def _refuse_sequence_parallel_positions(names, path):
                               "save it without --sequence-parallel")
 
 
-def _renamed_module(module, args, version, path):
-    """A Megatron-DeepSpeed module (flat names) in this trainer's names, QKV rows in version
-    2.0's order."""
-    _refuse_sequence_parallel_positions(module, path)
-    heads = args["num_attention_heads"] // args["model_parallel_size"]
-    renamed = {}
-    for key, tensor in module.items():
-        key = key.replace("language_model.encoder.", "language_model.transformer.") \
+class MegatronDeepSpeedTensors:
+    """A Megatron-DeepSpeed checkpoint's flat tensors (its module's, its ZeRO partitions') as
+    this trainer's: the names, and the QKV rows of checkpoint versions before 2.0."""
+
+    def __init__(self, args, version, path):
+        self.heads = args["num_attention_heads"] // args["model_parallel_size"]
+        self.version, self.path = version, path
+
+    @staticmethod
+    def name(saved_name):
+        return saved_name.replace("language_model.encoder.", "language_model.transformer.") \
             .replace(".self_attention.", ".attention.")
-        renamed[key] = _qkv_in_version_2(tensor, key, heads, version, path)
-    return renamed
+
+    def tensor(self, tensor, name):
+        """Parameter `name`'s tensor (this trainer's name, its shape) in this trainer's row
+        order."""
+        return _qkv_in_version_2(tensor, name, self.heads, self.version, self.path)
+
+    def module(self, module):
+        _refuse_sequence_parallel_positions(module, self.path)
+        return {self.name(key): self.tensor(tensor, self.name(key))
+                for key, tensor in module.items()}
+
+
+def _renamed_module(module, args, version, path):
+    return MegatronDeepSpeedTensors(args, version, path).module(module)
+
+
+def megatron_deepspeed_schedule(scheduler, args):
+    """The learning-rate schedule state a Megatron-DeepSpeed checkpoint saved, as this
+    trainer's (AnnealingLR's keys, counted in iterations), or None where AnnealingLR does not
+    run it (token-based lengths, a decay style not built). Megatron-LM 2.x and later count
+    the schedule in samples (one iteration steps it by the global batch); Megatron-LM 1.1.5
+    (DeepSpeed's fork) in iterations, under AnnealingLR's own keys."""
+    if not isinstance(scheduler, dict):
+        return None
+    if "num_iters" in scheduler:  # 1.1.5's AnnealingLR: this trainer's keys and units
+        return dict(scheduler)
+    batch = args.get("global_batch_size")
+    if any(scheduler.get(key) is not None for key in ("lr_decay_tokens", "lr_warmup_tokens")) \
+            or scheduler.get("lr_decay_style") not in DECAY_STYLES or not batch \
+            or not {"max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps",
+                    "num_steps"} <= set(scheduler):
+        return None
+
+    def iterations(samples):
+        value = samples / batch
+        return round(value) if abs(value - round(value)) < 1e-9 else value
+
+    return {"start_lr": scheduler["max_lr"], "min_lr": scheduler["min_lr"],
+            "warmup_iter": iterations(scheduler["lr_warmup_steps"]),
+            "end_iter": iterations(scheduler["lr_decay_steps"]),
+            "num_iters": iterations(scheduler["num_steps"]),
+            "decay_style": scheduler["lr_decay_style"]}
 
 
 def _this_trainers_args(namespace):

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from megatron import mpu
+from megatron.checkpointing.megatron_lm import MEGATRON_DEEPSPEED
 from megatron.errors import CheckpointError
 from megatron.runtime import device as device_mod
 
@@ -29,8 +30,9 @@ def get_rng_states(device):
 def set_rng_states(states, device, path):
     """Restore the states a checkpoint file `path` carries (an error if saved without)."""
     if "torch_rng_state" not in states:
-        raise CheckpointError(f"{path} has no RNG state (saved with --no-save-rng); load it "
-                              "with --no-load-rng")
+        why = "converted from Megatron-DeepSpeed, whose RNG states are not carried" \
+            if states.get("saved_by") == MEGATRON_DEEPSPEED else "saved with --no-save-rng"
+        raise CheckpointError(f"{path} has no RNG state ({why}); load it with --no-load-rng")
     py = states["random_rng_state"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
     npst = states["np_rng_state"]

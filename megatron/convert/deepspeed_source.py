@@ -29,10 +29,13 @@ pipeline stages: those resume with `--no-load-optim`.
 import os
 
 import torch
+from zero.checkpoint.files import optim_files
 
 from megatron.checkpointing.files import safe_load
-from megatron.checkpointing.megatron_lm import (deepspeed_pipeline_module,
-                                                deepspeed_states_as_this_layout)
+from megatron.checkpointing.megatron_lm import (MegatronDeepSpeedTensors, allowed_globals,
+                                                deepspeed_pipeline_module,
+                                                deepspeed_states_as_this_layout,
+                                                megatron_deepspeed_schedule)
 from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, read_tracker,
                                                     to_nested_state_dict)
 from megatron.convert.checkpoint_files import ShardedCheckpoint, inside_a_checkpoint
@@ -42,6 +45,8 @@ from megatron.errors import CheckpointError
 from megatron.model.gpt2_model import pipeline_layer_slots
 from megatron.model.tiling import join_tiled_weights
 
+# what Megatron-DeepSpeed's param groups say besides the optimizer's hyperparameters
+_MEGATRON_DEEPSPEED_GROUP_KEYS = ("name", "wd_mult", "lr_mult")
 _CLIENT_KEYS = ("iteration", "consumed_train_samples", "train_state", "random_rng_state",
                 "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states")
 
@@ -113,8 +118,11 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
         """The Megatron file contents of one file of DeepSpeed's model-parallel rank
         `mp_rank` (stage x TP + TP rank)."""
         states = first if mp_rank == 0 else _model_states(tag_dir, mp_rank, size * stages)
-        if foreign:  # DeepSpeed's optimizer files pickle its classes: the module's weights
-            return _module_weights_only(states)
+        if foreign:
+            if not optim_files(tag_dir, mp_rank):  # ZeRO stage 0: DeepSpeed's FP16_Optimizer
+                return _module_weights_only(states)  # state, not read
+            return _megatron_deepspeed_shard(load_dir, tag, mp_rank, size, states,
+                                             fp32_weights)
         try:
             fp32 = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag, mp_rank=mp_rank)
         except ZeroCheckpointError as e:
@@ -143,35 +151,72 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
 
 
 def _module_weights_only(states):
-    """A Megatron-DeepSpeed checkpoint's shard: the weights of its module (the dtype it
-    trained in; its fp32 masters are in DeepSpeed's optimizer files, which pickle DeepSpeed's
-    classes and are not unpickled here), no optimizer or RNG state."""
+    """A Megatron-DeepSpeed checkpoint's shard without ZeRO partitions: the weights of its
+    module (the dtype it trained in), no optimizer or RNG state."""
     return {"iteration": states.get("iteration", states.get("global_steps", 0)),
             "checkpoint_version": CHECKPOINT_VERSION, "args": dict(states["args"]),
             "model": to_nested_state_dict(dict(states["module"])),
             "saved_by": states["saved_by"]}
 
 
-def _optimizer_entry(tag_dir, mp_rank, size, model, module):
+def _megatron_deepspeed_shard(load_dir, tag, mp_rank, size, states, fp32_weights):
+    """A Megatron-DeepSpeed ZeRO (stage 1-3) checkpoint's shard: the fp32 masters and the
+    optimizer state from DeepSpeed's files (its pickled classes read as stand-ins, no code
+    run), renamed and re-ordered as its module is; its learning-rate schedule where this
+    trainer's runs it (megatron_deepspeed_schedule). Its RNG states are not carried."""
+    from zero.checkpoint.zero_to_fp32 import (get_fp32_state_dict_from_zero_checkpoint,
+                                              load_zero_file)
+    from zero.errors import CheckpointError as ZeroCheckpointError
+    tag_dir, args = os.path.join(load_dir, tag), states["args"]
+    tensors = MegatronDeepSpeedTensors(args, states["saved_checkpoint_version"], tag_dir)
+    try:
+        with torch.serialization.safe_globals(allowed_globals()):  # its pickled args
+            fp32 = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag,
+                                                            mp_rank=mp_rank)
+            fp32 = tensors.module(fp32)
+            module = states["module"]
+            model = {name: _master(fp32, name, tensor, fp32_weights, tag_dir)
+                     for name, tensor in module.items()}
+            optimizer = _optimizer_entry(tag_dir, mp_rank, size, model, module,
+                                         tensors=tensors, load=load_zero_file)
+    except ZeroCheckpointError as e:
+        raise CheckpointError(str(e)) from None
+    shard = _module_weights_only(states)
+    shard["model"] = to_nested_state_dict(model)
+    if optimizer is not None:
+        shard["optimizer"] = optimizer
+    schedule = megatron_deepspeed_schedule(states.get("lr_scheduler"), args)
+    if schedule is not None:
+        shard["lr_scheduler"] = schedule
+    if args.get("consumed_train_samples") is not None:
+        shard["train_state"] = {"consumed_train_samples": int(args["consumed_train_samples"])}
+    return shard
+
+
+def _optimizer_entry(tag_dir, mp_rank, size, model, module, tensors=None, load=None):
     """TP rank `mp_rank`'s optimizer state in the Megatron layout's per-parameter form
     (megatron/checkpointing/optimizer_state.py), read parameter by parameter from the ZeRO
     files of any stage and DP size; None when the ZeRO state is not per parameter of this
     model (a model trained with tiled linears keeps it per tile). `model`: the weights
     (their shapes), `module`: the saved module (the dtype trained in; at stage 3 its
-    parameters are empty placeholders)."""
+    parameters are empty placeholders). A Megatron-DeepSpeed checkpoint's: `tensors`
+    (MegatronDeepSpeedTensors) renames and re-orders, `load` reads DeepSpeed's files."""
     from zero.checkpoint.whole_params import open_saved
     from zero.errors import CheckpointError as ZeroCheckpointError
     from zero.optim.quantized_state import TABLE
     try:
-        saved = open_saved(tag_dir, mp_rank, size)
+        saved = open_saved(tag_dir, mp_rank, size, load=load)
     except ZeroCheckpointError as e:
         raise CheckpointError(str(e)) from None
+    theirs = {name: name for name in saved.names()} if tensors is None else \
+        {tensors.name(name): name for name in saved.names()}
+    ours = (lambda tensor, name: tensor) if tensors is None else tensors.tensor
     group_names = optimizer_group_names(list(model))
-    if not all(saved.has(name) for names in group_names for name in names):
+    if not all(name in theirs for names in group_names for name in names):
         return None
     state, param_groups, masters, next_index = {}, [], [], 0
     for names in group_names:
-        saved_groups = {saved.group_of(name) for name in names}
+        saved_groups = {saved.group_of(theirs[name]) for name in names}
         if len(saved_groups) != 1:
             raise CheckpointError(f"{tag_dir}: the ZeRO optimizer's param groups are not the "
                                   "trainer's (weight decay, no weight decay); it was not saved "
@@ -181,18 +226,19 @@ def _optimizer_entry(tag_dir, mp_rank, size, model, module):
         for name in names:
             index, shape, next_index = next_index, model[name].shape, next_index + 1
             numel = model[name].numel()
-            entry = dict(saved.scalar_state(name))
-            for key in saved.per_element_keys(name):
-                entry[key] = saved.state(name, key, numel).view(shape)
-            table = saved.table(name, name)
+            entry = dict(saved.scalar_state(theirs[name]))
+            for key in saved.per_element_keys(theirs[name]):
+                entry[key] = ours(saved.state(theirs[name], key, numel).view(shape), name)
+            table = saved.table(theirs[name], name)
             if table is not None:
                 entry[TABLE] = table
             if entry:  # (nothing before the first step)
                 state[index] = entry
             group_masters.append(None if module[name].dtype == torch.float32 else
-                                 saved.master(name, numel).view(shape))
+                                 ours(saved.master(theirs[name], numel).view(shape), name))
             indices.append(index)
-        param_groups.append({**{k: v for k, v in hyper.items() if k != "params"},
+        param_groups.append({**{k: v for k, v in hyper.items()
+                                if k not in ("params", *_MEGATRON_DEEPSPEED_GROUP_KEYS)},
                              "params": indices})
         masters.append(group_masters)
     return {"optimizer": {"state": state, "param_groups": param_groups},

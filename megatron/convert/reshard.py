@@ -292,6 +292,8 @@ class ReshardResult(NamedTuple):
     target_padded_vocab_size: int
     optimizer_converted: bool
     paths: List[str]
+    saved_by: Optional[str]  # the trainer that saved a foreign checkpoint (None: this one)
+    schedule_converted: bool
 
 
 def reshard_checkpoint(load_dir, save_dir, target_tp, iteration=None, vocab_size=None,
@@ -325,7 +327,8 @@ def reshard_checkpoint(load_dir, save_dir, target_tp, iteration=None, vocab_size
     return ReshardResult(sharded.iteration, sharded.release, sharded.model_parallel_size,
                          target_tp, sharded.pipeline_model_parallel_size, target_pp,
                          full.vocab_size, source_padded, full.padded_vocab_size,
-                         full.optimizer is not None, paths)
+                         full.optimizer is not None, paths, full.common.get("saved_by"),
+                         "lr_scheduler" in full.common)
 
 
 def resharded(sharded, target_tp, vocab_size=None, tokenizer_files=None):

@@ -194,66 +194,6 @@ def test_other_pickled_classes_are_still_refused(ours, tmp_path):
         load_model_weights(str(mlm))
 
 
-class _LossScaler:
-    """Stands for the DeepSpeed classes Megatron-DeepSpeed's optimizer files pickle."""
-
-
-def _as_megatron_deepspeed(source, target):
-    """A copy of this trainer's --deepspeed checkpoint as Megatron-DeepSpeed (with
-    --no-pipeline-parallel) saves it: Namespace args, Megatron-LM's names, DeepSpeed classes
-    in the optimizer files."""
-    shutil.copytree(source, target)
-    for folder, _, files in os.walk(target):
-        for name in files:
-            path = os.path.join(folder, name)
-            if name.endswith("_model_states.pt"):
-                state = torch.load(path, weights_only=True)
-                args = dict(state["args"])
-                args["tensor_model_parallel_size"] = args.pop("model_parallel_size")
-                state.update(args=argparse.Namespace(
-                    **args, num_experts=[1], normalization="layernorm",
-                    model_type=ModelType.encoder_or_decoder,
-                    position_embedding_type=PositionEmbeddingType.absolute),
-                    checkpoint_version=3.0,
-                    module={key.replace(".transformer.", ".encoder.")
-                            .replace(".attention.", ".self_attention."): value
-                            for key, value in state["module"].items()})
-                with _megatron_enums("megatron.enums"):  # (BigScience's fork keeps them here)
-                    torch.save(state, path)
-            elif name.endswith("_optim_states.pt"):
-                state = torch.load(path, weights_only=True)
-                state["optimizer_state_dict"]["loss_scaler"] = _LossScaler()
-                torch.save(state, path)
-    return target
-
-
-def test_a_megatron_deepspeed_checkpoint_converts_its_modules_weights(corpus, tmp_path,
-                                                                      capsys):
-    """Its module's weights (here fp32: the masters' values), bit for bit; the optimizer
-    files, which pickle DeepSpeed's classes, are not read; the trainer's --deepspeed --load
-    of it names the conversion."""
-    from tests.training.test_deepspeed import stage_config
-    config = stage_config(tmp_path, 1)
-    assert run(corpus, tmp_path / "log", 2, *NO_DROPOUT, "--deepspeed", "--deepspeed_config",
-               config, "--save", tmp_path / "ds") == 0
-    mds = _as_megatron_deepspeed(tmp_path / "ds", tmp_path / "mds")
-    expected, found = load_model_weights(str(tmp_path / "ds")), load_model_weights(str(mds))
-    assert sorted(found.state_dict) == sorted(expected.state_dict)
-    for name, tensor in expected.state_dict.items():
-        assert torch.equal(found.state_dict[name], tensor), name
-    assert found.iteration == 2
-    capsys.readouterr()
-    assert run(corpus, tmp_path / "resume", 3, *NO_DROPOUT, "--deepspeed",
-               "--deepspeed_config", config, "--load", mds) == 2
-    out = capsys.readouterr()
-    assert "was saved by Megatron-DeepSpeed, whose DeepSpeed files this engine does not " \
-           "resume: convert its weights with tools/convert_checkpoint.py" in out.out + out.err
-    assert tool.main(["--load-dir", str(mds), "--save-dir", str(tmp_path / "meg"),
-                      "--saver", "megatron"]) == 0
-    assert run(corpus, tmp_path / "finetune", 2, *NO_DROPOUT, "--load", tmp_path / "meg",
-               "--finetune") == 0
-
-
 # where GPTModelPipe's list puts the layers with weights (the rest are functions, no files):
 # Megatron-DeepSpeed's current list, and BigScience's fork (transposes around the layers)
 _PIPELINE_NUMBERING = {"current": (1, 2, 1), "bigscience": (1, 3, 2)}

@@ -20,9 +20,14 @@ import torch
 from zero.checkpoint import files as common
 from zero.checkpoint.files import stage3_model_states_name
 from zero.checkpoint.partitions import natural_partition_numel
+from zero.checkpoint.zero_to_fp32 import loss_scaler_state
 from zero.errors import CheckpointError
 from zero.optim.quantized_state import TABLE as QUANTIZED_TABLE
 from zero.optim.quantized_state import merge_tables, rename_table, split_table
+
+
+def _zero_file(path):
+    return common.torch_load(path, mmap=True)
 
 
 def saved_stage(ckpt_dir, mp_rank):
@@ -34,12 +39,14 @@ def saved_stage(ckpt_dir, mp_rank):
     return None
 
 
-def open_saved(ckpt_dir, mp_rank, mp_world_size, dp_rank=0):
+def open_saved(ckpt_dir, mp_rank, mp_world_size, dp_rank=0, load=None):
     """The reader for the layout `ckpt_dir` holds, for model-parallel rank `mp_rank` of
     `mp_world_size` (the size the checkpoint must have been saved at). `dp_rank`: whose
-    model states `path` names (stage 3 writes one per data-parallel rank)."""
+    model states `path` names (stage 3 writes one per data-parallel rank). `load(path)`
+    reads a file (default: zero's own files only, memory-mapped; a converter of checkpoints
+    DeepSpeed wrote passes zero_to_fp32.load_zero_file)."""
     reader = SavedStage0_2 if saved_stage(ckpt_dir, mp_rank) == "0-2" else SavedStage3
-    return reader(ckpt_dir, mp_rank, mp_world_size, dp_rank)
+    return reader(ckpt_dir, mp_rank, mp_world_size, dp_rank, load)
 
 
 def check_param_groups(saved, names_per_group):
@@ -93,15 +100,15 @@ def _check_mp_size(states, path, mp_world_size):
 class SavedStage3:
     """A stage 3 checkpoint's files, memory-mapped, and where each parameter's pieces are."""
 
-    def __init__(self, ckpt_dir, mp_rank, mp_world_size, dp_rank=0):
-        self.ckpt_dir, self.mp_rank = ckpt_dir, mp_rank
+    def __init__(self, ckpt_dir, mp_rank, mp_world_size, dp_rank=0, load=None):
+        self.ckpt_dir, self.mp_rank, self._load = ckpt_dir, mp_rank, load or _zero_file
         self.path = os.path.join(ckpt_dir, stage3_model_states_name(dp_rank, mp_rank))
         first = os.path.join(ckpt_dir, stage3_model_states_name(0, mp_rank))
         if not os.path.isfile(first):
             raise CheckpointError(f"{ckpt_dir} holds no ZeRO model states "
                                   f"({os.path.basename(first)} or "
                                   f"{common.model_states_name(mp_rank)})")
-        self.states0 = common.torch_load(first, mmap=True)
+        self.states0 = self._load(first)
         _check_mp_size(self.states0, first, mp_world_size)
         self.world = self.states0["dp_world_size"]
         files = common.optim_files(ckpt_dir, mp_rank)
@@ -109,7 +116,7 @@ class SavedStage3:
             raise CheckpointError(f"optimizer states missing in {ckpt_dir}: expected "
                                   f"{self.world} zero_pp_rank_*_mp_rank_{mp_rank:02d}_"
                                   f"optim_states.pt file(s), found {len(files)}")
-        self.optim = [common.torch_load(f, mmap=True)["optimizer_state_dict"] for f in files]
+        self.optim = [self._load(f)["optimizer_state_dict"] for f in files]
         first_optim = self.optim[0]
         if first_optim.get("zero_stage") != 3:
             raise CheckpointError(f"{ckpt_dir} mixes ZeRO stage 3 model states with stage "
@@ -117,7 +124,7 @@ class SavedStage3:
         self.flats = [o["fp32_flat_groups"] for o in self.optim]
         self.states = [o["optimizer_state_dict"]["state"] for o in self.optim]
         self.param_groups = first_optim["optimizer_state_dict"]["param_groups"]
-        self.loss_scaler = first_optim.get("loss_scaler")
+        self.loss_scaler = loss_scaler_state(first_optim.get("loss_scaler"))
         self.where = {}  # name -> (sub-group, offset, piece size)
         for g, shapes in enumerate(self.states0["param_shapes"]):
             offset = 0
@@ -136,8 +143,12 @@ class SavedStage3:
         file, or rank 0's at a larger DP size than saved (the shared parts agree)."""
         own = os.path.join(self.ckpt_dir, stage3_model_states_name(dp_rank, self.mp_rank))
         if dp_rank < self.world and os.path.isfile(own):
-            return common.torch_load(own)
+            return self._load(own)
         return dict(self.states0)
+
+    def names(self):
+        """The saved parameters' names, group by group."""
+        return list(self.where)
 
     def has(self, name):
         return name in self.where
@@ -183,8 +194,8 @@ class SavedStage3:
         return name in (self.states0.get("frozen_param_fragments") or {})
 
     def frozen_full(self, name, numel):
-        pieces = [common.torch_load(os.path.join(self.ckpt_dir, stage3_model_states_name(
-            r, self.mp_rank)), mmap=True)["frozen_param_fragments"][name].reshape(-1)
+        pieces = [self._load(os.path.join(self.ckpt_dir, stage3_model_states_name(
+            r, self.mp_rank)))["frozen_param_fragments"][name].reshape(-1)
             for r in range(self.world)]
         return torch.cat(pieces)[:numel]
 
@@ -193,11 +204,11 @@ class SavedStage0_2:
     """A stage 0-2 checkpoint's files, memory-mapped: every param group's flat tensor, cut
     into the saved ranks' contiguous slices (the elements [s·size, (s+1)·size) in slice s)."""
 
-    def __init__(self, ckpt_dir, mp_rank, mp_world_size, dp_rank=0):
+    def __init__(self, ckpt_dir, mp_rank, mp_world_size, dp_rank=0, load=None):
         del dp_rank  # one model states file for all data-parallel ranks
-        self.ckpt_dir = ckpt_dir
+        self.ckpt_dir, self._load = ckpt_dir, load or _zero_file
         self.path = os.path.join(ckpt_dir, common.model_states_name(mp_rank))
-        self.states0 = common.torch_load(self.path, mmap=True)
+        self.states0 = self._load(self.path)
         _check_mp_size(self.states0, self.path, mp_world_size)
         if self.states0.get("module") is None:
             raise CheckpointError(f"{ckpt_dir} was saved with pipeline stages, which ZeRO "
@@ -211,11 +222,10 @@ class SavedStage0_2:
                     f"optimizer states missing in {ckpt_dir}: expected "
                     f"{self.states0.get('dp_world_size')} zero_pp_rank_*_mp_rank_"
                     f"{mp_rank:02d}_optim_states.pt file(s), found {len(files)}")
-            self.slices = [common.torch_load(f, mmap=True)["optimizer_state_dict"]
-                           for f in files]
+            self.slices = [self._load(f)["optimizer_state_dict"] for f in files]
         first = self.slices[0]
         self.param_groups = first["base_optimizer_state"]["param_groups"]
-        self.loss_scaler = first.get("loss_scaler")
+        self.loss_scaler = loss_scaler_state(first.get("loss_scaler"))
         self.has_fp32 = "single_partition_of_fp32_groups" in first
         self.where = {}  # name -> (group, offset in the flat group, numel, index in the group)
         self.group_numels = []
@@ -236,6 +246,10 @@ class SavedStage0_2:
     def model_states(self, dp_rank):
         del dp_rank  # one model states file for all data-parallel ranks
         return dict(self.states0)
+
+    def names(self):
+        """The saved parameters' names, group by group."""
+        return list(self.where)
 
     def has(self, name):
         return name in self.where

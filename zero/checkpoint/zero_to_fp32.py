@@ -58,11 +58,11 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None,
                               "tools/convert_checkpoint.py --loader deepspeed (to one file or a "
                               "Hugging Face folder) or tools/merge_mp_partitions.py --deepspeed "
                               "(to a Megatron-layout checkpoint)")
-    model_states = _load(model_files[0])
+    model_states = load_zero_file(model_files[0])
     if not optim_files:
         state_dict = _stage0_params(model_states, ckpt_dir)
     else:
-        optim = [_load(f)["optimizer_state_dict"] for f in optim_files]
+        optim = [load_zero_file(f)["optimizer_state_dict"] for f in optim_files]
         stage = optim[0]["zero_stage"]
         world = max(_as_list(optim[0]["partition_count"]))
         if len(optim) != world:
@@ -130,7 +130,9 @@ def _sorted_by_rank(paths):
     return sorted(paths, key=key)
 
 
-def _load(path):
+def load_zero_file(path):
+    """A checkpoint file, memory-mapped, without running pickled code: zero's own, or one
+    DeepSpeed wrote (its classes as stand-ins, see below)."""
     try:
         foreign = [name for name in torch.serialization.get_unsafe_globals_in_checkpoint(path)
                    if name.startswith("deepspeed.")]
@@ -164,6 +166,23 @@ class _Foreign:
         self.state = state
 
 
+# the state of DeepSpeed's loss scalers (deepspeed/runtime/fp16/loss_scaler.py) that zero's
+# loss scalers keep, under the same names
+_LOSS_SCALER_KEYS = ("dynamic", "cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis",
+                     "scale_factor", "scale_window", "min_scale", "delayed_shift",
+                     "consecutive_hysteresis")
+
+
+def loss_scaler_state(saved):
+    """A saved "loss_scaler" as zero's loss scalers' state dict: zero's own as it is, the
+    stand-in of DeepSpeed's pickled LossScaler / DynamicLossScaler as its plain values."""
+    if not isinstance(saved, _Foreign) or not isinstance(saved.state, dict):
+        return saved
+    state = {key: saved.state[key] for key in _LOSS_SCALER_KEYS if key in saved.state}
+    state["dynamic"] = bool(state.get("dynamic", False))
+    return state
+
+
 def _without_foreign(value):
     """Stand-ins built from one plain argument (int enums such as ZeroStageEnum) -> that value."""
     if isinstance(value, _Foreign):
@@ -182,7 +201,8 @@ def _as_list(value):
 
 
 def _is_stage3(optim_files):
-    return bool(optim_files) and "fp32_flat_groups" in _load(optim_files[0])["optimizer_state_dict"]
+    return bool(optim_files) and \
+        "fp32_flat_groups" in load_zero_file(optim_files[0])["optimizer_state_dict"]
 
 
 class _Concat:
@@ -226,7 +246,7 @@ def _unpack_groups(param_shapes, slices, world):
 def _stage3_params(model_files, optim, world):
     """Stage 3: each param is ceil(numel / world) elements on every rank, at one offset."""
     param_shapes = OrderedDict()
-    for shapes in _load(model_files[0])["param_shapes"]:
+    for shapes in load_zero_file(model_files[0])["param_shapes"]:
         param_shapes.update(shapes)
     flats = [_Concat(_as_list(o["fp32_flat_groups"])) for o in optim]
     state_dict, offset = OrderedDict(), 0
@@ -277,7 +297,7 @@ def _frozen_params(model_states, model_files, stage3):
     if not stage3:
         fragments = model_states["frozen_param_fragments"]
         return {name: fragments[name].float().clone() for name in shapes}
-    per_rank = [_load(f)["frozen_param_fragments"] for f in model_files]
+    per_rank = [load_zero_file(f)["frozen_param_fragments"] for f in model_files]
     result = {}
     for name, shape in shapes.items():
         full = torch.cat([frags[name].reshape(-1) for frags in per_rank])

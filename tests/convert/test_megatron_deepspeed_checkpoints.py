@@ -1,0 +1,234 @@
+"""Megatron-DeepSpeed --deepspeed checkpoints with ZeRO partitions (no pipeline stages): made
+here from this trainer's own by Megatron-DeepSpeed's differences (pickled argparse.Namespace
+arguments and Megatron-LM 2.x's names, in the module and in param_shapes; DeepSpeed's pickled
+loss scaler and ZeRO stage enum in the optimizer files; its param groups' extra keys; its
+learning-rate schedule counted in samples), then converted with their fp32 masters and Adam
+moments and resumed: the same state as converting the original, the same losses as the run
+that never stopped. (Its pipeline checkpoints: test_megatron_lm_checkpoints.py.)"""
+
+import argparse
+import contextlib
+import enum
+import os
+import shutil
+import sys
+import types
+
+import pytest
+import torch
+
+from megatron.checkpointing.megatron_lm import megatron_deepspeed_schedule
+from megatron.convert.deepspeed_source import read_deepspeed_checkpoint
+from megatron.convert.loaders import load_model_weights
+from tests.convert.conftest import load_tool
+from tests.convert.test_megatron_lm_checkpoints import (ModelType, PositionEmbeddingType,
+                                                        _megatron_enums)
+from tests.training.test_deepspeed import NO_DROPOUT, read_losses, run, stage_config
+
+convert_tool = load_tool("convert_checkpoint")
+merge_tool = load_tool("merge_mp_partitions")
+GLOBAL_BATCH = 8
+
+
+class LossScaler:  # what DeepSpeed's ZeRO optimizer pickles as its "loss_scaler"
+    def __init__(self, scale):
+        self.cur_scale, self.dynamic = scale, False
+
+
+class ZeroStageEnum(int, enum.Enum):  # what it pickles as its "zero_stage"
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+@contextlib.contextmanager
+def _deepspeed_classes():
+    """torch.save pickles the two classes under DeepSpeed's modules (only while saving)."""
+    modules = {"deepspeed.runtime.fp16.loss_scaler": LossScaler,
+               "deepspeed.runtime.zero.config": ZeroStageEnum}
+    packages = {"deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16",
+                "deepspeed.runtime.zero"}  # (pickle imports the parents too)
+    for name in (*packages, *modules):
+        sys.modules[name] = types.ModuleType(name)
+    for name, cls in modules.items():
+        setattr(sys.modules[name], cls.__name__, cls)
+        cls.__module__ = name
+    try:
+        yield
+    finally:
+        for name in (*packages, *modules):
+            del sys.modules[name]
+        for cls in modules.values():
+            cls.__module__ = __name__
+
+
+def _their_name(name):
+    return name.replace(".transformer.", ".encoder.").replace(".attention.", ".self_attention.")
+
+
+def _their_schedule(ours):
+    """AnnealingLR's state as Megatron-DeepSpeed's OptimizerParamScheduler saves it."""
+    return {"max_lr": ours["start_lr"], "min_lr": ours["min_lr"],
+            "lr_warmup_steps": ours["warmup_iter"] * GLOBAL_BATCH, "lr_warmup_tokens": None,
+            "lr_decay_steps": ours["end_iter"] * GLOBAL_BATCH, "lr_decay_tokens": None,
+            "num_steps": ours["num_iters"] * GLOBAL_BATCH, "num_tokens": 0,
+            "lr_decay_style": ours["decay_style"], "start_wd": 0.01, "end_wd": 0.01,
+            "wd_incr_style": "constant", "wd_incr_steps": 100}
+
+
+def _as_megatron_deepspeed(source, target, schedule_change=None):
+    """A copy of this trainer's --deepspeed checkpoint (no pipeline stages) as Megatron-
+    DeepSpeed saves it."""
+    shutil.copytree(source, target)
+    for folder, _, files in os.walk(target):
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith("_model_states.pt"):
+                state = torch.load(path, weights_only=True)
+                args = dict(state["args"])
+                args["tensor_model_parallel_size"] = args.pop("model_parallel_size")
+                args["consumed_train_samples"] = state["iteration"] * GLOBAL_BATCH
+                schedule = _their_schedule(state["lr_scheduler"])
+                schedule.update(schedule_change or {})
+                state.update(args=argparse.Namespace(
+                    **args, num_experts=[1], normalization="layernorm",
+                    model_type=ModelType.encoder_or_decoder,
+                    position_embedding_type=PositionEmbeddingType.absolute),
+                    checkpoint_version=3.0, lr_scheduler=schedule,
+                    module={_their_name(key): value for key, value in state["module"].items()},
+                    param_shapes=[type(shapes)((_their_name(key), shape)
+                                               for key, shape in shapes.items())
+                                  for shapes in state["param_shapes"]])
+                for key in ("random_rng_state", "np_rng_state", "torch_rng_state",
+                            "rng_tracker_states", "train_state"):
+                    state.pop(key, None)  # (its RNG states are in its own formats)
+                with _megatron_enums("megatron.enums"):  # (BigScience's fork keeps them here)
+                    torch.save(state, path)
+            elif name.endswith("_optim_states.pt"):
+                state = torch.load(path, weights_only=True)
+                inner = state["optimizer_state_dict"]
+                inner["loss_scaler"] = LossScaler(1.0)  # (bf16: a static scale of 1)
+                inner["zero_stage"] = ZeroStageEnum(inner["zero_stage"])
+                for g, group in enumerate(inner["base_optimizer_state"]["param_groups"]):
+                    group.update(name=("wd_no_scale_lr", "no_wd_no_scale_lr")[g], lr_mult=1.0,
+                                 wd_mult=float(g == 0))
+                with _deepspeed_classes():
+                    torch.save(state, path)
+    return target
+
+
+@pytest.fixture(scope="module")
+def saved(corpus, tmp_path_factory):
+    """A bf16 ZeRO stage 2 run: 6 iterations straight, and its checkpoint at iteration 3."""
+    root = tmp_path_factory.mktemp("mds")
+    common = [*NO_DROPOUT, "--global-batch-size", GLOBAL_BATCH, "--bf16", "--deepspeed",
+              "--deepspeed_config", stage_config(root, 2, "bf16")]
+    assert run(corpus, root / "straight", 6, *common) == 0
+    assert run(corpus, root / "head", 6, *common, "--save", root / "ds",
+               "--exit-interval", 3) == 0
+    return root
+
+
+def _flat(nested, prefix=""):
+    flat = {}
+    for key, value in nested.items():
+        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict)
+                    else {prefix + key: value})
+    return flat
+
+
+def test_its_masters_and_adam_moments_convert_as_the_originals(saved, tmp_path):
+    mds = _as_megatron_deepspeed(saved / "ds", tmp_path / "mds")
+    expected, = read_deepspeed_checkpoint(str(saved / "ds"), fp32_weights=True).shards
+    found, = read_deepspeed_checkpoint(str(mds), fp32_weights=True).shards
+    assert found["saved_by"] == "Megatron-DeepSpeed" and found["iteration"] == 3
+    weights, got = _flat(expected["model"]), _flat(found["model"])
+    assert got.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], tensor), name
+    ours, theirs = expected["optimizer"], found["optimizer"]
+    assert theirs["optimizer"]["param_groups"] == ours["optimizer"]["param_groups"]
+    assert theirs["optimizer"]["state"].keys() == ours["optimizer"]["state"].keys()
+    for index, entry in ours["optimizer"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(theirs["optimizer"]["state"][index][key]),
+                               torch.as_tensor(value)), (index, key)
+    for group, group_found in zip(ours["fp32_from_fp16_params"],
+                                  theirs["fp32_from_fp16_params"]):
+        assert all(torch.equal(a, b) for a, b in zip(group, group_found))
+    assert theirs["grad_scaler"] == {"dynamic": False, "cur_scale": 1.0}
+    assert found["lr_scheduler"] == expected["lr_scheduler"]  # samples back to iterations
+    assert found["train_state"] == {"consumed_train_samples": 3 * GLOBAL_BATCH}
+    assert "torch_rng_state" not in found
+
+
+def test_it_resumes_where_the_run_stopped(corpus, saved, tmp_path, capsys):
+    """Converted by merge_mp_partitions.py --deepspeed, it resumes with --no-load-rng (the
+    tool's resume line says so; without it, one error says why) and continues the run's
+    losses; weights-only conversion to Hugging Face's format works too."""
+    mds = _as_megatron_deepspeed(saved / "ds", tmp_path / "mds")
+    common = [*NO_DROPOUT, "--global-batch-size", GLOBAL_BATCH, "--bf16"]
+    capsys.readouterr()
+    assert run(corpus, tmp_path / "direct", 6, *common, "--deepspeed", "--deepspeed_config",
+               stage_config(tmp_path, 2, "bf16"), "--load", mds) == 2
+    assert "was saved by Megatron-DeepSpeed, whose DeepSpeed files this engine does not " \
+           "resume: convert it with tools/merge_mp_partitions.py --deepspeed" in \
+           capsys.readouterr().err
+    assert merge_tool.main(["--deepspeed", "--load", str(mds), "--save",
+                            str(tmp_path / "meg")]) == 0
+    out = capsys.readouterr().out
+    assert " optimizer state: converted" in out and "--no-load-rng ..." in out
+    assert run(corpus, tmp_path / "no_flag", 6, *common, "--load", tmp_path / "meg") == 2
+    assert "has no RNG state (converted from Megatron-DeepSpeed, whose RNG states are not " \
+           "carried); load it with --no-load-rng" in capsys.readouterr().err
+    assert run(corpus, tmp_path / "resumed", 6, *common, "--load", tmp_path / "meg",
+               "--no-load-rng") == 0
+    straight, resumed = read_losses(saved / "straight"), read_losses(tmp_path / "resumed")
+    assert sorted(resumed) == [4, 5, 6]  # with its optimizer and schedule: no fresh warm-up
+    for iteration in (4, 5, 6):
+        assert abs(resumed[iteration][0] - straight[iteration][0]) <= \
+            3e-4 * abs(straight[iteration][0]), iteration
+    assert convert_tool.main(["--load-dir", str(mds), "--save-dir", str(tmp_path / "hf"),
+                              "--saver", "hf"]) == 0
+    assert load_model_weights(str(tmp_path / "hf")).state_dict
+
+
+def test_a_schedule_this_trainer_does_not_run_continues_only_when_overridden(corpus, saved,
+                                                                           tmp_path, capsys):
+    """A token-based decay: the optimizer state converts, the schedule does not; resuming
+    asks for --override-lr-scheduler, which continues the command line's schedule."""
+    mds = _as_megatron_deepspeed(saved / "ds", tmp_path / "mds",
+                                 schedule_change={"lr_decay_tokens": 10 ** 6})
+    capsys.readouterr()
+    assert merge_tool.main(["--deepspeed", "--load", str(mds), "--save",
+                            str(tmp_path / "meg")]) == 0
+    assert "--override-lr-scheduler --no-load-rng ..." in capsys.readouterr().out
+    common = [*NO_DROPOUT, "--global-batch-size", GLOBAL_BATCH, "--bf16", "--no-load-rng",
+              "--load", tmp_path / "meg"]
+    assert run(corpus, tmp_path / "asked", 5, *common) == 2
+    assert "it was converted from Megatron-DeepSpeed, whose schedule (token-based lengths, " \
+           "or a decay style not built here) this trainer does not run. Pass " \
+           "--override-lr-scheduler" in capsys.readouterr().err
+    assert run(corpus, tmp_path / "overridden", 5, *common, "--override-lr-scheduler") == 0
+    out = capsys.readouterr().out
+    assert "learning-rate schedule: the command line's, from iteration 3" in out
+    assert sorted(read_losses(tmp_path / "overridden")) == [4, 5]
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({}, {"start_lr": 1e-3, "min_lr": 1e-5, "warmup_iter": 1.5, "end_iter": 100,
+          "num_iters": 7, "decay_style": "cosine"}),
+    ({"lr_warmup_tokens": 500}, None),
+    ({"lr_decay_style": "inverse-square-root"}, None),
+])
+def test_its_schedule_counts_samples(change, expected):
+    """Megatron-LM 2.x and later step the schedule by the global batch: its lengths in
+    iterations are the samples / the batch (a --lr-warmup-fraction's warmup may be a
+    fraction of one); token-based lengths and decay styles AnnealingLR lacks: None."""
+    theirs = {"max_lr": 1e-3, "min_lr": 1e-5, "lr_warmup_steps": 12.0,
+              "lr_warmup_tokens": None, "lr_decay_steps": 800, "lr_decay_tokens": None,
+              "num_steps": 56, "lr_decay_style": "cosine", **change}
+    assert megatron_deepspeed_schedule(theirs, {"global_batch_size": 8}) == expected
+    old = {"start_lr": 1e-3, "warmup_iter": 2, "num_iters": 7, "end_iter": 10,
+           "decay_style": "linear", "min_lr": 0.0}  # Megatron-LM 1.1.5's: as it is
+    assert megatron_deepspeed_schedule(old, {"global_batch_size": 8}) == old
