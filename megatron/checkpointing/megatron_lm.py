@@ -30,7 +30,6 @@ import re
 import torch
 
 from megatron.errors import CheckpointError
-from megatron.training.learning_rates import DECAY_STYLES
 
 SOURCE = "Megatron-LM"
 MEGATRON_DEEPSPEED = "Megatron-DeepSpeed"  # saved_by of its --deepspeed checkpoints
@@ -121,7 +120,7 @@ def deepspeed_states_as_this_layout(states, path):
     if not isinstance(states, dict) or not isinstance(states.get("args"), argparse.Namespace):
         return states
     args = _this_trainers_args(states["args"])
-    module = states.get("module")
+    module = _flat(states["module"]) if isinstance(states.get("module"), dict) else None
     nested = {"language_model": {"transformer": {}}}
     for key in module or ():
         if str(key).startswith("language_model.output_layer."):
@@ -136,6 +135,20 @@ def deepspeed_states_as_this_layout(states, path):
                      _renamed_module(module, args, version, path),
                      saved_checkpoint_version=version)
     return converted
+
+
+def _flat(module, prefix=""):
+    """A module state with flat names. Megatron-DeepSpeed (since 2022) saves its model's
+    state_dict_for_save_checkpoint as DeepSpeed's `module`: nested by submodule
+    ({"language_model": {"embedding": {"word_embeddings": {"weight": ...}}, "encoder":
+    {"layers.0.self_attention...": ...}}}); the names its param_shapes record join them."""
+    flat = {}
+    for key, value in module.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def deepspeed_pipeline_module(tag_dir, tp_rank, states):
@@ -247,30 +260,39 @@ def _renamed_module(module, args, version, path):
 
 def megatron_deepspeed_schedule(scheduler, args):
     """The learning-rate schedule state a Megatron-DeepSpeed checkpoint saved, as this
-    trainer's (AnnealingLR's keys, counted in iterations), or None where AnnealingLR does not
-    run it (token-based lengths, a decay style not built). Megatron-LM 2.x and later count
-    the schedule in samples (one iteration steps it by the global batch); Megatron-LM 1.1.5
-    (DeepSpeed's fork) in iterations, under AnnealingLR's own keys."""
+    trainer's AnnealingLR state (counted in iterations), or None where AnnealingLR does not
+    run it: token-based lengths, a weight decay that changes over the run, a decay style
+    other than linear, cosine and constant. Megatron-LM 1.1.5 (DeepSpeed's fork) saved
+    AnnealingLR's own keys, in iterations; Megatron-LM 2.x and later count samples (one
+    iteration steps the schedule by the global batch) and decay toward min_lr (kept as
+    "decay_formula": "2.x"), under two sets of names (OptimizerParamScheduler's since 2023,
+    2.x's AnnealingLR's before)."""
+    from megatron.training.learning_rates import FRACTIONAL_WARMUP
     if not isinstance(scheduler, dict):
         return None
     if "num_iters" in scheduler:  # 1.1.5's AnnealingLR: this trainer's keys and units
         return dict(scheduler)
-    batch = args.get("global_batch_size")
-    if any(scheduler.get(key) is not None for key in ("lr_decay_tokens", "lr_warmup_tokens")) \
-            or scheduler.get("lr_decay_style") not in DECAY_STYLES or not batch \
-            or not {"max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps",
-                    "num_steps"} <= set(scheduler):
+    get = lambda *names: next((scheduler[n] for n in names if n in scheduler), None)  # noqa
+    lengths = {key: get(*names) for key, names in (
+        ("warmup_iter", ("lr_warmup_steps", "warmup_steps")),
+        ("end_iter", ("lr_decay_steps", "decay_steps")),
+        ("num_iters", ("num_steps",)))}
+    style, batch = get("lr_decay_style", "decay_style"), args.get("global_batch_size")
+    token_based = any(get(name) is not None for name in (
+        "lr_decay_tokens", "lr_warmup_tokens", "decay_tokens", "warmup_tokens")) or \
+        args.get("lr_decay_tokens") is not None or args.get("lr_warmup_tokens") is not None
+    if token_based or style not in ("linear", "cosine", "constant") or not batch \
+            or None in lengths.values() or get("max_lr") is None or get("min_lr") is None \
+            or get("start_wd") != get("end_wd"):
         return None
 
     def iterations(samples):
         value = samples / batch
         return round(value) if abs(value - round(value)) < 1e-9 else value
 
-    return {"start_lr": scheduler["max_lr"], "min_lr": scheduler["min_lr"],
-            "warmup_iter": iterations(scheduler["lr_warmup_steps"]),
-            "end_iter": iterations(scheduler["lr_decay_steps"]),
-            "num_iters": iterations(scheduler["num_steps"]),
-            "decay_style": scheduler["lr_decay_style"]}
+    return {"start_lr": get("max_lr"), "min_lr": get("min_lr"), "decay_style": style,
+            **{key: iterations(value) for key, value in lengths.items()},
+            "decay_formula": "2.x", FRACTIONAL_WARMUP: True}
 
 
 def _this_trainers_args(namespace):

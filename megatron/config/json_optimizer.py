@@ -27,8 +27,9 @@ def schedule_lengths(raw):
     decay_iters = raw["train_iters"] if raw["lr_decay_iters"] is None else raw["lr_decay_iters"]
     warmup_iters = raw["warmup_iters"]
     if warmup_iters is None:
-        warmup_iters = raw["warmup"] * decay_iters
-        warmup_iters = int(warmup_iters) if warmup_iters.is_integer() else warmup_iters
+        warmup_iters = float(raw["warmup"]) * decay_iters  # (0.07 x 100 is 7.000000000000001)
+        whole = round(warmup_iters)
+        warmup_iters = whole if abs(warmup_iters - whole) < 1e-9 else warmup_iters
     if not 0 <= warmup_iters <= decay_iters:
         raise ConfigError(f"warmup iterations ({warmup_iters}, from --warmup or --warmup-iters) "
                           f"must lie between 0 and --lr-decay-iters ({decay_iters})")

@@ -58,6 +58,10 @@ def _tag(load_dir, iteration):
     if iteration is not None:
         return f"global_step{iteration}"
     latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest) and os.path.isfile(os.path.join(load_dir, "config.json")):
+        raise CheckpointError(f"{load_dir} is a Hugging Face model folder (config.json), not "
+                              "a --deepspeed checkpoint: drop --deepspeed (the tools read it "
+                              "as it is)")
     if not os.path.isfile(latest):
         hint = inside_a_checkpoint(load_dir)
         if hint:
@@ -229,6 +233,9 @@ def _optimizer_entry(tag_dir, mp_rank, size, model, module, tensors=None, load=N
             entry = dict(saved.scalar_state(theirs[name]))
             for key in saved.per_element_keys(theirs[name]):
                 entry[key] = ours(saved.state(theirs[name], key, numel).view(shape), name)
+            if entry and "step" not in entry and "step" in hyper:
+                # apex's FusedAdam (Megatron-DeepSpeed's on CUDA) counts in the param group
+                entry["step"] = torch.tensor(float(hyper["step"]))
             table = saved.table(theirs[name], name)
             if table is not None:
                 entry[TABLE] = table
@@ -238,7 +245,8 @@ def _optimizer_entry(tag_dir, mp_rank, size, model, module, tensors=None, load=N
                                  ours(saved.master(theirs[name], numel).view(shape), name))
             indices.append(index)
         param_groups.append({**{k: v for k, v in hyper.items()
-                                if k not in ("params", *_MEGATRON_DEEPSPEED_GROUP_KEYS)},
+                                if k not in ("params", "step",
+                                             *_MEGATRON_DEEPSPEED_GROUP_KEYS)},
                              "params": indices})
         masters.append(group_masters)
     return {"optimizer": {"state": state, "param_groups": param_groups},

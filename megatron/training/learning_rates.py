@@ -18,6 +18,10 @@ iteration with warmup runs at lr 0 (the schedule is stepped after each update), 
 `exponential` and `constant` only reach half of / all of max_lr at `decay_steps`, then drop to
 min_lr for every later step.
 
+A checkpoint converted from Megatron-DeepSpeed (Megatron-LM 2.x and later) carries that run's
+formula in its state ("decay_formula": "2.x"), which it keeps: lr = min_lr + (max_lr - min_lr)
+x (1 - ratio) or x (1 + cos(pi * ratio)) / 2, and `constant` holds max_lr for good.
+
 Checkpoint values versus command-line values on resume (Megatron's rule):
     override_lr_scheduler=True          the constructor's values win, the step count is loaded
     use_checkpoint_lr_scheduler=True    the checkpoint's values win
@@ -33,6 +37,8 @@ import math
 from megatron.errors import CheckpointError, ConfigError
 
 DECAY_STYLES = ("linear", "cosine", "exponential", "constant")
+# a state key Megatron-LM ignores: the warmup was saved fractional (not cut to whole steps)
+FRACTIONAL_WARMUP = "fractional_warmup"
 
 # state_dict key -> (attribute, what the user sets it with). The keys are Megatron 1.1.5's,
 # so its checkpoints load here and ours load there.
@@ -67,6 +73,7 @@ class AnnealingLR:
         self.use_checkpoint_lr_scheduler = use_checkpoint_lr_scheduler
         self.override_lr_scheduler = override_lr_scheduler
         self.follows_train_iters = frozenset(follows_train_iters)
+        self.decay_formula = "1.1.5"  # "2.x": a converted Megatron-DeepSpeed run's (above)
         self.resume_notes = []  # what a load changed, for the trainer to print once
         self.num_steps = 0
         self.step(0)
@@ -75,6 +82,8 @@ class AnnealingLR:
         n = self.num_steps
         if self.warmup_steps > 0 and n <= self.warmup_steps:
             return self.max_lr * n / self.warmup_steps
+        if self.decay_formula == "2.x":
+            return self._megatron_2_lr(n)
         if n > self.decay_steps:
             return self.min_lr
         ratio = (n - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
@@ -88,6 +97,17 @@ class AnnealingLR:
             lr = self.max_lr
         return max(lr, self.min_lr)
 
+    def _megatron_2_lr(self, n):
+        if self.decay_style == "constant":
+            return self.max_lr
+        if n > self.decay_steps:
+            return self.min_lr
+        ratio = (n - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
+        coefficient = 1.0 - ratio if self.decay_style == "linear" else \
+            0.5 * (math.cos(math.pi * ratio) + 1.0) if self.decay_style == "cosine" else \
+            math.exp(-0.693 * ratio)
+        return self.min_lr + coefficient * (self.max_lr - self.min_lr)
+
     def step(self, increment=1):
         """Advance by `increment` steps and set the new lr on every param group."""
         self.num_steps += increment
@@ -96,9 +116,15 @@ class AnnealingLR:
             group["lr"] = new_lr
 
     def state_dict(self):
-        return {"start_lr": self.max_lr, "warmup_iter": self.warmup_steps,
-                "num_iters": self.num_steps, "decay_style": self.decay_style,
-                "end_iter": self.decay_steps, "min_lr": self.min_lr}
+        # (Megatron-LM 1.1.5's keys, and two it ignores: the warmup is kept fractional, and
+        # a converted run's formula)
+        state = {"start_lr": self.max_lr, "warmup_iter": self.warmup_steps,
+                 "num_iters": self.num_steps, "decay_style": self.decay_style,
+                 "end_iter": self.decay_steps, "min_lr": self.min_lr,
+                 FRACTIONAL_WARMUP: True}
+        if self.decay_formula != "1.1.5":
+            state["decay_formula"] = self.decay_formula
+        return state
 
     def load_state_dict(self, state_dict):
         sd = {old: state_dict[new] for old, new in _NEWER_KEY_NAMES.items() if new in state_dict}
@@ -108,12 +134,14 @@ class AnnealingLR:
             if key not in sd:
                 raise _missing_key_error(key)
             ours = getattr(self, attribute)
-            if key == "warmup_iter" and self._truncated_warmup(ours, sd[key]):
+            if key == "warmup_iter" and FRACTIONAL_WARMUP not in sd \
+                    and self._truncated_warmup(ours, sd[key]):
                 self.warmup_steps = sd[key]
                 continue
-            if key in self.follows_train_iters and not self.use_checkpoint_lr_scheduler \
-                    and ours != sd[key]:
-                lengthened.append(f"{attribute.replace('_', ' ')} {sd[key]} -> {ours}")
+            if _same(ours, sd[key]):
+                continue
+            if key in self.follows_train_iters and not self.use_checkpoint_lr_scheduler:
+                lengthened.append(f"{attribute.replace('_', ' ')} {sd[key]:g} -> {ours:g}")
                 continue
             setattr(self, attribute, self._choose(ours, sd[key], flag))
         if lengthened:
@@ -124,16 +152,26 @@ class AnnealingLR:
                 "old one")
         if "num_iters" not in sd:
             raise _missing_key_error("num_iters")
+        self.decay_formula = sd.get("decay_formula", "1.1.5")
+        if self.decay_formula not in ("1.1.5", "2.x"):
+            raise CheckpointError(f"the checkpoint's lr_scheduler has decay_formula "
+                                  f"{self.decay_formula!r}, not one AnnealingLR runs (1.1.5, "
+                                  "2.x). Load it with --no-load-optim")
+        if self.decay_formula == "2.x":
+            self.resume_notes.append(
+                "learning-rate schedule: Megatron-LM 2.x's decay, toward --min-lr, as in the "
+                "Megatron-DeepSpeed run the checkpoint was converted from")
         _validate(self.max_lr, self.min_lr, self.warmup_steps, self.decay_steps,
                   self.decay_style)
         self.num_steps = int(sd["num_iters"])
         self.step(0)
 
     def _truncated_warmup(self, ours, checkpoint_value):
-        """Whether the checkpoint holds this --warmup fraction's warmup cut to whole steps,
-        as this trainer saved it before keeping Megatron's fraction: the run resumes with the
-        schedule it was trained with."""
-        if isinstance(ours, int) or ours.is_integer() or checkpoint_value != math.floor(ours):
+        """Whether the checkpoint (saved before its warmup was kept fractional) holds this
+        --warmup fraction's warmup cut to whole steps: the run resumes with the schedule it
+        was trained with, unless --override-lr-scheduler says otherwise."""
+        if self.override_lr_scheduler or float(ours).is_integer() \
+                or checkpoint_value != math.floor(ours):
             return False
         self.resume_notes.append(
             f"learning-rate schedule: the checkpoint's warmup is {checkpoint_value} "
@@ -142,7 +180,9 @@ class AnnealingLR:
         return True
 
     def _choose(self, ours, checkpoint_value, flag):
-        if ours != checkpoint_value and (self.override_lr_scheduler
+        if _same(ours, checkpoint_value):
+            return checkpoint_value
+        if (self.override_lr_scheduler
                                          or self.use_checkpoint_lr_scheduler):
             kept, dropped, why = (ours, checkpoint_value, "--override-lr-scheduler") \
                 if self.override_lr_scheduler else \
@@ -152,13 +192,21 @@ class AnnealingLR:
                                      f"({why}), not {dropped!r}")
         if self.override_lr_scheduler:
             return ours
-        if not self.use_checkpoint_lr_scheduler and ours != checkpoint_value:
+        if not self.use_checkpoint_lr_scheduler:
             raise ConfigError(
                 f"learning-rate schedule: the checkpoint has {flag} = {checkpoint_value!r} but "
                 f"the command line gives {ours!r}. Pass --override-lr-scheduler to use the "
                 "command-line schedule, or --use-checkpoint-lr-scheduler to keep the "
                 "checkpoint's")
         return checkpoint_value
+
+
+def _same(ours, checkpoint_value):
+    """Equal, or floats equal but for rounding (a warmup fraction times a length computed
+    another way)."""
+    if isinstance(ours, (int, float)) and isinstance(checkpoint_value, (int, float)):
+        return math.isclose(ours, checkpoint_value, rel_tol=1e-9, abs_tol=1e-12)
+    return ours == checkpoint_value
 
 
 def _validate(max_lr, min_lr, warmup_steps, decay_steps, decay_style):

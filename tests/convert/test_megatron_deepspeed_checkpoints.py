@@ -28,6 +28,9 @@ from tests.training.test_deepspeed import NO_DROPOUT, read_losses, run, stage_co
 convert_tool = load_tool("convert_checkpoint")
 merge_tool = load_tool("merge_mp_partitions")
 GLOBAL_BATCH = 8
+# --min-lr 0: where Megatron-LM 1.1.5's decay (the run saved here) and 2.x's (which the
+# converted schedule keeps) agree
+COMMON = [*NO_DROPOUT, "--global-batch-size", GLOBAL_BATCH, "--bf16", "--min-lr", 0]
 
 
 class LossScaler:  # what DeepSpeed's ZeRO optimizer pickles as its "loss_scaler"
@@ -76,9 +79,25 @@ def _their_schedule(ours):
             "wd_incr_style": "constant", "wd_incr_steps": 100}
 
 
-def _as_megatron_deepspeed(source, target, schedule_change=None):
+def _nested(module):
+    """A flat module state nested as Megatron-DeepSpeed's state_dict_for_save_checkpoint
+    returns it (what it saves as DeepSpeed's `module`)."""
+    nested = {"language_model": {"embedding": {}, "encoder": {}}}
+    for name, tensor in module.items():
+        part, rest = name.split(".", 2)[1:]
+        if part == "embedding":
+            table, key = rest.split(".")
+            nested["language_model"]["embedding"].setdefault(table, {})[key] = tensor
+        else:
+            nested["language_model"]["encoder"][rest] = tensor
+    return nested
+
+
+def _as_megatron_deepspeed(source, target, schedule_change=None, optimizer="zero"):
     """A copy of this trainer's --deepspeed checkpoint (no pipeline stages) as Megatron-
-    DeepSpeed saves it."""
+    DeepSpeed saves it. `optimizer`: DeepSpeed's ZeRO optimizer over torch's Adam ("zero"),
+    over apex's FusedAdam ("apex", the step counted in the param group), or DeepSpeed's
+    BF16_Optimizer ("bf16_optimizer": no zero_stage, no loss scaler in its files)."""
     shutil.copytree(source, target)
     for folder, _, files in os.walk(target):
         for name in files:
@@ -95,7 +114,8 @@ def _as_megatron_deepspeed(source, target, schedule_change=None):
                     model_type=ModelType.encoder_or_decoder,
                     position_embedding_type=PositionEmbeddingType.absolute),
                     checkpoint_version=3.0, lr_scheduler=schedule,
-                    module={_their_name(key): value for key, value in state["module"].items()},
+                    module=_nested({_their_name(key): value
+                                    for key, value in state["module"].items()}),
                     param_shapes=[type(shapes)((_their_name(key), shape)
                                                for key, shape in shapes.items())
                                   for shapes in state["param_shapes"]])
@@ -109,9 +129,14 @@ def _as_megatron_deepspeed(source, target, schedule_change=None):
                 inner = state["optimizer_state_dict"]
                 inner["loss_scaler"] = LossScaler(1.0)  # (bf16: a static scale of 1)
                 inner["zero_stage"] = ZeroStageEnum(inner["zero_stage"])
-                for g, group in enumerate(inner["base_optimizer_state"]["param_groups"]):
+                base = inner["base_optimizer_state"]
+                for g, group in enumerate(base["param_groups"]):
                     group.update(name=("wd_no_scale_lr", "no_wd_no_scale_lr")[g], lr_mult=1.0,
                                  wd_mult=float(g == 0))
+                    if optimizer == "apex":
+                        group["step"] = int(base["state"][g].pop("step"))
+                if optimizer == "bf16_optimizer":
+                    del inner["zero_stage"], inner["loss_scaler"]
                 with _deepspeed_classes():
                     torch.save(state, path)
     return target
@@ -121,8 +146,7 @@ def _as_megatron_deepspeed(source, target, schedule_change=None):
 def saved(corpus, tmp_path_factory):
     """A bf16 ZeRO stage 2 run: 6 iterations straight, and its checkpoint at iteration 3."""
     root = tmp_path_factory.mktemp("mds")
-    common = [*NO_DROPOUT, "--global-batch-size", GLOBAL_BATCH, "--bf16", "--deepspeed",
-              "--deepspeed_config", stage_config(root, 2, "bf16")]
+    common = [*COMMON, "--deepspeed", "--deepspeed_config", stage_config(root, 2, "bf16")]
     assert run(corpus, root / "straight", 6, *common) == 0
     assert run(corpus, root / "head", 6, *common, "--save", root / "ds",
                "--exit-interval", 3) == 0
@@ -137,8 +161,9 @@ def _flat(nested, prefix=""):
     return flat
 
 
-def test_its_masters_and_adam_moments_convert_as_the_originals(saved, tmp_path):
-    mds = _as_megatron_deepspeed(saved / "ds", tmp_path / "mds")
+@pytest.mark.parametrize("optimizer", ["zero", "apex", "bf16_optimizer"])
+def test_its_masters_and_adam_moments_convert_as_the_originals(saved, tmp_path, optimizer):
+    mds = _as_megatron_deepspeed(saved / "ds", tmp_path / "mds", optimizer=optimizer)
     expected, = read_deepspeed_checkpoint(str(saved / "ds"), fp32_weights=True).shards
     found, = read_deepspeed_checkpoint(str(mds), fp32_weights=True).shards
     assert found["saved_by"] == "Megatron-DeepSpeed" and found["iteration"] == 3
@@ -156,8 +181,11 @@ def test_its_masters_and_adam_moments_convert_as_the_originals(saved, tmp_path):
     for group, group_found in zip(ours["fp32_from_fp16_params"],
                                   theirs["fp32_from_fp16_params"]):
         assert all(torch.equal(a, b) for a, b in zip(group, group_found))
-    assert theirs["grad_scaler"] == {"dynamic": False, "cur_scale": 1.0}
-    assert found["lr_scheduler"] == expected["lr_scheduler"]  # samples back to iterations
+    assert theirs["grad_scaler"] == (None if optimizer == "bf16_optimizer" else
+                                     {"dynamic": False, "cur_scale": 1.0})
+    schedule = dict(found["lr_scheduler"])  # samples back to iterations, its formula kept
+    assert schedule.pop("decay_formula") == "2.x"
+    assert schedule == expected["lr_scheduler"]
     assert found["train_state"] == {"consumed_train_samples": 3 * GLOBAL_BATCH}
     assert "torch_rng_state" not in found
 
@@ -167,7 +195,7 @@ def test_it_resumes_where_the_run_stopped(corpus, saved, tmp_path, capsys):
     tool's resume line says so; without it, one error says why) and continues the run's
     losses; weights-only conversion to Hugging Face's format works too."""
     mds = _as_megatron_deepspeed(saved / "ds", tmp_path / "mds")
-    common = [*NO_DROPOUT, "--global-batch-size", GLOBAL_BATCH, "--bf16"]
+    common = COMMON
     capsys.readouterr()
     assert run(corpus, tmp_path / "direct", 6, *common, "--deepspeed", "--deepspeed_config",
                stage_config(tmp_path, 2, "bf16"), "--load", mds) == 2
@@ -203,32 +231,45 @@ def test_a_schedule_this_trainer_does_not_run_continues_only_when_overridden(cor
     assert merge_tool.main(["--deepspeed", "--load", str(mds), "--save",
                             str(tmp_path / "meg")]) == 0
     assert "--override-lr-scheduler --no-load-rng ..." in capsys.readouterr().out
-    common = [*NO_DROPOUT, "--global-batch-size", GLOBAL_BATCH, "--bf16", "--no-load-rng",
-              "--load", tmp_path / "meg"]
+    common = [*COMMON, "--no-load-rng", "--load", tmp_path / "meg"]
     assert run(corpus, tmp_path / "asked", 5, *common) == 2
     assert "it was converted from Megatron-DeepSpeed, whose schedule (token-based lengths, " \
-           "or a decay style not built here) this trainer does not run. Pass " \
-           "--override-lr-scheduler" in capsys.readouterr().err
+           "a weight decay that changes over the run, or a decay style other than linear, " \
+           "cosine and constant) this trainer does not run. Pass --override-lr-scheduler" in \
+           capsys.readouterr().err
     assert run(corpus, tmp_path / "overridden", 5, *common, "--override-lr-scheduler") == 0
     out = capsys.readouterr().out
     assert "learning-rate schedule: the command line's, from iteration 3" in out
     assert sorted(read_losses(tmp_path / "overridden")) == [4, 5]
 
 
+CONVERTED = {"start_lr": 1e-3, "min_lr": 1e-5, "warmup_iter": 1.5, "end_iter": 100,
+             "num_iters": 7, "decay_style": "cosine", "decay_formula": "2.x",
+             "fractional_warmup": True}
+
+
 @pytest.mark.parametrize("change, expected", [
-    ({}, {"start_lr": 1e-3, "min_lr": 1e-5, "warmup_iter": 1.5, "end_iter": 100,
-          "num_iters": 7, "decay_style": "cosine"}),
+    ({}, CONVERTED),
+    ({"lr_decay_style": "constant"}, {**CONVERTED, "decay_style": "constant"}),
     ({"lr_warmup_tokens": 500}, None),
     ({"lr_decay_style": "inverse-square-root"}, None),
+    ({"start_wd": 0.0, "end_wd": 0.1}, None),
 ])
 def test_its_schedule_counts_samples(change, expected):
     """Megatron-LM 2.x and later step the schedule by the global batch: its lengths in
     iterations are the samples / the batch (a --lr-warmup-fraction's warmup may be a
-    fraction of one); token-based lengths and decay styles AnnealingLR lacks: None."""
+    fraction of one); token-based lengths, a changing weight decay and decay styles
+    AnnealingLR lacks: None."""
     theirs = {"max_lr": 1e-3, "min_lr": 1e-5, "lr_warmup_steps": 12.0,
               "lr_warmup_tokens": None, "lr_decay_steps": 800, "lr_decay_tokens": None,
-              "num_steps": 56, "lr_decay_style": "cosine", **change}
+              "num_steps": 56, "lr_decay_style": "cosine", "start_wd": 0.1, "end_wd": 0.1,
+              **change}
     assert megatron_deepspeed_schedule(theirs, {"global_batch_size": 8}) == expected
+    older = {"max_lr": 1e-3, "min_lr": 1e-5, "warmup_steps": 12.0, "decay_steps": 800,
+             "num_steps": 56, "decay_style": "cosine"}  # before its 2023 sync: 2.x's names
+    assert megatron_deepspeed_schedule(older, {"global_batch_size": 8}) == CONVERTED
+    assert megatron_deepspeed_schedule(older, {"global_batch_size": 8,
+                                               "lr_decay_tokens": 10 ** 9}) is None
     old = {"start_lr": 1e-3, "warmup_iter": 2, "num_iters": 7, "end_iter": 10,
            "decay_style": "linear", "min_lr": 0.0}  # Megatron-LM 1.1.5's: as it is
     assert megatron_deepspeed_schedule(old, {"global_batch_size": 8}) == old

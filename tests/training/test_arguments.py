@@ -35,6 +35,8 @@ def test_defaults_and_derived_values():
     # a fraction's warmup is Megatron's product, fractional or whole (train iters 10)
     assert parse("--warmup", "0.15").optimizer.warmup_iters == 1.5
     assert type(parse("--warmup", "0.2").optimizer.warmup_iters) is int
+    assert parse("--warmup", "0.07", "--train-iters", "100").optimizer.warmup_iters == 7  # not
+    # 7.000000000000001
     config = parse("--save", "ckpt", "--tensorboard-dir", "tb")
     assert config.checkpoint.save_interval == 10 and config.logging.log_dir == "tb"
 

@@ -178,15 +178,26 @@ def test_a_fractional_warmup_is_megatrons():
 
 
 def test_a_checkpoint_with_the_fraction_cut_to_whole_steps_keeps_its_warmup():
-    """Before keeping Megatron's fraction this trainer saved int(0.015 * 100) = 1: such a
-    run resumes with the warmup it was trained with, and says so; another value is still the
-    mismatch error."""
+    """Before keeping Megatron's fraction this trainer saved int(0.015 * 100) = 1 (and no
+    "fractional_warmup" key): such a run resumes with the warmup it was trained with, and
+    says so, unless --override-lr-scheduler; another value, or a state saved since, is
+    still the mismatch error."""
     saved = _scheduler("linear", warmup_steps=1, decay_steps=100)
     saved.step(5)
+    newer = saved.state_dict()
+    with pytest.raises(ConfigError, match="gives 1.5"):
+        _scheduler("linear", warmup_steps=1.5, decay_steps=100,
+                   use_checkpoint_lr_scheduler=False).load_state_dict(newer)
+    overridden = _scheduler("linear", warmup_steps=1.5, decay_steps=100,
+                            use_checkpoint_lr_scheduler=False, override_lr_scheduler=True)
+    overridden.load_state_dict({k: v for k, v in newer.items() if k != "fractional_warmup"})
+    assert overridden.warmup_steps == 1.5
+    saved = {k: v for k, v in newer.items() if k != "fractional_warmup"}  # as saved before
     resumed = _scheduler("linear", warmup_steps=1.5, decay_steps=100,
                          use_checkpoint_lr_scheduler=False, follows_train_iters=("warmup_iter",))
-    resumed.load_state_dict(saved.state_dict())
-    assert (resumed.warmup_steps, resumed.get_lr()) == (1, saved.get_lr())
+    resumed.load_state_dict(saved)
+    assert (resumed.warmup_steps, resumed.get_lr()) == (1, _lr_at(_scheduler(
+        "linear", warmup_steps=1, decay_steps=100), 5))
     assert resumed.resume_notes == [
         "learning-rate schedule: the checkpoint's warmup is 1 iterations, --warmup's 1.5 cut "
         "to whole iterations by the trainer that saved it; the run keeps its warmup"]
@@ -194,4 +205,31 @@ def test_a_checkpoint_with_the_fraction_cut_to_whole_steps_keeps_its_warmup():
                        use_checkpoint_lr_scheduler=False)
     with pytest.raises(ConfigError, match="--warmup / --warmup-iters = 1 but the command line "
                                           "gives 2.5"):
-        other.load_state_dict(saved.state_dict())
+        other.load_state_dict(saved)
+
+
+def test_a_warmup_computed_another_way_is_the_same_warmup():
+    """0.001 x 100 iterations is 0.1; a converted checkpoint's (0.001 x 100 x 24) / 24 is
+    0.09999999999999999: the same schedule, not a mismatch."""
+    saved = _scheduler("linear", warmup_steps=0.09999999999999999, decay_steps=100)
+    resumed = _scheduler("linear", warmup_steps=0.1, decay_steps=100,
+                         use_checkpoint_lr_scheduler=False)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.resume_notes == []
+
+
+@pytest.mark.parametrize("style, expected", [
+    ("linear", {10: 1.0, 60: 0.525, 110: 0.05, 111: 0.05}),
+    ("cosine", {10: 1.0, 60: 0.525, 110: 0.05, 111: 0.05}),
+    ("constant", {10: 1.0, 110: 1.0, 500: 1.0}),
+])
+def test_a_converted_megatron_deepspeed_schedule_keeps_its_formula(style, expected):
+    """Megatron-LM 2.x decays toward min_lr (min + (max - min) x coefficient) and holds a
+    constant lr for good; a state that says so keeps that formula, and saves it again."""
+    state = {**_scheduler(style).state_dict(), "decay_formula": "2.x"}
+    resumed = _scheduler(style, use_checkpoint_lr_scheduler=False)
+    resumed.load_state_dict(state)
+    for step, lr in expected.items():
+        assert _lr_at(resumed, step) == pytest.approx(lr, abs=1e-12), step
+    assert resumed.state_dict()["decay_formula"] == "2.x"
+    assert "Megatron-LM 2.x's decay, toward --min-lr" in resumed.resume_notes[0]

@@ -62,8 +62,8 @@ def check_param_groups(saved, names_per_group):
         name, was, now = moved[0]
         raise CheckpointError(f"{len(moved)} parameter(s) of {saved.ckpt_dir} sit in another "
                               f"optimizer param group than when saved ({name}: group {was}, "
-                              f"now {now}); pass load_optimizer_states=False to load the "
-                              "weights only")
+                              f"now {now}); pass load_optimizer_states=False "
+                              "(pretrain_gpt2.py: --no-load-optim) to load the weights only")
 
 
 def load_buffers(module, states, path, strict):
@@ -224,6 +224,11 @@ class SavedStage0_2:
                     f"{mp_rank:02d}_optim_states.pt file(s), found {len(files)}")
             self.slices = [self._load(f)["optimizer_state_dict"] for f in files]
         first = self.slices[0]
+        if not isinstance(first.get("base_optimizer_state"), dict):
+            raise CheckpointError(
+                f"{ckpt_dir}: its optimizer state is in DeepSpeed's elastic form (a list per "
+                "group, the default before DeepSpeed 0.5.7), which is not read; load the "
+                "weights only")
         self.param_groups = first["base_optimizer_state"]["param_groups"]
         self.loss_scaler = loss_scaler_state(first.get("loss_scaler"))
         self.has_fp32 = "single_partition_of_fp32_groups" in first

@@ -63,7 +63,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None,
         state_dict = _stage0_params(model_states, ckpt_dir)
     else:
         optim = [load_zero_file(f)["optimizer_state_dict"] for f in optim_files]
-        stage = optim[0]["zero_stage"]
+        stage = saved_zero_stage(optim[0], optim_files[0])
         world = max(_as_list(optim[0]["partition_count"]))
         if len(optim) != world:
             raise CheckpointError(f"expected {world} *_optim_states.pt files in {ckpt_dir}, found "
@@ -111,8 +111,16 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_path, tag=
 # ---------------------------------------------------------------------------------------------
 
 def _tag_dir(checkpoint_dir, tag):
+    if not os.path.isdir(checkpoint_dir):
+        raise CheckpointError(f"{checkpoint_dir} is not a folder: give the folder a ZeRO "
+                              "checkpoint was saved to (the one holding 'latest')")
     if tag is None:
         latest = os.path.join(checkpoint_dir, "latest")
+        if os.path.isfile(os.path.join(checkpoint_dir, "latest_checkpointed_iteration.txt")):
+            raise CheckpointError(f"{checkpoint_dir} holds a Megatron-layout checkpoint "
+                                  "(latest_checkpointed_iteration.txt), not a ZeRO one: its "
+                                  "weights are already whole per tensor-parallel rank "
+                                  "(tools/convert_checkpoint.py reads them)")
         if not os.path.isfile(latest):
             raise CheckpointError(f"unable to find 'latest' file at {latest}; give the tag "
                                   "(-t global_stepN)")
@@ -198,6 +206,19 @@ def _without_foreign(value):
 
 def _as_list(value):
     return value if isinstance(value, (list, tuple)) else [value]
+
+
+def saved_zero_stage(optimizer_state, path):
+    """The ZeRO stage an optimizer states file was written at. DeepSpeed's BF16_Optimizer
+    (bf16 with fp32 gradient accumulation at stage 0-1) records none: its fp32 partitions are
+    stage 1's (one contiguous slice of each flat group per rank)."""
+    stage = optimizer_state.get("zero_stage")
+    if stage is None and "single_partition_of_fp32_groups" in optimizer_state:
+        return 1
+    if stage is None:
+        raise CheckpointError(f"{path} records no ZeRO stage and no fp32 partitions: not a "
+                              "ZeRO optimizer states file")
+    return int(stage)
 
 
 def _is_stage3(optim_files):
