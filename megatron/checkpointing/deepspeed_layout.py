@@ -16,10 +16,11 @@ from zero.checkpoint.layout import read_latest
 from zero.checkpoint.whole_params import saved_stage
 
 from megatron.checkpointing.files import atomic_write_text, barrier, is_global_rank0, safe_load
-from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, check_checkpoint_args,
-                                                    finetunes, get_checkpoint_tracker_filename,
-                                                    optimizer_state_tiling_mismatch,
+from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, finetunes,
+                                                    get_checkpoint_tracker_filename,
                                                     resuming_own_save)
+from megatron.checkpointing.resume_checks import (check_checkpoint_args,
+                                                  optimizer_state_tiling_mismatch)
 from megatron.checkpointing.retention import DEEPSPEED_LAYOUT, publish_checkpoint
 from megatron.checkpointing.rng import get_rng_states, set_rng_states
 from megatron.errors import CheckpointError

@@ -78,9 +78,11 @@ def safe_load(path, mmap=False):
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} does not exist") from None
     except Exception as exc:  # corrupt file or a pickle with code in it
-        raise CheckpointError(f"cannot read checkpoint {path}: {load_failure_reason(exc)}. The "
-                              "file is corrupt or not a plain-tensor checkpoint (refused: "
-                              "only tensors and plain containers are unpickled)") from None
+        reason = load_failure_reason(exc)
+        why = ("The file holds pickled code, refused: only tensors and plain containers are "
+               "unpickled") if reason.startswith("Unsupported") else \
+            "The file is damaged (a copy cut short?): copy it again, or load another iteration"
+        raise CheckpointError(f"cannot read checkpoint {path}: {reason}. {why}") from None
 
 
 def barrier():

@@ -26,7 +26,6 @@ leaves the previous checkpoint and tracker intact.
 """
 
 import os
-import re
 
 import torch
 
@@ -37,6 +36,10 @@ from megatron.checkpointing.megatron_lm import (MEGATRON_DEEPSPEED, as_this_layo
                                                 require_weights_only)
 from megatron.checkpointing.optimizer_state import (load_megatron_optimizer_state,
                                                     megatron_optimizer_state)
+from megatron.checkpointing.resume_checks import (check_checkpoint_args,
+                                                  check_model_parallel_size,
+                                                  explain_missing_file,
+                                                  optimizer_state_tiling_mismatch)
 from megatron.checkpointing.retention import MEGATRON_LAYOUT, publish_checkpoint
 from megatron.checkpointing.rng import get_rng_states, set_rng_states
 from megatron.errors import CheckpointError
@@ -46,12 +49,6 @@ from megatron.training.learning_rates import AnnealingLR
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 2.0
 # Flags that fix the shapes of the saved tensors; a checkpoint must agree on all of them.
-MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                    "max_position_embeddings", "make_vocab_size_divisible_by",
-                    "padded_vocab_size", "tokenizer_type", "model_parallel_size",
-                    "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
-
-
 def get_checkpoint_name(checkpoints_path, iteration, mp_rank=None, release=False,
                         pp_rank=None, pipeline_parallel=None):
     """<path>/iter_<iteration>/mp_rank_TT/model_optim_rng.pt, or mp_rank_TT_PPP with
@@ -157,78 +154,6 @@ def save_checkpoint(iteration, module, engine, checkpoint, run_args, train_state
     kill_point("save.done")
 
 
-def check_checkpoint_args(saved_args, run_args, path):
-    """Raise CheckpointError listing every shape-defining flag that differs."""
-    differences = []
-    for key in MODEL_SHAPE_ARGS:
-        if key not in saved_args:
-            continue
-        ours, saved = run_args.get(key), saved_args[key]
-        if key == "ffn_hidden_size" and saved is None:  # recorded before it was resolved
-            saved = 4 * saved_args.get("hidden_size", run_args["hidden_size"])
-        if saved != ours:
-            differences.append(f"--{key.replace('_', '-')}: checkpoint {saved}, flags {ours}")
-    if differences and all(d.startswith(_LAYOUT_FLAGS) for d in differences):
-        raise CheckpointError(f"checkpoint {path} was saved at another parallel layout:\n  "
-                              + "\n  ".join(differences) + "\n" + _convert_layout_hint(run_args))
-    if differences:
-        hint = ""
-        if run_args.get("load") and run_args.get("save") and \
-                os.path.realpath(run_args["load"]) == os.path.realpath(run_args["save"]):
-            hint = (f"\nThis run saves where it loads ({run_args['save']}), and that folder "
-                    "holds an earlier run of another model: to train the new model, give it "
-                    "its own folder (the scripts: CHECKPOINT_DIR=checkpoints/<new name>).")
-        raise CheckpointError(f"checkpoint {path} was saved for a different model:\n  "
-                              + "\n  ".join(differences) +
-                              "\nUse the flags it was trained with, or --finetune from a "
-                              "matching shape." + hint)
-    _check_same_tokenizer(saved_args, run_args, path)
-
-
-_LAYOUT_FLAGS = ("--model-parallel-size", "--pipeline-model-parallel-size",
-                 "--num-layers-per-virtual-pipeline-stage")
-
-
-def _convert_layout_hint(run_args):
-    """How to take a checkpoint to this run's tensor-parallel size and pipeline stages."""
-    tp = run_args.get("model_parallel_size") or 1
-    pp = run_args.get("pipeline_model_parallel_size") or 1
-    load = run_args.get("load") or "<checkpoint>"
-    target = f"{load.rstrip('/')}_mp{tp}" + (f"_pp{pp}" if pp > 1 else "")
-    command = (f"Resume it with the sizes it was saved with, or convert it to these: python "
-               f"tools/merge_mp_partitions.py{' --deepspeed' if run_args.get('deepspeed') else ''}"
-               f" --load {load} --target-model-parallel-size {tp} "
-               f"--target-pipeline-model-parallel-size {pp} --save {target}, then --load {target}")
-    if not run_args.get("deepspeed"):
-        return command + " (the optimizer state is converted too)"
-    return (command + " --no-load-optim and without --deepspeed, or with --deepspeed --finetune "
-            "(it writes Megatron's layout: the weights and the iteration, not DeepSpeed's "
-            "optimizer partitions)")
-
-
-# what the run records of its tokenizer: the ids the embedding rows stand for
-TOKENIZER_ARGS = ("orig_vocab_size", "tokenizer_probe_sha1")
-
-
-def _check_same_tokenizer(saved_args, run_args, path):
-    """CheckpointError when the checkpoint records another tokenizer than this run's: two
-    vocabularies that pad to the same size still give the embedding rows other meanings."""
-    if saved_args.get("tokenizer_type") is None:
-        return  # its orig_vocab_size counts embedding rows (a Hugging Face conversion)
-    differs = [key for key in TOKENIZER_ARGS
-               if saved_args.get(key) is not None and run_args.get(key) is not None
-               and saved_args[key] != run_args[key]]
-    if differs:
-        def described(args):
-            return (f"{args.get('orig_vocab_size')} tokens, probe hash "
-                    f"{str(args.get('tokenizer_probe_sha1'))[:8]}")
-        raise CheckpointError(
-            f"checkpoint {path} was trained with another tokenizer ({described(saved_args)}) "
-            f"than this run's ({described(run_args)}): its embedding rows would stand for "
-            "other tokens. Pass the tokenizer files it was trained with (--vocab-file and "
-            "--merge-file, or --tokenizer-model)")
-
-
 def load_checkpoint(module, engine, checkpoint, run_args, device, convert=None):
     """Resume from checkpoint.load. Returns the train_state dict to continue from, or None
     when there is nothing to resume.
@@ -254,11 +179,11 @@ def load_checkpoint(module, engine, checkpoint, run_args, device, convert=None):
             print(f" note: {note}", flush=True)
     else:
         if not os.path.isfile(path):
-            _explain_missing_file(load_dir, iteration, path, directory, run_args)
+            explain_missing_file(load_dir, iteration, path, directory, run_args)
         state = as_this_layout(safe_load(path), path)
     require_weights_only(state, checkpoint, path)
     if "args" in state:
-        _check_model_parallel_size(load_dir, run_args, directory,
+        check_model_parallel_size(load_dir, run_args, directory,
                                    state["args"].get("model_parallel_size"))
         check_checkpoint_args(state["args"], run_args, path)
     weights = _load_model_weights(module, state, path)
@@ -308,16 +233,18 @@ def _load_optimizer(engine, state, run_args, path, fp32_weights):
         raise CheckpointError(f"{path} has no optimizer state ({why}); load it with "
                               "--no-load-optim or --finetune")
     scheduler = engine.lr_scheduler
-    if "lr_scheduler" not in state and not (from_megatron_deepspeed
-                                             and isinstance(scheduler, AnnealingLR)
+    ours = isinstance(scheduler, AnnealingLR)  # (not a DeepSpeed JSON's 'scheduler')
+    if "lr_scheduler" not in state and not (from_megatron_deepspeed and ours
                                              and scheduler.override_lr_scheduler):
         raise CheckpointError(
             f"{path} has no lr_scheduler state ({why}); load it with --no-load-optim or "
             "--finetune" if not from_megatron_deepspeed else
             f"{path} has no lr_scheduler state: it was converted from Megatron-DeepSpeed, "
-            "whose schedule (token-based lengths, or a decay style not built here) this "
-            "trainer does not run. Pass --override-lr-scheduler to continue the command "
-            "line's schedule from the checkpoint's iteration, or --no-load-optim")
+            "whose schedule (token-based lengths, a weight decay that changes over the run, "
+            "or a decay style other than linear, cosine and constant) this trainer does not "
+            "run. " + ("Pass --override-lr-scheduler to continue the command line's schedule "
+                       "from the checkpoint's iteration, or --no-load-optim" if ours else
+                       "Resume it with --no-load-optim"))
     load_megatron_optimizer_state(engine, state["optimizer"], path, fp32_weights)
     if "lr_scheduler" in state:
         scheduler.load_state_dict(state["lr_scheduler"])
@@ -327,23 +254,6 @@ def _load_optimizer(engine, state, run_args, path, fp32_weights):
             f"learning-rate schedule: the command line's, from iteration {state['iteration']} "
             "(--override-lr-scheduler; the checkpoint's Megatron-DeepSpeed schedule is not "
             "one this trainer runs)")
-
-
-def _explain_missing_file(load_dir, iteration, path, directory, run_args):
-    deepspeed_tag = os.path.join(load_dir, f"global_step{iteration}")
-    if os.path.isdir(deepspeed_tag):
-        raise CheckpointError(
-            f"--load {load_dir} holds a --deepspeed checkpoint (DeepSpeed's layout: "
-            f"{deepspeed_tag}), not Megatron's. Resume it with the --deepspeed "
-            "--deepspeed_config flags it was trained with, or convert it first: python "
-            f"tools/merge_mp_partitions.py --deepspeed --load {load_dir} --save <dir>, "
-            "then --load <dir>")
-    # Without our rank's file, the rank directories present tell the saved size.
-    _check_pipeline_stages(run_args, directory)
-    _check_model_parallel_size(load_dir, run_args, directory, _count_rank_files(directory))
-    raise CheckpointError(f"{get_checkpoint_tracker_filename(load_dir)} names iteration "
-                          f"{iteration}, but {path} is missing: the checkpoint is "
-                          "incomplete. Resume from an earlier iteration or save again")
 
 
 def holds_megatron_checkpoint(load_dir):
@@ -371,66 +281,6 @@ def resuming_own_save(checkpoint):
     or an interrupted save; that is a fresh start, not a mistake."""
     return bool(checkpoint.save) and \
         os.path.realpath(checkpoint.load) == os.path.realpath(checkpoint.save)
-
-
-def optimizer_state_tiling_mismatch(saved_args, run_args):
-    """Why a checkpoint's optimizer state cannot be loaded under these tiling flags, or None.
-
-    Model weights are saved untiled and load either way; the optimizer state is a list over
-    parameters, and tiling changes that list.
-    """
-    def grid(values):
-        tiled = bool(values.get("memory_centric_tiled_linear", False))
-        return f"--memory-centric-tiled-linear --tile-factor {values.get('tile_factor') or 1}" \
-            if tiled else "no --memory-centric-tiled-linear"
-    saved, ours = grid(saved_args), grid(run_args)
-    if saved == ours:
-        return None
-    return (f"the checkpoint was trained with {saved} but this run has {ours}: its model "
-            "weights load either way, its optimizer state does not (tiling changes the "
-            "parameter list). Resume with --no-load-optim (or --finetune), or with the "
-            "checkpoint's tiling flags")
-
-
-def _count_rank_files(directory):
-    """How many tensor-parallel ranks wrote into an iteration directory (None if none)."""
-    if not os.path.isdir(directory):
-        return None
-    ranks = [d for d in os.listdir(directory) if re.fullmatch(r"mp_rank_\d{2}", d) and
-             os.path.isfile(os.path.join(directory, d, "model_optim_rng.pt"))]
-    return len(ranks) or None
-
-
-def _check_pipeline_stages(run_args, directory):
-    """A checkpoint saved with another number of pipeline stages: say so."""
-    if not os.path.isdir(directory):
-        return
-    stages = {int(m.group(1)) for d in os.listdir(directory)
-              if (m := re.fullmatch(r"mp_rank_\d{2}_(\d{3})", d))}
-    saved = max(stages) + 1 if stages else 1
-    ours = run_args.get("pipeline_model_parallel_size", 1)
-    if saved != ours and any(re.fullmatch(r"mp_rank_\d{2}(_\d{3})?", d)
-                             for d in os.listdir(directory)):
-        raise CheckpointError(
-            f"checkpoint {directory} was saved with --pipeline-model-parallel-size {saved}, "
-            f"but this run uses {ours}: its stages hold other layers. Load it with "
-            f"--pipeline-model-parallel-size {saved}, or convert it: python "
-            f"tools/merge_mp_partitions.py --load <dir> --target-pipeline-model-parallel-size "
-            f"{ours}")
-
-
-def _check_model_parallel_size(load_dir, run_args, directory, saved_size):
-    """A checkpoint saved at another TP size must be converted, not loaded: say how."""
-    ours = run_args["model_parallel_size"]
-    if saved_size is None or saved_size == ours:
-        return
-    converted = f"{os.path.normpath(load_dir)}_mp{ours}"
-    raise CheckpointError(
-        f"checkpoint {directory} was saved with --model-parallel-size {saved_size}, but this "
-        f"run uses --model-parallel-size {ours}. Convert it to the new size first:\n"
-        f"  python tools/merge_mp_partitions.py --load {load_dir} "
-        f"--target-model-parallel-size {ours} --save {converted}\n"
-        f"then resume with --load {converted} (or run with --model-parallel-size {saved_size})")
 
 
 def _load_model_weights(module, state, path):

@@ -161,6 +161,7 @@ def _json_batch_sizes(raw, data_parallel_size):
     final, source = _without_auto_batch_keys(*load_deepspeed_json(raw))
     if all(final.get(key) is None for key in BATCH_KEYS):
         return None, source
+    _micro_batch_from_the_flag(final, raw)
     deprecations = logging.getLogger("zero.config.deepspeed_config")
     deprecations.disabled = True  # the config's full parse, later, warns once
     try:
@@ -185,6 +186,15 @@ def lr_from_json(raw):
         raise ConfigError(f"'optimizer.params.lr' in DeepSpeed config {source} must be a "
                           f"non-negative number, got {show(lr)}")
     return float(lr)
+
+
+def _micro_batch_from_the_flag(final, raw):
+    """A JSON with only gradient_accumulation_steps: --batch-size is the micro batch they
+    multiply (the parse checks the product against --global-batch-size)."""
+    if final.get("train_batch_size") is None and \
+            final.get("train_micro_batch_size_per_gpu") is None and \
+            raw.get("batch_size") is not None:
+        final["train_micro_batch_size_per_gpu"] = raw["batch_size"]
 
 
 def _without_auto_batch_keys(final, source):
@@ -213,6 +223,7 @@ def _from_deepspeed_json(raw, given, dp, num_micro_batches):
     if all(final.get(key) is None for key in BATCH_KEYS):
         final["train_micro_batch_size_per_gpu"] = raw["batch_size"]
         final["gradient_accumulation_steps"] = num_micro_batches
+    _micro_batch_from_the_flag(final, raw)
     clip_note = ()
     if final.get("gradient_clipping") == AUTO:  # Hugging Face's: --clip-grad, default 1.0
         final["gradient_clipping"] = DEFAULT_CLIP_GRAD if raw["clip_grad"] is None \

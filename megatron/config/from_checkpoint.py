@@ -73,6 +73,49 @@ def _deepspeed_states_path(load_dir):
     return None
 
 
+def load_dir_notes(raw):
+    """--load checked as given: a checkpoint folder, or one that holds none yet (a note: the
+    run starts from scratch, as Megatron-LM's does); one error for what cannot be one (a file,
+    a folder that does not exist unless it is --save too, a Hugging Face folder) and for
+    --finetune with nothing to fine-tune from."""
+    load, finetune = raw.get("load"), raw.get("finetune")
+    if not load:
+        return ()
+    from megatron.checkpointing.megatron_layout import TRACKER_FILENAME
+    trackers = (TRACKER_FILENAME, "latest")  # (DeepSpeed's layout: 'latest')
+    own_save = bool(raw.get("save")) and os.path.realpath(load) == os.path.realpath(raw["save"])
+    if os.path.isfile(load):
+        above = [os.path.dirname(os.path.abspath(load))]
+        for _ in range(3):
+            above.append(os.path.dirname(above[-1]))
+        folder = next((d for d in above if any(os.path.isfile(os.path.join(d, name))
+                                               for name in trackers)), None)
+        raise CheckpointError(
+            f"--load {load} is a file; --load takes a checkpoint folder (the one holding "
+            f"{TRACKER_FILENAME}, or 'latest' for --deepspeed)"
+            + (f": here {folder}" if folder else ""))
+    if not os.path.exists(load):
+        if own_save and not finetune:
+            return (f" note: --load {load} does not exist yet (it is --save too): training "
+                    "starts from scratch",)
+        raise CheckpointError(f"--load {load} does not exist: give a checkpoint folder"
+                              + ("" if finetune else ", or leave --load out to train from "
+                                 "scratch"))
+    if any(os.path.isfile(os.path.join(load, name)) for name in trackers):
+        return ()
+    if os.path.isfile(os.path.join(load, "config.json")):
+        raise CheckpointError(
+            f"--load {load} is a Hugging Face model folder (config.json), not a checkpoint of "
+            f"this trainer: convert it first, python tools/convert_checkpoint.py --load-dir "
+            f"{load} --save-dir DIR --saver megatron, then --load DIR")
+    if finetune:
+        raise CheckpointError(f"--finetune: --load {load} holds no checkpoint (no "
+                              f"{TRACKER_FILENAME}, nor 'latest' for --deepspeed)")
+    if os.listdir(load) and not own_save:
+        return ()  # the load says what the folder holds instead
+    return (f" note: --load {load} holds no checkpoint yet: training starts from scratch",)
+
+
 def values_from_checkpoint(raw, given):
     """{flag: value} for each FROM_CHECKPOINT flag not in `given` that the checkpoint at
     raw["load"] records differently; `raw` is the parsed command line."""

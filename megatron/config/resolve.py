@@ -19,7 +19,7 @@ from megatron.config.command_line import (in_the_users_spelling, parse_command_l
 from megatron.config.flags import build_parser, given_on_command_line
 from megatron.config.logging_flags import resolve_logging, timing_option_note
 from megatron.config.megatron_flags import always_so_notes
-from megatron.config.from_checkpoint import (describe, resume_notes,
+from megatron.config.from_checkpoint import (describe, load_dir_notes, resume_notes,
                                              values_from_checkpoint)
 from megatron.config.sections import (CheckpointConfig, DataConfig, EngineConfig, ModelConfig,
                                       OptimizerConfig, ParallelConfig, PrecisionConfig,
@@ -78,6 +78,7 @@ def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provide
     if raw["deepspeed_mpi"]:  # rank and world size from the MPI launcher, before they are read
         from zero.config.arguments import apply_mpi_environment
         apply_mpi_environment()
+    load_notes = load_dir_notes(raw)
     taken = values_from_checkpoint(raw, given)
     raw.update(taken)
     for key, value in (defaults or {}).items():
@@ -88,7 +89,7 @@ def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provide
         world_size = discover_launch_environment().world_size
     extra = {key: value for key, value in raw.items() if key not in known}
     notes = always_so_notes(raw) + repeated_flag_notes(parser, argv)
-    notes += (describe(raw["load"], taken),) if taken else ()
+    notes += load_notes + ((describe(raw["load"], taken),) if taken else ())
     notes += resume_notes(raw)
     with in_the_users_spelling(parser, argv):
         return freeze(raw, given, world_size, notes, extra)
@@ -389,6 +390,9 @@ def _data(raw, given):
             values[name] = (raw[name],) if isinstance(raw[name], str) else tuple(raw[name])
             parse_data_path(values[name], flag=f"--{name.replace('_', '-')}")  # errors now
     require(raw["tokenizer_type"] is not None, "--tokenizer-type is required")
+    from megatron.tokenizer import check_tokenizer_files
+    check_tokenizer_files(raw["tokenizer_type"], raw["vocab_file"], raw["merge_file"],
+                          raw["tokenizer_model"])
     if raw["tokenizer_type"] == "GPT2BPETokenizer":
         require(raw["vocab_file"] and raw["merge_file"],
                 "GPT2BPETokenizer needs --vocab-file and --merge-file (build them with: python "

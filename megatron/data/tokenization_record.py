@@ -5,7 +5,8 @@ Every tokenization (tools/preprocess_data.py, a `--train-data` corpus) writes
 each document, and the tokenizer's identity. Training reads it back: a dataset tokenized by
 another tokenizer is one clear error even when its ids happen to fit this vocabulary, and a
 dataset without document boundaries is said once. Datasets made elsewhere (no record, or one
-written for other `.bin/.idx` files) get the boundary check from their first documents instead.
+written for other `.bin/.idx` files: a note says so) get the boundary check from their first
+documents instead. A record names its files by size and content, so a copy keeps it.
 """
 
 import hashlib
@@ -53,16 +54,29 @@ def tokenization_record(json_path, json_key, append_eod, tokenizer):
 
 def read_record(prefix):
     """The record beside `prefix` as a dict, or None: absent, unreadable, not a record, or
-    stale (the `.bin/.idx` are not the files it was written for: rewritten by a tool that
-    writes no record, or copied over)."""
+    stale (`stale_record`)."""
+    record = _stamped_record(prefix)
+    if record is None or not _same_files(record.pop(_FILES, None), prefix):
+        return None
+    return record
+
+
+def stale_record(prefix):
+    """Whether the record beside `prefix` was written for other `.bin/.idx` files than these
+    (rewritten by a tool that writes no record, or other files copied over them). A copy of
+    the same files is not stale: the record names their sizes and contents, not their
+    modification times."""
+    record = _stamped_record(prefix)
+    return record is not None and not _same_files(record.get(_FILES), prefix)
+
+
+def _stamped_record(prefix):
     try:
         with open(record_path(prefix)) as f:
             record = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or record.pop(_FILES, None) != _files_stamp(prefix):
-        return None
-    return record
+    return record if isinstance(record, dict) else None
 
 
 def write_record(prefix, record):
@@ -74,17 +88,40 @@ def write_record(prefix, record):
 
 
 _FILES = "dataset_files"
+_STAMPED_BYTES = 1 << 16  # from each end of a file
 
 
 def _files_stamp(prefix):
+    """Each file's size and a hash of its first and last 64 KiB: what a copy keeps and a
+    rebuild changes, read in a moment however large the dataset."""
     stamp = {}
     for path in (data_file_path(prefix), index_file_path(prefix)):
         try:
-            stat = os.stat(path)
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                digest = hashlib.sha1(f.read(_STAMPED_BYTES))
+                f.seek(max(0, size - _STAMPED_BYTES))
+                digest.update(f.read(_STAMPED_BYTES))
         except OSError:
             return None
-        stamp[os.path.splitext(path)[1][1:]] = [stat.st_size, stat.st_mtime_ns]
+        stamp[os.path.splitext(path)[1][1:]] = [size, digest.hexdigest()]
     return stamp
+
+
+def _same_files(recorded, prefix):
+    """Whether the stamp a record holds is of these files; a record written before stamps
+    hashed the files holds [size, mtime_ns], compared as such."""
+    if not isinstance(recorded, dict):
+        return False
+    if all(isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], int)
+           for entry in recorded.values()):
+        try:
+            return recorded == {os.path.splitext(path)[1][1:]: [os.stat(path).st_size,
+                                                                os.stat(path).st_mtime_ns]
+                                for path in (data_file_path(prefix), index_file_path(prefix))}
+        except OSError:
+            return False
+    return recorded == _files_stamp(prefix)
 
 
 def remove_record(prefix):
@@ -97,6 +134,12 @@ def check_dataset_tokenization(dataset, tokenizer):
     """DataError when MMapIndexedDataset `dataset` was recorded as tokenized by a tokenizer
     other than `tokenizer`; one note when its documents carry no end-of-document token."""
     record = read_record(dataset.prefix)
+    if record is None and stale_record(dataset.prefix):
+        from megatron.data.rank_zero import log_rank_zero
+        log_rank_zero(f" note: {record_path(dataset.prefix)} was written for other .bin/.idx "
+                      "files than these (rebuilt by a tool that writes no record?): the "
+                      "tokenizer they were made with is not checked; delete it, or rebuild "
+                      f"the dataset with tools/preprocess_data.py")
     if record is not None and record.get("format") == RECORD_FORMAT:
         _check_same_tokenizer(dataset.prefix, record, tokenizer_identity(tokenizer))
         if not record.get("append_eod", True):

@@ -17,12 +17,30 @@ __all__ = [
     "SentencePieceTokenizer",
     "TOKENIZER_TYPES",
     "build_tokenizer",
+    "check_tokenizer_files",
     "vocab_size_with_padding",
 ]
 
 
+def check_tokenizer_files(tokenizer_type, vocab_file=None, merge_file=None,
+                          tokenizer_model=None):
+    """A tokenizer file the chosen tokenizer does not read is a mistake, not a no-op."""
+    if tokenizer_type == "GPT2BPETokenizer" and tokenizer_model:
+        raise TokenizerError(f"--tokenizer-model {tokenizer_model} is a SentencePiece model, "
+                             "which --tokenizer-type GPT2BPETokenizer (the default) does not "
+                             "read: give --tokenizer-type SentencePieceTokenizer, or drop "
+                             "--tokenizer-model")
+    given = [flag for flag, value in (("--vocab-file", vocab_file),
+                                      ("--merge-file", merge_file)) if value]
+    if tokenizer_type == "SentencePieceTokenizer" and given:
+        raise TokenizerError(f"{' and '.join(given)}: GPT2BPETokenizer's files, which "
+                             "--tokenizer-type SentencePieceTokenizer does not read (it reads "
+                             "--tokenizer-model); drop them")
+
+
 def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None, tokenizer_model=None):
     """The tokenizer named by --tokenizer-type, from the files its flags name."""
+    check_tokenizer_files(tokenizer_type, vocab_file, merge_file, tokenizer_model)
     if tokenizer_type == "GPT2BPETokenizer":
         if vocab_file is None or merge_file is None:
             raise TokenizerError(

@@ -138,6 +138,23 @@ def load_merges(merge_file, vocab, vocab_file):
     return ranks
 
 
+def _require_merges_that_make_the_vocab(vocab, merge_ranks, vocab_file, merge_file):
+    """Each token beyond the 256 bytes and the special <|...|> tokens is some merge's result;
+    a merges file that makes fewer than half of them is truncated or another vocab's (an
+    empty one would tokenize byte by byte, without a word)."""
+    made = {left + right for left, right in merge_ranks}
+    byte_symbols = set(bytes_to_unicode().values())
+    built = [token for token in vocab if token not in byte_symbols
+             and not (token.startswith("<|") and token.endswith("|>"))]
+    unmade = sum(token not in made for token in built)
+    if built and unmade > len(built) / 2:
+        raise TokenizerError(
+            f"merge file '{merge_file}' ({len(merge_ranks)} merges) makes "
+            f"{len(built) - unmade} of the {len(built)} multi-byte tokens of vocab file "
+            f"'{vocab_file}': it is truncated or another vocabulary's. Pass the vocab.json and "
+            f"merges.txt that were written together. {HOW_TO_GET_FILES}")
+
+
 class GPT2BPETokenizer:
     """GPT-2 byte-level BPE with Megatron's tokenizer interface."""
 
@@ -146,6 +163,7 @@ class GPT2BPETokenizer:
     def __init__(self, vocab_file, merge_file, cache_size=DEFAULT_CACHE_SIZE):
         vocab = load_vocab(vocab_file)
         merge_ranks = load_merges(merge_file, vocab, vocab_file)
+        _require_merges_that_make_the_vocab(vocab, merge_ranks, vocab_file, merge_file)
         if EOD_TOKEN not in vocab:
             raise TokenizerError(
                 f"vocab file '{vocab_file}' has no '{EOD_TOKEN}' token, which GPT-2 models use "

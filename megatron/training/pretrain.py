@@ -12,12 +12,13 @@ import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from zero.comm.agreement import any_rank_failed
 
 from megatron.config.from_checkpoint import TOKENIZER_FILE_KEYS
 from megatron.checkpointing.retention import new_run_id, other_runs_checkpoints
 from megatron.checkpointing.save_dir import claim_output_folders
 from megatron.data.tokenization_record import tokenizer_identity
-from megatron.errors import Interrupted
+from megatron.errors import CheckpointError, Interrupted
 from megatron.model import GPTConfig
 from megatron.runtime.activation_checkpointing import checkpoint_function
 from megatron.runtime.fault_tolerance import TrainingGuards
@@ -80,7 +81,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
         train_state = {"iteration": 0, "consumed_train_samples": 0, "skipped_iters": 0,
                        "run_id": _agreed_run_id()}  # a resumed run keeps the one it loads
         if config.checkpoint.load:
-            loaded = backend.load()
+            loaded = _load_on_every_rank(backend)
             if loaded:
                 train_state.update(loaded)
                 if config.checkpoint.finetune and train_state["iteration"] == 0:
@@ -229,6 +230,23 @@ def _print_summary(ctx, backend, state, logger):
     if logger.writes_tensorboard:  # not when the tensorboard package is missing
         lines.append(f" tensorboard:  tensorboard --logdir {os.path.abspath(tensorboard_dir)}")
     print("\n".join(lines), flush=True)
+
+
+def _load_on_every_rank(backend):
+    """backend.load(), which every rank passes or fails together: a rank whose files are
+    missing or damaged stops the others here, rather than leave them training into a
+    collective it never joins."""
+    error = None
+    try:
+        loaded = backend.load()
+    except Exception as e:  # noqa: BLE001 -- re-raised below, after the others know
+        error = e
+    if any_rank_failed(error is not None):
+        if error is not None:
+            raise error
+        raise CheckpointError("another rank could not load the checkpoint (its error is "
+                              "above); every rank stops")
+    return loaded
 
 
 def _agreed_run_id():

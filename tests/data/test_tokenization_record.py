@@ -109,7 +109,37 @@ def test_a_record_of_other_files_is_stale_and_counts_as_none(tmp_path, capsys):
     write_token_dataset(dataset.prefix, [[3, 4, 256], [5, 256]])
     assert read_record(dataset.prefix) is None
     check_dataset_tokenization(MMapIndexedDataset(dataset.prefix), ShiftedByteTokenizer())
-    assert capsys.readouterr().out == ""  # no record: its documents end with eod 256
+    # (its documents end with eod 256: no boundary note), and the record is said to be stale
+    assert capsys.readouterr().out == (f" note: {record_path(dataset.prefix)} was written for "
+                                       "other .bin/.idx files than these (rebuilt by a tool "
+                                       "that writes no record?): the tokenizer they were made "
+                                       "with is not checked; delete it, or rebuild the dataset "
+                                       "with tools/preprocess_data.py\n")
+
+
+def test_a_copy_keeps_its_record(tmp_path):
+    """`cp` (no -a) gives the files new modification times: the record still names them,
+    and another tokenizer is still the error. A record written before stamps hashed the
+    files ([size, mtime]) still reads where the times match."""
+    import os
+    import shutil
+    _, dataset = tokenized(tmp_path, ByteTokenizer())
+    (tmp_path / "copy").mkdir()
+    for suffix in (".bin", ".idx", ".source.json"):
+        shutil.copyfile(dataset.prefix + suffix, str(tmp_path / "copy" / "c") + suffix)
+        os.utime(str(tmp_path / "copy" / "c") + suffix, (1, 1))
+    copied = MMapIndexedDataset(str(tmp_path / "copy" / "c"))
+    assert read_record(copied.prefix) is not None
+    with pytest.raises(DataError, match="splits text differently"):
+        check_dataset_tokenization(copied, ShiftedByteTokenizer())
+    with open(record_path(dataset.prefix)) as f:
+        old = json.load(f)
+    old["dataset_files"] = {ext: [os.path.getsize(f"{dataset.prefix}.{ext}"),
+                                  os.stat(f"{dataset.prefix}.{ext}").st_mtime_ns]
+                            for ext in ("bin", "idx")}
+    with open(record_path(dataset.prefix), "w") as f:
+        json.dump(old, f)
+    assert read_record(dataset.prefix)["tokenizer"] == "ByteTokenizer"
 
 
 def test_boundaries_are_sampled_at_document_ends_not_sentence_ends(tmp_path, capsys):

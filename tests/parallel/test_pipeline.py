@@ -300,8 +300,9 @@ def test_a_deepspeed_pipeline_checkpoint_at_other_stages_names_the_conversion(
         "checkpoint 2, flags 1\n" in output
     assert (f"convert it to these: python tools/merge_mp_partitions.py --deepspeed --load "
             f"{ckpt} --target-model-parallel-size 1 --target-pipeline-model-parallel-size 1 "
-            f"--save {ckpt}_mp1, then --load {ckpt}_mp1 --no-load-optim and without "
-            "--deepspeed, or with --deepspeed --finetune") in output
+            f"--save {ckpt}_mp1, then --load {ckpt}_mp1, with or without --deepspeed (it "
+            "writes Megatron's layout, with the optimizer state; add --no-load-optim where the "
+            "tool says it was not converted: pipeline stages or tiled linears)") in output
     assert "--finetune from a matching shape" not in output
     from zero.checkpoint.zero_to_fp32 import (CheckpointError,
                                               get_fp32_state_dict_from_zero_checkpoint)

@@ -43,13 +43,21 @@ def test_megatron_layout_refuses_code(corpus, tmp_path, capsys):
     _booby_trapped(save / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", marker)
     (save / "latest_checkpointed_iteration.txt").write_text("1")
     for mapped in (False, True):  # conversion maps the files it reads
-        with pytest.raises(CheckpointError, match="not a plain-tensor checkpoint"):
+        with pytest.raises(CheckpointError, match="The file holds pickled code, refused: only "
+                                                  "tensors and plain containers are unpickled"):
             safe_load(save / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt",
                       mmap=mapped)
     assert pretrain_gpt2.main(trainer_argv(corpus, tmp_path / "log", 2, "--load", save)) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: cannot read checkpoint ") and "model_optim_rng.pt" in err
     assert not marker.exists()
+    # a file cut short (a copy interrupted) is said to be damaged, not to hold code
+    torch.save({"model": {"w": torch.zeros(1000)}}, tmp_path / "whole.pt")
+    data = (tmp_path / "whole.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"it is truncated or not a torch checkpoint .*\. "
+                                              "The file is damaged"):
+        safe_load(tmp_path / "cut.pt")
 
 
 def test_deepspeed_layout_and_zero_to_fp32_refuse_code(tmp_path, capsys):

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -105,3 +106,47 @@ def test_vocab_padding_rejects_bad_flags():
         vocab_size_with_padding(100, 0, 1)
     with pytest.raises(ConfigError, match="--model-parallel-size"):
         vocab_size_with_padding(100, 128, 0)
+
+
+@pytest.mark.parametrize("tokenizer_type, files, says", [
+    ("GPT2BPETokenizer", {"tokenizer_model": "m.model"},
+     "--tokenizer-model m.model is a SentencePiece model, which --tokenizer-type "
+     "GPT2BPETokenizer (the default) does not read: give --tokenizer-type "
+     "SentencePieceTokenizer"),
+    ("SentencePieceTokenizer", {"tokenizer_model": "m.model", "vocab_file": "v.json"},
+     "--vocab-file: GPT2BPETokenizer's files, which --tokenizer-type SentencePieceTokenizer "
+     "does not read"),
+])
+def test_a_file_the_tokenizer_does_not_read_is_an_error(good_vocab, good_merges,
+                                                        tokenizer_type, files, says):
+    """Not silently ignored: by the trainer's flags (before anything is built) and by every
+    tool that builds a tokenizer."""
+    from tests.training.test_arguments import BASE
+    from megatron.config import resolve_config
+    if tokenizer_type == "GPT2BPETokenizer":
+        files = dict(files, vocab_file=good_vocab, merge_file=good_merges)
+    with pytest.raises(TokenizerError, match=re.escape(says)):
+        build_tokenizer(tokenizer_type, **files)
+    argv = [a for i, a in enumerate(BASE) if not ({a, BASE[i - 1]} & {
+        "--tokenizer-type", "--vocab-file", "--merge-file"})]
+    argv += ["--tokenizer-type", tokenizer_type] + [
+        item for key, value in files.items() for item in (f"--{key.replace('_', '-')}", value)]
+    with pytest.raises(TokenizerError, match=re.escape(says)):
+        resolve_config(argv, world_size=1)
+
+
+def test_a_merges_file_that_does_not_make_the_vocab_is_an_error(tmp_path):
+    """An empty (or truncated) merges.txt would tokenize byte by byte without a word: with
+    most of the vocab's multi-byte tokens made by no merge, it is one error."""
+    vocab = write_vocab(tmp_path / "vocab.json", byte_symbols_in_vocab_order() +
+                        ["he", "ll", "hell", "<|endoftext|>"])
+    for lines, made in (("", 0), ("#version: 0.2\nh e\n", 1)):
+        merges = tmp_path / "merges.txt"
+        merges.write_text(lines, encoding="utf-8")
+        with pytest.raises(TokenizerError, match=f"makes {made} of the 3 multi-byte tokens of "
+                                                 "vocab file .*: it is truncated or another "
+                                                 "vocabulary's"):
+            build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=str(merges))
+    merges.write_text("#version: 0.2\nh e\nl l\n", encoding="utf-8")  # 2 of 3: taken
+    assert build_tokenizer("GPT2BPETokenizer", vocab_file=vocab,
+                           merge_file=str(merges)).vocab_size == 260

@@ -229,6 +229,25 @@ def test_bad_inputs_are_one_line_errors(tmp_path, argv, message):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("script, files, message", [
+    ("group_duplicates_url.py", ["CORPUS", "groups.jsonl"],
+     "error: stage group_duplicates_url kept none of the 3 lines it read"),
+    ("remove_group_duplicates.py", ["CORPUS", "GROUPS", "out.json"],
+     "error: stage remove_group_duplicates kept none of the"),
+], ids=["corpus-as-pairs", "swapped-groups-and-input"])
+def test_a_stage_run_alone_that_keeps_nothing_is_an_error(tmp_path, script, files, message):
+    """Run alone (not by run_pipeline.py), a stage that dropped every line it read exits 2
+    with the reason, instead of 0 with an empty output."""
+    (tmp_path / "CORPUS").write_text("".join(
+        json.dumps({"text": f"page {i}", "url": f"http://x/{i}"}) + "\n" for i in range(3)))
+    (tmp_path / "GROUPS").write_text(json.dumps(["http://x/0", "http://x/1"]) + "\n")
+    result = subprocess.run([sys.executable, os.path.join(REPO, "tools", "openwebtext", script),
+                             *files], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(message) and "given in the order the usage names them" in last
+
+
 def test_pages_without_urls_stop_at_merge_with_the_reason(tmp_path):
     (tmp_path / "pages").mkdir()
     (tmp_path / "pages" / "p.jsonl").write_text(

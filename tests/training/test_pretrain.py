@@ -84,6 +84,9 @@ def test_checkpoint_for_another_shape_lists_the_differences(corpus, tmp_path, ca
     assert "--num-layers: checkpoint 2, flags 3" in err
     assert "--hidden-size: checkpoint 32, flags 64" in err
     assert "Traceback" not in err
+    assert run(corpus, tmp_path, "--load", str(save), "--layernorm-epsilon", "1e-6", iters=4,
+               log_dir="eps") == 2  # the same weights would compute another function
+    assert "--layernorm-epsilon: checkpoint 1e-05, flags 1e-06" in capsys.readouterr().err
 
 
 def test_gradient_accumulation_matches_one_big_batch(corpus, tmp_path):

@@ -9,8 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron.errors import DataError
-from tools.openwebtext.streaming import AtomicOutput, StageReport
+from tools.openwebtext.streaming import AtomicOutput, StageReport, require_something_kept
 
 _MARKER_FORMAT = 1
 
@@ -75,20 +74,6 @@ def _remove_leftovers(stage):
                     os.remove(leftover)
 
 
-def _require_something_kept(stage, report):
-    """A stage that read lines and kept none leaves every later stage nothing to work on:
-    stop here, where the reason is known, instead of at the end on an empty corpus."""
-    if report.read == 0 or report.kept > 0 or not report.dropped:
-        return
-    reason, count = max(report.dropped.items(), key=lambda item: item[1])
-    hint = ""
-    if "'url'" in reason:
-        hint = ('; every page needs a "url" string (pages downloaded twice are dropped by it): '
-                "give each line one")
-    raise DataError(f"stage {stage.name} kept none of the {report.read} lines it read ({count} "
-                    f"dropped as {reason!r}){hint}")
-
-
 def run_stages(stages, marker_dir, force=False):
     """Run each stage unless its marker says it is done; returns [(report, skipped)].
 
@@ -114,7 +99,7 @@ def run_stages(stages, marker_dir, force=False):
             report.seconds = time.perf_counter() - started
             print(report.summary(), flush=True)
             if not stage.independent:
-                _require_something_kept(stage, report)
+                require_something_kept(stage.name, report)
             marker = {"format": _MARKER_FORMAT, "settings": stage.settings,
                       "upstream": stage_upstream, "report": report.to_json()}
             with AtomicOutput(path) as out:

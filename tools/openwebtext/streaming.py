@@ -375,7 +375,29 @@ class AtomicOutput:
         return False
 
 
+def require_something_kept(stage_name, report):
+    """A stage that dropped every line it read keeps nothing for the next stage: stop here,
+    where the reason is known, instead of at the end on an empty corpus (or, run alone,
+    with an empty output and exit code 0)."""
+    if report.kept > 0 or not report.dropped:
+        return
+    reason, count = max(report.dropped.items(), key=lambda item: item[1])
+    hint = ""
+    if "'url'" in reason:
+        hint = ('; every page needs a "url" string (pages downloaded twice are dropped by it): '
+                "give each line one")
+    elif "pair" in reason or "groups" in reason:
+        hint = "; are the input files given in the order the usage names them?"
+    raise DataError(f"stage {stage_name} kept none of the {max(report.read, count)} lines it "
+                    f"read ({count} dropped as {reason!r}){hint}")
+
+
 def stage_main(run, get_args, argv=None):
-    """A stage's command line: print the summary of run(get_args(argv)); a user error is one
-    `error:` line and exit code 2 (megatron.cli.run_cli)."""
-    return run_cli(lambda: print(run(get_args(argv)).summary(), flush=True))
+    """A stage's command line: print the summary of run(get_args(argv)); a user error, or a
+    stage that kept nothing of what it read, is one `error:` line and exit code 2
+    (megatron.cli.run_cli)."""
+    def run_and_report():
+        report = run(get_args(argv))
+        print(report.summary(), flush=True)
+        require_something_kept(report.stage, report)
+    return run_cli(run_and_report)

@@ -119,10 +119,16 @@ def torch_load(path, mmap=False):
 def load_failure_reason(exc):
     """One line out of torch.load's multi-paragraph error: what it refused, or the first line."""
     text = str(exc)
-    refused = re.search(r"Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+", text)
+    refused = re.search(r"(?i)unsupported global:?(?: GLOBAL)? ([\w.]+)", text)
+    if refused:  # (torch words a blocked module's callable "Trying to load unsupported ...")
+        return f"Unsupported global: GLOBAL {refused.group(1)}"
+    refused = re.search(r"Unsupported operand \d+", text)
     if refused:
         return refused.group(0)
-    return (text.strip().splitlines()[0] if text.strip() else type(exc).__name__)[:300]
+    if "failed reading zip archive" in text or "failed finding central directory" in text:
+        return "it is truncated or not a torch checkpoint (its zip archive is incomplete)"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return first if len(first) <= 300 else first[:first.rfind(" ", 0, 300)] + " ..."
 
 
 def optim_files(ckpt_dir, mp_rank):

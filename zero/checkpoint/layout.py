@@ -403,7 +403,8 @@ def load_zero_optimizer_state(engine, ckpt_dir, states):
                 f"optimizer states missing in {ckpt_dir}: expected {expected} "
                 f"zero_pp_rank_*_mp_rank_{engine.checkpoint_rank:02d}_optim_states.pt file(s), "
                 f"found "
-                f"{len(files)}. Pass load_optimizer_states=False to load the weights only")
+                f"{len(files)}. Pass load_optimizer_states=False (pretrain_gpt2.py: "
+                "--no-load-optim) to load the weights only")
         sources = [lambda path=path: torch_load(path, mmap=True)["optimizer_state_dict"]
                    for path in files]
     check_param_shapes(engine, states.get("param_shapes"), ckpt_dir)

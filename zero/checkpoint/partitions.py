@@ -98,7 +98,8 @@ def check_param_shapes(engine, saved, ckpt_dir):
         raise CheckpointError(
             f"the optimizer parameter groups in {ckpt_dir} ({[len(g) for g in saved]} params "
             f"per group) do not match this model's ({[len(g) for g in current]}), or names or "
-            "shapes differ; pass load_optimizer_states=False to load the weights only")
+            "shapes differ; pass load_optimizer_states=False (pretrain_gpt2.py: "
+            "--no-load-optim) to load the weights only")
 
 
 class PartitionRestore:

@@ -1,0 +1,130 @@
+"""--load as users get it wrong (and the tools' checkpoint folders): a path that cannot be a
+checkpoint folder is one error before anything is built; a folder that holds no checkpoint yet
+starts from scratch with a note (not silently), unless --finetune asks for one; a rank that
+cannot load stops every rank."""
+
+import pytest
+
+from megatron.errors import CheckpointError
+from tests.training.test_arguments import parse
+
+
+def _checkpoint(root):
+    folder = root / "ckpt"
+    (folder / "iter_0000004" / "mp_rank_00").mkdir(parents=True)
+    (folder / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"")
+    (folder / "latest_checkpointed_iteration.txt").write_text("4")
+    return folder
+
+
+def test_a_file_names_the_folder_above_it(tmp_path):
+    folder = _checkpoint(tmp_path)
+    rank_file = folder / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt"
+    with pytest.raises(CheckpointError, match=f"^--load {rank_file} is a file; --load takes a "
+                                              "checkpoint folder .*: here " + str(folder)):
+        parse("--load", str(rank_file))
+    weights = tmp_path / "pytorch_model.bin"  # e.g. zero_to_fp32.py's output
+    weights.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"is a file; --load takes a checkpoint folder "
+                                              r"\(the one holding latest_checkpointed_"
+                                              r"iteration.txt, or 'latest' for --deepspeed\)$"):
+        parse("--load", str(weights))
+
+
+@pytest.mark.parametrize("extra", [[], ["--finetune"], ["--no-load-optim"]])
+def test_a_folder_that_does_not_exist_is_an_error_unless_it_is_save_too(tmp_path, extra):
+    missing = tmp_path / "chekpoints"
+    with pytest.raises(CheckpointError, match=f"^--load {missing} does not exist: give a "
+                                              "checkpoint folder"):
+        parse("--load", str(missing), *extra)
+    if "--finetune" in extra:
+        with pytest.raises(CheckpointError, match="does not exist"):  # nothing to fine-tune
+            parse("--load", str(missing), "--save", str(missing), *extra)
+        return
+    config = parse("--load", str(missing), "--save", str(missing), *extra)
+    assert f" note: --load {missing} does not exist yet (it is --save too): training starts " \
+           "from scratch" in config.notes
+
+
+def test_an_empty_folder_starts_from_scratch_with_a_note_but_not_a_finetune(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert f" note: --load {empty} holds no checkpoint yet: training starts from scratch" in \
+        parse("--load", str(empty)).notes
+    with pytest.raises(CheckpointError, match=f"^--finetune: --load {empty} holds no "
+                                              "checkpoint"):
+        parse("--load", str(empty), "--finetune")
+
+
+def test_a_hugging_face_folder_names_the_conversion(tmp_path):
+    hf = tmp_path / "gpt2"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="is a Hugging Face model folder .* python "
+                                              "tools/convert_checkpoint.py --load-dir "
+                                              f"{hf} --save-dir DIR --saver megatron"):
+        parse("--load", str(hf))
+
+
+def test_a_checkpoint_folder_gets_no_note(tmp_path):
+    folder = _checkpoint(tmp_path)
+    assert not any("--load" in note for note in parse("--load", str(folder)).notes)
+
+
+def _resume_tp2_with_a_rank_file_missing(rank, world_size, out_dir, corpus):
+    """Save at TP 2, remove rank 1's file, resume: each rank's exit code and stderr."""
+    import contextlib
+    import io
+    import os
+
+    import torch.distributed as dist
+
+    import pretrain_gpt2
+    from tests.training.test_deepspeed import trainer_argv
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    argv = trainer_argv(corpus, f"{out_dir}/log", 3, "--model-parallel-size", 2)
+    assert pretrain_gpt2.main(argv + ["--save", f"{out_dir}/ckpt"]) == 0  # (ends the group)
+    if rank == 0:
+        os.remove(f"{out_dir}/ckpt/iter_0000003/mp_rank_01/model_optim_rng.pt")
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=world_size)
+    dist.barrier()  # (the file is gone)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = pretrain_gpt2.main(trainer_argv(corpus, f"{out_dir}/log2", 5,
+                                               "--model-parallel-size", 2, "--load",
+                                               f"{out_dir}/ckpt"))
+    return code, err.getvalue()
+
+
+def test_a_rank_whose_file_is_missing_stops_every_rank_and_says_incomplete(corpus, tmp_path):
+    """The missing file is named as missing (not as a checkpoint of another TP size), and
+    rank 0, whose own file loaded, stops too instead of training alone."""
+    from tests.dist_utils import run_distributed
+    results = run_distributed(_resume_tp2_with_a_rank_file_missing, 2,
+                              args=(str(tmp_path), corpus))
+    (code0, err0), (code1, err1) = results[0], results[1]
+    assert code0 != 0 and code1 != 0
+    assert "mp_rank_01/model_optim_rng.pt is missing: the checkpoint is incomplete" in err1
+    assert "saved with --model-parallel-size" not in err1
+    assert "another rank could not load the checkpoint (its error is above)" in err0
+
+
+def test_a_folder_of_another_kind_is_named_by_the_deepspeed_readers(tmp_path):
+    """The tools' --deepspeed reader given a Hugging Face folder, and zero_to_fp32 given a
+    Megatron-layout checkpoint or a file: each says what the folder is."""
+    from megatron.convert.deepspeed_source import read_deepspeed_checkpoint
+    from zero.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from zero.errors import CheckpointError as ZeroCheckpointError
+    hf = tmp_path / "gpt2"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="is a Hugging Face model folder .*: drop "
+                                              "--deepspeed"):
+        read_deepspeed_checkpoint(str(hf))
+    folder = _checkpoint(tmp_path)
+    with pytest.raises(ZeroCheckpointError, match="holds a Megatron-layout checkpoint"):
+        get_fp32_state_dict_from_zero_checkpoint(str(folder))
+    with pytest.raises(ZeroCheckpointError, match="is not a folder"):
+        get_fp32_state_dict_from_zero_checkpoint(str(folder / "latest_checkpointed_"
+                                                              "iteration.txt"))
