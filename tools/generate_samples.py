@@ -92,7 +92,7 @@ def _validate(args):
         raise ConfigError("--num-samples needs --genfile (the JSON lines file to write)")
     if args.genfile and args.num_samples == 0:
         raise ConfigError("--genfile is where --num-samples N writes N unconditional samples; "
-                          "add --num-samples N")
+                          "give --num-samples N with N at least 1")
     if args.num_samples > 0 and args.sample_input_file:  # Megatron's tool ignores the prompts
         raise ConfigError("--num-samples N writes unconditional samples (no prompts) and "
                           "--sample-input-file continues prompts: drop --num-samples and "

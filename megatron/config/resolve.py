@@ -399,7 +399,10 @@ def _data(raw, given):
                 "tools/train_tokenizer.py --input data.json --output-dir DIR)")
     else:
         require(raw["tokenizer_model"], "SentencePieceTokenizer needs --tokenizer-model")
-    parse_splits(raw["split"])  # its errors now, not after the model is built
+    train_share = parse_splits(raw["split"])[0]  # its errors now, not after the model is built
+    require(train_share > 0 or raw["train_data_path"] is not None,
+            f"--split {raw['split']!r} gives the train split no share of the documents; give "
+            "the first split a positive weight (e.g. '949,50,1')")
     return DataConfig(**values)
 
 

@@ -275,7 +275,7 @@ def test_generate_samples_checks_its_files_before_loading_the_model(tmp_path, ca
         (["--num-samples", "2", "--genfile", str(tmp_path / "folder")], "is a directory"),
         (["--num-samples", "2", "--genfile", str(tmp_path / "nodir" / "s.jsonl")],
          "nodir does not exist"),
-        (["--genfile", str(tmp_path / "s.jsonl")], "add --num-samples N"),
+        (["--genfile", str(tmp_path / "s.jsonl")], "give --num-samples N with N at least 1"),
         (["--temperature", "nan"], "--temperature must be a number > 0 (got nan)"),
         (["--num-samples", "2", "--genfile", str(tmp_path / "s.jsonl"), "--sample-input-file",
           str(prompts)], "--num-samples N writes unconditional samples (no prompts) and "

@@ -72,3 +72,10 @@ def test_a_data_path_default_given_as_a_string_is_one_prefix():
     argv = _without_data_path()
     config = resolve_config(argv, world_size=1, defaults={"data_path": "data/webtext"})
     assert config.data.data_path == ("data/webtext",)
+
+
+def test_a_split_that_leaves_training_nothing_is_an_error_before_anything_is_built():
+    for split in ("0,100,0", "0/1"):
+        with pytest.raises(ConfigError, match=f"--split '{split}' gives the train split no "
+                                              "share of the documents"):
+            parse("--split", split)
