@@ -179,7 +179,8 @@ def load_checkpoint(module, engine, checkpoint, run_args, device, convert=None):
             print(f" note: {note}", flush=True)
     else:
         if not os.path.isfile(path):
-            explain_missing_file(load_dir, iteration, path, directory, run_args)
+            explain_missing_file(load_dir, iteration, path, directory, run_args,
+                                 get_checkpoint_tracker_filename(load_dir))
         state = as_this_layout(safe_load(path), path)
     require_weights_only(state, checkpoint, path)
     if "args" in state:

@@ -92,10 +92,9 @@ def check_same_tokenizer(saved_args, run_args, path):
             "--merge-file, or --tokenizer-model)")
 
 
-def explain_missing_file(load_dir, iteration, path, directory, run_args):
+def explain_missing_file(load_dir, iteration, path, directory, run_args, tracker):
     """The CheckpointError for this rank's missing file: another layout's checkpoint, or an
-    incomplete one."""
-    from megatron.checkpointing.megatron_layout import TRACKER_FILENAME
+    incomplete one (`tracker`: the file that names the iteration)."""
     deepspeed_tag = os.path.join(load_dir, f"global_step{iteration}")
     if os.path.isdir(deepspeed_tag):
         raise CheckpointError(
@@ -108,7 +107,7 @@ def explain_missing_file(load_dir, iteration, path, directory, run_args):
     # directories present).
     _check_pipeline_stages(run_args, directory)
     check_model_parallel_size(load_dir, run_args, directory, _recorded_size(directory))
-    raise CheckpointError(f"{os.path.join(load_dir, TRACKER_FILENAME)} names iteration "
+    raise CheckpointError(f"{tracker} names iteration "
                           f"{iteration}, but {path} is missing: the checkpoint is "
                           "incomplete. Resume from an earlier iteration or save again")
 
