@@ -72,11 +72,17 @@ def word_to_symbols(word):
     return word.encode("utf-8").decode("latin-1").translate(_LATIN1_TO_SYMBOL)
 
 
+def _is_not_a_file(path, name):
+    if os.path.isdir(path):
+        return f"is a folder: give the {name} in it ({os.path.join(path, name)})"
+    return "does not exist"
+
+
 def load_vocab(vocab_file):
     """vocab.json -> {symbol string: id}, with ids exactly 0..N-1."""
     if not os.path.isfile(vocab_file):
-        raise TokenizerError(f"vocab file '{vocab_file}' (--vocab-file) does not exist. "
-                             f"{HOW_TO_GET_FILES}")
+        raise TokenizerError(f"vocab file '{vocab_file}' (--vocab-file) "
+                             f"{_is_not_a_file(vocab_file, 'vocab.json')}. {HOW_TO_GET_FILES}")
     try:
         with open(vocab_file, encoding="utf-8") as f:
             vocab = json.load(f)
@@ -104,8 +110,8 @@ def load_vocab(vocab_file):
 def load_merges(merge_file, vocab, vocab_file):
     """merges.txt -> {(left, right): rank}, checking every merge against the vocab."""
     if not os.path.isfile(merge_file):
-        raise TokenizerError(f"merge file '{merge_file}' (--merge-file) does not exist. "
-                             f"{HOW_TO_GET_FILES}")
+        raise TokenizerError(f"merge file '{merge_file}' (--merge-file) "
+                             f"{_is_not_a_file(merge_file, 'merges.txt')}. {HOW_TO_GET_FILES}")
     try:
         with open(merge_file, encoding="utf-8") as f:
             lines = f.read().split("\n")

@@ -150,3 +150,9 @@ def test_a_merges_file_that_does_not_make_the_vocab_is_an_error(tmp_path):
     merges.write_text("#version: 0.2\nh e\nl l\n", encoding="utf-8")  # 2 of 3: taken
     assert build_tokenizer("GPT2BPETokenizer", vocab_file=vocab,
                            merge_file=str(merges)).vocab_size == 260
+
+
+def test_a_folder_given_for_a_tokenizer_file_names_the_file_to_give(tmp_path):
+    with pytest.raises(TokenizerError, match=f"vocab file '{tmp_path}' \\(--vocab-file\\) is a "
+                                             "folder: give the vocab.json in it"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path), merge_file="m.txt")
