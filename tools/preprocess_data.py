@@ -21,7 +21,7 @@ from megatron.data.preprocessing import (TokenizerFactory, format_summary,  # no
                                          tokenize_loose_json)
 from megatron.cli import run_cli  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
-from megatron.tokenizer import TOKENIZER_TYPES  # noqa: E402
+from megatron.tokenizer import TOKENIZER_TYPES, check_tokenizer_files  # noqa: E402
 
 
 def get_args(argv=None):
@@ -59,6 +59,8 @@ def run(args):
     if args.log_interval < 1:
         raise ConfigError(f"--log-interval must be at least 1, got {args.log_interval}")
     _check_output_prefix(args.output_prefix, args.json_keys)
+    check_tokenizer_files(args.tokenizer_type, args.vocab_file, args.merge_file,
+                          args.tokenizer_model)
     factory = TokenizerFactory(args.tokenizer_type, args.vocab_file, args.merge_file,
                                args.tokenizer_model)
     start = time.perf_counter()

@@ -81,6 +81,7 @@ def safe_load(path, mmap=False):
         reason = load_failure_reason(exc)
         why = ("The file holds pickled code, refused: only tensors and plain containers are "
                "unpickled") if reason.startswith("Unsupported") else \
+            "Check its permissions and the file system" if isinstance(exc, OSError) else \
             "The file is damaged (a copy cut short?): copy it again, or load another iteration"
         raise CheckpointError(f"cannot read checkpoint {path}: {reason}. {why}") from None
 

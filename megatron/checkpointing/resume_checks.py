@@ -138,11 +138,10 @@ def _recorded_size(directory):
         path = os.path.join(directory, name, "model_optim_rng.pt")
         if re.fullmatch(r"mp_rank_\d{2}(_\d{3})?", name) and os.path.isfile(path):
             try:
-                size = as_this_layout(safe_load(path, mmap=True), path)["args"][
-                    "model_parallel_size"]
-            except (CheckpointError, KeyError, TypeError):
+                return int(as_this_layout(safe_load(path, mmap=True), path)["args"][
+                    "model_parallel_size"])
+            except (CheckpointError, KeyError, TypeError, ValueError):
                 continue
-            return int(size)
     return _count_rank_files(directory)
 
 

@@ -391,8 +391,9 @@ def _data(raw, given):
             parse_data_path(values[name], flag=f"--{name.replace('_', '-')}")  # errors now
     require(raw["tokenizer_type"] is not None, "--tokenizer-type is required")
     from megatron.tokenizer import check_tokenizer_files
-    check_tokenizer_files(raw["tokenizer_type"], raw["vocab_file"], raw["merge_file"],
-                          raw["tokenizer_model"])
+    check_tokenizer_files(raw["tokenizer_type"], *(raw[key] if key in given else None for key
+                                                   in ("vocab_file", "merge_file",
+                                                       "tokenizer_model")))
     if raw["tokenizer_type"] == "GPT2BPETokenizer":
         require(raw["vocab_file"] and raw["merge_file"],
                 "GPT2BPETokenizer needs --vocab-file and --merge-file (build them with: python "

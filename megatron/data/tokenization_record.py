@@ -109,16 +109,17 @@ def _files_stamp(prefix):
 
 
 def _same_files(recorded, prefix):
-    """Whether the stamp a record holds is of these files; a record written before stamps
-    hashed the files holds [size, mtime_ns], compared as such."""
+    """Whether the stamp a record holds is of these files. A record written before stamps
+    hashed the files holds [size, mtime_ns]: its sizes are compared (a copy changes the
+    time, and a rebuild by another tokenizer the size)."""
     if not isinstance(recorded, dict):
         return False
     if all(isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], int)
            for entry in recorded.values()):
         try:
-            return recorded == {os.path.splitext(path)[1][1:]: [os.stat(path).st_size,
-                                                                os.stat(path).st_mtime_ns]
-                                for path in (data_file_path(prefix), index_file_path(prefix))}
+            return {ext: entry[0] for ext, entry in recorded.items()} == {
+                os.path.splitext(path)[1][1:]: os.path.getsize(path)
+                for path in (data_file_path(prefix), index_file_path(prefix))}
         except OSError:
             return False
     return recorded == _files_stamp(prefix)

@@ -24,11 +24,12 @@ __all__ = [
 
 def check_tokenizer_files(tokenizer_type, vocab_file=None, merge_file=None,
                           tokenizer_model=None):
-    """A tokenizer file the chosen tokenizer does not read is a mistake, not a no-op."""
+    """A tokenizer file given on a command line that the chosen tokenizer does not read is a
+    mistake, not a no-op (pass only what the user typed: a checkpoint may record both)."""
     if tokenizer_type == "GPT2BPETokenizer" and tokenizer_model:
         raise TokenizerError(f"--tokenizer-model {tokenizer_model} is a SentencePiece model, "
-                             "which --tokenizer-type GPT2BPETokenizer (the default) does not "
-                             "read: give --tokenizer-type SentencePieceTokenizer, or drop "
+                             "which --tokenizer-type GPT2BPETokenizer does not read: give "
+                             "--tokenizer-type SentencePieceTokenizer, or drop "
                              "--tokenizer-model")
     given = [flag for flag, value in (("--vocab-file", vocab_file),
                                       ("--merge-file", merge_file)) if value]
@@ -39,8 +40,8 @@ def check_tokenizer_files(tokenizer_type, vocab_file=None, merge_file=None,
 
 
 def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None, tokenizer_model=None):
-    """The tokenizer named by --tokenizer-type, from the files its flags name."""
-    check_tokenizer_files(tokenizer_type, vocab_file, merge_file, tokenizer_model)
+    """The tokenizer named by --tokenizer-type, from the files its flags name (the other
+    kind's files are not read: a checkpoint may record both)."""
     if tokenizer_type == "GPT2BPETokenizer":
         if vocab_file is None or merge_file is None:
             raise TokenizerError(

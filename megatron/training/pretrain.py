@@ -235,17 +235,20 @@ def _print_summary(ctx, backend, state, logger):
 def _load_on_every_rank(backend):
     """backend.load(), which every rank passes or fails together: a rank whose files are
     missing or damaged stops the others here, rather than leave them training into a
-    collective it never joins."""
+    collective it never joins. (A rank that fails inside the load's own collectives leaves
+    the others there until the distributed timeout: its error is printed first.)"""
     error = None
     try:
         loaded = backend.load()
     except Exception as e:  # noqa: BLE001 -- re-raised below, after the others know
         error = e
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            print(f" rank {dist.get_rank()} could not load the checkpoint: {e}", flush=True)
     if any_rank_failed(error is not None):
         if error is not None:
             raise error
-        raise CheckpointError("another rank could not load the checkpoint (its error is "
-                              "above); every rank stops")
+        raise CheckpointError("another rank could not load the checkpoint (its line ' rank N "
+                              "could not load the checkpoint' says why); every rank stops")
     return loaded
 
 

@@ -111,22 +111,24 @@ def test_vocab_padding_rejects_bad_flags():
 @pytest.mark.parametrize("tokenizer_type, files, says", [
     ("GPT2BPETokenizer", {"tokenizer_model": "m.model"},
      "--tokenizer-model m.model is a SentencePiece model, which --tokenizer-type "
-     "GPT2BPETokenizer (the default) does not read: give --tokenizer-type "
-     "SentencePieceTokenizer"),
+     "GPT2BPETokenizer does not read: give --tokenizer-type SentencePieceTokenizer"),
     ("SentencePieceTokenizer", {"tokenizer_model": "m.model", "vocab_file": "v.json"},
      "--vocab-file: GPT2BPETokenizer's files, which --tokenizer-type SentencePieceTokenizer "
      "does not read"),
 ])
 def test_a_file_the_tokenizer_does_not_read_is_an_error(good_vocab, good_merges,
                                                         tokenizer_type, files, says):
-    """Not silently ignored: by the trainer's flags (before anything is built) and by every
-    tool that builds a tokenizer."""
+    """Given on a command line, not silently ignored: the trainer's flags (before anything
+    is built) and preprocess_data.py's. A checkpoint that recorded both kinds of files still
+    builds its tokenizer from its own kind's."""
     from tests.training.test_arguments import BASE
     from megatron.config import resolve_config
+    from megatron.tokenizer import check_tokenizer_files
     if tokenizer_type == "GPT2BPETokenizer":
         files = dict(files, vocab_file=good_vocab, merge_file=good_merges)
+        assert build_tokenizer(tokenizer_type, **files).vocab_size == 258
     with pytest.raises(TokenizerError, match=re.escape(says)):
-        build_tokenizer(tokenizer_type, **files)
+        check_tokenizer_files(tokenizer_type, **files)
     argv = [a for i, a in enumerate(BASE) if not ({a, BASE[i - 1]} & {
         "--tokenizer-type", "--vocab-file", "--merge-file"})]
     argv += ["--tokenizer-type", tokenizer_type] + [
@@ -137,19 +139,23 @@ def test_a_file_the_tokenizer_does_not_read_is_an_error(good_vocab, good_merges,
 
 def test_a_merges_file_that_does_not_make_the_vocab_is_an_error(tmp_path):
     """An empty (or truncated) merges.txt would tokenize byte by byte without a word: with
-    most of the vocab's multi-byte tokens made by no merge, it is one error."""
+    most of the vocab's multi-byte tokens made by no merge, it is one error (a few tokens no
+    merge makes, such as added <pad> <s>, are not)."""
+    pairs = [("h", c) for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMN"]  # 40 tokens
     vocab = write_vocab(tmp_path / "vocab.json", byte_symbols_in_vocab_order() +
-                        ["he", "ll", "hell", "<|endoftext|>"])
-    for lines, made in (("", 0), ("#version: 0.2\nh e\n", 1)):
-        merges = tmp_path / "merges.txt"
-        merges.write_text(lines, encoding="utf-8")
-        with pytest.raises(TokenizerError, match=f"makes {made} of the 3 multi-byte tokens of "
+                        [a + b for a, b in pairs] + ["<pad>", "<|endoftext|>"])
+    merges = tmp_path / "merges.txt"
+    for made in (0, 10):
+        merges.write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in pairs[:made]),
+                          encoding="utf-8")
+        with pytest.raises(TokenizerError, match=f"makes {made} of the 41 multi-byte tokens of "
                                                  "vocab file .*: it is truncated or another "
                                                  "vocabulary's"):
             build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=str(merges))
-    merges.write_text("#version: 0.2\nh e\nl l\n", encoding="utf-8")  # 2 of 3: taken
+    merges.write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in pairs[:25]),
+                      encoding="utf-8")  # 16 of 41 made by none (<pad> among them): taken
     assert build_tokenizer("GPT2BPETokenizer", vocab_file=vocab,
-                           merge_file=str(merges)).vocab_size == 260
+                           merge_file=str(merges)).vocab_size == 298
 
 
 def test_a_folder_given_for_a_tokenizer_file_names_the_file_to_give(tmp_path):

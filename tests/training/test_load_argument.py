@@ -107,7 +107,7 @@ def test_a_rank_whose_file_is_missing_stops_every_rank_and_says_incomplete(corpu
     assert code0 != 0 and code1 != 0
     assert "mp_rank_01/model_optim_rng.pt is missing: the checkpoint is incomplete" in err1
     assert "saved with --model-parallel-size" not in err1
-    assert "another rank could not load the checkpoint (its error is above)" in err0
+    assert "another rank could not load the checkpoint" in err0
 
 
 def test_a_folder_of_another_kind_is_named_by_the_deepspeed_readers(tmp_path):

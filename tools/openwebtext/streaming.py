@@ -375,13 +375,17 @@ class AtomicOutput:
         return False
 
 
-def require_something_kept(stage_name, report):
+def require_something_kept(stage_name, report, malformed_only=False):
     """A stage that dropped every line it read keeps nothing for the next stage: stop here,
-    where the reason is known, instead of at the end on an empty corpus (or, run alone,
-    with an empty output and exit code 0)."""
+    where the reason is known, instead of at the end on an empty corpus. `malformed_only`
+    (a stage run alone): only when the lines were malformed, the sign of a wrong or swapped
+    input file; dropping every page for what it says (blacklisted, below the threshold, too
+    short) is an answer there."""
     if report.kept > 0 or not report.dropped:
         return
     reason, count = max(report.dropped.items(), key=lambda item: item[1])
+    if malformed_only and not reason.startswith(MALFORMED):
+        return
     hint = ""
     if "'url'" in reason:
         hint = ('; every page needs a "url" string (pages downloaded twice are dropped by it): '
@@ -399,5 +403,5 @@ def stage_main(run, get_args, argv=None):
     def run_and_report():
         report = run(get_args(argv))
         print(report.summary(), flush=True)
-        require_something_kept(report.stage, report)
+        require_something_kept(report.stage, report, malformed_only=True)
     return run_cli(run_and_report)

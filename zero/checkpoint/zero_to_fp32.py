@@ -116,7 +116,8 @@ def _tag_dir(checkpoint_dir, tag):
                               "checkpoint was saved to (the one holding 'latest')")
     if tag is None:
         latest = os.path.join(checkpoint_dir, "latest")
-        if os.path.isfile(os.path.join(checkpoint_dir, "latest_checkpointed_iteration.txt")):
+        if not os.path.isfile(latest) and os.path.isfile(
+                os.path.join(checkpoint_dir, "latest_checkpointed_iteration.txt")):
             raise CheckpointError(f"{checkpoint_dir} holds a Megatron-layout checkpoint "
                                   "(latest_checkpointed_iteration.txt), not a ZeRO one: its "
                                   "weights are already whole per tensor-parallel rank "
