@@ -38,9 +38,9 @@ NOT_RUN = {
     ".venv/bin/python benchmarks/": "benchmarks measure and are run by hand "
                                     "(docs/benchmarks.md holds their results)",
     "bash benchmarks/": "benchmarks measure and are run by hand",
-    ".venv/bin/python tools/merge_mp_partitions.py --deepspeed --load /path/to/megatron-"
-    "deepspeed": "a Megatron-DeepSpeed checkpoint (tests/convert/test_megatron_deepspeed_"
-                 "checkpoints.py makes one and converts it)",
+    ".venv/bin/python tools/merge_mp_partitions.py --deepspeed --load $MDS":
+        "a Megatron-DeepSpeed checkpoint (tests/convert/test_megatron_deepspeed_checkpoints.py "
+        "makes one and converts it)",
     ".venv/bin/python pretrain_gpt2.py --load checkpoints/from_mds": "the Megatron-DeepSpeed "
                                                                     "checkpoint above",
 }

@@ -390,16 +390,16 @@ def _data(raw, given):
             values[name] = (raw[name],) if isinstance(raw[name], str) else tuple(raw[name])
             parse_data_path(values[name], flag=f"--{name.replace('_', '-')}")  # errors now
     require(raw["tokenizer_type"] is not None, "--tokenizer-type is required")
-    from megatron.tokenizer import check_tokenizer_files
-    check_tokenizer_files(raw["tokenizer_type"], *(raw[key] if key in given else None for key
-                                                   in ("vocab_file", "merge_file",
-                                                       "tokenizer_model")))
     if raw["tokenizer_type"] == "GPT2BPETokenizer":
         require(raw["vocab_file"] and raw["merge_file"],
                 "GPT2BPETokenizer needs --vocab-file and --merge-file (build them with: python "
                 "tools/train_tokenizer.py --input data.json --output-dir DIR)")
     else:
         require(raw["tokenizer_model"], "SentencePieceTokenizer needs --tokenizer-model")
+    from megatron.tokenizer import check_tokenizer_files
+    check_tokenizer_files(raw["tokenizer_type"], *(raw[key] if key in given else None for key
+                                                   in ("vocab_file", "merge_file",
+                                                       "tokenizer_model")))
     train_share = parse_splits(raw["split"])[0]  # its errors now, not after the model is built
     require(train_share > 0 or raw["train_data_path"] is not None,
             f"--split {raw['split']!r} gives the train split no share of the documents; give "

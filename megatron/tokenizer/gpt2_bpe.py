@@ -150,7 +150,7 @@ def _require_merges_that_make_the_vocab(vocab, merge_ranks, vocab_file, merge_fi
     empty one would tokenize byte by byte, without a word)."""
     made = {left + right for left, right in merge_ranks}
     byte_symbols = set(bytes_to_unicode().values())
-    built = [token for token in vocab if token not in byte_symbols
+    built = [token for token in vocab if len(token) > 1 and token not in byte_symbols
              and not (token.startswith("<|") and token.endswith("|>"))]
     unmade = sum(token not in made for token in built)
     if unmade > max(16, len(built) / 2):  # (a few added tokens, e.g. <pad> <s>, are no sign)
