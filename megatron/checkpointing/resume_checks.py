@@ -34,6 +34,11 @@ def check_checkpoint_args(saved_args, run_args, path):
     if differences and all(d.startswith(_LAYOUT_FLAGS) for d in differences):
         raise CheckpointError(f"checkpoint {path} was saved at another parallel layout:\n  "
                               + "\n  ".join(differences) + "\n" + _convert_layout_hint(run_args))
+    if differences and all(d.startswith("--layernorm-epsilon") for d in differences):
+        raise CheckpointError(f"checkpoint {path} was trained with {differences[0]}: with "
+                              "another epsilon its weights compute another function. Give the "
+                              "checkpoint's (or leave --layernorm-epsilon out: it is taken "
+                              "from the checkpoint)")
     if differences:
         hint = ""
         if run_args.get("load") and run_args.get("save") and \

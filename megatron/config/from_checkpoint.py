@@ -26,6 +26,8 @@ FROM_CHECKPOINT = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attentio
 # --model-size fills these itself; given, it counts as giving them.
 _NAMED_SIZE_KEYS = ("num_layers", "hidden_size", "num_attention_heads")
 TOKENIZER_FILE_KEYS = ("vocab_file", "merge_file", "tokenizer_model")
+_FILES_READ_BY = {"GPT2BPETokenizer": ("vocab_file", "merge_file"),
+                  "SentencePieceTokenizer": ("tokenizer_model",)}
 # The model-states file of tensor-parallel rank 0 in DeepSpeed's layout: stages 0-2, stage 3.
 _DEEPSPEED_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
@@ -126,8 +128,12 @@ def values_from_checkpoint(raw, given):
     if "model_size" in given:
         skip.update(_NAMED_SIZE_KEYS)
     if given & {"tokenizer_type", *TOKENIZER_FILE_KEYS}:
-        # A tokenizer named on the command line replaces the recorded one as a whole.
+        # A tokenizer named on the command line replaces the recorded one as a whole; files
+        # alone, of the kind the recorded type reads, keep that type (not the default).
         skip.update(("tokenizer_type", *TOKENIZER_FILE_KEYS))
+        if "tokenizer_type" not in given and given & set(TOKENIZER_FILE_KEYS) <= set(
+                _FILES_READ_BY.get(saved.get("tokenizer_type"), ())):
+            skip.discard("tokenizer_type")
     taken = {}
     hidden_size = raw.get("hidden_size") or saved.get("hidden_size")
     for key in FROM_CHECKPOINT:

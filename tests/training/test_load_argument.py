@@ -128,3 +128,18 @@ def test_a_folder_of_another_kind_is_named_by_the_deepspeed_readers(tmp_path):
     with pytest.raises(ZeroCheckpointError, match="is not a folder"):
         get_fp32_state_dict_from_zero_checkpoint(str(folder / "latest_checkpointed_"
                                                               "iteration.txt"))
+
+
+def test_tokenizer_files_alone_keep_the_checkpoints_tokenizer_type(monkeypatch):
+    """A SentencePiece checkpoint resumed with only --tokenizer-model (its model moved): the
+    recorded type stays, not GPT2BPETokenizer, the default; files of the other kind replace
+    the recorded tokenizer as a whole."""
+    from megatron.config import from_checkpoint
+    saved = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": "/old/m.model",
+             "num_layers": 2}
+    monkeypatch.setattr(from_checkpoint, "saved_args_of", lambda *args: saved)
+    raw = {"load": "ck", "tokenizer_model": "new.model", "num_layers": 2}
+    taken = from_checkpoint.values_from_checkpoint(raw, {"tokenizer_model"})
+    assert taken == {"tokenizer_type": "SentencePieceTokenizer"}
+    raw = {"load": "ck", "vocab_file": "v.json", "merge_file": "m.txt", "num_layers": 2}
+    assert from_checkpoint.values_from_checkpoint(raw, {"vocab_file", "merge_file"}) == {}
