@@ -41,6 +41,7 @@ from megatron.checkpointing.resume_checks import (check_checkpoint_args,
                                                   explain_missing_file,
                                                   optimizer_state_tiling_mismatch)
 from megatron.checkpointing.retention import MEGATRON_LAYOUT, publish_checkpoint
+from megatron.checkpointing.state_dicts import to_flat_state_dict, to_nested_state_dict
 from megatron.checkpointing.rng import get_rng_states, set_rng_states
 from megatron.errors import CheckpointError
 from megatron.runtime.fault_injection import kill_point
@@ -92,35 +93,6 @@ def read_tracker(checkpoints_path):
     except ValueError:
         raise CheckpointError(f"{path} should hold an iteration number or 'release', "
                               f"found {text!r}; fix or delete the file") from None
-
-
-# ------------------------------------------------------------------- state dict formats
-
-def to_nested_state_dict(flat):
-    """Flat model keys -> Megatron 1.1.5 nested form (see module docstring)."""
-    nested = {}
-    for key, tensor in flat.items():
-        parts = key.split(".")
-        if parts[:2] == ["language_model", "transformer"]:
-            nested.setdefault("language_model", {}).setdefault("transformer", {})[
-                ".".join(parts[2:])] = tensor
-            continue
-        node = nested
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = tensor
-    return nested
-
-
-def to_flat_state_dict(nested, prefix=""):
-    flat = {}
-    for key, value in nested.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(to_flat_state_dict(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
 
 
 # ------------------------------------------------------------------------- save / load

@@ -29,6 +29,7 @@ import re
 
 import torch
 
+from megatron.checkpointing.state_dicts import to_flat_state_dict
 from megatron.errors import CheckpointError
 
 SOURCE = "Megatron-LM"
@@ -120,7 +121,9 @@ def deepspeed_states_as_this_layout(states, path):
     if not isinstance(states, dict) or not isinstance(states.get("args"), argparse.Namespace):
         return states
     args = _this_trainers_args(states["args"])
-    module = _flat(states["module"]) if isinstance(states.get("module"), dict) else None
+    # (since 2022 its module is nested, as its state_dict_for_save_checkpoint returns it)
+    module = to_flat_state_dict(states["module"]) if isinstance(states.get("module"), dict) \
+        else None
     nested = {"language_model": {"transformer": {}}}
     for key in module or ():
         if str(key).startswith("language_model.output_layer."):
@@ -135,20 +138,6 @@ def deepspeed_states_as_this_layout(states, path):
                      _renamed_module(module, args, version, path),
                      saved_checkpoint_version=version)
     return converted
-
-
-def _flat(module, prefix=""):
-    """A module state with flat names. Megatron-DeepSpeed (since 2022) saves its model's
-    state_dict_for_save_checkpoint as DeepSpeed's `module`: nested by submodule
-    ({"language_model": {"embedding": {"word_embeddings": {"weight": ...}}, "encoder":
-    {"layers.0.self_attention...": ...}}}); the names its param_shapes record join them."""
-    flat = {}
-    for key, value in module.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def deepspeed_pipeline_module(tag_dir, tp_rank, states):

@@ -36,8 +36,8 @@ from megatron.checkpointing.megatron_lm import (MegatronDeepSpeedTensors, allowe
                                                 deepspeed_pipeline_module,
                                                 deepspeed_states_as_this_layout,
                                                 megatron_deepspeed_schedule)
-from megatron.checkpointing.megatron_layout import (CHECKPOINT_VERSION, read_tracker,
-                                                    to_nested_state_dict)
+from megatron.checkpointing.megatron_layout import CHECKPOINT_VERSION, read_tracker
+from megatron.checkpointing.state_dicts import to_nested_state_dict
 from megatron.convert.checkpoint_files import ShardedCheckpoint, inside_a_checkpoint
 from megatron.convert.optimizer_state import optimizer_group_names
 from megatron.convert.pipeline_layout import join_stages, stage_layer_numbers, with_stages

@@ -16,7 +16,7 @@ later stages' dropout streams). Quantised optimizer states
 import copy
 import re
 
-from megatron.checkpointing.megatron_layout import to_flat_state_dict, to_nested_state_dict
+from megatron.checkpointing.state_dicts import to_flat_state_dict, to_nested_state_dict
 from megatron.convert.tp_layout import parameter_layout
 from megatron.errors import CheckpointError
 from megatron.model.transformer import stage_layers

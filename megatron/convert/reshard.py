@@ -24,7 +24,7 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from megatron.checkpointing.megatron_layout import to_flat_state_dict, to_nested_state_dict
+from megatron.checkpointing.state_dicts import to_flat_state_dict, to_nested_state_dict
 from megatron.convert.checkpoint_files import read_sharded_checkpoint, write_sharded_checkpoint
 from megatron.convert.deferred import Deferred
 from megatron.convert.optimizer_state import (FullOptimizerState, map_optimizer_tensors,

@@ -19,7 +19,8 @@ import torch
 
 from megatron.checkpointing.files import atomic_write_text
 from megatron.tokenizer.file_utils import permissions_as_new_file
-from megatron.checkpointing.megatron_layout import CHECKPOINT_VERSION, to_nested_state_dict
+from megatron.checkpointing.megatron_layout import CHECKPOINT_VERSION
+from megatron.checkpointing.state_dicts import to_nested_state_dict
 from megatron.config.from_checkpoint import TOKENIZER_FILE_KEYS
 from megatron.convert.checkpoint_files import write_sharded_checkpoint
 from megatron.convert.hf import (HF_TOKENIZER_FILES, hf_config_from_model_args,

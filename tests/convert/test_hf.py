@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron.checkpointing.files import safe_load
-from megatron.checkpointing.megatron_layout import to_flat_state_dict
+from megatron.checkpointing.state_dicts import to_flat_state_dict
 from megatron.convert.loaders import load_model_weights
 from megatron.convert.savers import save_model_weights
 from megatron.convert.tp_layout import WORD_EMBEDDINGS

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron.checkpointing.megatron_lm import megatron_deepspeed_schedule
+from megatron.checkpointing.state_dicts import to_flat_state_dict
 from megatron.convert.deepspeed_source import read_deepspeed_checkpoint
 from megatron.convert.loaders import load_model_weights
 from tests.convert.conftest import load_tool
@@ -153,21 +154,13 @@ def saved(corpus, tmp_path_factory):
     return root
 
 
-def _flat(nested, prefix=""):
-    flat = {}
-    for key, value in nested.items():
-        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict)
-                    else {prefix + key: value})
-    return flat
-
-
 @pytest.mark.parametrize("optimizer", ["zero", "apex", "bf16_optimizer"])
 def test_its_masters_and_adam_moments_convert_as_the_originals(saved, tmp_path, optimizer):
     mds = _as_megatron_deepspeed(saved / "ds", tmp_path / "mds", optimizer=optimizer)
     expected, = read_deepspeed_checkpoint(str(saved / "ds"), fp32_weights=True).shards
     found, = read_deepspeed_checkpoint(str(mds), fp32_weights=True).shards
     assert found["saved_by"] == "Megatron-DeepSpeed" and found["iteration"] == 3
-    weights, got = _flat(expected["model"]), _flat(found["model"])
+    weights, got = to_flat_state_dict(expected["model"]), to_flat_state_dict(found["model"])
     assert got.keys() == weights.keys()
     for name, tensor in weights.items():
         assert got[name].dtype == torch.float32 and torch.equal(got[name], tensor), name

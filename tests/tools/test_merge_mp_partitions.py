@@ -15,7 +15,7 @@ import weakref
 import pytest
 import torch
 
-from megatron.checkpointing.megatron_layout import to_flat_state_dict
+from megatron.checkpointing.state_dicts import to_flat_state_dict
 from megatron.convert import REPLICATED, WORD_EMBEDDINGS, parameter_layout
 from tests.dist_utils import free_port, run_distributed
 from tests.tools.tp_checkpoints import (PADDED, TOOL, checkpoint_shards, convert, copy_checkpoint,
