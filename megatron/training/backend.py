@@ -10,7 +10,7 @@ is chosen once, at start-up, by the backend class:
     ZeroBackend       DeepSpeed's checkpoint layout; zero.Init at ZeRO stage 3
 
 The trainer calls `train_step`, `report`, `optimizer_scalars`, `weights_norm`, `save`, `load`,
-`checkpoint_tag` and uses `model` for forward passes; nothing else of the engine.
+`finish_load`, `checkpoint_tag` and uses `model` for forward passes; nothing else of the engine.
 """
 
 import contextlib
@@ -157,6 +157,11 @@ class Backend:
         """{name: value} of Adam's moments and the weights (--log-optimizer-states-to-
         tensorboard; a collective, called on every rank)."""
         return self.engine.optimizer.optimizer_state_norms()
+
+    def finish_load(self):
+        """After every rank's load() succeeded: the fp32 masters a load restored reach the
+        model's weights (at ZeRO stages 1-2 an all-gather, so not before all ranks agree)."""
+        self.engine.optimizer.publish_restored_masters()
 
     @classmethod
     def construction_context(cls, ctx):

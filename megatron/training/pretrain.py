@@ -234,9 +234,9 @@ def _print_summary(ctx, backend, state, logger):
 
 def _load_on_every_rank(backend):
     """backend.load(), which every rank passes or fails together: a rank whose files are
-    missing or damaged stops the others here, rather than leave them training into a
-    collective it never joins. (A rank that fails inside the load's own collectives leaves
-    the others there until the distributed timeout: its error is printed first.)"""
+    missing or damaged stops the others here, rather than leave them in a collective it never
+    joins. The fp32 masters a ZeRO load restores reach the model (an all-gather) only after
+    this agreement (backend.finish_load)."""
     error = None
     try:
         loaded = backend.load()
@@ -249,6 +249,7 @@ def _load_on_every_rank(backend):
             raise error
         raise CheckpointError("another rank could not load the checkpoint (its line ' rank N "
                               "could not load the checkpoint' says why); every rank stops")
+    backend.finish_load()
     return loaded
 
 

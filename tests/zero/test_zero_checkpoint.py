@@ -2,6 +2,7 @@
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -183,6 +184,30 @@ def test_dp1_checkpoint_resumes_on_dp2(resize_runs):
     assert _close(resize_runs["dp1_head"], straight[:N])
     for rank in range(2):
         assert _close(resize_runs["dp2"][rank]["resumed"], straight[N:])
+
+
+def _load_where_rank1_has_damaged_files(rank, world_size, good_dir, damaged_dir):
+    engine = _engine(stage=2)
+    try:
+        engine.load_checkpoint(damaged_dir if rank == 1 else good_dir)
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_a_rank_that_cannot_read_its_files_stops_the_others_with_a_clear_error(
+        resize_runs, tmp_path):
+    """Rank 1's copy of the checkpoint is damaged, rank 0's is fine: both stop with an error
+    that says why, before the restored masters are all-gathered (rank 0 would otherwise
+    wait in that collective for a rank that never joins it)."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(resize_runs["from_dp2"], damaged)
+    optim = damaged / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    optim.write_bytes(optim.read_bytes()[:1000])
+    messages = run_distributed(_load_where_rank1_has_damaged_files, 2,
+                               args=(resize_runs["from_dp2"], str(damaged)))
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in messages[1], messages[1]
+    assert "another rank failed" in messages[0], messages[0]
 
 
 def test_zero_to_fp32_consolidates_dp2_partitions(resize_runs):

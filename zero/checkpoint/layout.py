@@ -244,6 +244,24 @@ def _model_states(engine, optimizer_state):
 
 def load_checkpoint(engine, load_dir, tag, *, module_strict, optimizer_states,
                     lr_scheduler_states, module_only):
+    """Every rank reads its files (no collectives), then all agree that each succeeded before
+    the restored masters reach the model (an all-gather at stages 1-2): a rank that could not
+    read its files stops the others with a clear error instead of leaving them waiting."""
+    loaded, error = (None, None), None
+    try:
+        loaded = _read_checkpoint(engine, load_dir, tag, module_strict=module_strict,
+                                  optimizer_states=optimizer_states,
+                                  lr_scheduler_states=lr_scheduler_states,
+                                  module_only=module_only)
+    except Exception as e:  # noqa: BLE001 -- re-raised by all_agree, once every rank knows
+        error = e
+    all_agree(engine, error, f"load the checkpoint in {load_dir}")
+    engine.optimizer.publish_restored_masters()
+    return loaded
+
+
+def _read_checkpoint(engine, load_dir, tag, *, module_strict, optimizer_states,
+                     lr_scheduler_states, module_only):
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:

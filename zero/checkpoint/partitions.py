@@ -154,7 +154,6 @@ class PartitionRestore:
             saved.get("loss_scaler"))
         if self.has_fp32:
             optimizer.commit_restored_masters()
-            optimizer.publish_masters()
         return self.has_fp32
 
 
@@ -204,7 +203,6 @@ def restore_whole_params(optimizer, saved, names, with_state, strict):
                               for g, saved_group in enumerate(saved.param_groups)]},
             saved.loss_scaler)
     optimizer.commit_restored_masters()
-    optimizer.publish_masters()
     return missing
 
 

@@ -118,7 +118,6 @@ def load_per_parameter_state(optimizer, param_groups, per_group):
             states[index] = state
     optimizer.load_saved_state({"state": states, "param_groups": groups}, None)
     optimizer.commit_restored_masters()
-    optimizer.publish_masters()
 
 
 def restore_per_parameter_state(engine, param_groups, per_group, loss_scaler_state, where):

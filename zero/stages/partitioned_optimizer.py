@@ -67,6 +67,7 @@ class PartitionedOptimizer:
     pp_comm = None  # over the pipeline's stages; a subclass sets it under pipeline parallelism
     _inside_backward = False  # the engine's backward is running (gradient hooks check it)
     _masters_behind_model = False  # weights were loaded into the module since the masters' last
+    _model_behind_masters = False  # a load restored the masters; publish_restored_masters() next
     overflow = False  # the last step found inf/nan gradients and was skipped
     global_grad_norm = None  # the last step's gradient norm before clipping (unscaled)
     counts_zeros_in_grad = False  # count_zeros_in_grad() turns it on
@@ -336,9 +337,18 @@ class PartitionedOptimizer:
                                  {i: m.numel() for i, m in enumerate(masters)})
 
     def commit_restored_masters(self):
-        """Called after a load wrote the masters, before publish_masters()."""
+        """Called after a load wrote the masters. The model takes them in
+        publish_restored_masters(), once every rank's load has succeeded: at stages 1-2 that
+        is an all-gather, which a rank whose files could not be read would never join."""
         self.masters.commit()
         self._masters_behind_model = False
+        self._model_behind_masters = True
+
+    def publish_restored_masters(self):
+        """The masters a load restored -> the model's weights (every rank calls it)."""
+        if self._model_behind_masters:
+            self._model_behind_masters = False
+            self.publish_masters()
 
     def close(self):
         """Release what the masters keep outside memory (NVMe swap files)."""
