@@ -24,9 +24,9 @@ the real logits).
 <load>/latest, <load>/global_stepN/, any ZeRO stage and data-parallel size). Each TP rank's
 fp32 weights are consolidated over the ZeRO partitions (zero's get_fp32_state_dict_from_zero_
 checkpoint), then resharded as above into a Megatron-layout checkpoint, with the optimizer
-state (fp32 masters and Adam moments, read parameter by parameter out of the partitions;
-not with pipeline stages or tiled linears, whose state ZeRO keeps per stage or tile: then
-resume with --no-load-optim). Resume it without --deepspeed, or under --deepspeed with
+state (fp32 masters and Adam moments, read parameter by parameter out of the partitions of
+each pipeline stage; not with tiled linears, whose state ZeRO keeps per tile: then resume
+with --no-load-optim). Resume it without --deepspeed, or under --deepspeed with
 --finetune (the weights only):
 
     python tools/merge_mp_partitions.py --deepspeed --load checkpoints/ds --save ckpt_mp2 \
@@ -107,8 +107,8 @@ def run(args):
     optimizer = "converted" if result.optimizer_converted else \
         "not converted (Megatron-DeepSpeed's without ZeRO partitions, stage 0, or with " \
         "pipeline stages): resume with --no-load-optim" if foreign else \
-        "not converted (pipeline stages or tiled linears: ZeRO keeps it per stage or tile): " \
-        "resume with --no-load-optim" if args.deepspeed else "none in the source checkpoint"
+        "not converted (tiled linears: ZeRO keeps it per tile): resume with --no-load-optim" \
+        if args.deepspeed else "none in the source checkpoint"
     resume_flags = [flag for flag, wanted in (
         ("--no-load-optim", args.deepspeed and not result.optimizer_converted),
         ("--override-lr-scheduler", foreign and result.optimizer_converted

@@ -198,8 +198,8 @@ def _load_optimizer(engine, state, run_args, path, fp32_weights):
         "converted from a Megatron-DeepSpeed checkpoint without ZeRO partitions (stage 0) or " \
         "with pipeline stages, whose optimizer state is not carried" \
         if from_megatron_deepspeed else \
-        "converted from a --deepspeed checkpoint with pipeline stages or tiled linears, " \
-        "whose optimizer state tools/merge_mp_partitions.py does not carry" \
+        "converted from a --deepspeed checkpoint with tiled linears, whose optimizer " \
+        "state tools/merge_mp_partitions.py does not carry" \
         if saved_args.get("deepspeed") else \
         "written without it"
     if "optimizer" not in state:

@@ -71,7 +71,7 @@ def _convert_layout_hint(run_args):
         return command + " (the optimizer state is converted too)"
     return (command + ", with or without --deepspeed (it writes Megatron's layout, with the "
             "optimizer state; add --no-load-optim where the tool says it was not converted: "
-            "pipeline stages or tiled linears)")
+            "tiled linears)")
 
 
 # what the run records of its tokenizer: the ids the embedding rows stand for

@@ -22,8 +22,8 @@ optimizer. The one reader of this layout: tools/merge_mp_partitions.py --deepspe
 tools/convert_checkpoint.py --loader deepspeed (and so the generation and evaluation tools)
 all come through here. A model trained with --memory-centric-tiled-linear under stage 3 has
 its fp32 masters per tile; they are joined into the untiled weights every Megatron checkpoint
-holds, and its optimizer state (per tile too) is not carried, nor that of a checkpoint with
-pipeline stages: those resume with `--no-load-optim`.
+holds, and its optimizer state (per tile too) is not carried: it resumes with
+`--no-load-optim`.
 """
 
 import os
@@ -139,8 +139,9 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
         shard = {key: states[key] for key in _CLIENT_KEYS if key in states}
         shard.update(checkpoint_version=CHECKPOINT_VERSION, args=dict(states["args"]),
                      model=to_nested_state_dict(model))
-        optimizer = _optimizer_entry(tag_dir, mp_rank, size, model, module) \
-            if stages == 1 else None
+        # (with pipeline stages each stage's ZeRO files hold its own parameters, named as the
+        # stage's module names them; join_stages renumbers them with the layers)
+        optimizer = _optimizer_entry(tag_dir, mp_rank, size * stages, model, module)
         if optimizer is not None:
             shard["optimizer"] = optimizer
         if states.get("lr_scheduler") is not None:
@@ -198,10 +199,11 @@ def _megatron_deepspeed_shard(load_dir, tag, mp_rank, size, states, fp32_weights
 
 
 def _optimizer_entry(tag_dir, mp_rank, size, model, module, tensors=None, load=None):
-    """TP rank `mp_rank`'s optimizer state in the Megatron layout's per-parameter form
-    (megatron/checkpointing/optimizer_state.py), read parameter by parameter from the ZeRO
-    files of any stage and DP size; None when the ZeRO state is not per parameter of this
-    model (a model trained with tiled linears keeps it per tile). `model`: the weights
+    """Model-parallel rank `mp_rank`'s (of `size`: TP x pipeline stages) optimizer state in
+    the Megatron layout's per-parameter form (megatron/checkpointing/optimizer_state.py),
+    read parameter by parameter from the ZeRO files of any stage and DP size; None when the
+    ZeRO state is not per parameter of this model (a model trained with tiled linears keeps
+    it per tile). `model`: the weights
     (their shapes), `module`: the saved module (the dtype trained in; at stage 3 its
     parameters are empty placeholders). A Megatron-DeepSpeed checkpoint's: `tensors`
     (MegatronDeepSpeedTensors) renames and re-orders, `load` reads DeepSpeed's files."""

@@ -9,12 +9,15 @@ gradient norms within 1e-3.
 import json
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tests.parallel.launching import (assert_same_params_norms, build_corpus, launch_ranks,
-                                      read_metrics, relative_difference, trainer_argv)
+from tests.parallel.launching import (REPO, assert_same_params_norms, build_corpus,
+                                      launch_ranks, read_metrics, relative_difference,
+                                      trainer_argv)
 from tests.parallel.test_layouts import GLOBAL_BATCH, assert_same_training
 
 ITERS = 8
@@ -302,7 +305,7 @@ def test_a_deepspeed_pipeline_checkpoint_at_other_stages_names_the_conversion(
             f"{ckpt} --target-model-parallel-size 1 --target-pipeline-model-parallel-size 1 "
             f"--save {ckpt}_mp1, then --load {ckpt}_mp1, with or without --deepspeed (it "
             "writes Megatron's layout, with the optimizer state; add --no-load-optim where the "
-            "tool says it was not converted: pipeline stages or tiled linears)") in output
+            "tool says it was not converted: tiled linears)") in output
     assert "--finetune from a matching shape" not in output
     from zero.checkpoint.zero_to_fp32 import (CheckpointError,
                                               get_fp32_state_dict_from_zero_checkpoint)
@@ -310,6 +313,26 @@ def test_a_deepspeed_pipeline_checkpoint_at_other_stages_names_the_conversion(
                                               r"pipeline stages, mp_rank_\*\).*tools/convert_"
                                               r"checkpoint.py --loader deepspeed"):
         get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+
+
+def test_a_deepspeed_pipeline_checkpoint_converts_with_its_optimizer(
+        corpus, deepspeed_pp2_dp2, tmp_path):
+    """merge_mp_partitions.py --deepspeed reads each stage's fp32 masters and Adam moments out
+    of that stage's ZeRO files and joins the stages: the one-stage Megatron checkpoint resumes
+    without --deepspeed, on one process, and continues the PP 2 x DP 2 run's losses."""
+    out, uninterrupted = deepspeed_pp2_dp2
+    middle, merged = ITERS // 2, tmp_path / "merged"
+    tool = subprocess.run([sys.executable, "tools/merge_mp_partitions.py", "--deepspeed",
+                           "--load", str(out / "ckpt"), "--iteration", str(middle),
+                           "--save", str(merged)], cwd=REPO, capture_output=True, text=True)
+    assert tool.returncode == 0, tool.stderr
+    assert "pipeline stages 2 -> 1" in tool.stdout
+    assert " optimizer state: converted" in tool.stdout and "--no-load-optim" not in tool.stdout
+    resumed, _ = train(corpus, tmp_path, 1, ITERS, "--batch-size", GLOBAL_BATCH,
+                       "--load", merged)
+    assert sorted(resumed) == list(range(middle + 1, ITERS + 1))  # no fresh warm-up
+    for it in resumed:
+        assert relative_difference(resumed[it][0], uninterrupted[it][0]) < 1e-4, it
 
 
 def test_deepspeed_pipeline_checkpoint_converts(deepspeed_pp2_dp2, tmp_path):

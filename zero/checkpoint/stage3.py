@@ -116,6 +116,9 @@ def load_stage3(engine, ckpt_dir, strict, with_state):
     values. Returns (path of this rank's model states, model states dict)."""
     saved = open_saved(ckpt_dir, engine.mp_rank, engine.mp_world_size,  # stage 0-2's too
                        engine.dp_rank)
+    if getattr(saved, "pipelined", False):
+        raise CheckpointError(f"{ckpt_dir} was saved with pipeline stages, which ZeRO stage 3 "
+                              "does not run; resume it at stage 0-1")
     states = saved.model_states(engine.dp_rank)
     skipped = load_buffers(engine.module, states, saved.path, strict)
     missing = restore_stage3(engine.optimizer, saved, with_state, strict)
@@ -139,7 +142,6 @@ def restore_stage3(optimizer, saved, with_state, strict):
             {"state": {index[id(g.master)]: s for g, s in restored.items() if s},
              "param_groups": groups}, saved.loss_scaler)
     optimizer.commit_restored_masters()
-    optimizer.publish_masters()
     return missing
 
 

@@ -210,9 +210,8 @@ class SavedStage0_2:
         self.path = os.path.join(ckpt_dir, common.model_states_name(mp_rank))
         self.states0 = self._load(self.path)
         _check_mp_size(self.states0, self.path, mp_world_size)
-        if self.states0.get("module") is None:
-            raise CheckpointError(f"{ckpt_dir} was saved with pipeline stages, which ZeRO "
-                                  "stage 3 does not run; resume it at stage 0-1")
+        # with pipeline stages the weights are in layer files (layer_*-model_states.pt)
+        self.pipelined = self.states0.get("module") is None
         if self.states0.get("optimizer") is not None:  # stage 0: one full slice
             self.slices = [self.states0["optimizer"]]
         else:
