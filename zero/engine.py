@@ -201,6 +201,9 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def _base_optimizer(self, client_optimizer, model_parameters):
         if model_parameters is None:
+            if not any(p.requires_grad for p in self.module.parameters()):
+                raise ZeroError("zero.initialize: the model has no trainable parameters (every "
+                                "parameter has requires_grad=False): nothing to optimize")
             model_parameters = self.module.parameters()
         else:
             model_parameters = list(model_parameters)  # a generator is read once: keep it

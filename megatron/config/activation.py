@@ -47,7 +47,8 @@ def activation_checkpointing(raw, enabled, section, num_layers, model_parallel_s
     asked = [f"--{dest.replace('_', '-')}" for dest, _ in _OPTION_FLAGS if raw[dest]]
     asked += [f"'activation_checkpointing.{key}'" for _, key in _OPTION_FLAGS
               if getattr(section, key)]
-    for flag, on in (("--split-transformers", raw["split_transformers"]),
+    for flag, on in (("--checkpoint-num-layers", per_layer != 1),  # (1: its default)
+                     ("--split-transformers", raw["split_transformers"]),
                      ("--distribute-checkpointed-activations",
                       raw["distribute_checkpointed_activations"]),
                      ("--deepspeed-activation-checkpointing",
@@ -67,9 +68,10 @@ def activation_checkpointing(raw, enabled, section, num_layers, model_parallel_s
                                      (2 if raw["split_transformers"] else 1),
                                      model_parallel_size, notes)
     elif section.number_checkpoints is not None:
+        missing = ("" if enabled else "--checkpoint-activations ") + \
+            "--deepspeed-activation-checkpointing"
         notes.append(" note: 'activation_checkpointing.number_checkpoints' not used: it sizes "
-                     "DeepSpeed's activation checkpointing, which is off (add "
-                     "--checkpoint-activations --deepspeed-activation-checkpointing)")
+                     f"DeepSpeed's activation checkpointing, which is off (add {missing})")
     return ActivationCheckpointConfig(enabled, per_layer, raw["split_transformers"], options,
                                       tuple(notes))
 

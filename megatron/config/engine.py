@@ -53,7 +53,6 @@ Without --deepspeed the flags are the whole story:
 
 import copy
 import functools
-import logging
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -162,12 +161,9 @@ def _json_batch_sizes(raw, data_parallel_size):
     if all(final.get(key) is None for key in BATCH_KEYS):
         return None, source
     _micro_batch_from_the_flag(final, raw)
-    deprecations = logging.getLogger("zero.config.deepspeed_config")
-    deprecations.disabled = True  # the config's full parse, later, warns once
-    try:
-        return _parse(copy.deepcopy(final), data_parallel_size, source), source
-    finally:
-        deprecations.disabled = False
+    # the batch keys alone: the rest may hold "auto" values the flags fill in later
+    batch = {key: copy.deepcopy(final[key]) for key in BATCH_KEYS if key in final}
+    return _parse(batch, data_parallel_size, source), source
 
 
 def lr_from_json(raw):

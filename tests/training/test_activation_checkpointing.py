@@ -73,7 +73,19 @@ def test_flags_reconcile_with_the_config(corpus, tmp_path):
     assert recompute.deepspeed_activation_checkpointing is None
     assert recompute.notes == (" note: 'activation_checkpointing.number_checkpoints' not used: "
                                "it sizes DeepSpeed's activation checkpointing, which is off (add "
-                               "--checkpoint-activations --deepspeed-activation-checkpointing)",)
+                               "--deepspeed-activation-checkpointing)",)
+    # the config's "gradient_checkpointing" turns --checkpoint-activations on: not asked again
+    (tmp_path / "on").mkdir()
+    on = stage_config(tmp_path / "on", 1, gradient_checkpointing=True,
+                      activation_checkpointing={"number_checkpoints": 4})
+    recompute = _parse(corpus, tmp_path, "--deepspeed", "--deepspeed_config",
+                       on).activation_checkpointing
+    assert recompute.checkpoint_activations
+    assert recompute.notes[0].endswith("which is off (add --deepspeed-activation-checkpointing)")
+    recompute = _parse(corpus, tmp_path, "--deepspeed", "--deepspeed_config",
+                       counted).activation_checkpointing
+    assert recompute.notes[0].endswith("(add --checkpoint-activations "
+                                       "--deepspeed-activation-checkpointing)")
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -81,6 +93,8 @@ def test_flags_reconcile_with_the_config(corpus, tmp_path):
                                   "--checkpoint-activations, which is off"),
     (["--split-transformers"], "--split-transformers acts on"),
     (["--deepspeed-activation-checkpointing"], "add --checkpoint-activations"),
+    (["--checkpoint-num-layers", "2"], "--checkpoint-num-layers acts on the checkpoints of "
+                                       "--checkpoint-activations, which is off"),
     (["--checkpoint-activations", "--checkpoint-num-layers", "3"],
      "--checkpoint-num-layers 3 does not divide --num-layers 2"),
 ])

@@ -68,6 +68,14 @@ def test_hugging_face_auto_schedule_takes_megatrons_schedule(tmp_path):
         "type": "WarmupCosineLR", "params": {"total_num_steps": "auto",
                                              "warmup_num_steps": "auto"}})
     assert parse("--deepspeed", "--deepspeed_config", cosine).notes == ()
+    # beside the batch sizes the JSON sets (which are read before the schedule is filled in)
+    with_batch = write_config(tmp_path, "batch.json", train_micro_batch_size_per_gpu=4,
+                              scheduler={"type": "WarmupDecayLR",
+                                         "params": {"total_num_steps": "auto",
+                                                    "warmup_num_steps": "auto"}})
+    parsed = parse("--deepspeed", "--deepspeed_config", with_batch, "--lr-decay-iters", 6)
+    assert parsed.engine.ds_config.scheduler.params["total_num_steps"] == 6
+    assert parsed.training.batch_size == 4
     fixed_lr = write_config(tmp_path, "fixed.json", optimizer={"type": "AdamW",
                                                                "params": {"lr": 2e-4}},
                             scheduler={"type": "WarmupCosineLR",

@@ -183,6 +183,9 @@ def test_a_zero_init_model_below_stage_3_and_empty_model_parameters_are_refused(
     engine, *_ = zero.initialize(model=model, model_parameters=model.parameters(),
                                  config=_config())  # a generator: read once, kept
     assert sum(len(g["params"]) for g in engine.optimizer.optimizer.param_groups) > 0
+    frozen = cases.make_model().requires_grad_(False)
+    with pytest.raises(ZeroError, match="the model has no trainable parameters"):
+        zero.initialize(model=frozen, config=_config())
 
 
 def test_progress_lines_and_tensorboard(tmp_path, capsys):

@@ -161,7 +161,13 @@ def _gathered_with_modifier(rank):
         again = weight.detach().clone()
     sub_group, offset = engine.optimizer.location[weight]
     master = sub_group.master.detach().narrow(0, offset, weight.ds_tensor.numel())
+    try:  # no rank 5 in a group of 2: said on every rank before anything is gathered
+        zero.GatheredParameters(weight, modifier_rank=5)
+        no_such_rank = None
+    except zero.ZeroError as e:
+        no_such_rank = str(e)
     return {"all_half": bool((seen == 0.5).all()), "discarded": bool((again == 0.5).all()),
+            "no_such_rank": no_such_rank,
             "released": after_exit is ParamStatus.NOT_AVAILABLE,
             "master_follows": bool((master[:weight.ds_numel] == 0.5).all())
             if rank == 0 else True}
@@ -262,6 +268,8 @@ def test_gathered_parameters_modifier_rank_broadcasts_and_repartitions(dp2):
         result = rank_results["modifier"]
         assert result["all_half"] and result["discarded"] and result["released"]
         assert result["master_follows"]
+        assert result["no_such_rank"] == ("GatheredParameters: modifier_rank 5 is not a rank of "
+                                          "the parameters' data-parallel group (0..1)")
 
 
 def test_exact_resume_and_loading_at_another_dp_size(dp2, dp4, ckpt_dir):

@@ -462,6 +462,12 @@ class GatheredParameters:
                 unique[param.ds_id] = param
         self.params = [unique[k] for k in sorted(unique)]  # the same order on every rank
         self.enabled = enabled and bool(self.params)
+        if self.enabled and modifier_rank is not None:
+            size = self.params[0].ds_comm.world_size
+            if isinstance(modifier_rank, bool) or not isinstance(modifier_rank, int) \
+                    or not 0 <= modifier_rank < size:
+                raise ZeroError(f"GatheredParameters: modifier_rank {modifier_rank!r} is not a "
+                                f"rank of the parameters' data-parallel group (0..{size - 1})")
         self.modifier_rank = modifier_rank
         self.fwd_module = fwd_module
         self._was_gathered = []
