@@ -22,6 +22,7 @@ _EXPORTS = {
                                          "register_external_parameter",
                                          "unregister_external_parameter"),
     "zero.engine": ("initialize",),
+    "zero.comm.process_group": ("init_distributed",),
     "zero.checkpoint.zero_to_fp32": ("convert_zero_checkpoint_to_fp32_state_dict",
                                      "get_fp32_state_dict_from_zero_checkpoint",
                                      "load_state_dict_from_zero_checkpoint"),

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from zero.checkpoint import layout as ckpt
 from zero.config.arguments import apply_mpi_environment, resolve_config_from_args
 from zero.comm.communicator import Communicator
+from zero.comm.process_group import init_distributed
 from zero.compiler import compile_module
 from zero.config.deepspeed_config import DeepSpeedConfig
 from zero.errors import ConfigError, ZeroError
@@ -69,31 +70,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     source = resolve_config_from_args(args, config if config is not None else config_params)
     if args is not None and getattr(args, "deepspeed_mpi", False):
         apply_mpi_environment()
-    init_distributed(dist_init_required)
+    init_distributed(dist_init_required=dist_init_required)
     engine = DeepSpeedEngine(model, source, optimizer=optimizer,
                              model_parameters=model_parameters, training_data=training_data,
                              lr_scheduler=lr_scheduler, mpu=mpu, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-
-
-def init_distributed(dist_init_required=None):
-    """Start torch.distributed from the launcher's environment (env:// rendezvous) unless it is
-    running already or `dist_init_required` is False. nccl on CUDA, gloo on CPU. Without a
-    launcher (no WORLD_SIZE/RANK) the engine runs as a single process without a group."""
-    if dist_init_required is False or dist.is_initialized():
-        return
-    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
-        if dist_init_required:
-            raise ZeroError("dist_init_required=True but RANK and WORLD_SIZE are not set; "
-                            "launch with torchrun (or deepspeed/mpirun with --deepspeed_mpi)")
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("gloo")
 
 
 class DeepSpeedEngine(torch.nn.Module):

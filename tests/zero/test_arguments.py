@@ -72,3 +72,30 @@ def test_mpi_environment_mpich_keeps_master_port():
 def test_mpi_environment_errors(env, piece):
     with pytest.raises(ConfigError, match=piece):
         apply_mpi_environment(env)
+
+
+_BUILD_UNDER_INIT = """
+import torch, torch.distributed as dist, zero
+with zero.Init(config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}):
+    model = torch.nn.Linear(4, 4, bias=False)
+print(dist.is_initialized() and dist.get_world_size(), model.weight.ds_tensor.numel())
+zero.init_distributed()  # DeepSpeed's deepspeed.init_distributed: running already, a no-op
+"""
+
+
+def test_zero_init_starts_the_process_group_a_launcher_set_up(tmp_path):
+    """A script run by torchrun that builds its model under zero.Init before initialize (as
+    DeepSpeed's zero.Init does, it starts torch.distributed): the partitions are halves."""
+    import subprocess
+    import sys
+    from tests.dist_utils import REPO, free_port
+    from tests.parallel.launching import clean_environment, torchrun_variables
+    port, rank_env = free_port(), torchrun_variables(2)
+    ranks = [subprocess.Popen([sys.executable, "-c", _BUILD_UNDER_INIT], cwd=REPO, text=True,
+                              env=clean_environment(**rank_env(rank, port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for rank in range(2)]
+    outputs = [process.communicate(timeout=120)[0] for process in ranks]
+    for process, output in zip(ranks, outputs):
+        assert process.returncode == 0, output
+        assert output.split()[-2:] == ["2", "8"], output  # 16 elements over 2 ranks

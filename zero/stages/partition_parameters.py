@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from zero.comm.communicator import Communicator
+from zero.comm.process_group import init_distributed
 from zero.errors import ConfigError, ZeroError
 
 
@@ -322,6 +323,7 @@ class Init:
             raise ConfigError("zero.Init got both config_dict_or_path= and config=; pass one")
         if data_parallel_group is None and mpu is not None:
             data_parallel_group = mpu.get_data_parallel_group()
+        init_distributed()  # a script may build its model before zero.initialize starts it
         self.comm = Communicator(data_parallel_group)
         config = config if config is not None else config_dict_or_path
         config_dtype, config_device, config_pin, parsed = (None, None, None, None) \
