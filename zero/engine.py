@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from zero.checkpoint import layout as ckpt
 from zero.config.arguments import apply_mpi_environment, resolve_config_from_args
+from zero.comm.agreement import parameters_fingerprint, require_agreement
 from zero.comm.communicator import Communicator
 from zero.comm.process_group import init_distributed
 from zero.compiler import compile_module
@@ -103,8 +104,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self.device = self._place_module()
         self.compiled = compile_module(self.module, self.config, self.global_rank)
         self._tune_host_allocator()
-        self.optimizer = build_zero_optimizer(self, self._base_optimizer(optimizer,
-                                                                         model_parameters),
+        base_optimizer = self._base_optimizer(optimizer, model_parameters)
+        self._check_data_parallel_ranks_agree(base_optimizer)
+        self.optimizer = build_zero_optimizer(self, base_optimizer,
                                               module_reduces_gradients=self._ddp is not None)
         self._broadcast_from_first_dp_rank()
         self._load_hooks = self._follow_weight_loads()
@@ -140,6 +142,17 @@ class DeepSpeedEngine(torch.nn.Module):
         # PipelineParallelGrid): what checkpoint files are named by
         self.checkpoint_rank = self.pp_rank * self.mp_world_size + self.mp_rank
         self.checkpoint_world_size = self.pp_world_size * self.mp_world_size
+
+    def _check_data_parallel_ranks_agree(self, base_optimizer):
+        """Ranks given different configs or models would hang in, or crash out of, their
+        first collective, or drift apart silently: said before any collective."""
+        hyper = [{k: v for k, v in group.items() if k != "params"}
+                 for group in base_optimizer.param_groups]
+        require_agreement({**self.config.settings_ranks_share(),
+                           "the optimizer's param groups": repr(hyper),
+                           "the model's parameters (names, shapes, dtypes)":
+                           parameters_fingerprint(self.module)}, self.dp_comm,
+                          "zero.initialize: the data-parallel ranks must agree on what they train")
 
     def _check_supported_features(self):
         zero = self.config.zero_optimization

@@ -436,3 +436,23 @@ def test_zero_never_imports_megatron():
             else:
                 continue
             assert not [n for n in names if n.split(".")[0] == "megatron"], path
+
+
+def test_auto_values_nothing_filled_in_are_said_with_what_is_used(caplog, tmp_path):
+    """Hugging Face's "auto" given to zero directly (no Trainer, no pretrain_gpt2.py flags to
+    fill it in) takes zero's default: one warning per key says which, once per config."""
+    path = tmp_path / "hf.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2,
+                                "gradient_clipping": "auto", "fp16": {"enabled": "auto"},
+                                "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
+    with caplog.at_level(logging.WARNING, logger="zero.config"):
+        config = DeepSpeedConfig(str(path))
+        DeepSpeedConfig(str(path))  # parsed again: not said again
+    assert config.gradient_clipping == 0.0 and not config.fp16.enabled
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"{path}: 'gradient_clipping' is \"auto\", which nothing filled in: the "
+                    "default 0.0 is used",
+                    f"{path}: 'fp16.enabled' is \"auto\", which nothing filled in: the default "
+                    "false is used",
+                    f"{path}: 'optimizer.params.lr' is \"auto\", which nothing filled in: "
+                    "AdamW's default is used"], said

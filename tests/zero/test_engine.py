@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import zero
+from tests.dist_utils import run_distributed
 from tests.zero import engine_cases as cases
 from zero.errors import ConfigError, ZeroError
 from zero.stages.stage1_2 import ZeroOptimizer
@@ -419,3 +420,37 @@ def _module_weights(engine):
     params = dict(engine.module.named_parameters())
     with zero.GatheredParameters(list(params.values())):
         return {name: p.detach().float().clone() for name, p in params.items()}
+
+
+def _engine_with_what_rank_1_was_given(rank, world_size, change):
+    config, model = cases.ds_config(2, gas=2), cases.make_model()
+    if rank == 1 and change == "gas":
+        config = cases.ds_config(2, gas=4)
+    if rank == 1 and change == "lr":
+        config = {**config, "optimizer": {"type": "AdamW", "params": {"lr": 2e-3}}}
+    elif change == "lr":
+        config = {**config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    if rank == 1 and change == "model":
+        model.head = torch.nn.Linear(model.head.in_features, model.head.out_features + 1)
+    try:
+        if change == "lr":
+            zero.initialize(model=model, config=config)
+        else:
+            cases.make_engine(config, model=model)
+    except ConfigError as e:
+        return str(e)
+    return "initialized"
+
+
+@pytest.mark.parametrize("change, differs", [
+    ("gas", "gradient_accumulation_steps (rank 0: 2, rank 1: 4)"),
+    ("lr", "the optimizer's param groups (rank 0: [{'lr': 0.001"),
+    ("model", "the model's parameters (names, shapes, dtypes) (rank 0: "),
+])
+def test_ranks_given_different_configs_or_models_are_told_at_initialize(change, differs):
+    """A per-rank difference (an environment variable read into the config, say) hung in,
+    or crashed out of, the first collective, or (another lr) trained apart without a word."""
+    for message in run_distributed(_engine_with_what_rank_1_was_given, 2, args=(change,)):
+        assert message.startswith("zero.initialize: the data-parallel ranks must agree on "
+                                   "what they train, but these differ: "), message
+        assert differs in message, message

@@ -67,6 +67,20 @@ class DeepSpeedConfig:
                                  f"'{name}' (build a new one from the changed dict instead)")
         super().__setattr__(name, value)
 
+    def settings_ranks_share(self):
+        """{key: value} of what every data-parallel rank's config must agree on (the engine
+        checks it at initialize): batch sizes, stage, precision, clipping, optimizer, schedule."""
+        optimizer, scheduler = self.optimizer, self.scheduler
+        return {
+            "train_batch_size": self.train_batch_size,
+            "train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "zero_optimization.stage": self.zero_optimization.stage,
+            "fp16.enabled": self.fp16.enabled, "bf16.enabled": self.bf16.enabled,
+            "gradient_clipping": self.gradient_clipping,
+            "optimizer": optimizer and (optimizer.type, sorted(optimizer.params.items())),
+            "scheduler": scheduler and (scheduler.type, sorted(scheduler.params.items()))}
+
     def __repr__(self):
         return (f"DeepSpeedConfig(source={self.source!r}, dp_world_size={self.dp_world_size}, "
                 f"train_batch_size={self.train_batch_size}, "

@@ -23,12 +23,14 @@ DeepSpeed's pydantic sections follow, plus ours:
 import dataclasses
 import difflib
 import json
+import logging
 import math
 import typing
 
 from zero.errors import ConfigError
 
 AUTO = "auto"
+logger = logging.getLogger("zero.config")
 
 # DEFAULT_ONLY value for a monitoring/feature section that is accepted only while disabled.
 DISABLED_SECTION = object()
@@ -132,6 +134,8 @@ def parse_section(cls, raw, source, path, key_homes=None):
                          "are two spellings of the same key; keep one")
         spelled[f.name] = key
         if isinstance(value, str) and value == AUTO:
+            say_auto_default(source, key_path(path, key), "its default" if f.default is
+                             dataclasses.MISSING else f"the default {show(f.default)}")
             continue
         values[f.name] = coerce(value, f, source, key_path(path, key), key_homes)
     for f in dataclasses.fields(cls):  # absent sections still get their defaults resolved
@@ -205,6 +209,19 @@ def _check_range(value, metadata, source, path):
         fail(source, f"'{path}' must be >= {minimum}, got {show(value)}")
     if maximum is not None and value > maximum:
         fail(source, f"'{path}' must be <= {maximum}, got {show(value)}")
+
+
+_AUTO_SAID = set()  # (source, path): said once per process, however often a config is parsed
+
+
+def say_auto_default(source, path, used):
+    """Hugging Face's "auto" is a value its Trainer (or pretrain_gpt2.py, from the flags)
+    writes in before the config is read; one left for zero takes a default (`used`): said."""
+    if (source, path) in _AUTO_SAID:
+        return
+    _AUTO_SAID.add((source, path))
+    logger.warning("%s: '%s' is \"auto\", which nothing filled in: %s is used", source, path,
+                   used)
 
 
 def _same(value, default):

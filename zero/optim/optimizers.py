@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from zero.config.parsing import AUTO, fail, show
+from zero.config.parsing import AUTO, fail, say_auto_default, show
 from zero.errors import ConfigError
 from zero.ops.cpu_adam import CPUAdam
 from zero.optim.quantized_adam import QUANTIZED_ADAMS, Adam4bit, Adam8bit
@@ -87,6 +87,8 @@ def plan_optimizer(section, source):
     """(torch optimizer class, constructor kwargs) for an `optimizer` section."""
     name = section.type
     params = {k: v for k, v in section.params.items() if not (isinstance(v, str) and v == AUTO)}
+    for key in section.params.keys() - params.keys():
+        say_auto_default(source, f"optimizer.params.{key}", f"{name}'s default")
     if "max_grad_norm" in params:
         fail(source, "'max_grad_norm' is not supported as an optimizer parameter, please switch "
                      "to using the deepspeed parameter 'gradient_clipping' (a top-level key)")
