@@ -36,7 +36,8 @@ A Megatron-DeepSpeed --deepspeed checkpoint (its pickled arguments, Megatron-LM 
 converts the same way, its fp32 masters and Adam moments read out of DeepSpeed's ZeRO files
 (stages 1-3; their pickled DeepSpeed classes are read as plain values, no code runs) and its
 learning-rate schedule counted in iterations; not its RNG states (resume with --no-load-rng),
-nor the optimizer state of a ZeRO stage 0 or pipeline checkpoint (the weights only).
+nor the optimizer state of a ZeRO stage 0 checkpoint (the weights only). With pipeline
+stages each stage's ZeRO files are read and the stages joined.
 
 RNG states: every target rank gets rank 0's python/numpy/torch generators (identical on all
 TP ranks anyway); the per-rank attention-dropout stream continues on ranks that existed and
@@ -105,8 +106,8 @@ def run(args):
     name = "release" if result.release else f"iteration {result.iteration}"
     foreign = result.saved_by == MEGATRON_DEEPSPEED
     optimizer = "converted" if result.optimizer_converted else \
-        "not converted (Megatron-DeepSpeed's without ZeRO partitions, stage 0, or with " \
-        "pipeline stages): resume with --no-load-optim" if foreign else \
+        "not converted (Megatron-DeepSpeed's without ZeRO partitions, stage 0): resume " \
+        "with --no-load-optim" if foreign else \
         "not converted (tiled linears: ZeRO keeps it per tile): resume with --no-load-optim" \
         if args.deepspeed else "none in the source checkpoint"
     resume_flags = [flag for flag, wanted in (

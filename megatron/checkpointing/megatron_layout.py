@@ -195,8 +195,8 @@ def _load_optimizer(engine, state, run_args, path, fp32_weights):
     saved_args = state.get("args") or {}
     from_megatron_deepspeed = state.get("saved_by") == MEGATRON_DEEPSPEED
     why = "saved with --no-save-optim" if saved_args.get("no_save_optim") else \
-        "converted from a Megatron-DeepSpeed checkpoint without ZeRO partitions (stage 0) or " \
-        "with pipeline stages, whose optimizer state is not carried" \
+        "converted from a Megatron-DeepSpeed checkpoint without ZeRO partitions (stage 0), " \
+        "whose optimizer state is not carried" \
         if from_megatron_deepspeed else \
         "converted from a --deepspeed checkpoint with tiled linears, whose optimizer " \
         "state tools/merge_mp_partitions.py does not carry" \

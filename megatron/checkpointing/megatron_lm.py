@@ -1,8 +1,9 @@
 """Checkpoints saved by Megatron-LM itself (1.x to 3.x, before Megatron-core models) and by
 Megatron-DeepSpeed without --deepspeed, read as this trainer's Megatron layout; and the
 model-states files of Megatron-DeepSpeed's --deepspeed checkpoints, with or without pipeline
-stages (`deepspeed_states_as_this_layout`, `deepspeed_pipeline_module`, for megatron/convert/
-deepspeed_source.py: their module's weights only).
+stages (`deepspeed_states_as_this_layout`, `deepspeed_pipeline_module` and the names its
+PipelineModule gives parameters, for megatron/convert/deepspeed_source.py, which reads their
+ZeRO files).
 
 Their files are this layout's (iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt), but they pickle
 their arguments (an argparse.Namespace, with two of Megatron's enums) and NumPy's RNG state,
@@ -151,6 +152,19 @@ def deepspeed_pipeline_module(tag_dir, tp_rank, states):
     versions: so each file is known by its keys. In order: the embeddings, the transformer
     layers, the final LayerNorm. (The tied output layer has no file: its entry is a function
     of the embedding layer's module.)"""
+    module = {}
+    for index, prefix in deepspeed_pipeline_prefixes(tag_dir, tp_rank, states).items():
+        state = torch.load(_layer_file(tag_dir, index, tp_rank), map_location="cpu",
+                           weights_only=True)
+        module.update({prefix + key: value for key, value in state.items()})
+    return _renamed_module(module, states["args"], states["saved_checkpoint_version"], tag_dir)
+
+
+def deepspeed_pipeline_prefixes(tag_dir, tp_rank, states):
+    """{layer file index: the prefix its weights' names have in Megatron-DeepSpeed's module
+    without pipeline stages} (see deepspeed_pipeline_module). The same index numbers the
+    PipelineModule's parameters ("<index>.<name>"; the tied embeddings: "tied_modules.embed.")
+    in the ZeRO files' param_shapes."""
     files = sorted((int(match.group(1)), os.path.join(tag_dir, name))
                    for name in os.listdir(tag_dir)
                    for match in [_LAYER_FILE.fullmatch(name)]
@@ -159,35 +173,45 @@ def deepspeed_pipeline_module(tag_dir, tp_rank, states):
         raise CheckpointError(f"{tag_dir} was saved by Megatron-DeepSpeed with pipeline stages "
                               f"but has no layer_*-model_{tp_rank:02d}-model_states.pt files "
                               f"(tensor-parallel rank {tp_rank}'s weights): it is incomplete")
-    embedding, layers, final_layernorm = None, [], None
-    for _, path in files:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+    prefixes, layers, seen = {}, 0, set()
+    for index, path in files:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # its keys
         kind = _layer_file_kind(state, path)
-        expected = ("the embeddings",) if embedding is None else \
-            ("a transformer layer", "the final LayerNorm") if final_layernorm is None else \
-            ("nothing (after the final LayerNorm)",)
+        expected = ("the embeddings",) if not seen else \
+            ("a transformer layer", "the final LayerNorm") \
+            if "the final LayerNorm" not in seen else ("nothing (after the final LayerNorm)",)
         if kind not in expected:
             raise CheckpointError(f"{path} holds {kind} where {' or '.join(expected)} was "
                                   "expected: the layer files are not one GPT model's")
+        seen.add(kind)
         if kind == "the embeddings":
-            embedding = state
+            prefixes[index] = "language_model.embedding."
         elif kind == "a transformer layer":
-            layers.append(state)
+            prefixes[index] = f"language_model.encoder.layers.{layers}."
+            layers += 1
         else:
-            final_layernorm = state
-    args = states["args"]
-    if final_layernorm is None or len(layers) != args["num_layers"]:
-        raise CheckpointError(f"{tag_dir} holds {len(layers)} transformer layers"
-                              f"{'' if final_layernorm else ' and no final LayerNorm'} for "
+            prefixes[index] = "language_model.encoder.final_layernorm."
+    num_layers = states["args"]["num_layers"]
+    if "the final LayerNorm" not in seen or layers != num_layers:
+        final = "" if "the final LayerNorm" in seen else " and no final LayerNorm"
+        raise CheckpointError(f"{tag_dir} holds {layers} transformer layers{final} for "
                               f"tensor-parallel rank {tp_rank}, but its args say "
-                              f"--num-layers {args['num_layers']}: layer files are missing")
-    module = {f"language_model.embedding.{key}": value for key, value in embedding.items()}
-    for number, layer in enumerate(layers):
-        module.update({f"language_model.encoder.layers.{number}.{key}": value
-                       for key, value in layer.items()})
-    module.update({f"language_model.encoder.final_layernorm.{key}": value
-                   for key, value in final_layernorm.items()})
-    return _renamed_module(module, args, states["saved_checkpoint_version"], tag_dir)
+                              f"--num-layers {num_layers}: layer files are missing")
+    return prefixes
+
+
+def deepspeed_pipeline_parameter_name(name, prefixes):
+    """A PipelineModule parameter's name ("tied_modules.embed.word_embeddings.weight",
+    "3.self_attention.dense.weight") as Megatron-DeepSpeed's module without pipeline stages
+    names it; None for a parameter of no layer file (an untied output layer)."""
+    if name.startswith("tied_modules.embed."):
+        return "language_model.embedding." + name[len("tied_modules.embed."):]
+    index, _, rest = name.partition(".")
+    return prefixes[int(index)] + rest if index.isdigit() and int(index) in prefixes else None
+
+
+def _layer_file(tag_dir, index, tp_rank):
+    return os.path.join(tag_dir, f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt")
 
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")

@@ -34,11 +34,14 @@ from zero.checkpoint.files import optim_files
 from megatron.checkpointing.files import safe_load
 from megatron.checkpointing.megatron_lm import (MegatronDeepSpeedTensors, allowed_globals,
                                                 deepspeed_pipeline_module,
+                                                deepspeed_pipeline_parameter_name,
+                                                deepspeed_pipeline_prefixes,
                                                 deepspeed_states_as_this_layout,
                                                 megatron_deepspeed_schedule)
 from megatron.checkpointing.megatron_layout import CHECKPOINT_VERSION, read_tracker
 from megatron.checkpointing.state_dicts import to_nested_state_dict
 from megatron.convert.checkpoint_files import ShardedCheckpoint, inside_a_checkpoint
+from megatron.convert.joined_stages import JoinedStages
 from megatron.convert.optimizer_state import optimizer_group_names
 from megatron.convert.pipeline_layout import join_stages, stage_layer_numbers, with_stages
 from megatron.errors import CheckpointError
@@ -112,10 +115,8 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
     foreign = first.get("saved_by")
     iteration = int(first.get("iteration", first["global_steps"]))
     if foreign and first["module"] is None:  # Megatron-DeepSpeed's pipeline: its layer files
-        shards = [_module_weights_only(dict(first, args=with_stages(first["args"], 1, None),
-                                            module=deepspeed_pipeline_module(tag_dir, tp_rank,
-                                                                             first)))
-                  for tp_rank in range(size)]
+        shards = [_megatron_deepspeed_pipeline_shard(tag_dir, tp_rank, size, stages, first,
+                                                     fp32_weights) for tp_rank in range(size)]
         return ShardedCheckpoint(load_dir, iteration, False, shards, stages)
 
     def shard_of(mp_rank, tp_rank, stage):
@@ -141,7 +142,8 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
                      model=to_nested_state_dict(model))
         # (with pipeline stages each stage's ZeRO files hold its own parameters, named as the
         # stage's module names them; join_stages renumbers them with the layers)
-        optimizer = _optimizer_entry(tag_dir, mp_rank, size * stages, model, module)
+        optimizer = _optimizer_entry(_open_zero_files(tag_dir, mp_rank, size * stages), model,
+                                     module, tag_dir)
         if optimizer is not None:
             shard["optimizer"] = optimizer
         if states.get("lr_scheduler") is not None:
@@ -182,10 +184,52 @@ def _megatron_deepspeed_shard(load_dir, tag, mp_rank, size, states, fp32_weights
             module = states["module"]
             model = {name: _master(fp32, name, tensor, fp32_weights, tag_dir)
                      for name, tensor in module.items()}
-            optimizer = _optimizer_entry(tag_dir, mp_rank, size, model, module,
-                                         tensors=tensors, load=load_zero_file)
+            optimizer = _optimizer_entry(_open_zero_files(tag_dir, mp_rank, size,
+                                                          load=load_zero_file),
+                                         model, module, tag_dir, tensors=tensors)
     except ZeroCheckpointError as e:
         raise CheckpointError(str(e)) from None
+    return _megatron_deepspeed_state(states, model, optimizer)
+
+
+def _megatron_deepspeed_pipeline_shard(tag_dir, tp_rank, size, stages, first, fp32_weights):
+    """Tensor-parallel rank `tp_rank`'s shard of a Megatron-DeepSpeed checkpoint with pipeline
+    stages (its layer files joined: deepspeed_pipeline_module), with each stage's fp32 masters
+    and optimizer state from its ZeRO files joined in the whole model's names (JoinedStages);
+    the weights only where a stage has no ZeRO files (stage 0: DeepSpeed's FP16_Optimizer)."""
+    from zero.checkpoint.zero_to_fp32 import load_zero_file
+    from zero.errors import CheckpointError as ZeroCheckpointError
+    states = dict(first, args=with_stages(first["args"], 1, None),
+                  module=deepspeed_pipeline_module(tag_dir, tp_rank, first))
+    ranks = [stage * size + tp_rank for stage in range(stages)]  # DeepSpeed's mp_rank
+    if not all(optim_files(tag_dir, mp_rank) for mp_rank in ranks):
+        return _module_weights_only(states)
+    prefixes = deepspeed_pipeline_prefixes(tag_dir, tp_rank, first)
+    tensors = MegatronDeepSpeedTensors(first["args"], first["saved_checkpoint_version"], tag_dir)
+    module = states["module"]
+    try:
+        with torch.serialization.safe_globals(allowed_globals()):  # its pickled args
+            saved = JoinedStages(
+                [_open_zero_files(tag_dir, mp_rank, size * stages, load=load_zero_file)
+                 for mp_rank in ranks],
+                lambda name: deepspeed_pipeline_parameter_name(name, prefixes), tag_dir)
+            theirs = {tensors.name(name): name for name in saved.names()}
+            fp32 = {name: tensors.tensor(saved.master(theirs[name], tensor.numel())
+                                         .view(tensor.shape), name)
+                    for name, tensor in module.items() if name in theirs}
+            model = {name: _master(fp32, name, tensor, fp32_weights, tag_dir)
+                     for name, tensor in module.items()}
+            optimizer = _optimizer_entry(saved, model, module, tag_dir, tensors=tensors)
+    except ZeroCheckpointError as e:
+        raise CheckpointError(str(e)) from None
+    return _megatron_deepspeed_state(states, model, optimizer)
+
+
+def _megatron_deepspeed_state(states, model, optimizer):
+    """The shard of a Megatron-DeepSpeed checkpoint with ZeRO files: its weights (`model`),
+    optimizer state, and learning-rate schedule where this trainer's runs it
+    (megatron_deepspeed_schedule). Its RNG states are not carried."""
+    args = states["args"]
     shard = _module_weights_only(states)
     shard["model"] = to_nested_state_dict(model)
     if optimizer is not None:
@@ -198,22 +242,27 @@ def _megatron_deepspeed_shard(load_dir, tag, mp_rank, size, states, fp32_weights
     return shard
 
 
-def _optimizer_entry(tag_dir, mp_rank, size, model, module, tensors=None, load=None):
-    """Model-parallel rank `mp_rank`'s (of `size`: TP x pipeline stages) optimizer state in
-    the Megatron layout's per-parameter form (megatron/checkpointing/optimizer_state.py),
-    read parameter by parameter from the ZeRO files of any stage and DP size; None when the
-    ZeRO state is not per parameter of this model (a model trained with tiled linears keeps
-    it per tile). `model`: the weights
-    (their shapes), `module`: the saved module (the dtype trained in; at stage 3 its
-    parameters are empty placeholders). A Megatron-DeepSpeed checkpoint's: `tensors`
-    (MegatronDeepSpeedTensors) renames and re-orders, `load` reads DeepSpeed's files."""
+def _open_zero_files(tag_dir, mp_rank, size, load=None):
+    """Model-parallel rank `mp_rank`'s (of `size`: TP x pipeline stages) ZeRO files, read a
+    parameter at a time (zero/checkpoint/whole_params.py)."""
     from zero.checkpoint.whole_params import open_saved
     from zero.errors import CheckpointError as ZeroCheckpointError
-    from zero.optim.quantized_state import TABLE
     try:
-        saved = open_saved(tag_dir, mp_rank, size, load=load)
+        return open_saved(tag_dir, mp_rank, size, load=load)
     except ZeroCheckpointError as e:
         raise CheckpointError(str(e)) from None
+
+
+def _optimizer_entry(saved, model, module, tag_dir, tensors=None):
+    """The optimizer state of one model-parallel rank in the Megatron layout's per-parameter
+    form (megatron/checkpointing/optimizer_state.py), read parameter by parameter from the
+    ZeRO files of any stage and DP size (`saved`: a reader of zero/checkpoint/whole_params.py,
+    or JoinedStages); None when the ZeRO state is not per parameter of this model (a model
+    trained with tiled linears keeps it per tile). `model`: the weights (their shapes),
+    `module`: the saved module (the dtype trained in; at stage 3 its parameters are empty
+    placeholders). A Megatron-DeepSpeed checkpoint's: `tensors` (MegatronDeepSpeedTensors)
+    renames and re-orders."""
+    from zero.optim.quantized_state import TABLE
     theirs = {name: name for name in saved.names()} if tensors is None else \
         {tensors.name(name): name for name in saved.names()}
     ours = (lambda tensor, name: tensor) if tensors is None else tensors.tensor

@@ -1,10 +1,10 @@
-"""Megatron-DeepSpeed --deepspeed checkpoints with ZeRO partitions (no pipeline stages): made
+"""Megatron-DeepSpeed --deepspeed checkpoints with ZeRO partitions (and pipeline stages): made
 here from this trainer's own by Megatron-DeepSpeed's differences (pickled argparse.Namespace
 arguments and Megatron-LM 2.x's names, in the module and in param_shapes; DeepSpeed's pickled
 loss scaler and ZeRO stage enum in the optimizer files; its param groups' extra keys; its
 learning-rate schedule counted in samples), then converted with their fp32 masters and Adam
 moments and resumed: the same state as converting the original, the same losses as the run
-that never stopped. (Its pipeline checkpoints: test_megatron_lm_checkpoints.py.)"""
+that never stopped. (Its pipeline checkpoints' layer files: test_megatron_lm_checkpoints.py.)"""
 
 import argparse
 import contextlib
@@ -103,6 +103,8 @@ def _as_megatron_deepspeed(source, target, schedule_change=None, optimizer="zero
     for folder, _, files in os.walk(target):
         for name in files:
             path = os.path.join(folder, name)
+            if name.startswith("layer_"):  # (with pipeline stages: a layer's weights alone)
+                continue
             if name.endswith("_model_states.pt"):
                 state = torch.load(path, weights_only=True)
                 args = dict(state["args"])
@@ -115,8 +117,8 @@ def _as_megatron_deepspeed(source, target, schedule_change=None, optimizer="zero
                     model_type=ModelType.encoder_or_decoder,
                     position_embedding_type=PositionEmbeddingType.absolute),
                     checkpoint_version=3.0, lr_scheduler=schedule,
-                    module=_nested({_their_name(key): value
-                                    for key, value in state["module"].items()}),
+                    module=None if state["module"] is None else _nested(
+                        {_their_name(key): value for key, value in state["module"].items()}),
                     param_shapes=[type(shapes)((_their_name(key), shape)
                                                for key, shape in shapes.items())
                                   for shapes in state["param_shapes"]])
@@ -266,3 +268,108 @@ def test_its_schedule_counts_samples(change, expected):
     old = {"start_lr": 1e-3, "warmup_iter": 2, "num_iters": 7, "end_iter": 10,
            "decay_style": "linear", "min_lr": 0.0}  # Megatron-LM 1.1.5's: as it is
     assert megatron_deepspeed_schedule(old, {"global_batch_size": 8}) == old
+
+
+# ----- with pipeline stages -----
+
+def _their_pipeline_name(name, first_layer):
+    """This trainer's name of a stage's parameter as Megatron-DeepSpeed's PipelineModule names
+    it: "tied_modules.embed." for the embeddings, "<place in GPTModelPipe's list>." for a layer
+    (the current list: the embeddings at 1, the layers from 2, then the final LayerNorm)."""
+    if name.startswith("language_model.embedding."):
+        return "tied_modules.embed." + name[len("language_model.embedding."):]
+    rest = name[len("language_model.transformer."):]
+    if rest.startswith("final_layernorm."):
+        return f"{2 + NUM_LAYERS}.{rest[len('final_layernorm.'):]}"
+    _, number, key = rest.split(".", 2)
+    if key.startswith("attention."):
+        key = "self_" + key
+    return f"{2 + first_layer + int(number)}.{key}"
+
+
+NUM_LAYERS = 2  # (TINY's)
+
+
+def _as_megatron_deepspeed_pipeline(source, target):
+    """This trainer's --deepspeed checkpoint with 2 pipeline stages (DP 1) as Megatron-
+    DeepSpeed saves it: its layer files numbered by GPTModelPipe's list, its ZeRO files'
+    names the PipelineModule's, and the last stage also holding the tied embeddings (here
+    zeros: the first stage's are the ones trained)."""
+    _as_megatron_deepspeed(source, target)
+    tag = next(p for p in target.iterdir() if p.is_dir())
+    for path in sorted(tag.glob("layer_*-model_*-model_states.pt"), reverse=True):
+        index, rest = path.name[len("layer_"):].split("-", 1)
+        weights = {("self_" + key if key.startswith("attention.") else key): value
+                   for key, value in torch.load(path, weights_only=True).items()}
+        torch.save(weights, tag / f"layer_{int(index) + 1:02d}-{rest}")
+        path.unlink()
+    for stage in range(2):
+        states_path = tag / f"mp_rank_{stage:02d}_model_states.pt"
+        optim_path, = tag.glob(f"*zero_pp_rank_0_mp_rank_{stage:02d}_optim_states.pt")
+        with _megatron_enums("megatron.enums"), _deepspeed_classes():
+            states = torch.load(states_path, weights_only=False)
+            optim = torch.load(optim_path, weights_only=False)
+        shapes = [type(group)((_their_pipeline_name(_our_name(key), stage * NUM_LAYERS // 2),
+                               shape) for key, shape in group.items())
+                  for group in states["param_shapes"]]
+        if stage == 1:  # the tied embeddings' copy leads its first group
+            tied = type(shapes[0])((f"tied_modules.embed.{table}.weight", shape)
+                                   for table, shape in _embedding_shapes(tag).items())
+            shapes[0] = type(shapes[0])([*tied.items(), *shapes[0].items()])
+            extra = sum(torch.Size(shape).numel() for shape in tied.values())
+            inner = optim["optimizer_state_dict"]
+            flat = inner["single_partition_of_fp32_groups"]
+            flat[0] = torch.cat([torch.zeros(extra), flat[0]])
+            state = inner["base_optimizer_state"]["state"][0]
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.cat([torch.zeros(extra, dtype=state[key].dtype), state[key]])
+        states["param_shapes"] = shapes
+        with _megatron_enums("megatron.enums"), _deepspeed_classes():
+            torch.save(states, states_path)
+            torch.save(optim, optim_path)
+    return target
+
+
+def _our_name(their_name):
+    return their_name.replace(".encoder.", ".transformer.").replace(".self_attention.",
+                                                                     ".attention.")
+
+
+def _embedding_shapes(tag):
+    weights = torch.load(tag / "layer_01-model_00-model_states.pt", weights_only=True)
+    return {"word_embeddings": weights["word_embeddings.weight"].shape,
+            "position_embeddings": weights["position_embeddings.weight"].shape}
+
+
+def test_a_pipeline_checkpoints_masters_and_moments_convert_as_the_originals(corpus, tmp_path):
+    """Megatron-DeepSpeed's most common layout: each stage's ZeRO files, named by its
+    PipelineModule, joined into one model's optimizer state (the tied embeddings from the
+    first stage), equal to converting the original checkpoint (whose conversion continues
+    the run's losses: tests/parallel/test_pipeline.py)."""
+    from tests.dist_utils import run_distributed
+    from tests.training.test_deepspeed import _train_dp, trainer_argv
+    ds = ["--deepspeed", "--deepspeed_config", stage_config(tmp_path, 1, "bf16")]
+    run_distributed(_train_dp, 2, args=(str(tmp_path), [trainer_argv(
+        corpus, tmp_path / "log", 3, *COMMON, *ds, "--pipeline-model-parallel-size", 2,
+        "--save", tmp_path / "ds")]))
+    mds = _as_megatron_deepspeed_pipeline(tmp_path / "ds", tmp_path / "mds")
+    expected, = read_deepspeed_checkpoint(str(tmp_path / "ds"), fp32_weights=True).shards
+    found, = read_deepspeed_checkpoint(str(mds), fp32_weights=True).shards
+    assert found["saved_by"] == "Megatron-DeepSpeed" and found["iteration"] == 3
+    assert found["args"]["pipeline_model_parallel_size"] == 1  # the stages joined
+    weights, got = to_flat_state_dict(expected["model"]), to_flat_state_dict(found["model"])
+    assert got.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(got[name], tensor), name
+    ours, theirs = expected["optimizer"], found["optimizer"]
+    assert theirs["optimizer"]["param_groups"] == ours["optimizer"]["param_groups"]
+    assert theirs["optimizer"]["state"].keys() == ours["optimizer"]["state"].keys()
+    for index, entry in ours["optimizer"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(theirs["optimizer"]["state"][index][key]),
+                               torch.as_tensor(value)), (index, key)
+    for group, group_found in zip(ours["fp32_from_fp16_params"],
+                                  theirs["fp32_from_fp16_params"]):
+        assert all(torch.equal(a, b) for a, b in zip(group, group_found))
+    assert merge_tool.main(["--deepspeed", "--load", str(mds), "--save",
+                            str(tmp_path / "meg")]) == 0
