@@ -11,7 +11,10 @@ DeepSpeed -> ours: real DeepSpeed trains TinyNet at DP=2 for stages 1-3 and save
 per-parameter reader (zero/checkpoint/whole_params.py, which converts Megatron-DeepSpeed's
 checkpoints with their optimizer) each parameter's fp32 master and Adam moments as
 DeepSpeed's optimizer held them (its safe_get_full_fp32_param / safe_get_full_optimizer_state).
-A stage our engine does not offer yet is reported as skipped. Used by
+DeepSpeed pipeline -> ours: its PipelineEngine trains a model named as Megatron-DeepSpeed's
+GPTModelPipe on 2 stages (megatron_deepspeed_pipe_task.py); the converter's reading of each
+stage's files, joined, must give the same per parameter. A stage our engine does not offer
+yet is reported as skipped. Used by
 tests/zero/test_deepspeed_compat.py and benchmarks/zero_memory_comm.py.
 """
 
@@ -195,12 +198,56 @@ def _optimizer_state_problem(checkpoint_dir, live):
     return "; ".join(problems[:3])
 
 
+def pipeline_to_ours(root):
+    """Rows (1, 'fp32', status, detail): real DeepSpeed's PipelineEngine trains a model named
+    as Megatron-DeepSpeed's GPTModelPipe on 2 stages at ZeRO-1 and saves; the converter's
+    reading of its files (megatron/convert/joined_stages.py over each stage's ZeRO files, in
+    the whole model's names from its layer files) must give each parameter's fp32 master and
+    Adam moments as the stage's optimizer held them."""
+    from megatron.checkpointing.megatron_lm import (deepspeed_pipeline_parameter_name,
+                                                    deepspeed_pipeline_prefixes)
+    from megatron.convert.joined_stages import JoinedStages
+    from zero.checkpoint.whole_params import open_saved
+    from zero.checkpoint.zero_to_fp32 import load_zero_file
+    os.makedirs(root, exist_ok=True)
+    try:
+        deepspeed_venv.launch_ranks(2, ["megatron_deepspeed_pipe_task.py", root, STEPS])
+    except RuntimeError as e:
+        return [(1, "fp32", "FAIL", f"DeepSpeed did not train: {str(e)[-300:]}")]
+    tag_dir = os.path.join(root, "ckpt", f"global_step{STEPS}")
+    prefixes = deepspeed_pipeline_prefixes(tag_dir, 0, {"args": {"num_layers": 4}})
+    joined = JoinedStages([open_saved(tag_dir, stage, 2, load=load_zero_file)
+                           for stage in range(2)],
+                          lambda name: deepspeed_pipeline_parameter_name(name, prefixes), tag_dir)
+    problems, checked = [], set()
+    for rank in range(2):
+        live = torch.load(os.path.join(root, f"live_optimizer_rank{rank}.pt"), weights_only=True)
+        for name, values in live.items():
+            whole = deepspeed_pipeline_parameter_name(name, prefixes)
+            if whole in checked:  # the tied embeddings' copy on the last stage
+                continue
+            checked.add(whole)
+            numel = values["master"].numel()
+            found = {"master": joined.master(whole, numel),
+                     **{key: joined.state(whole, key, numel) for key in ("exp_avg", "exp_avg_sq")}}
+            problems += [f"{name} {key} differs" for key, value in found.items()
+                         if not torch.equal(value.reshape(-1), values[key].reshape(-1))]
+    if sorted(checked) != sorted(joined.names()):
+        problems.append(f"read {len(joined.names())} parameters, DeepSpeed held {len(checked)}")
+    detail = "; ".join(problems[:3]) or (f"Megatron-DeepSpeed's pipeline layout (2 stages, "
+                                         f"tied embeddings): {len(checked)} parameters' master, "
+                                         "exp_avg and exp_avg_sq equal")
+    return [(1, "fp32", "FAIL" if problems else "ok", detail)]
+
+
 def run_all(root, stages=(1, 2, 3), precisions=("fp32", "bf16"), reverse=True):
-    """{'ours->deepspeed': rows, 'deepspeed->ours': rows}; needs the DeepSpeed venv."""
+    """{'ours->deepspeed': rows, 'deepspeed->ours': rows, 'DeepSpeed pipeline->ours': rows};
+    needs the DeepSpeed venv."""
     cases = [(s, p) for s in stages for p in precisions]
     result = {"ours->deepspeed": ours_to_deepspeed(os.path.join(root, "forward"), cases)}
     if reverse:
         result["deepspeed->ours"] = deepspeed_to_ours(os.path.join(root, "reverse"), stages)
+        result["deepspeed pipeline->ours"] = pipeline_to_ours(os.path.join(root, "pipeline"))
     return result
 
 

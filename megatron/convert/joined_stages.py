@@ -10,7 +10,8 @@ class JoinedStages:
     """The readers of zero/checkpoint/whole_params.py of each stage (in stage order) as one
     reader, in the whole model's names: `rename(name)` gives a stage's parameter its whole-
     model name (None: not a parameter this trainer's model has). A name several stages hold
-    (the tied embeddings, trained alike on the first and last stage) is read from the first.
+    is read from the first: the last stage's copy of the tied embeddings (its word embeddings
+    are trained alike, its position embeddings not used at all).
     """
 
     def __init__(self, readers, rename, where):
