@@ -198,12 +198,19 @@ def _optimizer_state_problem(checkpoint_dir, live):
     return "; ".join(problems[:3])
 
 
-def pipeline_to_ours(root):
-    """Rows (1, 'fp32', status, detail): real DeepSpeed's PipelineEngine trains a model named
-    as Megatron-DeepSpeed's GPTModelPipe on 2 stages at ZeRO-1 and saves; the converter's
-    reading of its files (megatron/convert/joined_stages.py over each stage's ZeRO files, in
-    the whole model's names from its layer files) must give each parameter's fp32 master and
-    Adam moments as the stage's optimizer held them."""
+def pipeline_to_ours(root, precisions=("fp32", "bf16")):
+    """Rows (1, precision, status, detail): real DeepSpeed's PipelineEngine trains a model
+    named as Megatron-DeepSpeed's GPTModelPipe on 2 stages at ZeRO-1 (bf16: its
+    BF16_Optimizer) and saves; the converter's reading of its files (megatron/convert/
+    joined_stages.py over each stage's ZeRO files, in the whole model's names from its layer
+    files) must give each parameter's fp32 master and Adam moments as the stage's optimizer
+    held them."""
+    return [(1, precision, *_pipeline_problem(os.path.join(root, precision), precision))
+            for precision in precisions]
+
+
+def _pipeline_problem(root, precision):
+    """(status, detail) of pipeline_to_ours for one precision."""
     from megatron.checkpointing.megatron_lm import (deepspeed_pipeline_parameter_name,
                                                     deepspeed_pipeline_prefixes)
     from megatron.convert.joined_stages import JoinedStages
@@ -211,9 +218,10 @@ def pipeline_to_ours(root):
     from zero.checkpoint.zero_to_fp32 import load_zero_file
     os.makedirs(root, exist_ok=True)
     try:
-        deepspeed_venv.launch_ranks(2, ["megatron_deepspeed_pipe_task.py", root, STEPS])
+        deepspeed_venv.launch_ranks(2, ["megatron_deepspeed_pipe_task.py", root, STEPS,
+                                        precision])
     except RuntimeError as e:
-        return [(1, "fp32", "FAIL", f"DeepSpeed did not train: {str(e)[-300:]}")]
+        return "FAIL", f"DeepSpeed did not train: {str(e)[-300:]}"
     tag_dir = os.path.join(root, "ckpt", f"global_step{STEPS}")
     prefixes = deepspeed_pipeline_prefixes(tag_dir, 0, {"args": {"num_layers": 4}})
     joined = JoinedStages([open_saved(tag_dir, stage, 2, load=load_zero_file)
@@ -237,7 +245,7 @@ def pipeline_to_ours(root):
     detail = "; ".join(problems[:3]) or (f"Megatron-DeepSpeed's pipeline layout (2 stages, "
                                          f"tied embeddings): {len(checked)} parameters' master, "
                                          "exp_avg and exp_avg_sq equal")
-    return [(1, "fp32", "FAIL" if problems else "ok", detail)]
+    return "FAIL" if problems else "ok", detail
 
 
 def run_all(root, stages=(1, 2, 3), precisions=("fp32", "bf16"), reverse=True):

@@ -3,10 +3,11 @@ GPTModelPipe (its list: a cast, the embeddings tied to the output layer, the tra
 layers, the final LayerNorm, the tied output layer), for benchmarks/deepspeed_compat.py.
 
 Runs inside the DeepSpeed venv (torch and deepspeed only), one process per pipeline stage,
-started by deepspeed_venv.launch_ranks:  megatron_deepspeed_pipe_task.py <out_dir> <steps>
-Trains at ZeRO-1 (fp32) and saves to <out_dir>/ckpt; each rank writes the fp32 master and Adam
-moments its optimizer holds for each of its parameters (by the PipelineModule's names) to
-<out_dir>/live_optimizer_rank<r>.pt.
+started by deepspeed_venv.launch_ranks:
+    megatron_deepspeed_pipe_task.py <out_dir> <steps> <fp32|bf16>
+Trains at ZeRO-1 (bf16: DeepSpeed's BF16_Optimizer, as Megatron-DeepSpeed's bf16 runs) and
+saves to <out_dir>/ckpt; each rank writes the fp32 master and Adam moments its optimizer holds
+for each of its parameters (by the PipelineModule's names) to <out_dir>/live_optimizer_rank<r>.pt.
 """
 
 import os
@@ -82,7 +83,7 @@ def _loss(logits, labels):
     return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
-def main(out_dir, steps):
+def main(out_dir, steps, precision):
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -102,7 +103,8 @@ def main(out_dir, steps):
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01,
                                                         "torch_adam": True}},
-              "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9}
+              "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
+              "bf16": {"enabled": precision == "bf16"}}
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                            config=config)
     generator = torch.Generator().manual_seed(0)
