@@ -302,13 +302,15 @@ def test_zero_to_fp32_reads_the_stage3_layout(tmp_path):
 
 # ----- errors and atomicity -----
 
-def test_missing_tag_lists_the_available_ones(tmp_path):
+def test_missing_tag_lists_the_available_ones(tmp_path, caplog):
     engine = _engine()
     engine.save_checkpoint(str(tmp_path), tag="first")
     engine.save_checkpoint(str(tmp_path), tag="second", save_latest=False)
     with pytest.raises(CheckpointError, match="'third' not found.*first, second"):
         engine.load_checkpoint(str(tmp_path), tag="third")
-    assert _engine().load_checkpoint(str(tmp_path / "empty")) == (None, None)
+    with caplog.at_level("WARNING", logger="zero.checkpoint.layout"):
+        assert _engine().load_checkpoint(str(tmp_path / "typo")) == (None, None)  # DeepSpeed's
+    assert f"no folder {tmp_path / 'typo'} and no tag given: nothing loaded" in caplog.text
     assert _engine().load_checkpoint(str(tmp_path))[0].endswith(
         os.path.join("first", "mp_rank_00_model_states.pt"))
 

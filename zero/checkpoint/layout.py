@@ -264,8 +264,9 @@ def _read_checkpoint(engine, load_dir, tag, *, module_strict, optimizer_states,
                      lr_scheduler_states, module_only):
     if tag is None:
         tag = read_latest(load_dir)
-        if tag is None:
-            logger.warning("no 'latest' file in %s and no tag given: nothing loaded", load_dir)
+        if tag is None:  # DeepSpeed's answer: (None, None), the engine as it was
+            where = "no 'latest' file in" if os.path.isdir(load_dir) else "no folder"
+            logger.warning("%s %s and no tag given: nothing loaded", where, load_dir)
             return None, None
     ckpt_dir = find_tag_dir(load_dir, tag)
     with_state = optimizer_states and not module_only
