@@ -149,7 +149,7 @@ class DeepSpeedEngine(torch.nn.Module):
         hyper = [{k: v for k, v in group.items() if k != "params"}
                  for group in base_optimizer.param_groups]
         require_agreement({**self.config.settings_ranks_share(),
-                           "the optimizer's param groups": repr(hyper),
+                           "the optimizer's param groups": hyper,
                            "the model's parameters (names, shapes, dtypes)":
                            parameters_fingerprint(self.module)}, self.dp_comm,
                           "zero.initialize: the data-parallel ranks must agree on what they train")
@@ -196,8 +196,8 @@ class DeepSpeedEngine(torch.nn.Module):
     def _base_optimizer(self, client_optimizer, model_parameters):
         if model_parameters is None:
             if not any(p.requires_grad for p in self.module.parameters()):
-                raise ZeroError("zero.initialize: the model has no trainable parameters (every "
-                                "parameter has requires_grad=False): nothing to optimize")
+                logger.warning("zero.initialize: the model has no trainable parameters (every "
+                               "one has requires_grad=False): it evaluates, backward() fails")
             model_parameters = self.module.parameters()
         else:
             model_parameters = list(model_parameters)  # a generator is read once: keep it
@@ -481,15 +481,17 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
                         load_optimizer_states=True, load_lr_scheduler_states=True,
-                        load_module_only=False):
+                        load_module_only=False, *, agree=True):
         """-> (path, client_state); (None, None) when there is no tag and no `latest` file.
         The positional arguments are DeepSpeed's. `load_module_strict=False` loads the
         weights the checkpoint has for this model (others keep their values), as torch's
-        load_state_dict(strict=False); the optimizer state, if loaded, must still fit."""
+        load_state_dict(strict=False); the optimizer state, if loaded, must still fit.
+        `agree=False`: a caller that has every rank agree on its whole load (the trainer)
+        publishes the restored masters itself (zero/checkpoint/layout.py)."""
         return ckpt.load_checkpoint(self, load_dir, tag, module_strict=load_module_strict,
                                     optimizer_states=load_optimizer_states,
                                     lr_scheduler_states=load_lr_scheduler_states,
-                                    module_only=load_module_only)
+                                    module_only=load_module_only, agree=agree)
 
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin"):
         return ckpt.save_16bit_model(self, save_dir, save_filename)

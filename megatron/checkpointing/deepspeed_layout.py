@@ -74,9 +74,9 @@ def load_checkpoint(engine, checkpoint, run_args, device):
     if not finetune:
         _say_another_zero_stage(states_path, engine.zero_optimization_stage(),
                                 fresh_optimizer)
-    path, client_state = engine.load_checkpoint(
+    path, client_state = engine.load_checkpoint(  # (the trainer agrees over its whole load)
         load_dir, tag=tag, load_optimizer_states=not fresh_optimizer,
-        load_lr_scheduler_states=not fresh_optimizer, load_module_only=finetune)
+        load_lr_scheduler_states=not fresh_optimizer, load_module_only=finetune, agree=False)
     if finetune:
         return {"iteration": 0, "consumed_train_samples": 0, "skipped_iters": 0}
     if not checkpoint.no_load_rng:

@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from zero.comm.agreement import any_rank_failed
+from zero.comm.agreement import any_rank_failed, disagreements
+from zero.comm.communicator import Communicator
 
 from megatron.config.from_checkpoint import TOKENIZER_FILE_KEYS
 from megatron.checkpointing.retention import new_run_id, other_runs_checkpoints
@@ -236,7 +237,10 @@ def _load_on_every_rank(backend):
     """backend.load(), which every rank passes or fails together: a rank whose files are
     missing or damaged stops the others here, rather than leave them in a collective it never
     joins. The fp32 masters a ZeRO load restores reach the model (an all-gather) only after
-    this agreement (backend.finish_load)."""
+    this agreement (backend.finish_load). (The one load with collectives inside: ZeRO-3
+    weights from a Megatron-layout checkpoint, gathered over data-parallel ranks that read
+    the same file.) The ranks must then have loaded the same iteration: a --load folder that
+    differs between nodes (their own disks) is said here, not found in a later collective."""
     error = None
     try:
         loaded = backend.load()
@@ -249,6 +253,12 @@ def _load_on_every_rank(backend):
             raise error
         raise CheckpointError("another rank could not load the checkpoint (its line ' rank N "
                               "could not load the checkpoint' says why); every rank stops")
+    differ = disagreements({"the iteration loaded (None: nothing)":
+                            None if loaded is None else loaded["iteration"]}, Communicator())
+    if differ:
+        raise CheckpointError(f"the ranks did not load the same checkpoint: {differ[0]}. Every "
+                              "rank reads --load itself: on a folder each node keeps on its own "
+                              "disk, give every node the same copy")
     backend.finish_load()
     return loaded
 

@@ -143,3 +143,85 @@ def test_tokenizer_files_alone_keep_the_checkpoints_tokenizer_type(monkeypatch):
     assert taken == {"tokenizer_type": "SentencePieceTokenizer"}
     raw = {"load": "ck", "vocab_file": "v.json", "merge_file": "m.txt", "num_layers": 2}
     assert from_checkpoint.values_from_checkpoint(raw, {"vocab_file", "merge_file"}) == {}
+
+
+def _resume_where_rank_1_sees_no_checkpoint(rank, world_size, out_dir, corpus):
+    """DP 2 saves at 3; rank 1 then resumes from a folder of its own that is empty (a node's
+    own disk, where nothing was copied): each rank's exit code and stderr."""
+    import contextlib
+    import io
+    import os
+
+    import torch.distributed as dist
+
+    import pretrain_gpt2
+    from tests.training.test_deepspeed import trainer_argv
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    argv = trainer_argv(corpus, f"{out_dir}/log", 3, micro=2)
+    assert pretrain_gpt2.main(argv + ["--save", f"{out_dir}/ckpt"]) == 0  # (ends the group)
+    load = f"{out_dir}/ckpt" if rank == 0 else f"{out_dir}/node1"
+    os.makedirs(load, exist_ok=True)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=world_size)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = pretrain_gpt2.main(trainer_argv(corpus, f"{out_dir}/log2", 5, "--load", load,
+                                               micro=2))
+    return code, err.getvalue()
+
+
+def test_ranks_that_loaded_different_iterations_stop_before_training(corpus, tmp_path):
+    """Rank 0 resumed iteration 3, rank 1 found nothing: one error on both, not a run whose
+    ranks train different weights (or wait in different collectives)."""
+    from tests.dist_utils import run_distributed
+    results = run_distributed(_resume_where_rank_1_sees_no_checkpoint, 2,
+                              args=(str(tmp_path), corpus))
+    for code, err in results:
+        assert code != 0, err
+        assert "the ranks did not load the same checkpoint: the iteration loaded (None: " \
+               "nothing) (rank 0: 3, rank 1: None). Every rank reads --load itself" in err, err
+
+
+def _deepspeed_resume_where_rank_1_reads_a_damaged_copy(rank, world_size, out_dir, corpus):
+    """DP 2 at ZeRO-2 saves at 3; rank 1 then resumes from a copy whose first model-states
+    file (which every rank reads before the engine loads) is cut short."""
+    import contextlib
+    import io
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    import pretrain_gpt2
+    from tests.training.test_deepspeed import stage_config, trainer_argv
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.makedirs(f"{out_dir}/r{rank}", exist_ok=True)
+    ds = ["--deepspeed", "--deepspeed_config", stage_config(f"{out_dir}/r{rank}", 2)]
+    argv = trainer_argv(corpus, f"{out_dir}/log", 3, *ds, micro=2)
+    assert pretrain_gpt2.main(argv + ["--save", f"{out_dir}/ckpt"]) == 0  # (ends the group)
+    load = f"{out_dir}/ckpt"
+    if rank == 1:
+        load = f"{out_dir}/copy"
+        shutil.copytree(f"{out_dir}/ckpt", load)
+        states = f"{load}/global_step3/mp_rank_00_model_states.pt"
+        with open(states, "r+b") as f:
+            f.truncate(200)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=world_size)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = pretrain_gpt2.main(trainer_argv(corpus, f"{out_dir}/log2", 5, *ds, "--load",
+                                               load, micro=2))
+    return code, err.getvalue()
+
+
+def test_a_deepspeed_resume_agrees_once_so_a_rank_failing_early_stops_the_others(corpus,
+                                                                               tmp_path):
+    """Rank 1 fails before the engine's load, rank 0 inside none: one agreement for the whole
+    load, so rank 0 hears of it (its error), not gloo's 'Connection closed by peer'."""
+    from tests.dist_utils import run_distributed
+    (code0, err0), (code1, err1) = run_distributed(
+        _deepspeed_resume_where_rank_1_reads_a_damaged_copy, 2, args=(str(tmp_path), corpus))
+    assert code0 != 0 and code1 != 0
+    assert "mp_rank_00_model_states.pt" in err1, err1
+    assert "another rank could not load the checkpoint" in err0, err0

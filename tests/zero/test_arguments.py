@@ -99,3 +99,39 @@ def test_zero_init_starts_the_process_group_a_launcher_set_up(tmp_path):
     for process, output in zip(ranks, outputs):
         assert process.returncode == 0, output
         assert output.split()[-2:] == ["2", "8"], output  # 16 elements over 2 ranks
+
+
+_BY_HAND = """
+import sys, torch.distributed as dist, zero
+zero.init_distributed()  # no launcher's variables: alone, without a group
+assert not dist.is_initialized()
+try:
+    zero.init_distributed(config={"comms_logger": {"enabled": True}})
+except zero.ZeroError as e:
+    print("config:", e)
+# DeepSpeed's positional order, then its tcp/file initialisation by rank and world size
+zero.init_distributed("gloo", True, 29500, False, 60, "file://" + sys.argv[1], None, None, 0, 1)
+print("started", dist.get_backend(), dist.get_world_size())
+"""
+
+
+@pytest.mark.parametrize("environment", ["none", "mpirun"])
+def test_init_distributed_takes_deepspeeds_arguments_and_mpiruns_variables(tmp_path, environment):
+    import subprocess
+    import sys
+    from tests.dist_utils import REPO, free_port
+    from tests.parallel.launching import clean_environment
+    extra = {} if environment == "none" else {
+        "OMPI_COMM_WORLD_RANK": 0, "OMPI_COMM_WORLD_SIZE": 1, "OMPI_COMM_WORLD_LOCAL_RANK": 0,
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}
+    script = _BY_HAND if environment == "none" else \
+        "import torch.distributed as dist, zero\nzero.init_distributed()\n" \
+        "print('started', dist.get_backend(), dist.get_world_size())\n"
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "rendezvous")],
+                          cwd=REPO, env=clean_environment(**extra), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "started gloo 1"
+    if environment == "none":
+        assert "config: init_distributed: 'config' (DeepSpeed's communication logging) is " \
+               "not supported" in done.stdout

@@ -27,6 +27,7 @@ does rank 0 rename the directory to `<tag>` and then rewrite `latest`, so a cras
 leaves the previous checkpoint and tracker intact.
 """
 
+import functools
 import glob
 import logging
 import os
@@ -243,19 +244,28 @@ def _model_states(engine, optimizer_state):
 # Loading
 
 def load_checkpoint(engine, load_dir, tag, *, module_strict, optimizer_states,
-                    lr_scheduler_states, module_only):
+                    lr_scheduler_states, module_only, agree=True):
     """Every rank reads its files (no collectives), then all agree that each succeeded before
     the restored masters reach the model (an all-gather at stages 1-2): a rank that could not
-    read its files stops the others with a clear error instead of leaving them waiting."""
+    read its files stops the others with a clear error instead of leaving them waiting.
+    Not `agree`: the reading alone; the caller agrees over its whole load and then publishes
+    (engine.optimizer.publish_restored_masters)."""
+    engine.optimizer.forget_restored_masters()  # (those of an earlier load that failed)
+    read = functools.partial(_read_checkpoint, engine, load_dir, tag,
+                             module_strict=module_strict, optimizer_states=optimizer_states,
+                             lr_scheduler_states=lr_scheduler_states, module_only=module_only)
+    if not agree:
+        return read()
     loaded, error = (None, None), None
     try:
-        loaded = _read_checkpoint(engine, load_dir, tag, module_strict=module_strict,
-                                  optimizer_states=optimizer_states,
-                                  lr_scheduler_states=lr_scheduler_states,
-                                  module_only=module_only)
+        loaded = read()
     except Exception as e:  # noqa: BLE001 -- re-raised by all_agree, once every rank knows
         error = e
-    all_agree(engine, error, f"load the checkpoint in {load_dir}")
+    try:
+        all_agree(engine, error, f"load the checkpoint in {load_dir}")
+    except Exception:
+        engine.optimizer.forget_restored_masters()  # a failed load publishes nothing
+        raise
     engine.optimizer.publish_restored_masters()
     return loaded
 

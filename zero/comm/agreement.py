@@ -44,6 +44,20 @@ def parameters_fingerprint(module):
     return hashlib.sha1(repr(described).encode()).hexdigest()[:12]
 
 
+def _comparable(value):
+    """`value` as plain data that compares equal across processes: a tensor's values (not its
+    device or printed rounding), an object's type."""
+    if torch.is_tensor(value):
+        return value.detach().cpu().tolist()
+    if isinstance(value, (list, tuple)):
+        return [_comparable(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _comparable(item) for key, item in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__
+
+
 def disagreements(settings, comm):
     """The entries of `settings` ({name: a comparable value}) whose values differ between
     the ranks of `comm`'s group, each as "name (rank 0: v0, rank 1: v1, ...)". Every rank of
@@ -51,7 +65,8 @@ def disagreements(settings, comm):
     if comm.world_size == 1:
         return []
     everyone = [None] * comm.world_size
-    dist.all_gather_object(everyone, settings, group=comm.group)
+    dist.all_gather_object(everyone, {name: _comparable(value) for name, value in
+                                      settings.items()}, group=comm.group)
     said = []
     for name in settings:
         values = [ranks_settings.get(name) for ranks_settings in everyone]

@@ -3,26 +3,43 @@
 group is running yet."""
 
 import datetime
+import logging
 import os
 
 import torch
 import torch.distributed as dist
 
+from zero.config.arguments import MPI_ENVIRONMENTS, apply_mpi_environment
 from zero.errors import ZeroError
 
+logger = logging.getLogger("zero.comm")
 
-def init_distributed(dist_backend=None, distributed_port=29500, timeout=None, init_method=None,
-                     dist_init_required=None):
-    """Start the default process group from torchrun's variables (RANK, WORLD_SIZE, and
-    MASTER_ADDR/MASTER_PORT, defaulting to 127.0.0.1:`distributed_port`) unless one is running
-    or `dist_init_required` is False. `dist_backend`: nccl on CUDA, gloo on CPU by default.
-    Without a launcher (no RANK/WORLD_SIZE) the process runs alone, without a group."""
+
+def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500,
+                     verbose=True, timeout=None, init_method=None, dist_init_required=None,
+                     config=None, rank=-1, world_size=-1):
+    """Start the default process group (DeepSpeed's arguments, in its order) unless one is
+    running or `dist_init_required` is False: from torchrun's variables (RANK, WORLD_SIZE,
+    MASTER_ADDR/MASTER_PORT, defaulting to 127.0.0.1:`distributed_port`), else from mpirun's
+    (`auto_mpi_discovery`), else from `init_method` with `rank` and `world_size`. Without any
+    of them the process runs alone, without a group. `dist_backend`: nccl on CUDA, gloo on
+    CPU by default; `timeout`: seconds or a timedelta."""
+    if config is not None:
+        raise ZeroError("init_distributed: 'config' (DeepSpeed's communication logging) is not "
+                        "supported; leave it out")
     if dist_init_required is False or dist.is_initialized():
         return
-    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    if not launched and auto_mpi_discovery and \
+            any(names[0] in os.environ for names in MPI_ENVIRONMENTS):
+        apply_mpi_environment()
+        launched = True
+    explicit = init_method is not None and rank >= 0 and world_size >= 1
+    if not (launched or explicit):
         if dist_init_required:
             raise ZeroError("dist_init_required=True but RANK and WORLD_SIZE are not set; "
-                            "launch with torchrun (or deepspeed/mpirun with --deepspeed_mpi)")
+                            "launch with torchrun (or deepspeed/mpirun with --deepspeed_mpi), "
+                            "or pass init_method with rank and world_size")
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
@@ -31,4 +48,9 @@ def init_distributed(dist_backend=None, distributed_port=29500, timeout=None, in
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     options = {} if timeout is None else {"timeout": timeout if isinstance(
         timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)}
+    if explicit:
+        options.update(rank=rank, world_size=world_size)
     dist.init_process_group(backend, init_method=init_method, **options)
+    if verbose:
+        logger.info("torch.distributed started: %s, rank %d of %d", backend, dist.get_rank(),
+                    dist.get_world_size())

@@ -22,6 +22,7 @@ import functools
 import inspect
 import itertools
 import math
+import operator
 import weakref
 
 import torch
@@ -442,6 +443,18 @@ def _unpatch_module_classes():
 # ---------------------------------------------------------------------------------------------
 # zero.GatheredParameters
 
+def _group_rank(rank, size):
+    """`rank` (any integer, numpy's too) if it is a rank of a group of `size`."""
+    try:
+        index = None if isinstance(rank, bool) else operator.index(rank)
+    except TypeError:
+        index = None
+    if index is None or not 0 <= index < size:
+        raise ZeroError(f"GatheredParameters: modifier_rank {rank!r} is not a rank of the "
+                        f"parameters' data-parallel group (0..{size - 1})")
+    return index
+
+
 class GatheredParameters:
     """Gather ZeRO parameters for the duration of the block (DeepSpeed's API).
 
@@ -465,11 +478,7 @@ class GatheredParameters:
         self.params = [unique[k] for k in sorted(unique)]  # the same order on every rank
         self.enabled = enabled and bool(self.params)
         if self.enabled and modifier_rank is not None:
-            size = self.params[0].ds_comm.world_size
-            if isinstance(modifier_rank, bool) or not isinstance(modifier_rank, int) \
-                    or not 0 <= modifier_rank < size:
-                raise ZeroError(f"GatheredParameters: modifier_rank {modifier_rank!r} is not a "
-                                f"rank of the parameters' data-parallel group (0..{size - 1})")
+            modifier_rank = _group_rank(modifier_rank, self.params[0].ds_comm.world_size)
         self.modifier_rank = modifier_rank
         self.fwd_module = fwd_module
         self._was_gathered = []

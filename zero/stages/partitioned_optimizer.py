@@ -350,6 +350,10 @@ class PartitionedOptimizer:
             self._model_behind_masters = False
             self.publish_masters()
 
+    def forget_restored_masters(self):
+        """A load failed (or starts): nothing it restored is published."""
+        self._model_behind_masters = False
+
     def close(self):
         """Release what the masters keep outside memory (NVMe swap files)."""
         self.masters.close()
