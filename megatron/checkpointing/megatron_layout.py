@@ -294,12 +294,14 @@ def _full_shapes(module):
 
 @torch.no_grad()
 def _load_partitioned(module, flat):
-    """Load `flat` into a module whose parameters ZeRO stage 3 partitions: one parameter
-    gathered at a time (never the whole model), filled on every rank (each read the file) and
-    re-partitioned from data-parallel rank 0's copy; the engine's fp32 masters follow."""
-    from zero import GatheredParameters
+    """Load `flat` into a module whose parameters ZeRO stage 3 partitions: each rank read the
+    whole file, so it cuts its own piece of each parameter (no collective, never the whole
+    model in the module); the engine's fp32 masters follow."""
+    from zero.stages.partition_parameters import is_zero_param, write_full_value
     for name, param in module.named_parameters():
-        with GatheredParameters([param], modifier_rank=0):
+        if is_zero_param(param):
+            write_full_value(param, flat[name])
+        else:
             param.copy_(flat[name])
     for name, buffer in module.named_buffers():
         if name in flat:

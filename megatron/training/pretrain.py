@@ -237,10 +237,9 @@ def _load_on_every_rank(backend):
     """backend.load(), which every rank passes or fails together: a rank whose files are
     missing or damaged stops the others here, rather than leave them in a collective it never
     joins. The fp32 masters a ZeRO load restores reach the model (an all-gather) only after
-    this agreement (backend.finish_load). (The one load with collectives inside: ZeRO-3
-    weights from a Megatron-layout checkpoint, gathered over data-parallel ranks that read
-    the same file.) The ranks must then have loaded the same iteration: a --load folder that
-    differs between nodes (their own disks) is said here, not found in a later collective."""
+    this agreement (backend.finish_load); loads make no collective before it. The ranks must
+    then have loaded the same iteration: a --load folder that differs between nodes (their own
+    disks) is said here, not found in a later collective."""
     error = None
     try:
         loaded = backend.load()

@@ -382,3 +382,20 @@ def test_single_process_fp16_tracks_fp32_with_loss_scaling():
     assert _relative_error(cases.train_steps(engine, 6), reference) < 1e-2
     assert engine.optimizer.sub_groups[0].flat.dtype == torch.float16
     assert engine.cur_scale > 1  # dynamic loss scaling is on
+
+
+def test_write_full_value_fills_the_partition_the_gathered_copy_and_the_master():
+    """What a Megatron-layout load does at stage 3 (each rank read the whole tensor): its own
+    piece, no collective; a copy gathered at the time (a persistent parameter) follows."""
+    from zero.stages.partition_parameters import write_full_value
+    engine = cases.make_engine(_stage3())
+    weight = engine.module.fc1.weight
+    full = torch.full(tuple(weight.ds_shape), 0.25)
+    with zero.GatheredParameters(weight):
+        write_full_value(weight, full)
+        assert torch.equal(weight.detach().float(), full)
+    with zero.GatheredParameters(weight):
+        assert torch.equal(weight.detach().float(), full)
+    sub_group, offset = engine.optimizer.location[weight]
+    master = sub_group.master.detach().narrow(0, offset, weight.ds_numel)
+    assert bool((master == 0.25).all())

@@ -209,8 +209,18 @@ def release_param(param):
 @torch.no_grad()
 def repartition_from_full(param):
     """Copy this rank's piece of the (gathered, possibly edited) full tensor into ds_tensor."""
+    write_full_value(param, param.data)
+
+
+@torch.no_grad()
+def write_full_value(param, full):
+    """This rank's piece of `full` (the whole parameter's values, which every rank has, e.g.
+    read from a checkpoint) into the partition: no collective. The stage 3 optimizer's fp32
+    master follows."""
+    if full is not param.data and param.ds_status is ParamStatus.AVAILABLE:
+        param.data.copy_(full.reshape(param.data.shape))  # gathered now (a persistent one)
     size, rank = param.ds_tensor.numel(), param.ds_comm.rank
-    flat = param.data.reshape(-1)
+    flat = full.reshape(-1)
     lo, hi = rank * size, min(param.ds_numel, (rank + 1) * size)
     if getattr(param, "ds_swapper", None) is not None:
         from zero.offload.param_swapper import write_shard
