@@ -202,8 +202,14 @@ def _megatron_deepspeed_pipeline_shard(tag_dir, tp_rank, size, stages, first, fp
     states = dict(first, args=with_stages(first["args"], 1, None),
                   module=deepspeed_pipeline_module(tag_dir, tp_rank, first))
     ranks = [stage * size + tp_rank for stage in range(stages)]  # DeepSpeed's mp_rank
-    if not all(optim_files(tag_dir, mp_rank) for mp_rank in ranks):
+    lacking = [mp_rank for mp_rank in ranks if not optim_files(tag_dir, mp_rank)]
+    if len(lacking) == len(ranks):
         return _module_weights_only(states)
+    if lacking:
+        raise CheckpointError(f"{tag_dir} has ZeRO optimizer files for some pipeline stages but "
+                              f"none for model-parallel rank(s) {lacking} "
+                              f"(*zero_pp_rank_*_mp_rank_{lacking[0]:02d}_optim_states.pt): "
+                              "the checkpoint is incomplete; copy the missing files")
     prefixes = deepspeed_pipeline_prefixes(tag_dir, tp_rank, first)
     tensors = MegatronDeepSpeedTensors(first["args"], first["saved_checkpoint_version"], tag_dir)
     module = states["module"]

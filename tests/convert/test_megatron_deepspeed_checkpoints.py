@@ -21,6 +21,7 @@ from megatron.checkpointing.megatron_lm import megatron_deepspeed_schedule
 from megatron.checkpointing.state_dicts import to_flat_state_dict
 from megatron.convert.deepspeed_source import read_deepspeed_checkpoint
 from megatron.convert.loaders import load_model_weights
+from megatron.errors import CheckpointError
 from tests.convert.conftest import load_tool
 from tests.convert.test_megatron_lm_checkpoints import (ModelType, PositionEmbeddingType,
                                                         _megatron_enums)
@@ -362,5 +363,13 @@ def test_a_pipeline_checkpoints_masters_and_moments_convert_as_the_originals(cor
     mds = _as_megatron_deepspeed_pipeline(tmp_path / "ds", tmp_path / "mds")
     _, found = _converted_alike(tmp_path / "ds", mds)
     assert found["args"]["pipeline_model_parallel_size"] == 1  # the stages joined
+    incomplete = tmp_path / "incomplete"  # a copy that missed the last stage's ZeRO files
+    shutil.copytree(mds, incomplete)
+    for path in incomplete.glob("global_step3/*mp_rank_01_optim_states.pt"):
+        path.unlink()
+    with pytest.raises(CheckpointError, match=r"has ZeRO optimizer files for some pipeline "
+                                              r"stages but none for model-parallel rank\(s\) "
+                                              r"\[1\]"):
+        read_deepspeed_checkpoint(str(incomplete))
     assert merge_tool.main(["--deepspeed", "--load", str(mds), "--save",
                             str(tmp_path / "meg")]) == 0
