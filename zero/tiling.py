@@ -19,7 +19,7 @@ kwargs pass through).  Those return `(output, bias)` tuples: use `TiledLinearRet
 import torch
 from torch import nn
 
-from zero.stages.partition_parameters import GatheredParameters
+from zero.stages.gathered_parameters import GatheredParameters
 
 
 def partition_uniform(num_items, num_parts):

@@ -37,7 +37,8 @@ from zero.errors import CheckpointError
 from zero.optim.quantized_state import TABLE as QUANTIZED_TABLE
 from zero.optim.quantized_state import merge_tables
 from zero.offload.param_swapper import read_shard, write_shard
-from zero.stages.partition_parameters import GatheredParameters, is_zero_param
+from zero.stages.gathered_parameters import GatheredParameters
+from zero.stages.partition_parameters import is_zero_param
 
 logger = logging.getLogger("zero.checkpoint.layout")
 
