@@ -95,12 +95,15 @@ def _model_states_names(mp_rank):
             f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_model_states.pt")
 
 
-def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
+def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False,
+                              with_optimizer=True):
     """ShardedCheckpoint (one Megatron shard per TP rank) from a --deepspeed checkpoint.
 
     The weights are the consolidated fp32 masters, cast to the dtype the model was trained
     in (a Megatron checkpoint's `model`), or kept in fp32 with `fp32_weights` (for
-    converters, which lose nothing that way)."""
+    converters, which lose nothing that way). Not `with_optimizer`: the weights alone (for
+    generation, evaluation and Hugging Face's format; the Adam moments, twice the fp32
+    weights, are not read)."""
     from zero.errors import CheckpointError as ZeroCheckpointError
     from zero.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     tag = _tag(load_dir, iteration)
@@ -116,7 +119,8 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
     iteration = int(first.get("iteration", first["global_steps"]))
     if foreign and first["module"] is None:  # Megatron-DeepSpeed's pipeline: its layer files
         shards = [_megatron_deepspeed_pipeline_shard(tag_dir, tp_rank, size, stages, first,
-                                                     fp32_weights) for tp_rank in range(size)]
+                                                     fp32_weights, with_optimizer)
+                  for tp_rank in range(size)]
         return ShardedCheckpoint(load_dir, iteration, False, shards, stages)
 
     def shard_of(mp_rank, tp_rank, stage):
@@ -127,7 +131,7 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
             if not optim_files(tag_dir, mp_rank):  # ZeRO stage 0: DeepSpeed's FP16_Optimizer
                 return _module_weights_only(states)  # state, not read
             return _megatron_deepspeed_shard(load_dir, tag, mp_rank, size, states,
-                                             fp32_weights)
+                                             fp32_weights, with_optimizer)
         try:
             fp32 = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag, mp_rank=mp_rank)
         except ZeroCheckpointError as e:
@@ -143,7 +147,7 @@ def read_deepspeed_checkpoint(load_dir, iteration=None, fp32_weights=False):
         # (with pipeline stages each stage's ZeRO files hold its own parameters, named as the
         # stage's module names them; join_stages renumbers them with the layers)
         optimizer = _optimizer_entry(_open_zero_files(tag_dir, mp_rank, size * stages), model,
-                                     module, tag_dir)
+                                     module, tag_dir) if with_optimizer else None
         if optimizer is not None:
             shard["optimizer"] = optimizer
         if states.get("lr_scheduler") is not None:
@@ -166,7 +170,8 @@ def _module_weights_only(states):
             "saved_by": states["saved_by"]}
 
 
-def _megatron_deepspeed_shard(load_dir, tag, mp_rank, size, states, fp32_weights):
+def _megatron_deepspeed_shard(load_dir, tag, mp_rank, size, states, fp32_weights,
+                              with_optimizer):
     """A Megatron-DeepSpeed ZeRO (stage 1-3) checkpoint's shard: the fp32 masters and the
     optimizer state from DeepSpeed's files (its pickled classes read as stand-ins, no code
     run), renamed and re-ordered as its module is; its learning-rate schedule where this
@@ -186,13 +191,15 @@ def _megatron_deepspeed_shard(load_dir, tag, mp_rank, size, states, fp32_weights
                      for name, tensor in module.items()}
             optimizer = _optimizer_entry(_open_zero_files(tag_dir, mp_rank, size,
                                                           load=load_zero_file),
-                                         model, module, tag_dir, tensors=tensors)
+                                         model, module, tag_dir, tensors=tensors) \
+                if with_optimizer else None
     except ZeroCheckpointError as e:
         raise CheckpointError(str(e)) from None
     return _megatron_deepspeed_state(states, model, optimizer)
 
 
-def _megatron_deepspeed_pipeline_shard(tag_dir, tp_rank, size, stages, first, fp32_weights):
+def _megatron_deepspeed_pipeline_shard(tag_dir, tp_rank, size, stages, first, fp32_weights,
+                                       with_optimizer):
     """Tensor-parallel rank `tp_rank`'s shard of a Megatron-DeepSpeed checkpoint with pipeline
     stages (its layer files joined: deepspeed_pipeline_module), with each stage's fp32 masters
     and optimizer state from its ZeRO files joined in the whole model's names (JoinedStages);
@@ -225,7 +232,8 @@ def _megatron_deepspeed_pipeline_shard(tag_dir, tp_rank, size, stages, first, fp
                     for name, tensor in module.items() if name in theirs}
             model = {name: _master(fp32, name, tensor, fp32_weights, tag_dir)
                      for name, tensor in module.items()}
-            optimizer = _optimizer_entry(saved, model, module, tag_dir, tensors=tensors)
+            optimizer = _optimizer_entry(saved, model, module, tag_dir, tensors=tensors) \
+                if with_optimizer else None
     except ZeroCheckpointError as e:
         raise CheckpointError(str(e)) from None
     return _megatron_deepspeed_state(states, model, optimizer)

@@ -107,7 +107,8 @@ def load_megatron(load_dir, vocab_size=None, tokenizer_files=None):
 def load_deepspeed(load_dir, vocab_size=None, tokenizer_files=None):
     """The fp32 master weights of a --deepspeed checkpoint (any ZeRO stage, TP and DP size),
     read as Megatron shards by the reader tools/merge_mp_partitions.py --deepspeed uses."""
-    return _load_sharded(read_deepspeed_checkpoint(load_dir, fp32_weights=True), "deepspeed",
+    return _load_sharded(read_deepspeed_checkpoint(load_dir, fp32_weights=True,
+                                                   with_optimizer=False), "deepspeed",
                          vocab_size, tokenizer_files)
 
 
