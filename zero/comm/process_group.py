@@ -31,7 +31,7 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
         return
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     if not launched and auto_mpi_discovery and \
-            any(names[0] in os.environ for names in MPI_ENVIRONMENTS):
+            any(rank in os.environ and size in os.environ for rank, size, _ in MPI_ENVIRONMENTS):
         apply_mpi_environment()
         launched = True
     explicit = init_method is not None and rank >= 0 and world_size >= 1

@@ -76,9 +76,9 @@ def resolve_config_from_args(args, config=None):
 
 
 def apply_mpi_environment(environ=None):
-    """For --deepspeed_mpi: sets RANK, WORLD_SIZE, LOCAL_RANK (and a default MASTER_PORT) from
-    the MPI launcher's variables so torch.distributed's env:// rendezvous works. Returns
-    (rank, world_size, local_rank)."""
+    """For --deepspeed_mpi (and init_distributed's MPI discovery): sets RANK, WORLD_SIZE,
+    LOCAL_RANK (and a default MASTER_PORT) from the MPI launcher's variables so
+    torch.distributed's env:// rendezvous works. Returns (rank, world_size, local_rank)."""
     environ = os.environ if environ is None else environ
     found = [names for names in MPI_ENVIRONMENTS if names[0] in environ and names[1] in environ]
     if not found:
@@ -87,8 +87,8 @@ def apply_mpi_environment(environ=None):
                           f"({expected}) is set; launch with mpirun, or drop --deepspeed_mpi")
     rank_name, size_name, local_name = found[0]
     if "MASTER_ADDR" not in environ:
-        raise ConfigError("--deepspeed_mpi needs MASTER_ADDR set to the host name of rank 0 "
-                          "(e.g. mpirun -x MASTER_ADDR=node0 ...)")
+        raise ConfigError(f"started by an MPI launcher ({rank_name} is set): MASTER_ADDR must "
+                          "be the host name of rank 0 (e.g. mpirun -x MASTER_ADDR=node0 ...)")
     try:
         rank, world_size = int(environ[rank_name]), int(environ[size_name])
         local_rank = int(environ.get(local_name, rank))
