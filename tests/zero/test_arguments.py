@@ -115,23 +115,44 @@ print("started", dist.get_backend(), dist.get_world_size())
 """
 
 
-@pytest.mark.parametrize("environment", ["none", "mpirun"])
-def test_init_distributed_takes_deepspeeds_arguments_and_mpiruns_variables(tmp_path, environment):
+def _run_python(script, *args, **environment):
     import subprocess
     import sys
-    from tests.dist_utils import REPO, free_port
+    from tests.dist_utils import REPO
     from tests.parallel.launching import clean_environment
-    extra = {} if environment == "none" else {
-        "OMPI_COMM_WORLD_RANK": 0, "OMPI_COMM_WORLD_SIZE": 1, "OMPI_COMM_WORLD_LOCAL_RANK": 0,
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}
-    script = _BY_HAND if environment == "none" else \
-        "import torch.distributed as dist, zero\nzero.init_distributed()\n" \
-        "print('started', dist.get_backend(), dist.get_world_size())\n"
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "rendezvous")],
-                          cwd=REPO, env=clean_environment(**extra), capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == "started gloo 1"
-    if environment == "none":
-        assert "config: init_distributed: 'config' (DeepSpeed's communication logging) is " \
-               "not supported" in done.stdout
+    return subprocess.Popen([sys.executable, "-c", script, *map(str, args)], cwd=REPO,
+                            env=clean_environment(**environment), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_init_distributed_takes_deepspeeds_arguments(tmp_path):
+    process = _run_python(_BY_HAND, tmp_path / "rendezvous")
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, output
+    assert output.splitlines()[-1] == "started gloo 1"
+    assert "config: init_distributed: 'config' (DeepSpeed's communication logging) is not " \
+           "supported" in output
+
+
+_FROM_MPIRUN = """
+import torch.distributed as dist, zero
+zero.init_distributed(distributed_port=int(__import__("sys").argv[1]))
+print("started", *((dist.get_backend(), dist.get_world_size()) if dist.is_initialized()
+                   else (None, None)))
+"""
+
+
+def test_init_distributed_takes_mpiruns_variables():
+    """Two processes as mpirun starts them (Open MPI's variables, MASTER_ADDR exported): one
+    group of 2 on distributed_port; one process of an MPI world of 1 runs alone."""
+    from tests.dist_utils import free_port
+    port = free_port()
+    ranks = [_run_python(_FROM_MPIRUN, port, OMPI_COMM_WORLD_RANK=rank, OMPI_COMM_WORLD_SIZE=2,
+                         OMPI_COMM_WORLD_LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1")
+             for rank in range(2)]
+    alone = _run_python(_FROM_MPIRUN, port, OMPI_COMM_WORLD_RANK=0, OMPI_COMM_WORLD_SIZE=1)
+    expected = ("started gloo 2", "started gloo 2", "started None None")
+    for process, said in zip((*ranks, alone), expected):
+        output = process.communicate(timeout=120)[0]
+        assert process.returncode == 0, output
+        assert output.splitlines()[-1] == said, output

@@ -387,7 +387,7 @@ def test_single_process_fp16_tracks_fp32_with_loss_scaling():
 def test_write_full_value_fills_the_partition_the_gathered_copy_and_the_master():
     """What a Megatron-layout load does at stage 3 (each rank read the whole tensor): its own
     piece, no collective; a copy gathered at the time (a persistent parameter) follows."""
-    from zero.stages.partition_parameters import write_full_value
+    from zero.stages.partition_parameters import release_param, start_gather, write_full_value
     engine = cases.make_engine(_stage3())
     weight = engine.module.fc1.weight
     full = torch.full(tuple(weight.ds_shape), 0.25)
@@ -399,3 +399,7 @@ def test_write_full_value_fills_the_partition_the_gathered_copy_and_the_master()
     sub_group, offset = engine.optimizer.location[weight]
     master = sub_group.master.detach().narrow(0, offset, weight.ds_numel)
     assert bool((master == 0.25).all())
+    start_gather(weight)  # a gather in flight: it would bring the old values
+    write_full_value(weight, full * 2)
+    assert torch.equal(weight.detach().float(), full * 2)
+    release_param(weight)

@@ -217,6 +217,8 @@ def write_full_value(param, full):
     """This rank's piece of `full` (the whole parameter's values, which every rank has, e.g.
     read from a checkpoint) into the partition: no collective. The stage 3 optimizer's fp32
     master follows."""
+    if param.ds_status is ParamStatus.INFLIGHT:  # (its gather would bring the old values)
+        finish_gather(param)
     if full is not param.data and param.ds_status is ParamStatus.AVAILABLE:
         param.data.copy_(full.reshape(param.data.shape))  # gathered now (a persistent one)
     size, rank = param.ds_tensor.numel(), param.ds_comm.rank
