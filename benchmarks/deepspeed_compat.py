@@ -190,12 +190,18 @@ def _optimizer_state_problem(checkpoint_dir, live):
     problems = [] if saved.loss_scaler == {"dynamic": False, "cur_scale": 1} else \
         [f"its loss scaler read as {saved.loss_scaler!r}"]
     for name in saved.names():
-        numel = live[name]["master"].numel()
-        found = {"master": saved.master(name, numel),
-                 **{key: saved.state(name, key, numel) for key in ("exp_avg", "exp_avg_sq")}}
-        problems += [f"{name} {key} differs" for key, value in found.items()
-                     if not torch.equal(value.reshape(-1), live[name][key].reshape(-1))]
+        problems += _differences(saved, name, live[name], name)
     return "; ".join(problems[:3])
+
+
+def _differences(saved, name, live, shown):
+    """["<shown> <key> differs", ...] where the reader `saved` gives parameter `name`'s fp32
+    master or Adam moments otherwise than DeepSpeed held them (`live`: its values by key)."""
+    numel = live["master"].numel()
+    found = {"master": saved.master(name, numel),
+             **{key: saved.state(name, key, numel) for key in ("exp_avg", "exp_avg_sq")}}
+    return [f"{shown} {key} differs" for key, value in found.items()
+            if not torch.equal(value.reshape(-1), live[key].reshape(-1))]
 
 
 def pipeline_to_ours(root, precisions=("fp32", "bf16")):
@@ -235,11 +241,7 @@ def _pipeline_problem(root, precision):
             if whole in checked:  # the tied embeddings' copy on the last stage
                 continue
             checked.add(whole)
-            numel = values["master"].numel()
-            found = {"master": joined.master(whole, numel),
-                     **{key: joined.state(whole, key, numel) for key in ("exp_avg", "exp_avg_sq")}}
-            problems += [f"{name} {key} differs" for key, value in found.items()
-                         if not torch.equal(value.reshape(-1), values[key].reshape(-1))]
+            problems += _differences(joined, whole, values, name)
     if sorted(checked) != sorted(joined.names()):
         problems.append(f"read {len(joined.names())} parameters, DeepSpeed held {len(checked)}")
     detail = "; ".join(problems[:3]) or (f"Megatron-DeepSpeed's pipeline layout (2 stages, "

@@ -117,7 +117,7 @@ def load_stage3(engine, ckpt_dir, strict, with_state):
     values. Returns (path of this rank's model states, model states dict)."""
     saved = open_saved(ckpt_dir, engine.mp_rank, engine.mp_world_size,  # stage 0-2's too
                        engine.dp_rank)
-    if getattr(saved, "pipelined", False):
+    if saved.pipelined:
         raise CheckpointError(f"{ckpt_dir} was saved with pipeline stages, which ZeRO stage 3 "
                               "does not run; resume it at stage 0-1")
     states = saved.model_states(engine.dp_rank)

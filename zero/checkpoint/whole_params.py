@@ -100,6 +100,8 @@ def _check_mp_size(states, path, mp_world_size):
 class SavedStage3:
     """A stage 3 checkpoint's files, memory-mapped, and where each parameter's pieces are."""
 
+    pipelined = False  # (stage 3 runs no pipeline stages)
+
     def __init__(self, ckpt_dir, mp_rank, mp_world_size, dp_rank=0, load=None):
         self.ckpt_dir, self.mp_rank, self._load = ckpt_dir, mp_rank, load or _zero_file
         self.path = os.path.join(ckpt_dir, stage3_model_states_name(dp_rank, mp_rank))
