@@ -15,6 +15,12 @@ class ConfigError(MegatronError):
     """Inconsistent or invalid command-line flags or configuration."""
 
 
+def require(condition, message):
+    """A ConfigError with `message` unless `condition` holds (the flag checks' one form)."""
+    if not condition:
+        raise ConfigError(message)
+
+
 class DataError(MegatronError):
     """A data file (corpus, .bin/.idx, index map) is missing, malformed or inconsistent."""
 

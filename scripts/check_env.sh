@@ -118,6 +118,22 @@ take_script_flags() {
     done
 }
 
+run_length_args() {
+    # LENGTH_ARGS: the run's length and warmup as the launch scripts pass them, --train-iters
+    # TRAIN_ITERS and --warmup-iters WARMUP_ITERS (no warmup flag when a --warmup fraction or
+    # --lr-warmup-samples/-tokens was given). Under --rampup-batch-size an iteration's samples
+    # grow, so the trainer takes lengths in samples: TRAIN_ITERS and WARMUP_ITERS global
+    # batches of GLOBAL_BATCH samples (the ramp's smaller batches make that more iterations).
+    if [ -n "$RAMPUP_GIVEN" ]; then
+        LENGTH_ARGS=(--train-samples "$(( TRAIN_ITERS * GLOBAL_BATCH ))")
+        [ -n "$WARMUP_FRACTION_GIVEN" ] ||
+            LENGTH_ARGS+=(--lr-warmup-samples "$(( WARMUP_ITERS * GLOBAL_BATCH ))")
+    else
+        LENGTH_ARGS=(--train-iters "$TRAIN_ITERS")
+        [ -n "$WARMUP_FRACTION_GIVEN" ] || LENGTH_ARGS+=(--warmup-iters "$WARMUP_ITERS")
+    fi
+}
+
 take_trainer_flags() {
     # The pretrain_gpt2.py flags the launch scripts build from their variables (the same
     # names in every script). --warmup/--lr-warmup-fraction (a fraction) and the warmup in
@@ -129,7 +145,7 @@ take_trainer_flags() {
         WARMUP_ITERS=--warmup-iters WARMUP_ITERS=--lr-warmup-iters \
         LOG_INTERVAL=--log-interval EVAL_INTERVAL=--eval-interval EVAL_ITERS=--eval-iters \
         SAVE_INTERVAL=--save-interval -- "$@"
-    WARMUP_FRACTION_GIVEN=""
+    WARMUP_FRACTION_GIVEN=""; RAMPUP_GIVEN=""
     local arg
     for arg in "$@"; do
         case "$arg" in
@@ -139,8 +155,17 @@ take_trainer_flags() {
             --train-samples|--train-samples=*)
                 _env_error "--train-samples: this script sets the run's length in iterations;" \
                     "give TRAIN_ITERS=N (samples / global batch) instead" ;;
+            --rampup-batch-size) RAMPUP_GIVEN=1 ;;
         esac
     done
+    if [ -n "$RAMPUP_GIVEN" ]; then  # (run_length_args passes the lengths in samples)
+        local var
+        for var in TRAIN_ITERS WARMUP_ITERS; do
+            [ -z "${_FLAG_OF[$var]:-}" ] || _env_error "${_FLAG_OF[$var]} with" \
+                "--rampup-batch-size: the trainer takes lengths in samples then; give $var=N" \
+                "(global batches of GLOBAL_BATCH) and the script passes N x GLOBAL_BATCH samples"
+        done
+    fi
     if [ -n "$WARMUP_FRACTION_GIVEN" ] && [ -n "${WARMUP_ITERS:-}" ]; then
         local iters="WARMUP_ITERS=$WARMUP_ITERS"
         [ -z "${_FLAG_OF[WARMUP_ITERS]:-}" ] || iters="${_FLAG_OF[WARMUP_ITERS]} $WARMUP_ITERS"

@@ -68,11 +68,10 @@ print_compute_estimate "$NLAYERS" "$NHIDDEN" "$VOCAB_SIZE" "$SEQ_LEN" "$TRAIN_IT
 
 MODEL_ARGS=(--num-layers "$NLAYERS" --hidden-size "$NHIDDEN" --num-attention-heads "$NHEADS"
             --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN")
-WARMUP_ARGS=(--warmup-iters "$WARMUP_ITERS")
-[ -z "$WARMUP_FRACTION_GIVEN" ] || WARMUP_ARGS=()  # the --warmup fraction given decides
+run_length_args  # LENGTH_ARGS: --train-iters, --warmup-iters (in samples under a ramp)
 TRAIN_ARGS=(--batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
-            --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine
-            "${WARMUP_ARGS[@]}" --weight-decay 1e-2 --clip-grad 1.0
+            "${LENGTH_ARGS[@]}" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine
+            --weight-decay 1e-2 --clip-grad 1.0
             --attention-dropout 0.0 --hidden-dropout 0.0 "${PRECISION_FLAGS[@]}")
 DATA_ARGS=(--data-path "${DATA_PREFIX}_text_document" --split 949,50,1
            --tokenizer-type GPT2BPETokenizer --vocab-file "$TOKENIZER_DIR/vocab.json"

@@ -95,6 +95,28 @@ def test_trainer_flags_set_the_variables_the_script_builds_them_from():
     assert done.stdout.split() == ["1"]
 
 
+def test_under_a_batch_size_ramp_the_scripts_give_the_lengths_in_samples():
+    """--rampup-batch-size among a launch script's arguments: the trainer takes lengths in
+    samples then, so TRAIN_ITERS and WARMUP_ITERS become samples (x GLOBAL_BATCH)."""
+    lengths = "run_length_args; echo ${LENGTH_ARGS[@]}"
+    done = _checked(f"take_trainer_flags --fp16; {lengths}", TRAIN_ITERS="10", WARMUP_ITERS="2",
+                    GLOBAL_BATCH="32")
+    assert done.stdout.split() == ["--train-iters", "10", "--warmup-iters", "2"], done.stderr
+    done = _checked(f"take_trainer_flags --rampup-batch-size 8 8 100; {lengths}",
+                    TRAIN_ITERS="10", WARMUP_ITERS="2", GLOBAL_BATCH="32")
+    assert done.stdout.split() == ["--train-samples", "320", "--lr-warmup-samples", "64"], \
+        done.stderr
+    done = _checked(f"take_trainer_flags --rampup-batch-size 8 8 100 --warmup 0.1; {lengths}",
+                    TRAIN_ITERS="10", GLOBAL_BATCH="32")
+    assert done.stdout.split() == ["--train-samples", "320"], done.stderr
+    done = _checked("take_trainer_flags --rampup-batch-size 8 8 100 --train-iters 5")
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "--train-iters with --rampup-batch-size: the trainer takes lengths in samples then; give "
+        "TRAIN_ITERS=N (global batches of GLOBAL_BATCH) and the script passes N x GLOBAL_BATCH "
+        "samples")
+
+
 @pytest.mark.parametrize("script, variables, extra, message", [
     ("pretrain_gpt2.sh", dict(TRAIN_ITERS="10"), ["--train-iters", "4"],
      "TRAIN_ITERS=10 and --train-iters 4 both set TRAIN_ITERS: give one of them"),

@@ -49,7 +49,7 @@ from zero.errors import ConfigError, ZeroError
 from zero.host_memory import (keep_freed_buffers, small_block_cache_off,
                               small_block_cache_warning)
 from zero.monitor import Monitor
-from zero.optim.lr_schedules import build_lr_scheduler
+from zero.optim.lr_schedules import engine_lr_scheduler
 from zero.optim.optimizers import build_optimizer, check_zero_supported
 from zero.stages.build import build_zero_optimizer
 
@@ -98,6 +98,10 @@ class DeepSpeedEngine(torch.nn.Module):
                               f"data-parallel ranks, but this run has {self.dp_world_size}")
         self._check_supported_features()
         self.global_steps = self.global_samples = self.skipped_steps = self.micro_steps = 0
+        self._accumulated = 0  # micro-steps since the last step boundary
+        # (train_batch_size, gradient_accumulation_steps): the config's until
+        # set_train_batch_size changes them
+        self._batch = (self.config.train_batch_size, self.config.gradient_accumulation_steps)
         self._step_applied = False  # the last step() updated the weights
         self._boundary_override = None  # set_gradient_accumulation_boundary's, if any
         self._inside_no_sync = False
@@ -110,7 +114,9 @@ class DeepSpeedEngine(torch.nn.Module):
                                               module_reduces_gradients=self._ddp is not None)
         self._broadcast_from_first_dp_rank()
         self._load_hooks = self._follow_weight_loads()
-        self.lr_scheduler = self._lr_scheduler(lr_scheduler)
+        # (over the torch optimizer, whose param_groups the ZeroOptimizer steps)
+        self.lr_scheduler = engine_lr_scheduler(self.config, self.optimizer.optimizer,
+                                                lr_scheduler)
         self.training_dataloader = self._dataloader(training_data, collate_fn)
         self.monitor = Monitor(self.config, self.global_rank)
 
@@ -223,33 +229,6 @@ class DeepSpeedEngine(torch.nn.Module):
         check_zero_supported(base, self.config)
         return base
 
-    def _lr_scheduler(self, client_scheduler):
-        # Schedules get the torch optimizer (torch's classes insist on one); its param_groups
-        # are the ones the ZeroOptimizer steps, so lr changes reach the partitions.
-        base = self.optimizer.optimizer
-        if client_scheduler is None:
-            return build_lr_scheduler(self.config, base)
-        if self.config.scheduler is not None:
-            logger.warning("an lr_scheduler was passed to initialize(); the config's "
-                           "'scheduler' section (%s) is not used", self.config.scheduler.type)
-        if isinstance(client_scheduler, type) or (callable(client_scheduler)
-                                                  and not hasattr(client_scheduler, "step")):
-            client_scheduler = client_scheduler(base)
-        if not (callable(getattr(client_scheduler, "step", None))
-                and callable(getattr(client_scheduler, "state_dict", None))):
-            raise ZeroError("zero.initialize: lr_scheduler must be a schedule (with step() and "
-                            "state_dict()) or a callable that builds one from the optimizer, got "
-                            f"{type(client_scheduler).__name__} (name a type in the config's "
-                            "'scheduler' section instead)")
-        scheduled = getattr(client_scheduler, "optimizer", None)
-        if isinstance(scheduled, torch.optim.Optimizer) and scheduled is not base:
-            # Megatron + DeepSpeed's classic mistake: the schedule was built around an
-            # optimizer that the config's 'optimizer' section replaced
-            logger.warning("the lr_scheduler passed to initialize() steps another optimizer "
-                           "than the engine's, so its learning rates never reach training; "
-                           "pass lr_scheduler as a callable taking the optimizer instead")
-        return client_scheduler
-
     @torch.no_grad()
     def _broadcast_from_first_dp_rank(self):
         """Every data-parallel rank starts from DP rank 0's weights and buffers."""
@@ -344,7 +323,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def is_gradient_accumulation_boundary(self):
         if self._boundary_override is not None:
             return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return self._accumulated + 1 >= self.gradient_accumulation_steps()
 
     def set_gradient_accumulation_boundary(self, is_boundary):
         """Override the micro-step count's answer (DeepSpeed's API, for loops that decide
@@ -382,7 +361,8 @@ class DeepSpeedEngine(torch.nn.Module):
                             "accumulation boundary's micro-batch first, which reduces the "
                             "gradients")
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             with self.monitor.timed("step"):
                 applied = self.optimizer.step()
             if applied and self.lr_scheduler is not None:
@@ -395,6 +375,23 @@ class DeepSpeedEngine(torch.nn.Module):
             self.global_samples += self.train_batch_size()
             self.monitor.report(self)
         self.micro_steps += 1
+        self._accumulated = 0 if boundary else self._accumulated + 1
+
+    def set_train_batch_size(self, train_batch_size):
+        """DeepSpeed's: another global batch, by the number of micro batches a step takes
+        (the micro batch stays). Between steps (Megatron-LM's batch-size ramp calls it before
+        each iteration)."""
+        per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) \
+                or train_batch_size <= 0 or train_batch_size % per_step:
+            raise ValueError(f"set_train_batch_size({train_batch_size!r}): the global batch must "
+                             f"be a positive multiple of the micro batch x data-parallel size "
+                             f"({self.train_micro_batch_size_per_gpu()} x {self.dp_world_size} "
+                             f"= {per_step})")
+        if self._accumulated:
+            raise ZeroError(f"set_train_batch_size() inside a step, after {self._accumulated} "
+                            "of its micro batches: call it before a step's first forward")
+        self._batch = (train_batch_size, train_batch_size // per_step)
 
     def zero_grad(self):
         self.optimizer.zero_grad()
@@ -424,6 +421,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_steps, self.global_samples = int(global_steps), int(global_samples)
         self.skipped_steps = int(skipped_steps)
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+        self._accumulated = 0
 
     def destroy(self):
         """Remove the gradient hooks and whatever the optimizer keeps outside memory (NVMe swap
@@ -439,7 +437,7 @@ class DeepSpeedEngine(torch.nn.Module):
     # ----- queries (DeepSpeed's names) -----
 
     def train_batch_size(self):
-        return self.config.train_batch_size
+        return self._batch[0]
 
     def train_micro_batch_size_per_gpu(self):
         return self.config.train_micro_batch_size_per_gpu
@@ -448,7 +446,7 @@ class DeepSpeedEngine(torch.nn.Module):
         return self.config.dataloader_drop_last
 
     def gradient_accumulation_steps(self):
-        return self.config.gradient_accumulation_steps
+        return self._batch[1]
 
     def zero_optimization_stage(self):
         return self.config.zero_optimization.stage

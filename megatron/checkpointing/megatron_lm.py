@@ -279,8 +279,9 @@ def megatron_deepspeed_schedule(scheduler, args):
     AnnealingLR's own keys, in iterations; Megatron-LM 2.x and later count samples (one
     iteration steps the schedule by the global batch) and decay toward min_lr (kept as
     "decay_formula": "2.x"), under two sets of names (OptimizerParamScheduler's since 2023,
-    2.x's AnnealingLR's before)."""
-    from megatron.training.learning_rates import FRACTIONAL_WARMUP
+    2.x's AnnealingLR's before). A run with --rampup-batch-size keeps its samples (its
+    iterations held different numbers of them): it resumes under the same ramp."""
+    from megatron.training.learning_rates import FRACTIONAL_WARMUP, STEP_UNIT
     if not isinstance(scheduler, dict):
         return None
     if "num_iters" in scheduler:  # 1.1.5's AnnealingLR: this trainer's keys and units
@@ -299,13 +300,16 @@ def megatron_deepspeed_schedule(scheduler, args):
             or get("start_wd") != get("end_wd"):
         return None
 
+    ramp = args.get("rampup_batch_size") is not None
+
     def iterations(samples):
-        value = samples / batch
+        value = samples if ramp else samples / batch
         return round(value) if abs(value - round(value)) < 1e-9 else value
 
     return {"start_lr": get("max_lr"), "min_lr": get("min_lr"), "decay_style": style,
             **{key: iterations(value) for key, value in lengths.items()},
-            "decay_formula": "2.x", FRACTIONAL_WARMUP: True}
+            "decay_formula": "2.x", FRACTIONAL_WARMUP: True,
+            **({STEP_UNIT: "samples"} if ramp else {})}
 
 
 def _this_trainers_args(namespace):

@@ -172,6 +172,12 @@ def _training(parser):
                    help="samples per iteration over all data-parallel ranks; larger than "
                         "batch-size x data-parallel-size means gradient accumulation (default: "
                         "batch-size x data-parallel-size, or the DeepSpeed config's)")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="Megatron-LM's batch-size ramp: the global batch starts at START and "
+                        "grows by INCREMENT to --global-batch-size over the first SAMPLES "
+                        "samples (lengths then in samples: --train-samples, "
+                        "--lr-decay-samples, --lr-warmup-samples)")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None,
                    help="later Megatron-LM's: the run's length in samples, instead of "

@@ -23,17 +23,25 @@ def schedule_lengths(raw):
     """(decay iterations, warmup iterations) of the learning-rate schedule the flags `raw`
     describe: --lr-decay-iters (default --train-iters), --warmup-iters or --warmup x that.
     A fraction's warmup stays fractional, as in Megatron-LM (0.01 of 150 iterations is 1.5:
-    the first step's lr is 1/1.5 of --lr); an int where it is whole."""
-    decay_iters = raw["train_iters"] if raw["lr_decay_iters"] is None else raw["lr_decay_iters"]
-    warmup_iters = raw["warmup_iters"]
-    if warmup_iters is None:
-        warmup_iters = float(raw["warmup"]) * decay_iters  # (0.07 x 100 is 7.000000000000001)
-        whole = round(warmup_iters)
-        warmup_iters = whole if abs(warmup_iters - whole) < 1e-9 else warmup_iters
-    if not 0 <= warmup_iters <= decay_iters:
-        raise ConfigError(f"warmup iterations ({warmup_iters}, from --warmup or --warmup-iters) "
-                          f"must lie between 0 and --lr-decay-iters ({decay_iters})")
-    return decay_iters, warmup_iters
+    the first step's lr is 1/1.5 of --lr); an int where it is whole. Under
+    --rampup-batch-size the schedule counts samples: (decay samples, warmup samples) from
+    --lr-decay-samples (default --train-samples), --lr-warmup-samples or --warmup x that."""
+    if raw.get("rampup_batch_size") is not None:
+        decay = raw["lr_decay_samples"] or raw["train_samples"]
+        warmup, unit, flags = raw["lr_warmup_samples"], "samples", ("--lr-warmup-samples",
+                                                                    "--lr-decay-samples")
+    else:
+        decay = raw["train_iters"] if raw["lr_decay_iters"] is None else raw["lr_decay_iters"]
+        warmup, unit, flags = raw["warmup_iters"], "iterations", ("--warmup-iters",
+                                                                  "--lr-decay-iters")
+    if warmup is None:
+        warmup = float(raw["warmup"]) * decay  # (0.07 x 100 is 7.000000000000001)
+        whole = round(warmup)
+        warmup = whole if abs(warmup - whole) < 1e-9 else warmup
+    if not 0 <= warmup <= decay:
+        raise ConfigError(f"the warmup ({warmup} {unit}, from --warmup or {flags[0]}) must lie "
+                          f"between 0 and {flags[1]} ({decay})")
+    return decay, warmup
 
 
 def _fill_auto_schedule(section, raw):

@@ -2,7 +2,8 @@
 --lr-warmup-samples) and in tokens (Megatron-DeepSpeed's --train-tokens, --lr-decay-tokens,
 --lr-warmup-tokens), turned into the iterations this trainer counts.
 
-The global batch B is constant (batch-size rampup is refused) and so is the sequence length S
+The global batch B is constant (under --rampup-batch-size the lengths stay in samples:
+`lengths_under_a_rampup`) and so is the sequence length S
 (the sequence-length curriculum is refused), so one iteration is B samples and B·S tokens:
 the iteration-based schedule is the sample- or token-based one, up to rounding where a
 length is not a whole number of iterations (said in the note).
@@ -69,3 +70,37 @@ def iterations_from_lengths(raw, given, global_batch, seq_length):
         said.append(f"{_flag(dest)} {value} is {_flag(target)} {whole}{exact}")
     return (f" note: at {global_batch} samples of {seq_length} tokens an iteration: "
             + "; ".join(said),)
+
+
+def lengths_under_a_rampup(raw, given, rampup):
+    """Under --rampup-batch-size an iteration is no fixed number of samples, so the lengths
+    are given in samples, as Megatron-LM asks: the run's (--train-samples, which sets raw's
+    train_iters, the caller's copy) and the schedule's (--lr-decay-samples, default the
+    run's; --lr-warmup-samples or --warmup's fraction of the decay), which then counts
+    samples. Returns the start-up note."""
+    flag = "--rampup-batch-size"
+    for dest in ("train_iters", "lr_decay_iters", "warmup_iters", "train_tokens",
+                 "lr_decay_tokens", "lr_warmup_tokens"):
+        if dest in given:
+            instead = _flag(dest).replace("-iters", "-samples").replace("-tokens", "-samples")
+            if dest == "warmup_iters":
+                instead = "--lr-warmup-samples"
+            raise ConfigError(f"{flag} changes the samples of an iteration, so lengths are "
+                              f"given in samples: {instead}, not {_flag(dest)}")
+    if "warmup" in given and "lr_warmup_samples" in given:
+        raise ConfigError("--lr-warmup-samples and --warmup both set the warmup; give one")
+    train_samples = raw["train_samples"]
+    if train_samples is None:
+        raise ConfigError(f"{flag} needs the run's length in samples: --train-samples")
+    ramp_iterations, ramp_samples = rampup.ramp
+    if train_samples < ramp_samples:
+        raise ConfigError(f"--train-samples {train_samples} ends inside the batch-size ramp, "
+                          f"which takes {ramp_iterations} iterations and {ramp_samples} samples "
+                          f"(from {rampup.start} to {rampup.final}); give at least that many, "
+                          f"or a ramp of fewer samples")
+    raw["train_iters"] = rampup.iterations_for(train_samples)
+    return (f" note: {flag} {rampup.start} {rampup.increment} {rampup.samples}: the global "
+            f"batch grows from {rampup.start} by {rampup.increment} to {rampup.final} over the "
+            f"first {ramp_iterations} iterations ({ramp_samples} samples); --train-samples "
+            f"{train_samples} is {raw['train_iters']} iterations, and the learning-rate "
+            "schedule counts samples",)

@@ -68,8 +68,6 @@ NOT_TAKEN = {
                                                   "the post-LayerNorm residual is not built",
     "--onnx-safe": "the MLP's GeLU is GPT-2's tanh form; the erf form for ONNX export is not "
                    "built",
-    "--rampup-batch-size": "ramping the batch size up is not built: the global batch is "
-                           "--global-batch-size from the first iteration",
     "--scaled-upper-triang-masked-softmax-fusion": _FUSED_ATTENTION,
     "--scaled-masked-softmax-fusion": _FUSED_ATTENTION,
     "--bias-gelu-fusion": "Megatron's TorchScript fusion; --compile fuses each layer's bias, "

@@ -8,17 +8,20 @@ fills in or checks a flag again. Architecture checks are the model's own
 (`megatron.model.shape.check_shape`, which imports no torch), called from here.
 """
 
+import dataclasses
 import math
 import os
 import sys
 from types import MappingProxyType
 
 from megatron.config import activation, engine, json_optimizer, lengths
+from megatron.config.batch_rampup import rampup_from_flags
 from megatron.config.command_line import (in_the_users_spelling, parse_command_line,
                                           repeated_flag_notes)
 from megatron.config.flags import build_parser, given_on_command_line
 from megatron.config.logging_flags import resolve_logging, timing_option_note
 from megatron.config.megatron_flags import always_so_notes
+from megatron.config.pipeline_checks import check_pipeline, checkpoints_per_model_chunk
 from megatron.config.from_checkpoint import (describe, load_dir_notes, resume_notes,
                                              values_from_checkpoint)
 from megatron.config.sections import (CheckpointConfig, DataConfig, EngineConfig, ModelConfig,
@@ -26,7 +29,7 @@ from megatron.config.sections import (CheckpointConfig, DataConfig, EngineConfig
                                       TrainConfig, TrainingConfig)
 from megatron.data.data_path import parse_data_path
 from megatron.data.splits import parse_splits
-from megatron.errors import ConfigError
+from megatron.errors import require
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "batch_size",
             "train_iters", "lr")
@@ -57,7 +60,7 @@ _INCLUSIVE_HIGH = {"warmup"}
 
 # (token counts pass 2**31 in real runs: Megatron-DeepSpeed's --train-tokens 300B)
 INT_FLAGS = tuple(action.dest for action in build_parser()._actions if action.type is int
-                  and not action.dest.endswith("_tokens"))
+                  and action.nargs is None and not action.dest.endswith("_tokens"))
 
 
 def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provider=None):
@@ -95,11 +98,6 @@ def resolve_config(argv=None, world_size=None, defaults=None, extra_args_provide
         return freeze(raw, given, world_size, notes, extra)
 
 
-def require(condition, message):
-    if not condition:
-        raise ConfigError(message)
-
-
 def freeze(raw, given, world_size, notes=(), extra=None):
     """TrainConfig from the parsed flags `raw` (`given`: the flags on the command line)."""
     raw = dict(raw)
@@ -111,14 +109,20 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     parallel = _parallel(raw, world_size)
     if raw["batch_size"] is None:  # --deepspeed without --batch-size
         raw["batch_size"] = engine.micro_batch_from_json(raw, parallel.data_parallel_size)
-    notes += lengths.iterations_from_lengths(
-        raw, given, _global_batch_before_the_engine(raw, parallel), raw["seq_length"])
+    global_batch = _global_batch_before_the_engine(raw, parallel)
+    rampup = rampup_from_flags(raw, global_batch, raw["batch_size"] * parallel.data_parallel_size)
+    notes += lengths.lengths_under_a_rampup(raw, given, rampup) if rampup else \
+        lengths.iterations_from_lengths(raw, given, global_batch, raw["seq_length"])
     training = _training(raw, parallel)
     settled = engine.settle_engine(raw, given, parallel.data_parallel_size,
                                    training.num_micro_batches)
-    training = TrainingConfig(**{**training.__dict__,
-                                 "global_batch_size": settled.global_batch_size,
-                                 "num_micro_batches": settled.num_micro_batches})
+    require(rampup is None or settled.ds_config.scheduler is None,
+            "--rampup-batch-size changes the samples of an optimizer step, which the DeepSpeed "
+            "config's 'scheduler' section counts; drop that section for Megatron's schedule "
+            "(--lr, --lr-decay-style, --lr-decay-samples, --lr-warmup-samples), which counts "
+            "samples under a ramp")
+    training = dataclasses.replace(training, global_batch_size=settled.global_batch_size,
+                                   num_micro_batches=settled.num_micro_batches)
     model = _model(raw, parallel.model_parallel_size)
     kv_channels = raw["kv_channels"]
     require(kv_channels is None
@@ -134,12 +138,12 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     notes += settled.notes
     if settled.ds_config.scheduler is None:  # else the JSON's schedule sets the lr
         notes += _schedule_end_note(raw, training.train_iters)
-    notes += _check_pipeline(raw, parallel, training, settled.ds_config)
+    notes += check_pipeline(raw, parallel, training, settled.ds_config)
     notes += timing_option_note(raw, given, settled.ds_config)
     recompute = activation.activation_checkpointing(
         raw, settled.checkpoint_activations, settled.ds_config.activation_checkpointing,
         model.num_layers, parallel.model_parallel_size)
-    notes += _checkpoints_per_model_chunk(parallel, model.num_layers, recompute)
+    notes += checkpoints_per_model_chunk(parallel, model.num_layers, recompute)
     options = recompute.deepspeed_activation_checkpointing
     require(not (parallel.pipeline_model_parallel_size > 1 and options is not None
                  and options.contiguous_checkpointing),
@@ -175,7 +179,8 @@ def _fill_model_defaults(raw):
     for flag in REQUIRED:
         if flag in ("batch_size", "lr") and raw["deepspeed"]:
             continue  # the DeepSpeed JSON may set it (taken from there just below)
-        if flag == "train_iters" and (raw["train_samples"] or raw["train_tokens"]):
+        if flag == "train_iters" and (raw["train_samples"] or raw["train_tokens"]
+                                      or raw["rampup_batch_size"]):
             continue  # in samples or tokens (lengths.py, once the global batch is known)
         require(raw[flag] is not None, f"--{flag.replace('_', '-')} is required"
                 + (" (or --train-samples / --train-tokens)" if flag == "train_iters" else ""))
@@ -257,74 +262,6 @@ def _parallel(raw, world_size):
         else raw["ddp_bucket_size"])
 
 
-def _check_pipeline(raw, parallel, training, ds_config):
-    """What pipeline parallelism composes with; the notes it leaves for the log."""
-    pp = parallel.pipeline_model_parallel_size
-    if pp == 1:
-        return ()
-    from megatron.model.gpt2_model import check_pipeline_split
-    check_pipeline_split(raw["num_layers"], pp)
-    require(ds_config.zero_optimization.stage < 3,
-            "ZeRO stage 3 does not compose with --pipeline-model-parallel-size (as in "
-            "DeepSpeed's PipelineEngine): each stage already holds only its own layers. Use "
-            "ZeRO stage 0, 1 or 2")
-    require(not (raw["DDP_impl"] == "torch" and not raw["deepspeed"]
-                 and parallel.data_parallel_size > 1),
-            "--DDP-impl torch does not compose with --pipeline-model-parallel-size; use "
-            "--DDP-impl local (the engine's buckets, also overlapped with backward)")
-    chunks = parallel.virtual_pipeline_model_parallel_size
-    m = training.num_micro_batches
-    if chunks > 1:
-        require(m % pp == 0,
-                f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage) runs the "
-                f"micro batches in groups of --pipeline-model-parallel-size {pp}, but a step "
-                f"has {m} ({m} % {pp} = {m % pp}); make --global-batch-size a multiple of "
-                f"{pp * training.batch_size * parallel.data_parallel_size}")
-        require(ds_config.zero_optimization.stage < 2,
-                "the interleaved schedule reduces the gradients once, after the step's last "
-                "backward; ZeRO stage 2 reduces them at every micro batch. Use ZeRO stage 0 "
-                "or 1 with --num-layers-per-virtual-pipeline-stage")
-    notes = []
-    per_virtual = parallel.num_layers_per_virtual_pipeline_stage
-    if per_virtual is not None and chunks == 1:
-        smaller = "a divisor of it below that interleaves" if per_virtual > 1 else \
-            "interleaving needs 2 or more layers a stage"
-        notes.append(f" note: --num-layers-per-virtual-pipeline-stage {per_virtual} is all of "
-                     f"each stage's {per_virtual} layers: one model chunk a stage, so the "
-                     f"schedule is plain 1F1B ({smaller})")
-    base, extra = divmod(raw["num_layers"], pp)
-    if extra:
-        notes.append(f" note: --num-layers {raw['num_layers']} over {pp} pipeline stages: the "
-                     f"first {extra} stage(s) hold {base + 1} layers, the others {base}")
-    if m < pp:
-        suggested = 4 * pp * training.batch_size * parallel.data_parallel_size
-        notes.append(f" note: {m} micro batch(es) per step over {pp} pipeline stages: each stage "
-                     f"idles {(pp - 1) / (m + pp - 1):.0%} of the step ((P-1)/(m+P-1)); "
-                     f"--global-batch-size {suggested} ({4 * pp} micro batches) brings that "
-                     f"to {(pp - 1) / (5 * pp - 1):.0%}")
-    return tuple(notes)
-
-
-def _checkpoints_per_model_chunk(parallel, num_layers, recompute):
-    """A note when --checkpoint-num-layers, which divides --num-layers, does not divide the
-    layers of each pipeline stage's model chunk: there the last checkpoint is shorter."""
-    pp = parallel.pipeline_model_parallel_size
-    chunks = parallel.virtual_pipeline_model_parallel_size
-    if pp == 1 or not recompute.checkpoint_activations:
-        return ()
-    per_stage, extra = divmod(num_layers, pp)
-    sizes = {num_layers // (pp * chunks)} if chunks > 1 else {per_stage, per_stage + bool(extra)}
-    units, what = (2, "layer halves") if recompute.split_transformers else (1, "layers")
-    k = recompute.checkpoint_num_layers
-    if all(size * units % k == 0 for size in sizes):
-        return ()
-    where = "model chunk" if chunks > 1 else "pipeline stage"
-    counts = " or ".join(str(size * units) for size in sorted(sizes, reverse=True))
-    return (f" note: --checkpoint-num-layers {k} does not divide the {counts} {what} of a "
-            f"{where}: each {where} checkpoints {k} at a time and its last checkpoint holds "
-            "the rest",)
-
-
 def _global_batch_before_the_engine(raw, parallel):
     """The global batch the engine will settle on (--global-batch-size, the DeepSpeed JSON's
     train_batch_size, or the micro batch x data-parallel size), for lengths in samples."""
@@ -349,7 +286,9 @@ def _training(raw, parallel):
         exit_interval=raw["exit_interval"], eval_iters=raw["eval_iters"],
         eval_interval=raw["eval_interval"], exit_signal_handler=raw["exit_signal_handler"],
         exit_duration_in_mins=raw["exit_duration_in_mins"],
-        max_nan_iterations=raw["max_nan_iterations"])
+        max_nan_iterations=raw["max_nan_iterations"],
+        rampup_batch_size=None if raw["rampup_batch_size"] is None
+        else tuple(raw["rampup_batch_size"]))
 
 
 def _model(raw, model_parallel_size):
@@ -408,17 +347,20 @@ def _data(raw, given):
 
 
 def _optimizer(raw, clip_grad):
-    decay_iters, warmup_iters = json_optimizer.schedule_lengths(raw)
+    decay_steps, warmup_steps = json_optimizer.schedule_lengths(raw)
+    in_samples = raw["rampup_batch_size"] is not None
+    decay_given = raw["lr_decay_samples" if in_samples else "lr_decay_iters"] is not None
+    warmup_given = raw["lr_warmup_samples" if in_samples else "warmup_iters"] is not None
     return OptimizerConfig(
         lr=raw["lr"], min_lr=raw["min_lr"], weight_decay=raw["weight_decay"],
         clip_grad=clip_grad, adam_beta1=raw["adam_beta1"], adam_beta2=raw["adam_beta2"],
         adam_eps=raw["adam_eps"], lr_decay_style=raw["lr_decay_style"],
-        lr_decay_iters=decay_iters, warmup_iters=warmup_iters,
+        lr_decay_steps=decay_steps, warmup_steps=warmup_steps,
+        schedule_unit="samples" if in_samples else "iterations",
         override_lr_scheduler=raw["override_lr_scheduler"],
         use_checkpoint_lr_scheduler=raw["use_checkpoint_lr_scheduler"],
-        schedule_follows_train_iters=(("end_iter",) if raw["lr_decay_iters"] is None else ())
-        + (("warmup_iter",) if raw["lr_decay_iters"] is None and raw["warmup_iters"] is None
-           else ()),
+        schedule_follows_train_iters=(() if decay_given else ("end_iter",))
+        + (() if decay_given or warmup_given else ("warmup_iter",)),
         cpu_optimizer=raw["cpu_optimizer"], cpu_torch_adam=raw["cpu_torch_adam"],
         optimizer=raw["optimizer"])
 

@@ -8,9 +8,12 @@ to it afterwards.
 """
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Tuple
+
+from megatron.config.batch_rampup import BatchRampup
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,11 @@ class OptimizerConfig:
     adam_beta2: float
     adam_eps: float
     lr_decay_style: str
-    lr_decay_iters: int
-    warmup_iters: int | float  # a --warmup fraction's may be fractional, as in Megatron-LM
+    # the schedule's lengths, in `schedule_unit`: "iterations", or "samples" under
+    # --rampup-batch-size (where an iteration's samples change, as Megatron-LM counts them)
+    lr_decay_steps: int
+    warmup_steps: int | float  # a --warmup fraction's may be fractional, as in Megatron-LM
+    schedule_unit: str
     override_lr_scheduler: bool
     use_checkpoint_lr_scheduler: bool
     # lengths derived from --train-iters (no --lr-decay-iters / --warmup-iters given), as the
@@ -149,6 +155,29 @@ class TrainingConfig:
     exit_signal_handler: bool
     exit_duration_in_mins: Optional[float]
     max_nan_iterations: int
+    # --rampup-batch-size START INCREMENT SAMPLES; None: the batch is constant
+    rampup_batch_size: Optional[Tuple[int, int, int]] = None
+
+    @functools.cached_property
+    def rampup(self):
+        """The BatchRampup to --global-batch-size, or None."""
+        return None if self.rampup_batch_size is None else \
+            BatchRampup(*self.rampup_batch_size, final=self.global_batch_size)
+
+    def global_batch_at(self, consumed_samples):
+        """The global batch of the iteration that starts after `consumed_samples`."""
+        return self.global_batch_size if self.rampup is None \
+            else self.rampup.global_batch_at(consumed_samples)
+
+    def micro_batches_at(self, consumed_samples):
+        """Micro batches per data-parallel rank in that iteration."""
+        per_step = self.global_batch_size // self.num_micro_batches
+        return self.global_batch_at(consumed_samples) // per_step
+
+    def samples_after(self, iterations):
+        """The samples the first `iterations` iterations consume."""
+        return iterations * self.global_batch_size if self.rampup is None \
+            else self.rampup.samples_after(iterations)
 
 
 @dataclass(frozen=True)

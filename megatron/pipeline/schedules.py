@@ -56,8 +56,9 @@ class PipelineStage:
 
     # ----- one step
 
-    def train_step(self, forward_step, batches, count):
-        """One step of `count` micro batches. The summed losses, on every stage."""
+    def train_step(self, forward_step, batches, count, lr_kwargs=None):
+        """One step of `count` micro batches (the engine's step after the last gets
+        `lr_kwargs`). The summed losses, on every stage."""
         if self.tied.involved:
             self.tied.sync_weights()
         total = torch.zeros((), dtype=torch.float32, device=self.ctx.runtime.device)
@@ -66,6 +67,7 @@ class PipelineStage:
             self._interleaved(forward_step, [next(batches) for _ in range(count)], count, total)
         else:
             self._one_f_one_b(forward_step, batches, count, total)
+        self._finish(lr_kwargs)
         return self._from_last_stage(total)
 
     def bubble(self):
@@ -110,13 +112,13 @@ class PipelineStage:
         self._compute += time.perf_counter() - start
         return None if input_tensor is None else input_tensor.grad
 
-    def _finish(self):
+    def _finish(self, lr_kwargs):
         """After this stage's last sends: the output layer's gradient to the first stage, then
         the engine's step."""
         self._span += time.perf_counter() - self._schedule_start
         if self.last:
             self.tied.send_grad()
-        self.engine.step()
+        self.engine.step(lr_kwargs=lr_kwargs)
 
     def _one_f_one_b(self, forward_step, batches, count, total):
         links = self.links
@@ -155,7 +157,6 @@ class PipelineStage:
             input_grad = backward(links.recv_backward())
             links.send_backward(input_grad)
             step_unless_final()
-        self._finish()
 
     def _chunk(self, k, forward):
         """The model chunk of this stage's k-th forward (or backward) pass: micro batches go
@@ -253,7 +254,6 @@ class PipelineStage:
                     grads[self._chunk(k + 1, False)].append(grad)
         finally:
             mpu.set_virtual_pipeline_model_parallel_rank(None)
-        self._finish()
 
     # ----- evaluation
 

@@ -66,8 +66,9 @@ class Backend:
         """The model itself, without any wrapper."""
         return self.engine.module
 
-    def train_step(self, forward_step, data_iterator):
-        """One global batch: per micro batch forward, backward (gradients reduced over data
+    def train_step(self, forward_step, data_iterator, global_batch):
+        """One global batch of `global_batch` samples (--global-batch-size, or the size the
+        batch-size ramp has reached): per micro batch forward, backward (gradients reduced over data
         parallelism at the last one), then the optimizer step (unscale, skip on inf/nan,
         clip, step, loss-scale update) and the learning-rate schedule, in the engine.
         Returns (summed micro-batch losses on this rank, a device tensor: reading it waits
@@ -77,15 +78,21 @@ class Backend:
         fp16 with a dynamic scale, before the run's first clean step: an overflow retries the
         same batches at the lowered scale instead of skipping them, so the run trains from
         its first batch whatever the initial scale (said once, with the scale found)."""
-        engine = self.engine
-        count = self.ctx.config.training.num_micro_batches
+        engine, config = self.engine, self.ctx.config
+        count = global_batch * config.training.num_micro_batches // \
+            config.training.global_batch_size
+        if global_batch != engine.train_batch_size():
+            engine.set_train_batch_size(global_batch)
+        # a schedule in samples steps by the batch (Megatron-LM's increment)
+        lr_kwargs = {"increment": global_batch} \
+            if config.optimizer.schedule_unit == "samples" else None
         searching = engine.searching_initial_loss_scale
         batches = [next(data_iterator) for _ in range(count)] if searching else None
         first_scale, retries = engine.optimizer.cur_scale, 0
         while True:
             skipped_before = engine.skipped_steps
             source = iter(batches) if searching else data_iterator
-            total = self._run_micro_batches(forward_step, source, count)
+            total = self._run_micro_batches(forward_step, source, count, lr_kwargs)
             updated = engine.skipped_steps == skipped_before
             if updated or not searching or not engine.retry_skipped_step():
                 break
@@ -98,16 +105,16 @@ class Backend:
                                     f"overflowed on the first batch; {outcome}")
         return total, updated, engine.get_global_grad_norm() if updated else None
 
-    def _run_micro_batches(self, forward_step, batches, count):
+    def _run_micro_batches(self, forward_step, batches, count, lr_kwargs):
         """Forward and backward of `count` micro batches and the step after the last; their
         summed losses."""
         if self.pipeline is not None:
-            return self.pipeline.train_step(forward_step, batches, count)
+            return self.pipeline.train_step(forward_step, batches, count, lr_kwargs)
         total = torch.zeros((), dtype=torch.float32, device=self.ctx.runtime.device)
         for _ in range(count):
             loss = forward_step(next(batches), self.engine, self.ctx)
             self.engine.backward(loss)
-            self.engine.step()  # acts at the last micro batch only
+            self.engine.step(lr_kwargs=lr_kwargs)  # acts at the last micro batch only
             total += loss.detach().float()
         return total
 
@@ -333,11 +340,12 @@ def _initialize_engine(model, config):
 
 def _annealing_lr(optimizer, config):
     return AnnealingLR(optimizer, max_lr=config.lr, min_lr=config.min_lr,
-                       warmup_steps=config.warmup_iters, decay_steps=config.lr_decay_iters,
+                       warmup_steps=config.warmup_steps, decay_steps=config.lr_decay_steps,
                        decay_style=config.lr_decay_style,
                        use_checkpoint_lr_scheduler=config.use_checkpoint_lr_scheduler,
                        override_lr_scheduler=config.override_lr_scheduler,
-                       follows_train_iters=config.schedule_follows_train_iters)
+                       follows_train_iters=config.schedule_follows_train_iters,
+                       unit=config.schedule_unit)
 
 
 def _power_of_two(scale):

@@ -30,6 +30,10 @@ except for the lengths in `follows_train_iters` (the state keys "end_iter", "war
 whose values the trainer derived from --train-iters): a run resumed with another --train-iters
 takes the new lengths and says so in `resume_notes`, since continuing a finished run for
 longer is the common case.
+
+A step is an iteration, or under --rampup-batch-size (unit "samples", as Megatron-LM counts
+then) a sample: the trainer steps by the iteration's global batch, `step(increment=B)`, and
+the lengths are --lr-decay-samples and --lr-warmup-samples.
 """
 
 import math
@@ -39,6 +43,8 @@ from megatron.errors import CheckpointError, ConfigError
 DECAY_STYLES = ("linear", "cosine", "exponential", "constant")
 # a state key Megatron-LM ignores: the warmup was saved fractional (not cut to whole steps)
 FRACTIONAL_WARMUP = "fractional_warmup"
+# and one saved only when a step is not an iteration: "samples" (--rampup-batch-size)
+STEP_UNIT = "step_unit"
 
 # state_dict key -> (attribute, what the user sets it with). The keys are Megatron 1.1.5's,
 # so its checkpoints load here and ours load there.
@@ -59,7 +65,7 @@ class AnnealingLR:
 
     def __init__(self, optimizer, max_lr, min_lr, warmup_steps, decay_steps, decay_style,
                  use_checkpoint_lr_scheduler=True, override_lr_scheduler=False,
-                 follows_train_iters=()):
+                 follows_train_iters=(), unit="iterations"):
         _validate(max_lr, min_lr, warmup_steps, decay_steps, decay_style)
         if override_lr_scheduler and use_checkpoint_lr_scheduler:
             raise ConfigError("--override-lr-scheduler and --use-checkpoint-lr-scheduler "
@@ -73,6 +79,7 @@ class AnnealingLR:
         self.use_checkpoint_lr_scheduler = use_checkpoint_lr_scheduler
         self.override_lr_scheduler = override_lr_scheduler
         self.follows_train_iters = frozenset(follows_train_iters)
+        self.unit = unit  # what a step counts: "iterations", or "samples" (step(increment))
         self.decay_formula = "1.1.5"  # "2.x": a converted Megatron-DeepSpeed run's (above)
         self.resume_notes = []  # what a load changed, for the trainer to print once
         self.num_steps = 0
@@ -124,11 +131,20 @@ class AnnealingLR:
                  FRACTIONAL_WARMUP: True}
         if self.decay_formula != "1.1.5":
             state["decay_formula"] = self.decay_formula
+        if self.unit != "iterations":
+            state[STEP_UNIT] = self.unit
         return state
 
     def load_state_dict(self, state_dict):
         sd = {old: state_dict[new] for old, new in _NEWER_KEY_NAMES.items() if new in state_dict}
         sd.update(state_dict)
+        saved_unit = sd.get(STEP_UNIT, "iterations")
+        if saved_unit != self.unit:
+            ramp = "with" if saved_unit == "samples" else "without"
+            raise ConfigError(f"the checkpoint's learning-rate schedule counts {saved_unit} (it "
+                              f"was trained {ramp} --rampup-batch-size), this run's counts "
+                              f"{self.unit}: resume {ramp} --rampup-batch-size, or start the "
+                              "schedule and the optimizer afresh with --no-load-optim")
         lengthened = []
         for key, attribute, flag in _CHECKED_FIELDS:
             if key not in sd:
@@ -143,10 +159,11 @@ class AnnealingLR:
             if key in self.follows_train_iters and not self.use_checkpoint_lr_scheduler:
                 lengthened.append(f"{attribute.replace('_', ' ')} {sd[key]:g} -> {ours:g}")
                 continue
-            setattr(self, attribute, self._choose(ours, sd[key], flag))
+            setattr(self, attribute, self._choose(ours, sd[key], _in_unit(flag, self.unit)))
         if lengthened:
             self.resume_notes.append(
-                "learning-rate schedule: --train-iters differs from the checkpoint's run, so "
+                f"learning-rate schedule: {_in_unit('--train-iters', self.unit)} differs from "
+                "the checkpoint's run, so "
                 f"the schedule follows the new length ({', '.join(lengthened)}; resuming at "
                 f"step {int(sd['num_iters'])}); pass --use-checkpoint-lr-scheduler to keep the "
                 "old one")
@@ -199,6 +216,13 @@ class AnnealingLR:
                 "command-line schedule, or --use-checkpoint-lr-scheduler to keep the "
                 "checkpoint's")
         return checkpoint_value
+
+
+def _in_unit(flags, unit):
+    """A message's flags in the schedule's unit (--lr-decay-samples when it counts samples)."""
+    if unit == "iterations":
+        return flags
+    return flags.replace("--warmup-iters", "--lr-warmup-samples").replace("-iters", "-samples")
 
 
 def _same(ours, checkpoint_value):

@@ -1,6 +1,7 @@
 """The training loop: iterations, the log line, evaluation, checkpoints, stopping.
 
-Data flow of one iteration (global batch G = micro batch b x data-parallel size d x A):
+Data flow of one iteration (global batch G = micro batch b x data-parallel size d x A; under
+--rampup-batch-size, G and A grow with the samples consumed):
 
     A micro batches -> forward_step -> loss -> engine.backward (/A, x loss scale; the last
         one also reduces the gradients over data parallelism) -> engine.step (acts at the
@@ -42,8 +43,8 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
     note = device_mod.faster_precision_note(runtime.device, config.precision.torch_dtype)
     if note:
         runtime.print0(note)
-    window = {"loss": 0.0, "iters": 0, "start": time.perf_counter(), "grad_norm": None,
-              "peak": peak}
+    window = {"loss": 0.0, "iters": 0, "samples": 0, "start": time.perf_counter(),
+              "grad_norm": None, "peak": peak}
     saved_at = None
     compiling = _CompileWatch(backend.compile_backend, backend.compiled_regions) \
         if backend.compiled else None
@@ -51,19 +52,24 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
     iteration_scalars = _IterationScalars(config.logging, backend, logger)
     while state["iteration"] < training.train_iters:
         guards.before_iteration(state["iteration"] + 1)
-        total, updated, grad_norm = backend.train_step(train_forward_step, iterator)
+        global_batch = training.global_batch_at(state["consumed_train_samples"])
+        micro_batches = training.micro_batches_at(state["consumed_train_samples"])
+        total, updated, grad_norm = backend.train_step(train_forward_step, iterator,
+                                                       global_batch)
         if compiling is not None:  # this run's first step: it compiled the model
             compiling.report(window, runtime)
             compiling = None
         state["iteration"] += 1
-        state["consumed_train_samples"] += training.global_batch_size
+        state["consumed_train_samples"] += global_batch
         state["skipped_iters"] += 0 if updated else 1
         window["iters"] += 1
+        window["samples"] += global_batch
         window["grad_norm"] = grad_norm
         iteration = state["iteration"]
-        losses.add(iteration,
-                   _mean_over_data_parallel(total.double() / training.num_micro_batches))
-        iteration_scalars.after_step(state, grad_norm)
+        losses.add(iteration, _mean_over_data_parallel(total.double() / micro_batches))
+        # (under a batch-size ramp the log line and TensorBoard say the batch of the iteration)
+        ramp = {"batch_size": global_batch} if training.rampup else {}
+        iteration_scalars.after_step(state, grad_norm, ramp)
         logging = iteration % config.logging.log_interval == 0 or \
             iteration == training.train_iters
         evaluating = datasets[1] is not None and training.eval_iters > 0 and \
@@ -182,21 +188,25 @@ class _IterationScalars:
         self.every = logging.tensorboard.log_interval
         self.params_norm, self.backend, self.logger = logging.params_norm, backend, logger
         self.optimizer_states = logging.tensorboard.optimizer_states
-        self.pending, self.norm_at = {}, (None, None)
+        self.pending, self.norm_at, self.ramp = {}, (None, None), {}
 
-    def after_step(self, state, grad_norm):
+    def after_step(self, state, grad_norm, ramp):
         iteration = state["iteration"]
+        self.ramp = ramp
         if self.every and iteration % self.every == 0:
             self.pending[iteration] = {
                 "iteration": iteration, "consumed_samples": state["consumed_train_samples"],
+                **ramp,
                 **self.backend.optimizer_scalars(), "grad_norm": grad_norm,
                 **({"params_norm": self.weights_norm(iteration)} if self.params_norm else {}),
                 **self._optimizer_states()}
 
     def with_the_line(self, iteration):
-        """What the log line's record adds: the weights' norm, and the optimizer states'
-        norms when TensorBoard takes the iteration's numbers from the line."""
-        return {**({"params_norm": self.weights_norm(iteration)} if self.params_norm else {}),
+        """What the log line's record adds: the batch of a ramp's iteration, the weights'
+        norm, and the optimizer states' norms when TensorBoard takes the iteration's numbers
+        from the line."""
+        return {**self.ramp,
+                **({"params_norm": self.weights_norm(iteration)} if self.params_norm else {}),
                 **(self._optimizer_states() if not self.every else {})}
 
     def _optimizer_states(self):
@@ -285,7 +295,7 @@ def _log_window(window, state, backend, flops_per_sample, ctx, logger, iterator,
     device_mod.synchronize(runtime.device)
     elapsed = time.perf_counter() - window["start"]
     seconds_per_iter = elapsed / window["iters"]
-    samples_per_s = config.training.global_batch_size / seconds_per_iter
+    samples_per_s = window["samples"] / elapsed
     reached = samples_per_s * flops_per_sample
     if window["peak"] and reached > window["peak"]:
         # The measured matmul peak is a best-of-a-few square matmul; the model's own shapes
@@ -309,5 +319,5 @@ def _log_window(window, state, backend, flops_per_sample, ctx, logger, iterator,
         **(_phase_fields(backend, iterator, window["iters"], config.logging.timing_log_option)
            if config.logging.phase_times else {}),
     })
-    window.update(loss=0.0, iters=0, start=time.perf_counter())
+    window.update(loss=0.0, iters=0, samples=0, start=time.perf_counter())
 

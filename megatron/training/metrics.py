@@ -170,6 +170,7 @@ def format_train_line(record):
     fields = [
         f" iteration {int(record['iteration']):8d}/{int(record['train_iters']):8d} |",
         f" consumed samples {int(record['consumed_samples']):12d} |",
+        _field("global batch size: {:5d}", _as_int(record.get("batch_size"))),
         _field("elapsed time per iteration (ms): {:.1f}", record.get("ms_per_iter")),
         _field("learning rate: {:.3E}", record.get("lr")),
         _field("lm loss: {:.6E}", record.get("lm_loss")),

@@ -156,7 +156,7 @@ def num_samples_per_split(config):
     (tools/build_index_maps.py builds maps ahead of a job with the same counts.)"""
     training = config.training
     evaluations = training.train_iters // training.eval_interval + 1
-    return [training.train_iters * training.global_batch_size,
+    return [training.samples_after(training.train_iters),
             training.eval_iters * training.global_batch_size * (1 if evaluations else 0),
             training.eval_iters * training.global_batch_size]
 
@@ -178,7 +178,8 @@ def _follow_train_epochs(train, train_state, ctx):
             f"checkpoint's run: {shown_before}), and the samples of all epochs are "
             "shuffled together, as in Megatron: training continues at the checkpoint's count "
             "of consumed samples in another order (some are seen again, some never)")
-    if not isinstance(num_epochs, int) or not isinstance(before, int):  # a blend's
+    if not isinstance(num_epochs, int) or not isinstance(before, int) \
+            or ctx.config.training.rampup is not None:  # a blend's; a ramp's iterations vary
         ctx.runtime.print0(note)
         return
     global_batch = ctx.config.training.global_batch_size

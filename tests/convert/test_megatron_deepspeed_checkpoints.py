@@ -278,6 +278,30 @@ def test_its_schedule_counts_samples(change, expected):
     assert megatron_deepspeed_schedule(old, {"global_batch_size": 8}) == old
 
 
+def test_its_schedule_under_a_batch_size_ramp_stays_in_samples():
+    """A run with --rampup-batch-size (Megatron-DeepSpeed keeps its values as strings) had
+    iterations of different sizes: the lengths stay samples, and AnnealingLR counting samples
+    (a resume with --rampup-batch-size) continues at Megatron-LM 2.x's lr for sample 56."""
+    import math
+
+    import torch
+
+    from megatron.training.learning_rates import AnnealingLR
+    theirs = {"max_lr": 1e-3, "min_lr": 1e-5, "lr_warmup_steps": 12, "lr_decay_steps": 800,
+              "num_steps": 56, "lr_decay_style": "cosine"}
+    state = megatron_deepspeed_schedule(theirs, {"global_batch_size": 8,
+                                                 "rampup_batch_size": ["2", "2", "100"]})
+    assert state == {**CONVERTED, "warmup_iter": 12, "end_iter": 800, "num_iters": 56,
+                     "step_unit": "samples"}
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    schedule = AnnealingLR(optimizer, max_lr=1e-3, min_lr=1e-5, warmup_steps=12,
+                           decay_steps=800, decay_style="cosine", unit="samples")
+    schedule.load_state_dict(state)
+    ratio = (56 - 12) / (800 - 12)
+    assert schedule.get_lr() == pytest.approx(1e-5 + (1e-3 - 1e-5) * 0.5 *
+                                              (1 + math.cos(math.pi * ratio)), rel=1e-12)
+
+
 # ----- with pipeline stages -----
 
 def _their_pipeline_name(name, first_layer):

@@ -24,18 +24,18 @@ def test_defaults_and_derived_values():
     config = parse()
     assert config.model.max_position_embeddings == 32 and config.model.ffn_hidden_size == 256
     assert config.training.global_batch_size == 4 and config.training.num_micro_batches == 1
-    assert config.optimizer.lr_decay_iters == 10 and config.optimizer.warmup_iters == 0.1  # 0.01 x 10
+    assert config.optimizer.lr_decay_steps == 10 and config.optimizer.warmup_steps == 0.1  # 0.01 x 10
     assert config.optimizer.clip_grad == 1.0 and config.model.tile_factor == 1
     assert config.precision.params_dtype == "float32"
     assert config.checkpoint.save_interval is None and config.logging.log_dir is None
     config = parse("--global-batch-size", "16", "--model-parallel-size", "2", world_size=4)
     assert config.parallel.data_parallel_size == 2 and config.training.num_micro_batches == 2
     assert parse("--bf16").precision.params_dtype == "bfloat16"
-    assert parse("--warmup-iters", "3").optimizer.warmup_iters == 3
+    assert parse("--warmup-iters", "3").optimizer.warmup_steps == 3
     # a fraction's warmup is Megatron's product, fractional or whole (train iters 10)
-    assert parse("--warmup", "0.15").optimizer.warmup_iters == 1.5
-    assert type(parse("--warmup", "0.2").optimizer.warmup_iters) is int
-    assert parse("--warmup", "0.07", "--train-iters", "100").optimizer.warmup_iters == 7  # not
+    assert parse("--warmup", "0.15").optimizer.warmup_steps == 1.5
+    assert type(parse("--warmup", "0.2").optimizer.warmup_steps) is int
+    assert parse("--warmup", "0.07", "--train-iters", "100").optimizer.warmup_steps == 7  # not
     # 7.000000000000001
     config = parse("--save", "ckpt", "--tensorboard-dir", "tb")
     assert config.checkpoint.save_interval == 10 and config.logging.log_dir == "tb"
@@ -161,10 +161,11 @@ def test_megatron_flags_not_taken_are_one_error_that_says_what_to_do_instead():
         parse("--bias-gelu-fusion")
 
 
-def test_later_megatron_lm_names_are_aliases_and_its_batch_rampup_is_refused():
+def test_later_megatron_lm_names_are_aliases():
     """Megatron-LM 2.x renamed four flags this trainer takes: the new names set the same
-    values; batch ramp-up is not built, and --kv-channels is taken when it is the one head
-    size built (its sample-based lengths: test_lengths_in_samples_and_tokens_are_iterations)."""
+    values; --kv-channels is taken when it is the one head size built (its sample-based
+    lengths: test_lengths_in_samples_and_tokens_are_iterations; its batch-size ramp:
+    tests/training/test_batch_rampup.py)."""
     argv = [a for i, a in enumerate(BASE) if "--batch-size" not in BASE[max(i - 1, 0):i + 1]]
     old = resolve_config(argv + ["--batch-size", "2", "--model-parallel-size", "2",
                                  "--warmup-iters", "3"], world_size=4)
@@ -172,11 +173,8 @@ def test_later_megatron_lm_names_are_aliases_and_its_batch_rampup_is_refused():
                                  "--lr-warmup-iters", "3"], world_size=4)
     assert dataclasses.replace(new, engine=None) == dataclasses.replace(old, engine=None)
     assert repr(new.engine) == repr(old.engine)  # the parsed DeepSpeed config compares by id
-    assert parse("--lr-warmup-fraction", "0.5").optimizer.warmup_iters == \
-        parse("--warmup", "0.5").optimizer.warmup_iters
-    with pytest.raises(ConfigError, match="--rampup-batch-size: ramping the batch size up is "
-                                          "not built"):
-        parse("--rampup-batch-size", "4", "4", "100")
+    assert parse("--lr-warmup-fraction", "0.5").optimizer.warmup_steps == \
+        parse("--warmup", "0.5").optimizer.warmup_steps
     assert parse("--kv-channels", "16", "--position-embedding-type", "learned_absolute",
                  "--normalization", "LayerNorm").model == parse().model  # GPT-2's own values
     with pytest.raises(ConfigError, match="^--kv-channels 32 is not --hidden-size 64 / "

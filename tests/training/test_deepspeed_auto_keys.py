@@ -57,9 +57,9 @@ def test_hugging_face_auto_schedule_takes_megatrons_schedule(tmp_path):
                                 "--deepspeed, not Megatron's schedule")
     assert not any("--lr," in note or "--warmup-iters" in note for note in parsed.notes)
     fraction = parse("--deepspeed", "--deepspeed_config", config, "--warmup", "0.15")
-    assert fraction.optimizer.warmup_iters == 1.5  # a whole number of steps in the JSON:
+    assert fraction.optimizer.warmup_steps == 1.5  # a whole number of steps in the JSON:
     assert fraction.engine.ds_config.scheduler.params["warmup_num_steps"] == 2  # rounded up
-    with pytest.raises(ConfigError, match=r"warmup iterations \(20, from --warmup or "
+    with pytest.raises(ConfigError, match=r"the warmup \(20 iterations, from --warmup or "
                                           r"--warmup-iters\) must lie between 0 and "
                                           r"--lr-decay-iters \(10\)"):
         parse("--deepspeed", "--deepspeed_config", config, "--warmup-iters", 20)

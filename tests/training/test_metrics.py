@@ -211,13 +211,14 @@ def test_mfu_never_exceeds_100_percent_when_the_measured_peak_is_too_low(capsys)
         device=torch.device("cpu"), print0=printed.append))
     backend = SimpleNamespace(report=lambda: {"lr": 1e-3, "loss_scale": 1.0})
     logger = SimpleNamespace(log_train=records.append)
-    window = {"loss": 2.0, "iters": 1, "start": time.perf_counter() - 1.0, "grad_norm": None,
-              "peak": 1.0}  # 1 FLOP/s: anything beats it
+    window = {"loss": 2.0, "iters": 1, "samples": 4, "start": time.perf_counter() - 1.0,
+              "grad_norm": None, "peak": 1.0}  # 1 FLOP/s: anything beats it
     for iteration in (1, 2):
         loop._log_window(window, {"iteration": iteration, "consumed_train_samples": 4,
                                   "skipped_iters": 0}, backend, 1e6, ctx, logger, None,
                           SimpleNamespace(with_the_line=lambda iteration: {}))
-        window.update(iters=1, loss=2.0, start=time.perf_counter() - 2.0)  # half the rate
+        window.update(iters=1, samples=4, loss=2.0,
+                      start=time.perf_counter() - 2.0)  # half the rate
     assert records[0]["mfu"] == pytest.approx(1.0) and records[1]["mfu"] == pytest.approx(0.5,
                                                                                           rel=0.05)
     assert len(printed) == 1 and "above the measured matmul peak" in printed[0]

@@ -23,13 +23,16 @@ DeepSpeed.
 
 import difflib
 import inspect
+import logging
 import math
 import warnings
 
 import torch
 
 from zero.config.parsing import AUTO, fail, show
-from zero.errors import CheckpointError, ConfigError
+from zero.errors import CheckpointError, ConfigError, ZeroError
+
+logger = logging.getLogger("zero.engine")  # (its warnings are the engine's)
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -212,7 +215,6 @@ def _check_total_after_warmup(schedule, total, warmup):
         raise ConfigError(f"WarmupCosineLR: total_num_steps ({total}) must be greater than "
                           f"warmup_num_steps ({warmup}; at least 2), or the cosine has no steps")
 
-
 # ---------------------------------------------------------------------------------------------
 # The `scheduler` section
 
@@ -227,6 +229,34 @@ def build_lr_scheduler(config, optimizer):
     if config.scheduler is None:
         return None
     return _construct(config.scheduler, optimizer, config.source)
+
+
+def engine_lr_scheduler(config, optimizer, client_scheduler):
+    """The schedule the engine steps: the one passed to initialize() (or built by it from
+    `optimizer`), else the one `config.scheduler` describes, else None. Schedules get the
+    torch optimizer (torch's classes insist on one)."""
+    if client_scheduler is None:
+        return build_lr_scheduler(config, optimizer)
+    if config.scheduler is not None:
+        logger.warning("an lr_scheduler was passed to initialize(); the config's "
+                       "'scheduler' section (%s) is not used", config.scheduler.type)
+    if isinstance(client_scheduler, type) or (callable(client_scheduler)
+                                              and not hasattr(client_scheduler, "step")):
+        client_scheduler = client_scheduler(optimizer)
+    if not (callable(getattr(client_scheduler, "step", None))
+            and callable(getattr(client_scheduler, "state_dict", None))):
+        raise ZeroError("zero.initialize: lr_scheduler must be a schedule (with step() and "
+                        "state_dict()) or a callable that builds one from the optimizer, got "
+                        f"{type(client_scheduler).__name__} (name a type in the config's "
+                        "'scheduler' section instead)")
+    scheduled = getattr(client_scheduler, "optimizer", None)
+    if isinstance(scheduled, torch.optim.Optimizer) and scheduled is not optimizer:
+        # Megatron + DeepSpeed's classic mistake: the schedule was built around an
+        # optimizer that the config's 'optimizer' section replaced
+        logger.warning("the lr_scheduler passed to initialize() steps another optimizer "
+                       "than the engine's, so its learning rates never reach training; "
+                       "pass lr_scheduler as a callable taking the optimizer instead")
+    return client_scheduler
 
 
 def check_scheduler_section(section, source):
