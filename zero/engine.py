@@ -98,7 +98,7 @@ class DeepSpeedEngine(torch.nn.Module):
                               f"data-parallel ranks, but this run has {self.dp_world_size}")
         self._check_supported_features()
         self.global_steps = self.global_samples = self.skipped_steps = self.micro_steps = 0
-        self._accumulated = 0  # micro-steps since the last step boundary
+        self._step_start = 0  # micro_steps when the current step began
         # (train_batch_size, gradient_accumulation_steps): the config's until
         # set_train_batch_size changes them
         self._batch = (self.config.train_batch_size, self.config.gradient_accumulation_steps)
@@ -323,7 +323,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def is_gradient_accumulation_boundary(self):
         if self._boundary_override is not None:
             return self._boundary_override
-        return self._accumulated + 1 >= self.gradient_accumulation_steps()
+        return self.micro_steps - self._step_start + 1 >= self.gradient_accumulation_steps()
 
     def set_gradient_accumulation_boundary(self, is_boundary):
         """Override the micro-step count's answer (DeepSpeed's API, for loops that decide
@@ -375,7 +375,8 @@ class DeepSpeedEngine(torch.nn.Module):
             self.global_samples += self.train_batch_size()
             self.monitor.report(self)
         self.micro_steps += 1
-        self._accumulated = 0 if boundary else self._accumulated + 1
+        if boundary:
+            self._step_start = self.micro_steps
 
     def set_train_batch_size(self, train_batch_size):
         """DeepSpeed's: another global batch, by the number of micro batches a step takes
@@ -388,8 +389,9 @@ class DeepSpeedEngine(torch.nn.Module):
                              f"be a positive multiple of the micro batch x data-parallel size "
                              f"({self.train_micro_batch_size_per_gpu()} x {self.dp_world_size} "
                              f"= {per_step})")
-        if self._accumulated:
-            raise ZeroError(f"set_train_batch_size() inside a step, after {self._accumulated} "
+        if self.micro_steps != self._step_start:
+            raise ZeroError(f"set_train_batch_size() inside a step, after "
+                            f"{self.micro_steps - self._step_start} "
                             "of its micro batches: call it before a step's first forward")
         self._batch = (train_batch_size, train_batch_size // per_step)
 
@@ -413,6 +415,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_steps -= 1
         self.global_samples -= self.train_batch_size()
         self.micro_steps -= self.gradient_accumulation_steps()
+        self._step_start = self.micro_steps
         return True
 
     def restore_progress(self, global_steps, global_samples, skipped_steps):
@@ -421,7 +424,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_steps, self.global_samples = int(global_steps), int(global_samples)
         self.skipped_steps = int(skipped_steps)
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
-        self._accumulated = 0
+        self._step_start = self.micro_steps
 
     def destroy(self):
         """Remove the gradient hooks and whatever the optimizer keeps outside memory (NVMe swap
