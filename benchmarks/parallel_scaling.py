@@ -157,7 +157,7 @@ def _measure(tp, impl, bucket_mb, extra, config, world_size):
         tp_timer.reset()
         dist.barrier()
         written, cpu, start = _bytes_written(), time.process_time(), time.perf_counter()
-        backend.train_step(forward_step, batches)
+        backend.train_step(forward_step, batches, backend.ctx.config.training.global_batch_size)
         seconds = time.perf_counter() - start
         if step >= config["warmup"]:
             dp_payload = sum(dp_stats.ops[op].payload_bytes for op in GRADIENT_OPS

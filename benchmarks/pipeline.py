@@ -73,7 +73,7 @@ def _ours(config, m, layout, port, rank):
     for step in range(c["warmup"] + c["steps"]):
         dist.barrier()
         start = time.perf_counter()
-        backend.train_step(forward_step, batches)
+        backend.train_step(forward_step, batches, backend.ctx.config.training.global_batch_size)
         elapsed = time.perf_counter() - start
         bubble = backend.pipeline.bubble() if backend.pipeline is not None else None
         if step >= c["warmup"]:

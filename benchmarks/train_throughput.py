@@ -193,7 +193,7 @@ def ours_runner(c, device, precision, compiled, dropout):
     batches = iter(lambda: {"text": data}, None)  # host tokens, as the data loader gives
 
     def step():
-        backend.train_step(forward_step, batches)
+        backend.train_step(forward_step, batches, backend.ctx.config.training.global_batch_size)
     return step
 
 

@@ -33,6 +33,7 @@ also sums the micro batches' gradients in fp32, in the masters' gradients. `comp
 
 import contextlib
 import logging
+import numbers
 import os
 
 import torch
@@ -45,6 +46,7 @@ from zero.comm.communicator import Communicator
 from zero.comm.process_group import init_distributed
 from zero.compiler import compile_module
 from zero.config.deepspeed_config import DeepSpeedConfig
+from zero.data_loader import micro_batch_loader
 from zero.errors import ConfigError, ZeroError
 from zero.host_memory import (keep_freed_buffers, small_block_cache_off,
                               small_block_cache_warning)
@@ -117,7 +119,9 @@ class DeepSpeedEngine(torch.nn.Module):
         # (over the torch optimizer, whose param_groups the ZeroOptimizer steps)
         self.lr_scheduler = engine_lr_scheduler(self.config, self.optimizer.optimizer,
                                                 lr_scheduler)
-        self.training_dataloader = self._dataloader(training_data, collate_fn)
+        self.training_dataloader = micro_batch_loader(
+            training_data, collate_fn, self.train_micro_batch_size_per_gpu(),
+            self.dataloader_drop_last(), self.dp_world_size, self.dp_rank)
         self.monitor = Monitor(self.config, self.global_rank)
 
     # ----- setup -----
@@ -263,25 +267,6 @@ class DeepSpeedEngine(torch.nn.Module):
         return [module.register_load_state_dict_post_hook(loaded)
                 for module in self.module.modules()]
 
-    def _dataloader(self, training_data, collate_fn):
-        """Micro-batches of `training_data`, each data-parallel rank its own share."""
-        if training_data is None:
-            return None
-        if isinstance(training_data, torch.utils.data.IterableDataset):
-            if self.dp_world_size > 1:
-                raise ZeroError("zero.initialize: training_data is an IterableDataset, which "
-                                f"no sampler can share out over {self.dp_world_size} "
-                                "data-parallel ranks; let each rank iterate its own share in a "
-                                "DataLoader of its own and leave training_data out")
-            sampler = None
-        else:
-            sampler = torch.utils.data.DistributedSampler(
-                training_data, num_replicas=self.dp_world_size, rank=self.dp_rank)
-        return torch.utils.data.DataLoader(training_data,
-                                           batch_size=self.train_micro_batch_size_per_gpu(),
-                                           sampler=sampler, collate_fn=collate_fn,
-                                           drop_last=self.dataloader_drop_last())
-
     # ----- training -----
 
     def forward(self, *inputs, **kwargs):
@@ -383,7 +368,8 @@ class DeepSpeedEngine(torch.nn.Module):
         (the micro batch stays). Between steps (Megatron-LM's batch-size ramp calls it before
         each iteration)."""
         per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
-        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) \
+        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size,
+                                                                numbers.Integral) \
                 or train_batch_size <= 0 or train_batch_size % per_step:
             raise ValueError(f"set_train_batch_size({train_batch_size!r}): the global batch must "
                              f"be a positive multiple of the micro batch x data-parallel size "
@@ -393,7 +379,7 @@ class DeepSpeedEngine(torch.nn.Module):
             raise ZeroError(f"set_train_batch_size() inside a step, after "
                             f"{self.micro_steps - self._step_start} "
                             "of its micro batches: call it before a step's first forward")
-        self._batch = (train_batch_size, train_batch_size // per_step)
+        self._batch = (int(train_batch_size), int(train_batch_size) // per_step)
 
     def zero_grad(self):
         self.optimizer.zero_grad()

@@ -173,10 +173,24 @@ def load_checkpoint(module, engine, checkpoint, run_args, device, convert=None):
     train_state = dict(state.get("train_state", {}))
     train_state["iteration"] = state.get("iteration", state.get("total_iters", iteration))
     train_state.setdefault("consumed_train_samples",
-                           train_state["iteration"] * run_args["global_batch_size"])
+                           _samples_before(state, train_state["iteration"], run_args))
     train_state.setdefault("skipped_iters", 0)
     train_state.setdefault("run_id", "")  # written before checkpoints carried their run
     return train_state
+
+
+def _samples_before(state, iteration, run_args):
+    """The samples consumed before `iteration` by a checkpoint without a train state
+    (Megatron-LM's own, or converted from one): what its args recorded (Megatron-LM's
+    consumed_train_samples), else this run's global batches up to it (a ramp's included)."""
+    recorded = state.get("args", {}).get("consumed_train_samples")
+    if recorded is not None:
+        return int(recorded)
+    ramp = run_args.get("rampup_batch_size")
+    if ramp is None:
+        return iteration * run_args["global_batch_size"]
+    from megatron.config.batch_rampup import BatchRampup
+    return BatchRampup(*ramp, final=run_args["global_batch_size"]).samples_after(iteration)
 
 
 def _fp32_weights_by_param(module, weights):

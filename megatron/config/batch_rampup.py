@@ -72,9 +72,14 @@ class BatchRampup:
             consumed += self.global_batch_at(consumed)
         return consumed
 
-    def sizes(self):
-        """Every global batch size of the ramp, START to G."""
-        return range(self.start, self.final + 1, self.increment)
+    def first_size_not_a_multiple_of(self, multiple):
+        """The first global batch of the ramp (START, START + INCREMENT, ..., G) that is not a
+        multiple of `multiple`, or None. (Whether START and INCREMENT are decides it: the ramp
+        has at least those two sizes.)"""
+        for size in (self.start, self.start + self.increment):
+            if size % multiple:
+                return size
+        return None
 
 
 def rampup_from_flags(raw, global_batch, per_step):
@@ -99,11 +104,11 @@ def rampup_from_flags(raw, global_batch, per_step):
                           f"(({global_batch} - {start}) % {increment} = "
                           f"{(global_batch - start) % increment})")
     rampup = BatchRampup(start, increment, samples, global_batch)
-    uneven = [size for size in rampup.sizes() if size % per_step]
-    if uneven:
-        raise ConfigError(f"{flag}: the ramp's global batch of {uneven[0]} samples is not a "
+    uneven = rampup.first_size_not_a_multiple_of(per_step)
+    if uneven is not None and global_batch % per_step == 0:  # (else --global-batch-size's error)
+        raise ConfigError(f"{flag}: the ramp's global batch of {uneven} samples is not a "
                           f"whole number of micro batches: --batch-size {raw['batch_size']} x "
                           f"data-parallel size {per_step // raw['batch_size']} = {per_step} "
-                          f"({uneven[0]} % {per_step} = {uneven[0] % per_step}); make the start "
+                          f"({uneven} % {per_step} = {uneven % per_step}); make the start "
                           f"and the increment multiples of {per_step}")
     return rampup

@@ -23,15 +23,17 @@ def check_pipeline(raw, parallel, training, ds_config):
     m = training.num_micro_batches
     if chunks > 1:
         per_step = training.global_batch_size // m
-        sizes = training.rampup.sizes() if training.rampup else (training.global_batch_size,)
-        uneven = [size // per_step for size in sizes if size // per_step % pp]
-        if uneven:
+        uneven = training.global_batch_size if m % pp else None
+        if uneven is None and training.rampup is not None:
+            uneven = training.rampup.first_size_not_a_multiple_of(pp * per_step)
+        if uneven is not None:
             ramp = " and --rampup-batch-size" if training.rampup else ""
+            count = uneven // per_step
             raise ConfigError(
                 f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage) runs the "
                 f"micro batches in groups of --pipeline-model-parallel-size {pp}, but a step "
-                f"has {uneven[0]} ({uneven[0]} % {pp} = {uneven[0] % pp}); make "
-                f"--global-batch-size{ramp} a multiple of {pp * per_step}")
+                f"has {count} ({count} % {pp} = {count % pp}); make --global-batch-size{ramp} "
+                f"a multiple of {pp * per_step}")
         require(ds_config.zero_optimization.stage < 2,
                 "the interleaved schedule reduces the gradients once, after the step's last "
                 "backward; ZeRO stage 2 reduces them at every micro batch. Use ZeRO stage 0 "

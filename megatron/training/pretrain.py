@@ -95,10 +95,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                 for note in backend.resume_notes():
                     runtime.print0(f" note: {note}")
                 if train_state["iteration"] >= config.training.train_iters:
-                    runtime.print0(f" nothing to train: the checkpoint is at iteration "
-                                   f"{train_state['iteration']} and --train-iters is "
-                                   f"{config.training.train_iters}; raise --train-iters (the "
-                                   "scripts: TRAIN_ITERS) to train on")
+                    runtime.print0(_nothing_to_train(config.training,
+                                                     train_state["iteration"]))
         if runtime.is_rank0:
             _say_if_the_save_folder_holds_other_runs(config, backend, train_state)
         _follow_train_epochs(datasets[0], train_state, ctx)
@@ -149,6 +147,16 @@ def model_config(config, vocab_size):
         checkpoint_function=checkpoint_function(recompute.deepspeed_activation_checkpointing),
         memory_centric_tiled_linear=model.memory_centric_tiled_linear,
         tile_factor=model.tile_factor)
+
+
+def _nothing_to_train(training, iteration):
+    if training.rampup is None:
+        return (f" nothing to train: the checkpoint is at iteration {iteration} and "
+                f"--train-iters is {training.train_iters}; raise --train-iters (the scripts: "
+                "TRAIN_ITERS) to train on")
+    return (f" nothing to train: the checkpoint is at iteration {iteration}, the last of the "
+            f"{training.train_iters} iterations --train-samples makes under the batch-size "
+            "ramp; raise --train-samples (the scripts: TRAIN_ITERS) to train on")
 
 
 def num_samples_per_split(config):

@@ -39,7 +39,9 @@ def test_the_ramp_is_megatrons_rule():
     assert ramp.ramp == (4, 28)  # batches 4, 4, 8, 12
     assert ramp.iterations_for(60) == 6 and ramp.samples_after(6) == 52
     assert [ramp.samples_after(i) for i in range(5)] == [0, 4, 8, 16, 28]
-    assert list(ramp.sizes()) == [4, 8, 12]
+    assert ramp.first_size_not_a_multiple_of(4) is None
+    assert ramp.first_size_not_a_multiple_of(8) == 4
+    assert BatchRampup(8, 4, 16, 16).first_size_not_a_multiple_of(8) == 12
     rng = random.Random(0)
     for _ in range(300):
         per_step = rng.choice([1, 2, 8])
@@ -116,6 +118,9 @@ _RAMP = ["--rampup-batch-size", "4", "4", "16", "--global-batch-size", "12"]
       "60"], 2, r"the ramp's global batch of 2 samples is not a whole number of micro batches: "
                 r"--batch-size 2 x data-parallel size 2 = 4 \(2 % 4 = 2\); make the start and "
                 r"the increment multiples of 4"),
+    (["--rampup-batch-size", "4", "2", "100", "--global-batch-size", "10", "--train-samples",
+      "200"], 2, r"--global-batch-size 10 is not divisible by --batch-size 2 x data-parallel "
+                 r"size 2 = 4"),
     (_RAMP + ["--train-iters", "6"], 1, "--rampup-batch-size changes the samples of an "
                                          "iteration, so lengths are given in samples: "
                                          "--train-samples, not --train-iters"),
@@ -230,6 +235,11 @@ def test_a_ramp_resumes_exactly_in_the_middle_and_counts_samples(corpus, tmp_pat
     full, split = _records(tmp_path, "full"), _records(tmp_path, "split")
     assert [(r["lm_loss"], r["lr"], r["batch_size"]) for r in full] == \
         [(r["lm_loss"], r["lr"], r["batch_size"]) for r in split]
+    capsys.readouterr()
+    assert _ramp_run(corpus, tmp_path, "again", "--load", save, *flags) == 0
+    assert " nothing to train: the checkpoint is at iteration 6, the last of the 6 iterations " \
+           "--train-samples makes under the batch-size ramp; raise --train-samples" \
+        in capsys.readouterr().out
     # the schedule counts samples: a resume without the ramp is one error that says so
     argv = _common(corpus) + ["--batch-size", "4", "--global-batch-size", "12",
                               "--train-iters", "8", "--load", save,
@@ -261,3 +271,13 @@ def test_dp2_at_zero_stage_2_and_two_pipeline_stages_match_one_process(corpus, t
         assert [b for _, b in got] == [b for _, b in one], name
         assert [loss for loss, _ in got] == pytest.approx([loss for loss, _ in one],
                                                           rel=1e-5), name
+
+
+def test_a_checkpoint_without_a_train_state_resumes_at_the_samples_it_consumed():
+    """Megatron-LM's own checkpoints record the samples in their args; without them, the
+    ramp's batches up to the checkpoint's iteration (not iterations x the final batch)."""
+    from megatron.checkpointing.megatron_layout import _samples_before
+    ramp = {"rampup_batch_size": [4, 4, 16], "global_batch_size": 12}
+    assert _samples_before({"args": {"consumed_train_samples": 8}}, 2, ramp) == 8
+    assert _samples_before({"args": {}}, 3, ramp) == 16
+    assert _samples_before({}, 3, {"rampup_batch_size": None, "global_batch_size": 12}) == 36

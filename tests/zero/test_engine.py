@@ -3,6 +3,7 @@
 import copy
 import glob
 
+import numpy as np
 import pytest
 import torch
 
@@ -105,7 +106,7 @@ def test_set_train_batch_size_changes_the_micro_batches_of_each_step(stage):
     adam = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     assert (engine.train_batch_size(), engine.gradient_accumulation_steps()) == (8, 2)
     boundaries = []
-    for step, size in enumerate((4, 12, 8)):
+    for step, size in enumerate((4, np.int64(12), 8)):  # (numpy's ints too, as DeepSpeed)
         engine.set_train_batch_size(size)
         assert engine.gradient_accumulation_steps() == size // 4
         tokens, labels = _batch(step, size)
