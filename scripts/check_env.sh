@@ -118,6 +118,13 @@ take_script_flags() {
     done
 }
 
+run_end() {
+    # The save interval that saves at the end only (the scripts' default): TRAIN_ITERS, or
+    # under --rampup-batch-size, whose smaller batches take more iterations, a bound on them
+    # (TRAIN_ITERS x GLOBAL_BATCH samples, one at least each); the trainer saves at its end.
+    if [ -n "$RAMPUP_GIVEN" ]; then echo $(( TRAIN_ITERS * GLOBAL_BATCH )); else echo "$TRAIN_ITERS"; fi
+}
+
 run_length_args() {
     # LENGTH_ARGS: the run's length and warmup as the launch scripts pass them, --train-iters
     # TRAIN_ITERS and --warmup-iters WARMUP_ITERS (no warmup flag when a --warmup fraction or

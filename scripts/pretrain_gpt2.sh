@@ -28,7 +28,10 @@
 #                                at start-up in under a second and said in one line; a --bf16
 #                                or --fp16 argument wins. 16-bit keeps fp32 master weights)
 #   DATA_DIR=data  CHECKPOINT_DIR=checkpoints/gpt2_small  RUN_DIR=runs/gpt2_small
-#   LOG_INTERVAL=10 EVAL_INTERVAL=100 EVAL_ITERS=5 SAVE_INTERVAL=(train iters) WORKERS=2
+#   LOG_INTERVAL=10 EVAL_INTERVAL=100 EVAL_ITERS=5 SAVE_INTERVAL=(the end) WORKERS=2
+#   With --rampup-batch-size START INCREMENT SAMPLES (Megatron-LM's batch-size ramp) TRAIN_ITERS
+#   and WARMUP_ITERS count global batches of samples: the script passes --train-samples and
+#   --lr-warmup-samples, and the ramp's smaller batches make the run more iterations.
 #
 # Compute arithmetic for the defaults (printed again at start-up for the values in use):
 #   params N ~ 12*L*h^2 + (V + S)*h = 12*6*384^2 + (8192+256)*384 = 10.6M + 3.2M = 13.9M
@@ -57,7 +60,8 @@ DATA_DIR="${DATA_DIR:-$ROOT/data}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small}"
 RUN_DIR="${RUN_DIR:-$ROOT/runs/gpt2_small}"
 LOG_INTERVAL="${LOG_INTERVAL:-10}"; EVAL_INTERVAL="${EVAL_INTERVAL:-100}"; EVAL_ITERS="${EVAL_ITERS:-5}"
-SAVE_INTERVAL="${SAVE_INTERVAL:-$TRAIN_ITERS}"; WORKERS="${WORKERS:-2}"
+SAVE_INTERVAL="${SAVE_INTERVAL:-$(run_end)}"  # (at the end only; a ramp's: more iterations)
+WORKERS="${WORKERS:-2}"
 
 TRAINER_ARGS=("$@")  # checked as pretrain_gpt2.py flags before the data is prepared
 source scripts/prepare_default_data.sh  # sets PY, TOKENIZER_DIR, DATA_PREFIX

@@ -39,7 +39,10 @@
 #   nodes take bf16)
 #   DATA_DIR=data  CHECKPOINT_DIR=checkpoints/gpt2_small_distributed
 #   RUN_DIR=runs/gpt2_small_distributed
-#   LOG_INTERVAL=10 EVAL_INTERVAL=100 EVAL_ITERS=5 SAVE_INTERVAL=(train iters) WORKERS=2
+#   LOG_INTERVAL=10 EVAL_INTERVAL=100 EVAL_ITERS=5 SAVE_INTERVAL=(the end) WORKERS=2
+#   With --rampup-batch-size START INCREMENT SAMPLES (Megatron-LM's batch-size ramp) TRAIN_ITERS
+#   and WARMUP_ITERS count global batches of samples: the script passes --train-samples and
+#   --lr-warmup-samples, and the ramp's smaller batches make the run more iterations.
 #
 # Compute arithmetic for the defaults on a 2-core machine without GPUs (2 processes, DP=2):
 #   params N ~ 12*L*h^2 + (V + S)*h = 12*6*384^2 + (8192+256)*384 = 10.6M + 3.2M = 13.9M
@@ -84,7 +87,7 @@ DATA_DIR="${DATA_DIR:-$ROOT/data}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small_distributed}"
 RUN_DIR="${RUN_DIR:-$ROOT/runs/gpt2_small_distributed}"
 LOG_INTERVAL="${LOG_INTERVAL:-10}"; EVAL_INTERVAL="${EVAL_INTERVAL:-100}"
-EVAL_ITERS="${EVAL_ITERS:-5}"; SAVE_INTERVAL="${SAVE_INTERVAL:-$TRAIN_ITERS}"
+EVAL_ITERS="${EVAL_ITERS:-5}"
 WORKERS="${WORKERS:-2}"
 # the layer split in the variables' terms (the trainer would name its flags)
 (( PP_SIZE <= NLAYERS )) || _env_error "PP_SIZE=$PP_SIZE is more pipeline stages than" \
@@ -119,6 +122,7 @@ if (( PP_SIZE > 1 )); then
 else
     GLOBAL_BATCH="${GLOBAL_BATCH:-$(( MICRO_BATCH * DP_SIZE ))}"
 fi
+SAVE_INTERVAL="${SAVE_INTERVAL:-$(run_end)}"  # (at the end only; a ramp's: more iterations)
 print_compute_estimate "$NLAYERS" "$NHIDDEN" "$VOCAB_SIZE" "$SEQ_LEN" "$TRAIN_ITERS" "$GLOBAL_BATCH"
 echo "[launch] $NNODES node(s) x $GPUS_PER_NODE processes: tensor-parallel $MP_SIZE," \
      "pipeline stages $PP_SIZE, data-parallel $DP_SIZE, global batch $GLOBAL_BATCH"

@@ -33,7 +33,7 @@ also sums the micro batches' gradients in fp32, in the masters' gradients. `comp
 
 import contextlib
 import logging
-import numbers
+import operator
 import os
 
 import torch
@@ -101,6 +101,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._check_supported_features()
         self.global_steps = self.global_samples = self.skipped_steps = self.micro_steps = 0
         self._step_start = 0  # micro_steps when the current step began
+        self._backwards = 0  # backward passes since then (no_sync's count, without step())
         # (train_batch_size, gradient_accumulation_steps): the config's until
         # set_train_batch_size changes them
         self._batch = (self.config.train_batch_size, self.config.gradient_accumulation_steps)
@@ -303,6 +304,7 @@ class DeepSpeedEngine(torch.nn.Module):
         with self.monitor.timed("backward"):
             self.optimizer.backward(loss, reduce_gradients=reduce_gradients, grad=grad,
                                     retain_graph=retain_graph)
+        self._backwards += 1
         return loss
 
     def is_gradient_accumulation_boundary(self):
@@ -361,28 +363,29 @@ class DeepSpeedEngine(torch.nn.Module):
             self.monitor.report(self)
         self.micro_steps += 1
         if boundary:
-            self._step_start = self.micro_steps
+            self._step_start, self._backwards = self.micro_steps, 0
 
     def set_train_batch_size(self, train_batch_size):
         """DeepSpeed's: another global batch, by the number of micro batches a step takes
         (the micro batch stays). Between steps (Megatron-LM's batch-size ramp calls it before
         each iteration)."""
         per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
-        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size,
-                                                                numbers.Integral) \
-                or train_batch_size <= 0 or train_batch_size % per_step:
+        size = None if isinstance(train_batch_size, bool) else _as_int(train_batch_size)
+        if size is None or size <= 0 or size % per_step:
             raise ValueError(f"set_train_batch_size({train_batch_size!r}): the global batch must "
                              f"be a positive multiple of the micro batch x data-parallel size "
                              f"({self.train_micro_batch_size_per_gpu()} x {self.dp_world_size} "
                              f"= {per_step})")
-        if self.micro_steps != self._step_start:
+        if self._backwards or self.micro_steps != self._step_start:
             raise ZeroError(f"set_train_batch_size() inside a step, after "
-                            f"{self.micro_steps - self._step_start} "
-                            "of its micro batches: call it before a step's first forward")
-        self._batch = (int(train_batch_size), int(train_batch_size) // per_step)
+                            f"{max(self._backwards, self.micro_steps - self._step_start)} of "
+                            "its micro batches' backward passes: call it before a step's "
+                            "first forward")
+        self._batch = (size, size // per_step)
 
     def zero_grad(self):
         self.optimizer.zero_grad()
+        self._backwards = 0  # (their gradients are gone)
 
     @property
     def searching_initial_loss_scale(self):
@@ -401,7 +404,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_steps -= 1
         self.global_samples -= self.train_batch_size()
         self.micro_steps -= self.gradient_accumulation_steps()
-        self._step_start = self.micro_steps
+        self._step_start, self._backwards = self.micro_steps, 0
         return True
 
     def restore_progress(self, global_steps, global_samples, skipped_steps):
@@ -484,3 +487,11 @@ class DeepSpeedEngine(torch.nn.Module):
         return ckpt.save_16bit_model(self, save_dir, save_filename)
 
     save_fp16_model = save_16bit_model
+
+
+def _as_int(value):
+    """An int (numpy's and 0-dim tensors' too, through __index__), else None."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

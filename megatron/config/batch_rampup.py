@@ -82,10 +82,11 @@ class BatchRampup:
         return None
 
 
-def rampup_from_flags(raw, global_batch, per_step):
+def rampup_from_flags(raw, global_batch, named, per_step):
     """The BatchRampup of --rampup-batch-size (None without it), checked against the global
-    batch G it ramps to and `per_step`, the samples of one micro batch on every data-parallel
-    rank: every size of the ramp must be a whole number of those."""
+    batch G it ramps to (`named`: where G comes from, in words) and `per_step`, the samples of
+    one micro batch on every data-parallel rank: every size of the ramp must be a whole number
+    of those."""
     values = raw.get("rampup_batch_size")
     if values is None:
         return None
@@ -95,11 +96,10 @@ def rampup_from_flags(raw, global_batch, per_step):
         raise ConfigError(f"{flag}: the start batch, the increment and the ramp's samples must "
                           "be positive")
     if start >= global_batch:
-        raise ConfigError(f"{flag} starts at {start} samples, not below --global-batch-size "
-                          f"{global_batch}: there is nothing to ramp up to (leave the flag out "
-                          "for a constant batch)")
+        raise ConfigError(f"{flag} starts at {start} samples, not below {named}: there is "
+                          "nothing to ramp up to (leave the flag out for a constant batch)")
     if (global_batch - start) % increment:
-        raise ConfigError(f"{flag}: the ramp from {start} to --global-batch-size {global_batch} "
+        raise ConfigError(f"{flag}: the ramp from {start} to {named} "
                           f"is not a whole number of increments of {increment} "
                           f"(({global_batch} - {start}) % {increment} = "
                           f"{(global_batch - start) % increment})")

@@ -35,7 +35,9 @@ def parse_command_line(parser, argv):
     of the wrong type) are one ConfigError line (flags.py); Megatron-LM flags not taken, which
     it would word misleadingly, are ours."""
     refuse_flags_not_taken(argv, parser)
-    argv = _split_value_with_a_dash(argv)
+    several = {name for action in parser._actions if isinstance(action.nargs, int)
+               and action.nargs > 1 for name in action.option_strings}
+    argv = _split_value_with_a_dash(argv, several)
     return argv, vars(parser.parse_args(argv))
 
 
@@ -47,9 +49,11 @@ def repeated_flag_notes(parser, argv):
     for i, arg in enumerate(argv):
         flag, joined, value = arg.partition("=")
         action = parser._option_string_actions.get(flag)  # argparse's own table
-        if not isinstance(action, argparse._StoreAction) or action.nargs not in (None, "+"):
+        if not isinstance(action, argparse._StoreAction) or action.nargs in ("?", "*"):
             continue  # not a flag that stores its values (store_true, append)
-        if action.nargs == "+" and not joined:  # (--data-path's blend)
+        if isinstance(action.nargs, int) and not joined:  # (--rampup-batch-size's three)
+            value = " ".join(argv[i + 1:i + 1 + action.nargs])
+        elif action.nargs == "+" and not joined:  # (--data-path's blend)
             value = " ".join(itertools.takewhile(lambda a: not a.startswith("--"),
                                                  argv[i + 1:]))
         elif not joined:
@@ -63,11 +67,12 @@ def repeated_flag_notes(parser, argv):
     return tuple(notes)
 
 
-def _split_value_with_a_dash(argv):
+def _split_value_with_a_dash(argv, several=()):
     """`--split -1,50,1` as `--split=-1,50,1`, `--lr -1e-3` as `--lr=-1e-3`: argparse takes a
     value starting with "-" (other than a plain negative number such as -1 or -0.5) for a flag
     and says "expected one argument"; joined, the value reaches the flag's own check, which
-    says what is wrong with it."""
+    says what is wrong with it. Not the flags in `several`, which take several values (a
+    negative number among them reaches their check as it is)."""
     def negative_value(flag, value):
         if not value.startswith("-") or value.startswith("--"):
             return False
@@ -75,7 +80,7 @@ def _split_value_with_a_dash(argv):
     joined, i = [], 0
     while i < len(argv):
         if argv[i].startswith("--") and "=" not in argv[i] and i + 1 < len(argv) \
-                and negative_value(argv[i], argv[i + 1]):
+                and argv[i] not in several and negative_value(argv[i], argv[i + 1]):
             joined.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
         else:

@@ -96,8 +96,10 @@ def lengths_under_a_rampup(raw, given, rampup):
     if train_samples < ramp_samples:
         raise ConfigError(f"--train-samples {train_samples} ends inside the batch-size ramp, "
                           f"which takes {ramp_iterations} iterations and {ramp_samples} samples "
-                          f"(from {rampup.start} to {rampup.final}); give at least that many, "
-                          f"or a ramp of fewer samples")
+                          f"(from {rampup.start} to {rampup.final}); give at least that many "
+                          f"(the launch scripts: TRAIN_ITERS="
+                          f"{-(-ramp_samples // rampup.final)} or more, global batches of "
+                          f"{rampup.final}), or a ramp of fewer samples")
     raw["train_iters"] = rampup.iterations_for(train_samples)
     return (f" note: {flag} {rampup.start} {rampup.increment} {rampup.samples}: the global "
             f"batch grows from {rampup.start} by {rampup.increment} to {rampup.final} over the "

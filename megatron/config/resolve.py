@@ -109,8 +109,9 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     parallel = _parallel(raw, world_size)
     if raw["batch_size"] is None:  # --deepspeed without --batch-size
         raw["batch_size"] = engine.micro_batch_from_json(raw, parallel.data_parallel_size)
-    global_batch = _global_batch_before_the_engine(raw, parallel)
-    rampup = rampup_from_flags(raw, global_batch, raw["batch_size"] * parallel.data_parallel_size)
+    global_batch, named = _global_batch_before_the_engine(raw, parallel)
+    rampup = rampup_from_flags(raw, global_batch, named,
+                               raw["batch_size"] * parallel.data_parallel_size)
     notes += lengths.lengths_under_a_rampup(raw, given, rampup) if rampup else \
         lengths.iterations_from_lengths(raw, given, global_batch, raw["seq_length"])
     training = _training(raw, parallel)
@@ -263,13 +264,18 @@ def _parallel(raw, world_size):
 
 
 def _global_batch_before_the_engine(raw, parallel):
-    """The global batch the engine will settle on (--global-batch-size, the DeepSpeed JSON's
-    train_batch_size, or the micro batch x data-parallel size), for lengths in samples."""
+    """(the global batch the engine will settle on, where it comes from in words), for
+    lengths in samples: --global-batch-size, the DeepSpeed JSON's train_batch_size, or the
+    micro batch x data-parallel size."""
     if raw["global_batch_size"] is not None:
-        return raw["global_batch_size"]
+        return raw["global_batch_size"], f"--global-batch-size {raw['global_batch_size']}"
     from_json = engine.global_batch_from_json(raw, parallel.data_parallel_size) \
         if raw["deepspeed"] else None
-    return from_json or raw["batch_size"] * parallel.data_parallel_size
+    if from_json:
+        return from_json, f"the DeepSpeed config's global batch {from_json}"
+    per_step = raw["batch_size"] * parallel.data_parallel_size
+    return per_step, (f"the global batch {per_step} (--batch-size x data-parallel size; "
+                      "--global-batch-size sets another)")
 
 
 def _training(raw, parallel):

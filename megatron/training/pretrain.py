@@ -19,7 +19,7 @@ from megatron.config.from_checkpoint import TOKENIZER_FILE_KEYS
 from megatron.checkpointing.retention import new_run_id, other_runs_checkpoints
 from megatron.checkpointing.save_dir import claim_output_folders
 from megatron.data.tokenization_record import tokenizer_identity
-from megatron.errors import CheckpointError, Interrupted
+from megatron.errors import CheckpointError, DataError, Interrupted
 from megatron.model import GPTConfig
 from megatron.runtime.activation_checkpointing import checkpoint_function
 from megatron.runtime.fault_tolerance import TrainingGuards
@@ -97,6 +97,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                 if train_state["iteration"] >= config.training.train_iters:
                     runtime.print0(_nothing_to_train(config.training,
                                                      train_state["iteration"]))
+                _check_the_samples_ahead(config.training, train_state, datasets[0])
         if runtime.is_rank0:
             _say_if_the_save_folder_holds_other_runs(config, backend, train_state)
         _follow_train_epochs(datasets[0], train_state, ctx)
@@ -157,6 +158,35 @@ def _nothing_to_train(training, iteration):
     return (f" nothing to train: the checkpoint is at iteration {iteration}, the last of the "
             f"{training.train_iters} iterations --train-samples makes under the batch-size "
             "ramp; raise --train-samples (the scripts: TRAIN_ITERS) to train on")
+
+
+def _check_the_samples_ahead(training, train_state, train):
+    """A resumed run's iterations ahead must find their samples: under a ramp the checkpoint
+    must have consumed what this run's ramp consumes in as many iterations (another ramp or
+    global batch would end the run off --train-samples), and the train split, built for this
+    run's batches from the start, must hold the samples ahead (a checkpoint trained at a
+    larger --global-batch-size has consumed more of it)."""
+    iteration, consumed = train_state["iteration"], train_state["consumed_train_samples"]
+    if iteration == 0 or iteration >= training.train_iters:
+        return
+    expected = training.samples_after(iteration)
+    if training.rampup is not None and consumed != expected:
+        ramp = " ".join(map(str, training.rampup_batch_size))
+        raise CheckpointError(
+            f"the checkpoint consumed {consumed} samples in {iteration} iterations, where "
+            f"--rampup-batch-size {ramp} to --global-batch-size {training.global_batch_size} "
+            f"consumes {expected}: it was trained with another ramp or global batch, so this "
+            "run's iterations (counted from --train-samples) would not end there. Resume with "
+            "the ramp and global batch it was trained with (or --finetune to start afresh)")
+    needed = consumed + training.samples_after(training.train_iters) - expected
+    available = len(train) if train is not None and hasattr(train, "__len__") else needed
+    if needed > available:
+        raise DataError(
+            f"the checkpoint consumed {consumed} samples in {iteration} iterations (at another "
+            f"--global-batch-size than this run's {training.global_batch_size}), so the "
+            f"{training.train_iters - iteration} iterations ahead need samples up to {needed}, "
+            f"but the train split holds {available}, built for this run's batches from the "
+            "start: resume with the checkpoint's --global-batch-size")
 
 
 def num_samples_per_split(config):

@@ -89,6 +89,9 @@ def test_flags_resolve_to_a_ramp_and_a_schedule_in_samples():
            "the first 4 iterations (28 samples); --train-samples 60 is 6 iterations, and the " \
            "learning-rate schedule counts samples" in config.notes
     assert config.as_flat_dict()["rampup_batch_size"] == [4, 4, 16]
+    twice = _parse("--rampup-batch-size", "2", "2", "16", *_RAMP, "--train-samples", "60")
+    assert " note: --rampup-batch-size 2 2 16, then --rampup-batch-size 4 4 16: the last one " \
+           "is used" in twice.notes and twice.training.rampup == training.rampup
     fraction = _parse("--rampup-batch-size", "4", "4", "16", "--global-batch-size", "12",
                       "--train-samples", "60", "--lr-decay-samples", "50", "--warmup", "0.1")
     assert (fraction.optimizer.lr_decay_steps, fraction.optimizer.warmup_steps) == (50, 5)
@@ -108,6 +111,12 @@ _RAMP = ["--rampup-batch-size", "4", "4", "16", "--global-batch-size", "12"]
       "60"], 1, "the start batch, the increment and the ramp's samples must be positive"),
     (["--rampup-batch-size", "4", "4", "-1", "--global-batch-size", "12", "--train-samples",
       "60"], 1, "must be positive"),
+    (["--rampup-batch-size", "-2", "2", "16", "--global-batch-size", "12", "--train-samples",
+      "60"], 1, "--rampup-batch-size -2 2 16: the start batch, the increment and the ramp's "
+                "samples must be positive"),
+    (["--rampup-batch-size", "2", "2", "16", "--train-samples", "60"], 1,
+     r"starts at 2 samples, not below the global batch 2 \(--batch-size x data-parallel size; "
+     r"--global-batch-size sets another\)"),
     (["--rampup-batch-size", "12", "4", "16", "--global-batch-size", "12", "--train-samples",
       "60"], 1, "starts at 12 samples, not below --global-batch-size 12: there is nothing to "
                 "ramp up to"),
@@ -130,8 +139,10 @@ _RAMP = ["--rampup-batch-size", "4", "4", "16", "--global-batch-size", "12"]
      "--lr-warmup-samples, not --warmup-iters"),
     (_RAMP + ["--train-tokens", "6000"], 1, "--train-samples, not --train-tokens"),
     (_RAMP, 1, "--rampup-batch-size needs the run's length in samples: --train-samples"),
-    (_RAMP + ["--train-samples", "20"], 1, "--train-samples 20 ends inside the batch-size ramp, "
-                                            "which takes 4 iterations and 28 samples"),
+    (_RAMP + ["--train-samples", "20"], 1, r"--train-samples 20 ends inside the batch-size ramp, "
+                                            r"which takes 4 iterations and 28 samples \(from 4 "
+                                            r"to 12\); give at least that many \(the launch "
+                                            r"scripts: TRAIN_ITERS=3 or more"),
     (_RAMP + ["--train-samples", "60", "--lr-warmup-samples", "8", "--warmup", "0.1"], 1,
      "--lr-warmup-samples and --warmup both set the warmup"),
     (_RAMP + ["--train-samples", "60", "--lr-warmup-samples", "80"], 1,
@@ -240,6 +251,16 @@ def test_a_ramp_resumes_exactly_in_the_middle_and_counts_samples(corpus, tmp_pat
     assert " nothing to train: the checkpoint is at iteration 6, the last of the 6 iterations " \
            "--train-samples makes under the batch-size ramp; raise --train-samples" \
         in capsys.readouterr().out
+    # another ramp: its iterations would not end at --train-samples
+    other = _common(corpus) + ["--batch-size", "4", "--rampup-batch-size", "4", "4", "8",
+                               "--global-batch-size", "12", "--train-samples", "120",
+                               "--lr-decay-style", "linear", "--lr-warmup-samples", "8",
+                               "--log-dir", str(tmp_path / "other"), "--load", save, *flags]
+    capsys.readouterr()
+    assert pretrain_gpt2.main(other) == 2
+    assert "error: the checkpoint consumed 52 samples in 6 iterations, where " \
+           "--rampup-batch-size 4 4 8 to --global-batch-size 12 consumes 60: it was trained " \
+           "with another ramp or global batch" in capsys.readouterr().err
     # the schedule counts samples: a resume without the ramp is one error that says so
     argv = _common(corpus) + ["--batch-size", "4", "--global-batch-size", "12",
                               "--train-iters", "8", "--load", save,
@@ -281,3 +302,26 @@ def test_a_checkpoint_without_a_train_state_resumes_at_the_samples_it_consumed()
     assert _samples_before({"args": {"consumed_train_samples": 8}}, 2, ramp) == 8
     assert _samples_before({"args": {}}, 3, ramp) == 16
     assert _samples_before({}, 3, {"rampup_batch_size": None, "global_batch_size": 12}) == 36
+
+
+def test_a_resume_at_a_smaller_global_batch_that_runs_out_of_samples_stops_before_training(
+        corpus, tmp_path, capsys):
+    """A blend's train split holds exactly the samples its run asks for: a checkpoint trained
+    at a larger --global-batch-size has consumed more of it than this run's batches would
+    have, so its last iterations would find no samples (a StopIteration traceback then)."""
+    import shutil
+    second = str(tmp_path / "copy_text_document")
+    for suffix in (".bin", ".idx"):
+        shutil.copy(corpus["prefix"] + suffix, second + suffix)
+    data = ["--data-path", "0.5", corpus["prefix"], "0.5", second]
+    save = str(tmp_path / "ckpt")
+    common = _common(corpus) + data + ["--batch-size", "4", "--train-iters", "4"]
+    assert pretrain_gpt2.main(common + ["--global-batch-size", "8", "--exit-interval", "2",
+                                        "--save", save, "--log-dir", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    assert pretrain_gpt2.main(common + ["--global-batch-size", "4", "--load", save,
+                                        "--log-dir", str(tmp_path / "b")]) == 2
+    assert "error: the checkpoint consumed 16 samples in 2 iterations (at another " \
+           "--global-batch-size than this run's 4), so the 2 iterations ahead need samples up " \
+           "to 24, but the train split holds 16, built for this run's batches from the start: " \
+           "resume with the checkpoint's --global-batch-size" in capsys.readouterr().err

@@ -128,12 +128,20 @@ def test_set_train_batch_size_changes_the_micro_batches_of_each_step(stage):
                                              r"the micro batch x data-parallel size \(4 x 1 = "
                                              r"4\)"):
             engine.set_train_batch_size(wrong)
+    engine.set_train_batch_size(torch.tensor(8))  # (an int tensor too)
+    inside = "set_train_batch_size\\(\\) inside a step, after 1 of its micro batches' backward " \
+             "passes: call it before a step's first forward"
     engine.backward(engine(*_batch(3)))
     engine.step()  # one micro batch of the two a step of 8 takes
-    with pytest.raises(ZeroError, match="set_train_batch_size\\(\\) inside a step, after 1 of "
-                                        "its micro batches: call it before a step's first "
-                                        "forward"):
+    with pytest.raises(ZeroError, match=inside):
         engine.set_train_batch_size(4)
+    if stage < 2:  # a backward inside no_sync (DeepSpeed's pattern), without step(): refused
+        engine.backward(engine(*_batch(4)))
+        engine.step()  # the step of 8 ends
+        with engine.no_sync():
+            engine.backward(engine(*_batch(5)))
+        with pytest.raises(ZeroError, match=inside):
+            engine.set_train_batch_size(4)
 
 
 def test_config_and_argument_errors_are_zero_errors(tmp_path):
