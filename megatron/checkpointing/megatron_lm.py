@@ -275,12 +275,13 @@ def megatron_deepspeed_schedule(scheduler, args):
     """The learning-rate schedule state a Megatron-DeepSpeed checkpoint saved, as this
     trainer's AnnealingLR state (counted in iterations), or None where AnnealingLR does not
     run it: token-based lengths, a weight decay that changes over the run, a decay style
-    other than linear, cosine and constant. Megatron-LM 1.1.5 (DeepSpeed's fork) saved
-    AnnealingLR's own keys, in iterations; Megatron-LM 2.x and later count samples (one
-    iteration steps the schedule by the global batch) and decay toward min_lr (kept as
-    "decay_formula": "2.x"), under two sets of names (OptimizerParamScheduler's since 2023,
-    2.x's AnnealingLR's before). A run with --rampup-batch-size keeps its samples (its
-    iterations held different numbers of them): it resumes under the same ramp."""
+    other than linear, cosine, constant and inverse-square-root. Megatron-LM 1.1.5
+    (DeepSpeed's fork) saved AnnealingLR's own keys, in iterations; Megatron-LM 2.x and later
+    count samples (one iteration steps the schedule by the global batch) and decay toward
+    min_lr (kept as "decay_formula": "2.x"; inverse-square-root, a ratio of steps, is the same
+    in either unit once there is a warmup), under two sets of names (OptimizerParamScheduler's
+    since 2023, 2.x's AnnealingLR's before). A run with --rampup-batch-size keeps its samples
+    (its iterations held different numbers of them): it resumes under the same ramp."""
     from megatron.training.learning_rates import FRACTIONAL_WARMUP, STEP_UNIT
     if not isinstance(scheduler, dict):
         return None
@@ -295,9 +296,11 @@ def megatron_deepspeed_schedule(scheduler, args):
     token_based = any(get(name) is not None for name in (
         "lr_decay_tokens", "lr_warmup_tokens", "decay_tokens", "warmup_tokens")) or \
         args.get("lr_decay_tokens") is not None or args.get("lr_warmup_tokens") is not None
-    if token_based or style not in ("linear", "cosine", "constant") or not batch \
-            or None in lengths.values() or get("max_lr") is None or get("min_lr") is None \
-            or get("start_wd") != get("end_wd"):
+    # (inverse-square-root's max(warmup, 1) is a ratio of warmup to steps only with a warmup)
+    unitless = style == "inverse-square-root" and not lengths["warmup_iter"]
+    if token_based or style not in ("linear", "cosine", "constant", "inverse-square-root") \
+            or unitless or not batch or None in lengths.values() or get("max_lr") is None \
+            or get("min_lr") is None or get("start_wd") != get("end_wd"):
         return None
 
     ramp = args.get("rampup_batch_size") is not None

@@ -84,15 +84,10 @@ def _gpt2_only(accepted, why):
     return parse
 
 
-_DECAY_STYLES = "give constant, linear, cosine or exponential (the decay styles here)"
 _OLD_DATASETS = ("older Megatron-LM's lazy and cached datasets (a TNTIDX index) are not read: "
                  "this trainer reads the mmap (MMIDIDX) format tools/preprocess_data.py writes; "
                  "give mmap or drop the flag (mmap is the default)")
 # a value other Megatron-LMs offer for a choice flag -> what this trainer offers instead
-_LR_DECAY_STYLES = {
-    "WSD": f"later Megatron-LM's warmup-stable-decay schedule is not built: {_DECAY_STYLES}",
-    "inverse-square-root": f"Megatron-LM's inverse-square-root decay is not built: "
-                           f"{_DECAY_STYLES}"}
 _DATA_IMPLS = {"lazy": _OLD_DATASETS, "cached": _OLD_DATASETS}
 _OPTIMIZERS = {"sgd": "Megatron-LM's SGD is not built: the optimizers here are adam (AdamW), "
                       "adam8bit and adam4bit"}
@@ -203,8 +198,19 @@ def _learning_rate(parser):
     g = parser.add_argument_group("learning rate")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="linear", type=offered_here(_LR_DECAY_STYLES),
-                   choices=["constant", "linear", "cosine", "exponential"])
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "exponential", "WSD",
+                            "inverse-square-root"],
+                   help="exponential: Megatron-LM 1.1.5's; WSD (warmup-stable-decay) and "
+                        "inverse-square-root: later Megatron-LM's")
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"],
+                   help="--lr-decay-style WSD: the shape of its decay to --min-lr")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="--lr-decay-style WSD: the decay's length, the last iterations of "
+                        "--lr-decay-iters (before them the lr holds at --lr)")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="--lr-wsd-decay-iters in samples (divided by the global batch)")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     for unit, per in (("samples", "global batch"), ("tokens", "global batch x --seq-length")):
         g.add_argument(f"--lr-decay-{unit}", type=int, default=None,

@@ -44,6 +44,30 @@ def schedule_lengths(raw):
     return decay, warmup
 
 
+def wsd_decay_length(raw, given, decay, warmup):
+    """--lr-decay-style WSD's decay length, in the schedule's unit (`decay` and `warmup`:
+    schedule_lengths'), or None for another style; its flags without WSD are an error."""
+    unit = "samples" if raw.get("rampup_batch_size") is not None else "iters"
+    length = raw[f"lr_wsd_decay_{unit}"]
+    if raw["lr_decay_style"] != "WSD":
+        stray = [flag for flag in ("lr_wsd_decay_iters", "lr_wsd_decay_samples",
+                                   "lr_wsd_decay_style") if flag in given]
+        if stray:
+            raise ConfigError(f"--{stray[0].replace('_', '-')} has no effect without "
+                              "--lr-decay-style WSD; add that or drop it")
+        return None
+    flag = f"--lr-wsd-decay-{unit}"
+    if length is None:
+        raise ConfigError(f"--lr-decay-style WSD needs the length of its decay, the last steps "
+                          f"of the schedule: {flag} N (Megatron-LM's)")
+    if not 0 < length <= decay - warmup:
+        words = "samples" if unit == "samples" else "iterations"
+        raise ConfigError(f"{flag} {length}: WSD's decay must be positive and fit after the "
+                          f"warmup, within the {decay - warmup:g} {words} from the warmup's "
+                          f"end ({warmup:g}) to the decay's ({decay})")
+    return length
+
+
 def _fill_auto_schedule(section, raw):
     """Hugging Face's "auto" in a JSON 'scheduler' takes the schedule the flags describe (as
     its Trainer fills them): warmup_min_lr 0, warmup_max_lr --lr, warmup_num_steps the

@@ -20,6 +20,7 @@ LENGTH_FLAGS = {
     "lr_decay_tokens": ("lr_decay_iters", "tokens"),
     "lr_warmup_samples": ("warmup_iters", "samples"),
     "lr_warmup_tokens": ("warmup_iters", "tokens"),
+    "lr_wsd_decay_samples": ("lr_wsd_decay_iters", "samples"),
 }
 
 
@@ -56,8 +57,8 @@ def iterations_from_lengths(raw, given, global_batch, seq_length):
             if target == "warmup_iters" and given & {"warmup", "warmup_iters"}:
                 raise ConfigError(f"{_flag(dest)} and --warmup/--warmup-iters both set the "
                                   "warmup; give one")
-            if target == "lr_decay_iters" and "lr_decay_iters" in given:
-                raise ConfigError(f"{_flag(dest)} and --lr-decay-iters both set the decay's "
+            if target in ("lr_decay_iters", "lr_wsd_decay_iters") and target in given:
+                raise ConfigError(f"{_flag(dest)} and {_flag(target)} both set the decay's "
                                   "length; give one")
             if dest == "train_samples":  # Megatron-LM: samples // global batch
                 whole, rounding = math.floor(iterations), "rounded down, as in Megatron-LM"
@@ -79,8 +80,8 @@ def lengths_under_a_rampup(raw, given, rampup):
     run's; --lr-warmup-samples or --warmup's fraction of the decay), which then counts
     samples. Returns the start-up note."""
     flag = "--rampup-batch-size"
-    for dest in ("train_iters", "lr_decay_iters", "warmup_iters", "train_tokens",
-                 "lr_decay_tokens", "lr_warmup_tokens"):
+    for dest in ("train_iters", "lr_decay_iters", "warmup_iters", "lr_wsd_decay_iters",
+                 "train_tokens", "lr_decay_tokens", "lr_warmup_tokens"):
         if dest in given:
             instead = _flag(dest).replace("-iters", "-samples").replace("-tokens", "-samples")
             if dest == "warmup_iters":

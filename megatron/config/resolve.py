@@ -156,7 +156,7 @@ def freeze(raw, given, world_size, notes=(), extra=None):
         model=model,
         activation_checkpointing=recompute,
         data=_data(raw, given),
-        optimizer=_optimizer(raw, settled.clip_grad),
+        optimizer=_optimizer(raw, given, settled.clip_grad),
         precision=PrecisionConfig(fp16=settled.fp16, bf16=settled.bf16),
         parallel=parallel,
         training=training,
@@ -352,8 +352,9 @@ def _data(raw, given):
     return DataConfig(**values)
 
 
-def _optimizer(raw, clip_grad):
+def _optimizer(raw, given, clip_grad):
     decay_steps, warmup_steps = json_optimizer.schedule_lengths(raw)
+    wsd_steps = json_optimizer.wsd_decay_length(raw, given, decay_steps, warmup_steps)
     in_samples = raw["rampup_batch_size"] is not None
     decay_given = raw["lr_decay_samples" if in_samples else "lr_decay_iters"] is not None
     warmup_given = raw["lr_warmup_samples" if in_samples else "warmup_iters"] is not None
@@ -362,6 +363,7 @@ def _optimizer(raw, clip_grad):
         clip_grad=clip_grad, adam_beta1=raw["adam_beta1"], adam_beta2=raw["adam_beta2"],
         adam_eps=raw["adam_eps"], lr_decay_style=raw["lr_decay_style"],
         lr_decay_steps=decay_steps, warmup_steps=warmup_steps,
+        lr_wsd_decay_steps=wsd_steps, lr_wsd_decay_style=raw["lr_wsd_decay_style"],
         schedule_unit="samples" if in_samples else "iterations",
         override_lr_scheduler=raw["override_lr_scheduler"],
         use_checkpoint_lr_scheduler=raw["use_checkpoint_lr_scheduler"],

@@ -98,6 +98,8 @@ class OptimizerConfig:
     lr_decay_steps: int
     warmup_steps: int | float  # a --warmup fraction's may be fractional, as in Megatron-LM
     schedule_unit: str
+    lr_wsd_decay_steps: Optional[int]  # --lr-decay-style WSD's decay length, else None
+    lr_wsd_decay_style: str
     override_lr_scheduler: bool
     use_checkpoint_lr_scheduler: bool
     # lengths derived from --train-iters (no --lr-decay-iters / --warmup-iters given), as the

@@ -345,7 +345,8 @@ def _annealing_lr(optimizer, config):
                        use_checkpoint_lr_scheduler=config.use_checkpoint_lr_scheduler,
                        override_lr_scheduler=config.override_lr_scheduler,
                        follows_train_iters=config.schedule_follows_train_iters,
-                       unit=config.schedule_unit)
+                       unit=config.schedule_unit, wsd_decay_steps=config.lr_wsd_decay_steps,
+                       wsd_decay_style=config.lr_wsd_decay_style)
 
 
 def _power_of_two(scale):

@@ -1,4 +1,5 @@
-"""Learning-rate schedule: linear warmup, then linear / cosine / exponential / constant decay.
+"""Learning-rate schedule: linear warmup, then linear / cosine / exponential / constant decay,
+or later Megatron-LM's WSD and inverse-square-root.
 
 The formula is Megatron-LM 1.1.5's `AnnealingLR.get_lr`, with n = number of steps taken:
 
@@ -17,6 +18,14 @@ So decay runs over `decay_steps - warmup_steps` steps (counted after warmup) and
 iteration with warmup runs at lr 0 (the schedule is stepped after each update), and
 `exponential` and `constant` only reach half of / all of max_lr at `decay_steps`, then drop to
 min_lr for every later step.
+
+Later Megatron-LM's two styles, which 1.1.5 lacks, follow its formula (after the warmup;
+n > decay_steps is min_lr there too):
+        inverse-square-root  lr = max(min_lr, max_lr * sqrt(max(warmup_steps, 1) / max(n, 1)))
+        WSD                  lr = max_lr until the last `wsd_decay_steps` of the decay, then
+                             min_lr + (max_lr - min_lr) * c(r), r = the fraction of those
+                             taken: c = 1 - r (linear), (1 + cos(pi r)) / 2 (cosine),
+                             2 * 0.5^r - 1 (exponential), 1 - sqrt(r) (minus_sqrt)
 
 A checkpoint converted from Megatron-DeepSpeed (Megatron-LM 2.x and later) carries that run's
 formula in its state ("decay_formula": "2.x"), which it keeps: lr = min_lr + (max_lr - min_lr)
@@ -40,7 +49,11 @@ import math
 
 from megatron.errors import CheckpointError, ConfigError
 
-DECAY_STYLES = ("linear", "cosine", "exponential", "constant")
+DECAY_STYLES = ("linear", "cosine", "exponential", "constant", "WSD", "inverse-square-root")
+# WSD's decay over its last steps, a coefficient from 1 to 0 of the fraction r taken
+WSD_DECAYS = {"exponential": lambda r: 2.0 * 0.5 ** r - 1.0, "linear": lambda r: 1.0 - r,
+              "cosine": lambda r: 0.5 * (math.cos(math.pi * r) + 1.0),
+              "minus_sqrt": lambda r: 1.0 - math.sqrt(r)}
 # a state key Megatron-LM ignores: the warmup was saved fractional (not cut to whole steps)
 FRACTIONAL_WARMUP = "fractional_warmup"
 # and one saved only when a step is not an iteration: "samples" (--rampup-batch-size)
@@ -55,6 +68,9 @@ _CHECKED_FIELDS = (
     ("end_iter", "decay_steps", "--lr-decay-iters"),
     ("decay_style", "decay_style", "--lr-decay-style"),
 )
+# and WSD's (keys of this trainer's own: Megatron-LM does not save them)
+_WSD_FIELDS = (("wsd_decay_iter", "wsd_decay_steps", "--lr-wsd-decay-iters"),
+               ("wsd_decay_style", "wsd_decay_style", "--lr-wsd-decay-style"))
 # Megatron 2.x names for the same values, accepted on load.
 _NEWER_KEY_NAMES = {"start_lr": "max_lr", "warmup_iter": "warmup_steps",
                     "end_iter": "decay_steps", "num_iters": "num_steps"}
@@ -65,8 +81,10 @@ class AnnealingLR:
 
     def __init__(self, optimizer, max_lr, min_lr, warmup_steps, decay_steps, decay_style,
                  use_checkpoint_lr_scheduler=True, override_lr_scheduler=False,
-                 follows_train_iters=(), unit="iterations"):
-        _validate(max_lr, min_lr, warmup_steps, decay_steps, decay_style)
+                 follows_train_iters=(), unit="iterations", wsd_decay_steps=None,
+                 wsd_decay_style="exponential"):
+        _validate(max_lr, min_lr, warmup_steps, decay_steps, decay_style, wsd_decay_steps,
+                  wsd_decay_style)
         if override_lr_scheduler and use_checkpoint_lr_scheduler:
             raise ConfigError("--override-lr-scheduler and --use-checkpoint-lr-scheduler "
                               "contradict each other; pass at most one")
@@ -76,6 +94,7 @@ class AnnealingLR:
         self.warmup_steps = warmup_steps  # fractional from a --warmup fraction, as in 1.1.5
         self.decay_steps = int(decay_steps)
         self.decay_style = decay_style
+        self.wsd_decay_steps, self.wsd_decay_style = wsd_decay_steps, wsd_decay_style
         self.use_checkpoint_lr_scheduler = use_checkpoint_lr_scheduler
         self.override_lr_scheduler = override_lr_scheduler
         self.follows_train_iters = frozenset(follows_train_iters)
@@ -89,6 +108,8 @@ class AnnealingLR:
         n = self.num_steps
         if self.warmup_steps > 0 and n <= self.warmup_steps:
             return self.max_lr * n / self.warmup_steps
+        if self.decay_style in ("WSD", "inverse-square-root"):
+            return self._later_megatron_lr(n)
         if self.decay_formula == "2.x":
             return self._megatron_2_lr(n)
         if n > self.decay_steps:
@@ -115,6 +136,17 @@ class AnnealingLR:
             math.exp(-0.693 * ratio)
         return self.min_lr + coefficient * (self.max_lr - self.min_lr)
 
+    def _later_megatron_lr(self, n):
+        if n > self.decay_steps:
+            return self.min_lr
+        if self.decay_style == "inverse-square-root":
+            return max(self.min_lr, self.max_lr * math.sqrt(max(self.warmup_steps, 1))
+                       / math.sqrt(max(n, 1)))
+        anneal_start = self.decay_steps - self.wsd_decay_steps
+        coefficient = 1.0 if n <= anneal_start else \
+            WSD_DECAYS[self.wsd_decay_style]((n - anneal_start) / self.wsd_decay_steps)
+        return self.min_lr + coefficient * (self.max_lr - self.min_lr)
+
     def step(self, increment=1):
         """Advance by `increment` steps and set the new lr on every param group."""
         self.num_steps += increment
@@ -133,6 +165,8 @@ class AnnealingLR:
             state["decay_formula"] = self.decay_formula
         if self.unit != "iterations":
             state[STEP_UNIT] = self.unit
+        if self.decay_style == "WSD":
+            state.update(wsd_decay_iter=self.wsd_decay_steps, wsd_decay_style=self.wsd_decay_style)
         return state
 
     def load_state_dict(self, state_dict):
@@ -146,8 +180,10 @@ class AnnealingLR:
                               f"{self.unit}: resume {ramp} --rampup-batch-size, or start the "
                               "schedule and the optimizer afresh with --no-load-optim")
         lengthened = []
-        for key, attribute, flag in _CHECKED_FIELDS:
+        for key, attribute, flag in _CHECKED_FIELDS + _WSD_FIELDS:
             if key not in sd:
+                if (key, attribute, flag) in _WSD_FIELDS:
+                    continue  # not a WSD checkpoint (its style, checked above, says so)
                 raise _missing_key_error(key)
             ours = getattr(self, attribute)
             if key == "warmup_iter" and FRACTIONAL_WARMUP not in sd \
@@ -179,7 +215,7 @@ class AnnealingLR:
                 "learning-rate schedule: Megatron-LM 2.x's decay, toward --min-lr, as in the "
                 "Megatron-DeepSpeed run the checkpoint was converted from")
         _validate(self.max_lr, self.min_lr, self.warmup_steps, self.decay_steps,
-                  self.decay_style)
+                  self.decay_style, self.wsd_decay_steps, self.wsd_decay_style)
         self.num_steps = int(sd["num_iters"])
         self.step(0)
 
@@ -233,10 +269,18 @@ def _same(ours, checkpoint_value):
     return ours == checkpoint_value
 
 
-def _validate(max_lr, min_lr, warmup_steps, decay_steps, decay_style):
+def _validate(max_lr, min_lr, warmup_steps, decay_steps, decay_style, wsd_decay_steps=None,
+              wsd_decay_style="exponential"):
     if decay_style not in DECAY_STYLES:
         raise ConfigError(f"--lr-decay-style {decay_style!r} is not one of "
                           f"{', '.join(DECAY_STYLES)}")
+    if decay_style == "WSD" and (wsd_decay_style not in WSD_DECAYS or wsd_decay_steps is None
+                                 or not 0 < wsd_decay_steps <= decay_steps - warmup_steps):
+        raise ConfigError(f"--lr-decay-style WSD decays over its last --lr-wsd-decay-iters "
+                          f"({wsd_decay_steps}), which must be positive and fit after the "
+                          f"warmup ({warmup_steps} of {decay_steps}), in a "
+                          f"--lr-wsd-decay-style of {', '.join(WSD_DECAYS)} "
+                          f"({wsd_decay_style!r})")
     if max_lr < 0 or min_lr < 0 or min_lr > max_lr:
         raise ConfigError(f"learning rates must satisfy 0 <= --min-lr ({min_lr}) <= --lr "
                           f"({max_lr})")

@@ -255,14 +255,17 @@ CONVERTED = {"start_lr": 1e-3, "min_lr": 1e-5, "warmup_iter": 1.5, "end_iter": 1
     ({}, CONVERTED),
     ({"lr_decay_style": "constant"}, {**CONVERTED, "decay_style": "constant"}),
     ({"lr_warmup_tokens": 500}, None),
-    ({"lr_decay_style": "inverse-square-root"}, None),
+    ({"lr_decay_style": "inverse-square-root"}, {**CONVERTED,
+                                                  "decay_style": "inverse-square-root"}),
+    ({"lr_decay_style": "inverse-square-root", "lr_warmup_steps": 0}, None),  # max(0, 1): units
     ({"start_wd": 0.0, "end_wd": 0.1}, None),
 ])
 def test_its_schedule_counts_samples(change, expected):
     """Megatron-LM 2.x and later step the schedule by the global batch: its lengths in
     iterations are the samples / the batch (a --lr-warmup-fraction's warmup may be a
-    fraction of one); token-based lengths, a changing weight decay and decay styles
-    AnnealingLR lacks: None."""
+    fraction of one); token-based lengths, a changing weight decay, decay styles AnnealingLR
+    lacks and an inverse-square-root without warmup (whose max(warmup, 1) depends on the
+    unit): None."""
     theirs = {"max_lr": 1e-3, "min_lr": 1e-5, "lr_warmup_steps": 12.0,
               "lr_warmup_tokens": None, "lr_decay_steps": 800, "lr_decay_tokens": None,
               "num_steps": 56, "lr_decay_style": "cosine", "start_wd": 0.1, "end_wd": 0.1,

@@ -420,11 +420,6 @@ def test_unknown_flag_is_rejected_not_ignored():
                                 "and receives, compute per micro batch) that this trainer does "
                                 "not have: give 1 (forward, backward, optimizer and batch "
                                 "generator)"),
-    ("--lr-decay-style", "WSD", "later Megatron-LM's warmup-stable-decay schedule is not built: "
-                                "give constant, linear, cosine or exponential"),
-    ("--lr-decay-style", "inverse-square-root", "Megatron-LM's inverse-square-root decay is not "
-                                                "built: give constant, linear, cosine or "
-                                                "exponential"),
     ("--data-impl", "lazy", "older Megatron-LM's lazy and cached datasets (a TNTIDX index) are "
                             "not read: this trainer reads the mmap (MMIDIDX) format "
                             "tools/preprocess_data.py writes; give mmap or drop the flag"),
@@ -452,7 +447,7 @@ def test_other_invalid_choices_keep_argparses_line():
         parse("--timing-log-level", "x")
     with pytest.raises(ConfigError, match=r"^argument --lr-decay-style: invalid choice: 'cos' "
                                           r"\(choose from 'constant', 'linear', 'cosine', "
-                                          r"'exponential'\)"):
+                                          r"'exponential', 'WSD', 'inverse-square-root'\)"):
         parse("--lr-decay-style", "cos")
     assert parse("--timing-log-level", "1", "--lr-decay-style", "cosine", "--data-impl",
                  "infer", "--optimizer", "adam8bit").optimizer.lr_decay_style == "cosine"

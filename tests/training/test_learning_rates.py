@@ -45,6 +45,41 @@ def test_schedule_values(style, expected):
         assert all(g["lr"] == pytest.approx(lr, abs=1e-12) for g in optimizer.param_groups)
 
 
+# Later Megatron-LM's styles (its formula), by hand: warmup 10, decay 110, min 0.05, max 1.
+# inverse-square-root: max(0.05, sqrt(10 / n)). WSD over the last 40 steps (from 70):
+# min + 0.95 c(r), r = (n - 70) / 40; at n = 80 r = 0.25, at n = 90 r = 0.5.
+@pytest.mark.parametrize("style,wsd,expected", [
+    ("inverse-square-root", None, {5: 0.5, 10: 1.0, 40: 0.5, 1000 // 9: 0.05, 250: 0.05}),
+    ("WSD", "exponential", {5: 0.5, 10: 1.0, 70: 1.0, 80: 0.05 + 0.95 * (2 * 0.5 ** 0.25 - 1),
+                            90: 0.05 + 0.95 * (2 * 0.5 ** 0.5 - 1), 110: 0.05, 111: 0.05}),
+    ("WSD", "linear", {70: 1.0, 80: 0.05 + 0.95 * 0.75, 90: 0.05 + 0.95 * 0.5, 110: 0.05}),
+    ("WSD", "cosine", {70: 1.0, 90: 0.05 + 0.95 * 0.5, 110: 0.05}),
+    ("WSD", "minus_sqrt", {70: 1.0, 80: 0.05 + 0.95 * 0.5, 110: 0.05}),
+])
+def test_later_megatron_lm_styles(style, wsd, expected):
+    options = {} if wsd is None else dict(wsd_decay_steps=40, wsd_decay_style=wsd)
+    scheduler = _scheduler(style, **options)
+    for step, lr in sorted(expected.items()):
+        assert _lr_at(scheduler, step) == pytest.approx(lr, abs=1e-12), (style, wsd, step)
+    # a resume keeps WSD's decay, and checks it against the flags
+    state = scheduler.state_dict()
+    again = _scheduler(style, **options)
+    again.load_state_dict(state)
+    assert again.get_lr() == scheduler.get_lr()
+    if wsd is not None:
+        other = _scheduler(style, wsd_decay_steps=20, wsd_decay_style=wsd,
+                           use_checkpoint_lr_scheduler=False)
+        with pytest.raises(ConfigError, match="the checkpoint has --lr-wsd-decay-iters = 40 but "
+                                              "the command line gives 20"):
+            other.load_state_dict(state)
+
+
+def test_wsd_needs_a_decay_that_fits_after_the_warmup():
+    for steps, style in ((None, "linear"), (0, "linear"), (101, "linear"), (40, "square")):
+        with pytest.raises(ConfigError, match="--lr-decay-style WSD decays over its last"):
+            _scheduler("WSD", wsd_decay_steps=steps, wsd_decay_style=style)
+
+
 def test_no_warmup_starts_at_max_lr():
     scheduler = _scheduler("linear", warmup_steps=0, decay_steps=100)
     assert scheduler.get_lr() == 1.0

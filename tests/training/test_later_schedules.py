@@ -1,0 +1,81 @@
+"""Later Megatron-LM's --lr-decay-style WSD (with --lr-wsd-decay-iters/-samples and
+--lr-wsd-decay-style) and inverse-square-root through the trainer: the flags, each mistake
+as one error, the learning rates a run logs, and an exact resume."""
+
+import json
+import math
+
+import pytest
+
+from megatron.config import resolve_config
+from megatron.errors import ConfigError
+from tests.training.test_pretrain import run
+
+_BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--batch-size", "2", "--lr", "1e-3", "--data-path", "x",
+         "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v", "--merge-file", "m",
+         "--train-iters", "100"]
+
+
+def _parse(*flags):
+    return resolve_config(_BASE + list(flags), world_size=1)
+
+
+def test_wsd_flags_resolve():
+    optimizer = _parse("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "20",
+                       "--lr-wsd-decay-style", "cosine").optimizer
+    assert (optimizer.lr_decay_style, optimizer.lr_wsd_decay_steps,
+            optimizer.lr_wsd_decay_style) == ("WSD", 20, "cosine")
+    in_samples = _parse("--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "40")
+    assert in_samples.optimizer.lr_wsd_decay_steps == 20  # 40 samples of a global batch of 2
+    assert _parse("--lr-decay-style", "inverse-square-root").optimizer.lr_wsd_decay_steps is None
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs the length of its decay, the last "
+                                  "steps of the schedule: --lr-wsd-decay-iters N"),
+    (["--lr-wsd-decay-iters", "5"], "--lr-wsd-decay-iters has no effect without --lr-decay-style "
+                                    "WSD"),
+    (["--lr-wsd-decay-style", "linear"], "--lr-wsd-decay-style has no effect without"),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "100"],
+     r"--lr-wsd-decay-iters 100: WSD's decay must be positive and fit after the warmup, within "
+     r"the 99 iterations from the warmup's end \(1\) to the decay's \(100\)"),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "0"], "must be positive"),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "5", "--lr-wsd-decay-samples", "10"],
+     "--lr-wsd-decay-samples and --lr-wsd-decay-iters both set the decay's length"),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-style", "square", "--lr-wsd-decay-iters", "5"],
+     "argument --lr-wsd-decay-style: invalid choice: 'square'"),
+])
+def test_a_wrong_wsd_is_one_error(flags, match):
+    with pytest.raises(ConfigError, match=match):
+        _parse(*flags)
+
+
+def _logged(tmp_path, log_dir):
+    with open(tmp_path / log_dir / "metrics.jsonl") as f:
+        return {r["iteration"]: (r["lr"], r["lm_loss"]) for r in map(json.loads, f)
+                if "lm_loss" in r}
+
+
+def test_a_wsd_run_logs_megatrons_rates_and_resumes_exactly(corpus, tmp_path):
+    """6 iterations, warmup 2 (TINY's), WSD's linear decay over the last 3: the lr after
+    iteration n is 3e-3 n/2 in the warmup, 3e-3 until 3, then 3e-4 + 2.7e-3 (1 - (n-3)/3)."""
+    wsd = ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "3", "--lr-wsd-decay-style",
+           "linear"]
+    assert run(corpus, tmp_path, *wsd, log_dir="full") == 0
+    full = _logged(tmp_path, "full")
+    expected = {1: 1.5e-3, 2: 3e-3, 3: 3e-3, 4: 3e-4 + 2.7e-3 * 2 / 3,
+                5: 3e-4 + 2.7e-3 / 3, 6: 3e-4}
+    assert {n: lr for n, (lr, _) in full.items()} == pytest.approx(expected, rel=1e-12)
+    save = str(tmp_path / "ckpt")
+    assert run(corpus, tmp_path, *wsd, "--save", save, "--exit-interval", "3",
+               log_dir="split") == 0
+    assert run(corpus, tmp_path, *wsd, "--save", save, "--load", save, log_dir="split") == 0
+    assert _logged(tmp_path, "split") == full
+
+
+def test_an_inverse_square_root_run_logs_megatrons_rates(corpus, tmp_path):
+    assert run(corpus, tmp_path, "--lr-decay-style", "inverse-square-root", iters=4) == 0
+    rates = {n: lr for n, (lr, _) in _logged(tmp_path, "run").items()}
+    assert rates == pytest.approx({1: 1.5e-3, 2: 3e-3, 3: 3e-3 * math.sqrt(2 / 3),
+                                   4: 3e-3 * math.sqrt(2 / 4)}, rel=1e-12)
