@@ -48,8 +48,7 @@ from zero.compiler import compile_module
 from zero.config.deepspeed_config import DeepSpeedConfig
 from zero.data_loader import micro_batch_loader
 from zero.errors import ConfigError, ZeroError
-from zero.host_memory import (keep_freed_buffers, small_block_cache_off,
-                              small_block_cache_warning)
+from zero.host_memory import small_block_cache_warning, tune_host_allocator
 from zero.monitor import Monitor
 from zero.optim.lr_schedules import engine_lr_scheduler
 from zero.optim.optimizers import build_optimizer, check_zero_supported
@@ -99,8 +98,8 @@ class DeepSpeedEngine(torch.nn.Module):
             raise ConfigError(f"the DeepSpeedConfig was built for {self.config.dp_world_size} "
                               f"data-parallel ranks, but this run has {self.dp_world_size}")
         self._check_supported_features()
-        self.global_steps = self.global_samples = self.skipped_steps = self.micro_steps = 0
-        self._step_start = 0  # micro_steps when the current step began
+        self.global_steps = self.global_samples = self.skipped_steps = 0
+        self._micro_steps = self._step_start = 0  # _step_start: micro_steps when the step began
         self._backwards = 0  # backward passes since then (no_sync's count, without step())
         # (train_batch_size, gradient_accumulation_steps): the config's until
         # set_train_batch_size changes them
@@ -110,7 +109,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self._inside_no_sync = False
         self.device = self._place_module()
         self.compiled = compile_module(self.module, self.config, self.global_rank)
-        self._tune_host_allocator()
+        if tune_host_allocator(self.device, self.config.zero_optimization) \
+                and self.global_rank == 0:
+            logger.warning(small_block_cache_warning())
         base_optimizer = self._base_optimizer(optimizer, model_parameters)
         self._check_data_parallel_ranks_agree(base_optimizer)
         self.optimizer = build_zero_optimizer(self, base_optimizer,
@@ -170,26 +171,6 @@ class DeepSpeedEngine(torch.nn.Module):
         if not zero.contiguous_gradients and zero.stage == 2:
             logger.info("zero_optimization.contiguous_gradients=false: stage 2 always reduces "
                         "through contiguous bucket buffers here; results are the same")
-
-    def _tune_host_allocator(self):
-        """On CPU without offload: reuse freed tensor memory across steps (zero/host_memory.py).
-        Every step allocates and frees the same large tensors (logits, activations, and under
-        ZeRO-3 every gathered parameter and gradient); with glibc's defaults each step
-        page-faults them in anew. At stages 0-2 only when the process started with glibc's
-        small-block cache off (the launch scripts start it so): with the cache on, kept memory
-        can creep up step after step, and below stage 3 glibc's defaults are the safe
-        choice; stage 3 keeps regardless and warns. Offload keeps its own policy."""
-        zero = self.config.zero_optimization
-        if self.device.type != "cpu" or zero.offload_optimizer is not None \
-                or zero.offload_param is not None:
-            return
-        if zero.stage == 3:
-            keep_freed_buffers()
-            warning = small_block_cache_warning()
-            if warning and self.global_rank == 0:
-                logger.warning(warning)
-        elif small_block_cache_off():
-            keep_freed_buffers()
 
     def _place_module(self):
         """Move to this rank's GPU (if any) and cast to fp16/bf16, as DeepSpeed does."""
@@ -310,7 +291,18 @@ class DeepSpeedEngine(torch.nn.Module):
     def is_gradient_accumulation_boundary(self):
         if self._boundary_override is not None:
             return self._boundary_override
-        return self.micro_steps - self._step_start + 1 >= self.gradient_accumulation_steps()
+        return self._micro_steps - self._step_start + 1 >= self.gradient_accumulation_steps()
+
+    @property
+    def micro_steps(self):
+        return self._micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value):
+        """DeepSpeed's counter, which loops may set themselves: the current step then began at
+        its last multiple of the accumulation steps, as DeepSpeed's boundary rule has it."""
+        self._micro_steps = value
+        self._step_start = value - value % self.gradient_accumulation_steps()
 
     def set_gradient_accumulation_boundary(self, is_boundary):
         """Override the micro-step count's answer (DeepSpeed's API, for loops that decide
@@ -361,9 +353,9 @@ class DeepSpeedEngine(torch.nn.Module):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self.monitor.report(self)
-        self.micro_steps += 1
+        self._micro_steps += 1
         if boundary:
-            self._step_start, self._backwards = self.micro_steps, 0
+            self._step_start, self._backwards = self._micro_steps, 0
 
     def set_train_batch_size(self, train_batch_size):
         """DeepSpeed's: another global batch, by the number of micro batches a step takes
@@ -376,9 +368,9 @@ class DeepSpeedEngine(torch.nn.Module):
                              f"be a positive multiple of the micro batch x data-parallel size "
                              f"({self.train_micro_batch_size_per_gpu()} x {self.dp_world_size} "
                              f"= {per_step})")
-        if self._backwards or self.micro_steps != self._step_start:
+        if self._backwards or self._micro_steps != self._step_start:
             raise ZeroError(f"set_train_batch_size() inside a step, after "
-                            f"{max(self._backwards, self.micro_steps - self._step_start)} of "
+                            f"{max(self._backwards, self._micro_steps - self._step_start)} of "
                             "its micro batches' backward passes: call it before a step's "
                             "first forward")
         self._batch = (size, size // per_step)
@@ -403,8 +395,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self.skipped_steps -= 1
         self.global_steps -= 1
         self.global_samples -= self.train_batch_size()
-        self.micro_steps -= self.gradient_accumulation_steps()
-        self._step_start, self._backwards = self.micro_steps, 0
+        self._micro_steps -= self.gradient_accumulation_steps()
+        self._step_start, self._backwards = self._micro_steps, 0
         return True
 
     def restore_progress(self, global_steps, global_samples, skipped_steps):
@@ -412,8 +404,8 @@ class DeepSpeedEngine(torch.nn.Module):
         (whose loads restore them themselves). Resuming happens at a step boundary."""
         self.global_steps, self.global_samples = int(global_steps), int(global_samples)
         self.skipped_steps = int(skipped_steps)
-        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
-        self._step_start = self.micro_steps
+        self._micro_steps = self.global_steps * self.gradient_accumulation_steps()
+        self._step_start, self._backwards = self._micro_steps, 0
 
     def destroy(self):
         """Remove the gradient hooks and whatever the optimizer keeps outside memory (NVMe swap

@@ -118,3 +118,23 @@ def small_block_cache_warning():
     return (f"ZeRO-3 on CPU: start the processes with GLIBC_TUNABLES={SMALL_BLOCK_CACHE_OFF} "
             "(the scripts in scripts/ do) or their resident memory creeps up step after step "
             "(zero/host_memory.py)")
+
+
+def tune_host_allocator(device, zero_optimization):
+    """The engine's policy, on CPU without offload: reuse freed tensor memory across steps.
+    Every step allocates and frees the same large tensors (logits, activations, and under
+    ZeRO-3 every gathered parameter and gradient); with glibc's defaults each step page-faults
+    them in anew. At stages 0-2 only when the process started with glibc's small-block cache
+    off (the launch scripts start it so): with the cache on, kept memory can creep up step
+    after step, and below stage 3 glibc's defaults are the safe choice; stage 3 keeps
+    regardless. Offload keeps its own policy. Returns whether to warn (stage 3 with the cache
+    on: small_block_cache_warning says so)."""
+    if device.type != "cpu" or zero_optimization.offload_optimizer is not None \
+            or zero_optimization.offload_param is not None:
+        return False
+    if zero_optimization.stage == 3:
+        keep_freed_buffers()
+        return bool(small_block_cache_warning())
+    if small_block_cache_off():
+        keep_freed_buffers()
+    return False

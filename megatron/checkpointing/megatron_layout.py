@@ -228,15 +228,16 @@ def _load_optimizer(engine, state, run_args, path, fp32_weights):
             "--finetune" if not from_megatron_deepspeed else
             f"{path} has no lr_scheduler state: it was converted from Megatron-DeepSpeed, "
             "whose schedule (token-based lengths, a weight decay that changes over the run, "
-            "or a decay style other than linear, cosine and constant) this trainer does not "
-            "run. " + ("Pass --override-lr-scheduler to continue the command line's schedule "
-                       "from the checkpoint's iteration, or --no-load-optim" if ours else
-                       "Resume it with --no-load-optim"))
+            "or a decay style this trainer lacks) this trainer does not run. "
+            + ("Pass --override-lr-scheduler to continue the command line's schedule from the "
+               "checkpoint's iteration, or --no-load-optim" if ours else
+               "Resume it with --no-load-optim"))
     load_megatron_optimizer_state(engine, state["optimizer"], path, fp32_weights)
     if "lr_scheduler" in state:
         scheduler.load_state_dict(state["lr_scheduler"])
-    else:
-        scheduler.step(state["iteration"])
+    else:  # (a schedule in samples, under --rampup-batch-size, steps by them)
+        scheduler.step(state["iteration"] if scheduler.unit == "iterations" else
+                       _samples_before(state, state["iteration"], run_args))
         scheduler.resume_notes.append(
             f"learning-rate schedule: the command line's, from iteration {state['iteration']} "
             "(--override-lr-scheduler; the checkpoint's Megatron-DeepSpeed schedule is not "

@@ -275,11 +275,11 @@ def megatron_deepspeed_schedule(scheduler, args):
     """The learning-rate schedule state a Megatron-DeepSpeed checkpoint saved, as this
     trainer's AnnealingLR state (counted in iterations), or None where AnnealingLR does not
     run it: token-based lengths, a weight decay that changes over the run, a decay style
-    other than linear, cosine, constant and inverse-square-root. Megatron-LM 1.1.5
+    other than linear, cosine, constant, inverse-square-root and WSD. Megatron-LM 1.1.5
     (DeepSpeed's fork) saved AnnealingLR's own keys, in iterations; Megatron-LM 2.x and later
     count samples (one iteration steps the schedule by the global batch) and decay toward
-    min_lr (kept as "decay_formula": "2.x"; inverse-square-root, a ratio of steps, is the same
-    in either unit once there is a warmup), under two sets of names (OptimizerParamScheduler's
+    min_lr (kept as "decay_formula": "2.x"; inverse-square-root counts samples here too), and
+    later Megatron-LM's WSD from its args, under two sets of names (OptimizerParamScheduler's
     since 2023, 2.x's AnnealingLR's before). A run with --rampup-batch-size keeps its samples
     (its iterations held different numbers of them): it resumes under the same ramp."""
     from megatron.training.learning_rates import FRACTIONAL_WARMUP, STEP_UNIT
@@ -296,11 +296,12 @@ def megatron_deepspeed_schedule(scheduler, args):
     token_based = any(get(name) is not None for name in (
         "lr_decay_tokens", "lr_warmup_tokens", "decay_tokens", "warmup_tokens")) or \
         args.get("lr_decay_tokens") is not None or args.get("lr_warmup_tokens") is not None
-    # (inverse-square-root's max(warmup, 1) is a ratio of warmup to steps only with a warmup)
-    unitless = style == "inverse-square-root" and not lengths["warmup_iter"]
-    if token_based or style not in ("linear", "cosine", "constant", "inverse-square-root") \
-            or unitless or not batch or None in lengths.values() or get("max_lr") is None \
-            or get("min_lr") is None or get("start_wd") != get("end_wd"):
+    wsd = args.get("lr_wsd_decay_samples") or \
+        (args.get("lr_wsd_decay_iters") or 0) * (batch or 0) or None  # (later Megatron-LM's)
+    if token_based or style not in ("linear", "cosine", "constant", "inverse-square-root",
+                                    "WSD") or (style == "WSD" and wsd is None) or not batch \
+            or None in lengths.values() or get("max_lr") is None or get("min_lr") is None \
+            or get("start_wd") != get("end_wd"):
         return None
 
     ramp = args.get("rampup_batch_size") is not None
@@ -312,7 +313,9 @@ def megatron_deepspeed_schedule(scheduler, args):
     return {"start_lr": get("max_lr"), "min_lr": get("min_lr"), "decay_style": style,
             **{key: iterations(value) for key, value in lengths.items()},
             "decay_formula": "2.x", FRACTIONAL_WARMUP: True,
-            **({STEP_UNIT: "samples"} if ramp else {})}
+            **({STEP_UNIT: "samples"} if ramp else {}),
+            **({"wsd_decay_iter": iterations(wsd), "wsd_decay_style":
+                args.get("lr_wsd_decay_style") or "exponential"} if style == "WSD" else {})}
 
 
 def _this_trainers_args(namespace):

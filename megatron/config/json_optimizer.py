@@ -16,7 +16,10 @@ _ADAM_TYPES = ("adam", "adamw", "adam8bit", "adamw8bit", "adam4bit", "adamw4bit"
 # the flags of Megatron's learning-rate schedule, which a JSON 'scheduler' section replaces
 _SCHEDULE_FLAGS = {"lr": "--lr", "lr_decay_style": "--lr-decay-style",
                    "lr_decay_iters": "--lr-decay-iters", "min_lr": "--min-lr",
-                   "warmup": "--warmup", "warmup_iters": "--warmup-iters"}
+                   "warmup": "--warmup", "warmup_iters": "--warmup-iters",
+                   "lr_wsd_decay_iters": "--lr-wsd-decay-iters",
+                   "lr_wsd_decay_samples": "--lr-wsd-decay-samples",
+                   "lr_wsd_decay_style": "--lr-wsd-decay-style"}
 
 
 def schedule_lengths(raw):
@@ -44,9 +47,9 @@ def schedule_lengths(raw):
     return decay, warmup
 
 
-def wsd_decay_length(raw, given, decay, warmup):
-    """--lr-decay-style WSD's decay length, in the schedule's unit (`decay` and `warmup`:
-    schedule_lengths'), or None for another style; its flags without WSD are an error."""
+def wsd_decay_length(raw, given, decay):
+    """--lr-decay-style WSD's decay length, in the schedule's unit (`decay`: schedule_lengths'),
+    or None for another style; its flags without WSD are an error."""
     unit = "samples" if raw.get("rampup_batch_size") is not None else "iters"
     length = raw[f"lr_wsd_decay_{unit}"]
     if raw["lr_decay_style"] != "WSD":
@@ -56,15 +59,17 @@ def wsd_decay_length(raw, given, decay, warmup):
             raise ConfigError(f"--{stray[0].replace('_', '-')} has no effect without "
                               "--lr-decay-style WSD; add that or drop it")
         return None
-    flag = f"--lr-wsd-decay-{unit}"
     if length is None:
         raise ConfigError(f"--lr-decay-style WSD needs the length of its decay, the last steps "
-                          f"of the schedule: {flag} N (Megatron-LM's)")
-    if not 0 < length <= decay - warmup:
-        words = "samples" if unit == "samples" else "iterations"
-        raise ConfigError(f"{flag} {length}: WSD's decay must be positive and fit after the "
-                          f"warmup, within the {decay - warmup:g} {words} from the warmup's "
-                          f"end ({warmup:g}) to the decay's ({decay})")
+                          f"of the schedule: --lr-wsd-decay-{unit} N (Megatron-LM's)")
+    typed = f"--lr-wsd-decay-{unit} {length}"
+    if unit == "iters" and "lr_wsd_decay_samples" in given:  # (lengths.py made it iterations)
+        typed = f"--lr-wsd-decay-samples {raw['lr_wsd_decay_samples']} ({length} iterations)"
+    if not 0 < length <= decay:
+        raise ConfigError(f"{typed}: WSD's decay must be positive and within the schedule's "
+                          f"{decay} {'samples' if unit == 'samples' else 'iterations'} "
+                          f"(--lr-decay-{unit}); as in Megatron-LM, one that starts inside the "
+                          "warmup drops the lr from the warmup's value")
     return length
 
 

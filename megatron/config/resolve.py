@@ -156,7 +156,8 @@ def freeze(raw, given, world_size, notes=(), extra=None):
         model=model,
         activation_checkpointing=recompute,
         data=_data(raw, given),
-        optimizer=_optimizer(raw, given, settled.clip_grad),
+        optimizer=_optimizer(raw, given, settled.clip_grad,
+                             json_schedule=settled.ds_config.scheduler is not None),
         precision=PrecisionConfig(fp16=settled.fp16, bf16=settled.bf16),
         parallel=parallel,
         training=training,
@@ -352,9 +353,11 @@ def _data(raw, given):
     return DataConfig(**values)
 
 
-def _optimizer(raw, given, clip_grad):
+def _optimizer(raw, given, clip_grad, json_schedule):
+    """(`json_schedule`: the DeepSpeed JSON has a 'scheduler', which replaces Megatron's.)"""
     decay_steps, warmup_steps = json_optimizer.schedule_lengths(raw)
-    wsd_steps = json_optimizer.wsd_decay_length(raw, given, decay_steps, warmup_steps)
+    wsd_steps = None if json_schedule else \
+        json_optimizer.wsd_decay_length(raw, given, decay_steps)
     in_samples = raw["rampup_batch_size"] is not None
     decay_given = raw["lr_decay_samples" if in_samples else "lr_decay_iters"] is not None
     warmup_given = raw["lr_warmup_samples" if in_samples else "warmup_iters"] is not None

@@ -331,14 +331,15 @@ def _initialize_engine(model, config):
         parameters = [{k: v for k, v in group.items() if v is not _CONFIG_WEIGHT_DECAY}
                       for group in get_param_groups(module, _CONFIG_WEIGHT_DECAY)]
     scheduler = None if ds_config.scheduler is not None \
-        else functools.partial(_annealing_lr, config=opt)  # called with the engine's optimizer
+        else functools.partial(_annealing_lr, config=opt,  # called with the engine's optimizer
+                               global_batch=config.training.global_batch_size)
     engine, _, _, _ = zero.initialize(model=model, optimizer=optimizer,
                                       model_parameters=parameters, lr_scheduler=scheduler,
                                       mpu=mpu, config=ds_config)
     return engine
 
 
-def _annealing_lr(optimizer, config):
+def _annealing_lr(optimizer, config, global_batch):
     return AnnealingLR(optimizer, max_lr=config.lr, min_lr=config.min_lr,
                        warmup_steps=config.warmup_steps, decay_steps=config.lr_decay_steps,
                        decay_style=config.lr_decay_style,
@@ -346,7 +347,9 @@ def _annealing_lr(optimizer, config):
                        override_lr_scheduler=config.override_lr_scheduler,
                        follows_train_iters=config.schedule_follows_train_iters,
                        unit=config.schedule_unit, wsd_decay_steps=config.lr_wsd_decay_steps,
-                       wsd_decay_style=config.lr_wsd_decay_style)
+                       wsd_decay_style=config.lr_wsd_decay_style,
+                       samples_per_step=global_batch if config.schedule_unit == "iterations"
+                       else 1)
 
 
 def _power_of_two(scale):

@@ -21,7 +21,9 @@ min_lr for every later step.
 
 Later Megatron-LM's two styles, which 1.1.5 lacks, follow its formula (after the warmup;
 n > decay_steps is min_lr there too):
-        inverse-square-root  lr = max(min_lr, max_lr * sqrt(max(warmup_steps, 1) / max(n, 1)))
+        inverse-square-root  lr = max(min_lr, max_lr * sqrt(max(warmup, 1) / max(N, 1))),
+                             warmup and N in samples, as later Megatron-LM counts them
+                             (a step of an iteration is `samples_per_step` of them)
         WSD                  lr = max_lr until the last `wsd_decay_steps` of the decay, then
                              min_lr + (max_lr - min_lr) * c(r), r = the fraction of those
                              taken: c = 1 - r (linear), (1 + cos(pi r)) / 2 (cosine),
@@ -82,7 +84,7 @@ class AnnealingLR:
     def __init__(self, optimizer, max_lr, min_lr, warmup_steps, decay_steps, decay_style,
                  use_checkpoint_lr_scheduler=True, override_lr_scheduler=False,
                  follows_train_iters=(), unit="iterations", wsd_decay_steps=None,
-                 wsd_decay_style="exponential"):
+                 wsd_decay_style="exponential", samples_per_step=1):
         _validate(max_lr, min_lr, warmup_steps, decay_steps, decay_style, wsd_decay_steps,
                   wsd_decay_style)
         if override_lr_scheduler and use_checkpoint_lr_scheduler:
@@ -99,6 +101,7 @@ class AnnealingLR:
         self.override_lr_scheduler = override_lr_scheduler
         self.follows_train_iters = frozenset(follows_train_iters)
         self.unit = unit  # what a step counts: "iterations", or "samples" (step(increment))
+        self.samples_per_step = samples_per_step  # (the global batch, for iterations)
         self.decay_formula = "1.1.5"  # "2.x": a converted Megatron-DeepSpeed run's (above)
         self.resume_notes = []  # what a load changed, for the trainer to print once
         self.num_steps = 0
@@ -140,8 +143,9 @@ class AnnealingLR:
         if n > self.decay_steps:
             return self.min_lr
         if self.decay_style == "inverse-square-root":
-            return max(self.min_lr, self.max_lr * math.sqrt(max(self.warmup_steps, 1))
-                       / math.sqrt(max(n, 1)))
+            k = self.samples_per_step
+            return max(self.min_lr, self.max_lr * math.sqrt(max(self.warmup_steps * k, 1))
+                       / math.sqrt(max(n * k, 1)))
         anneal_start = self.decay_steps - self.wsd_decay_steps
         coefficient = 1.0 if n <= anneal_start else \
             WSD_DECAYS[self.wsd_decay_style]((n - anneal_start) / self.wsd_decay_steps)
@@ -181,9 +185,10 @@ class AnnealingLR:
                               "schedule and the optimizer afresh with --no-load-optim")
         lengthened = []
         for key, attribute, flag in _CHECKED_FIELDS + _WSD_FIELDS:
+            if (key, attribute, flag) in _WSD_FIELDS and (self.decay_style != "WSD"
+                                                          or key not in sd):
+                continue  # WSD's, when the style chosen above is WSD and the checkpoint's was
             if key not in sd:
-                if (key, attribute, flag) in _WSD_FIELDS:
-                    continue  # not a WSD checkpoint (its style, checked above, says so)
                 raise _missing_key_error(key)
             ours = getattr(self, attribute)
             if key == "warmup_iter" and FRACTIONAL_WARMUP not in sd \
@@ -275,11 +280,10 @@ def _validate(max_lr, min_lr, warmup_steps, decay_steps, decay_style, wsd_decay_
         raise ConfigError(f"--lr-decay-style {decay_style!r} is not one of "
                           f"{', '.join(DECAY_STYLES)}")
     if decay_style == "WSD" and (wsd_decay_style not in WSD_DECAYS or wsd_decay_steps is None
-                                 or not 0 < wsd_decay_steps <= decay_steps - warmup_steps):
-        raise ConfigError(f"--lr-decay-style WSD decays over its last --lr-wsd-decay-iters "
-                          f"({wsd_decay_steps}), which must be positive and fit after the "
-                          f"warmup ({warmup_steps} of {decay_steps}), in a "
-                          f"--lr-wsd-decay-style of {', '.join(WSD_DECAYS)} "
+                                 or not 0 < wsd_decay_steps <= decay_steps):
+        raise ConfigError(f"--lr-decay-style WSD decays over its last {wsd_decay_steps} steps, "
+                          f"which must be positive and within the {decay_steps} of the decay, "
+                          f"in a --lr-wsd-decay-style of {', '.join(WSD_DECAYS)} "
                           f"({wsd_decay_style!r})")
     if max_lr < 0 or min_lr < 0 or min_lr > max_lr:
         raise ConfigError(f"learning rates must satisfy 0 <= --min-lr ({min_lr}) <= --lr "

@@ -237,9 +237,8 @@ def test_a_schedule_this_trainer_does_not_run_continues_only_when_overridden(cor
     common = [*COMMON, "--no-load-rng", "--load", tmp_path / "meg"]
     assert run(corpus, tmp_path / "asked", 5, *common) == 2
     assert "it was converted from Megatron-DeepSpeed, whose schedule (token-based lengths, " \
-           "a weight decay that changes over the run, or a decay style other than linear, " \
-           "cosine and constant) this trainer does not run. Pass --override-lr-scheduler" in \
-           capsys.readouterr().err
+           "a weight decay that changes over the run, or a decay style this trainer lacks) " \
+           "this trainer does not run. Pass --override-lr-scheduler" in capsys.readouterr().err
     assert run(corpus, tmp_path / "overridden", 5, *common, "--override-lr-scheduler") == 0
     out = capsys.readouterr().out
     assert "learning-rate schedule: the command line's, from iteration 3" in out
@@ -257,15 +256,14 @@ CONVERTED = {"start_lr": 1e-3, "min_lr": 1e-5, "warmup_iter": 1.5, "end_iter": 1
     ({"lr_warmup_tokens": 500}, None),
     ({"lr_decay_style": "inverse-square-root"}, {**CONVERTED,
                                                   "decay_style": "inverse-square-root"}),
-    ({"lr_decay_style": "inverse-square-root", "lr_warmup_steps": 0}, None),  # max(0, 1): units
+    ({"lr_decay_style": "WSD"}, None),  # (its length is in the args: the test below)
     ({"start_wd": 0.0, "end_wd": 0.1}, None),
 ])
 def test_its_schedule_counts_samples(change, expected):
     """Megatron-LM 2.x and later step the schedule by the global batch: its lengths in
     iterations are the samples / the batch (a --lr-warmup-fraction's warmup may be a
     fraction of one); token-based lengths, a changing weight decay, decay styles AnnealingLR
-    lacks and an inverse-square-root without warmup (whose max(warmup, 1) depends on the
-    unit): None."""
+    lacks: None."""
     theirs = {"max_lr": 1e-3, "min_lr": 1e-5, "lr_warmup_steps": 12.0,
               "lr_warmup_tokens": None, "lr_decay_steps": 800, "lr_decay_tokens": None,
               "num_steps": 56, "lr_decay_style": "cosine", "start_wd": 0.1, "end_wd": 0.1,
@@ -400,3 +398,29 @@ def test_a_pipeline_checkpoints_masters_and_moments_convert_as_the_originals(cor
         read_deepspeed_checkpoint(str(incomplete))
     assert merge_tool.main(["--deepspeed", "--load", str(mds), "--save",
                             str(tmp_path / "meg")]) == 0
+
+
+@pytest.mark.parametrize("warmup", [16, 0])
+def test_its_inverse_square_root_and_wsd_continue_at_its_rates(warmup):
+    """Later Megatron-LM counts samples: inverse-square-root's max(warmup, 1) / max(n, 1)
+    in samples, a warmup of half a global batch or none at all; WSD's length from its args
+    (--lr-wsd-decay-iters x the batch)."""
+    import math
+
+    import torch
+
+    from megatron.training.learning_rates import AnnealingLR
+    theirs = {"max_lr": 1.0, "min_lr": 0.0, "lr_warmup_steps": warmup, "lr_decay_steps": 3200,
+              "num_steps": 96, "lr_decay_style": "inverse-square-root"}
+    args = {"global_batch_size": 32}
+    state = megatron_deepspeed_schedule(theirs, args)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    schedule = AnnealingLR(optimizer, max_lr=1.0, min_lr=0.0, warmup_steps=warmup / 32,
+                           decay_steps=100, decay_style="inverse-square-root",
+                           samples_per_step=32)
+    schedule.load_state_dict(state)
+    assert schedule.get_lr() == pytest.approx(math.sqrt(max(warmup, 1) / 96), rel=1e-12)
+    wsd = megatron_deepspeed_schedule({**theirs, "lr_decay_style": "WSD"},
+                                      {**args, "lr_wsd_decay_iters": 25,
+                                       "lr_wsd_decay_style": "linear"})
+    assert (wsd["wsd_decay_iter"], wsd["wsd_decay_style"]) == (25, "linear")

@@ -37,9 +37,11 @@ def test_wsd_flags_resolve():
     (["--lr-wsd-decay-iters", "5"], "--lr-wsd-decay-iters has no effect without --lr-decay-style "
                                     "WSD"),
     (["--lr-wsd-decay-style", "linear"], "--lr-wsd-decay-style has no effect without"),
-    (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "100"],
-     r"--lr-wsd-decay-iters 100: WSD's decay must be positive and fit after the warmup, within "
-     r"the 99 iterations from the warmup's end \(1\) to the decay's \(100\)"),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "101"],
+     r"--lr-wsd-decay-iters 101: WSD's decay must be positive and within the schedule's 100 "
+     r"iterations \(--lr-decay-iters\)"),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "400"],
+     r"^--lr-wsd-decay-samples 400 \(200 iterations\): WSD's decay must"),
     (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "0"], "must be positive"),
     (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "5", "--lr-wsd-decay-samples", "10"],
      "--lr-wsd-decay-samples and --lr-wsd-decay-iters both set the decay's length"),
@@ -49,6 +51,18 @@ def test_wsd_flags_resolve():
 def test_a_wrong_wsd_is_one_error(flags, match):
     with pytest.raises(ConfigError, match=match):
         _parse(*flags)
+
+
+def test_a_deepspeed_scheduler_section_replaces_wsd(tmp_path):
+    """The JSON's 'scheduler' sets the lr: WSD's flags are not needed, and said not used."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "scheduler": {
+        "type": "WarmupLR", "params": {"warmup_num_steps": 2}}}))
+    parsed = _parse("--deepspeed", "--deepspeed_config", str(config), "--lr-decay-style", "WSD",
+                    "--lr-wsd-decay-iters", "5")
+    assert parsed.optimizer.lr_wsd_decay_steps is None
+    assert any("--lr-decay-style, --lr-wsd-decay-iters not used: the 'scheduler' section" in note
+               for note in parsed.notes), parsed.notes
 
 
 def _logged(tmp_path, log_dir):
@@ -75,7 +89,13 @@ def test_a_wsd_run_logs_megatrons_rates_and_resumes_exactly(corpus, tmp_path):
 
 
 def test_an_inverse_square_root_run_logs_megatrons_rates(corpus, tmp_path):
+    """Later Megatron-LM counts samples: sqrt(max(warmup, 1) / max(n, 1)) in samples, which
+    without a warmup is 1 / sqrt(4 n) at a global batch of 4, not 1 / sqrt(n)."""
     assert run(corpus, tmp_path, "--lr-decay-style", "inverse-square-root", iters=4) == 0
     rates = {n: lr for n, (lr, _) in _logged(tmp_path, "run").items()}
     assert rates == pytest.approx({1: 1.5e-3, 2: 3e-3, 3: 3e-3 * math.sqrt(2 / 3),
                                    4: 3e-3 * math.sqrt(2 / 4)}, rel=1e-12)
+    assert run(corpus, tmp_path, "--lr-decay-style", "inverse-square-root", "--warmup-iters",
+               "0", iters=3, log_dir="no_warmup") == 0
+    rates = {n: lr for n, (lr, _) in _logged(tmp_path, "no_warmup").items()}
+    assert rates == pytest.approx({n: 3e-3 / math.sqrt(4 * n) for n in (1, 2, 3)}, rel=1e-12)

@@ -74,10 +74,15 @@ def test_later_megatron_lm_styles(style, wsd, expected):
             other.load_state_dict(state)
 
 
-def test_wsd_needs_a_decay_that_fits_after_the_warmup():
-    for steps, style in ((None, "linear"), (0, "linear"), (101, "linear"), (40, "square")):
+def test_wsd_needs_a_decay_within_the_schedule():
+    """(As Megatron-LM, a decay that starts inside the warmup is taken: the lr then drops
+    from the warmup's value.)"""
+    for steps, style in ((None, "linear"), (0, "linear"), (111, "linear"), (40, "square")):
         with pytest.raises(ConfigError, match="--lr-decay-style WSD decays over its last"):
             _scheduler("WSD", wsd_decay_steps=steps, wsd_decay_style=style)
+    scheduler = _scheduler("WSD", wsd_decay_steps=110, wsd_decay_style="linear")
+    assert _lr_at(scheduler, 10) == 1.0  # the warmup's end
+    assert _lr_at(scheduler, 11) == pytest.approx(0.05 + 0.95 * (1 - 11 / 110), abs=1e-12)
 
 
 def test_no_warmup_starts_at_max_lr():

@@ -144,6 +144,29 @@ def test_set_train_batch_size_changes_the_micro_batches_of_each_step(stage):
             engine.set_train_batch_size(4)
 
 
+def test_micro_steps_written_by_a_loop_keeps_deepspeeds_boundaries():
+    """A loop that sets micro_steps itself (a reset, a resume of its own): the boundaries
+    are DeepSpeed's, (micro_steps + 1) % gradient_accumulation_steps == 0."""
+    engine, *_ = zero.initialize(model=cases.make_model(),
+                                 config=_config(gradient_accumulation_steps=4))
+
+    def boundaries(count):
+        found = []
+        for _ in range(count):
+            if engine.is_gradient_accumulation_boundary():
+                found.append(engine.micro_steps)
+            engine.backward(engine(*_batch(0)))
+            engine.step()
+        return found
+
+    assert boundaries(4) == [3]
+    engine.micro_steps = 0  # reset after a step
+    assert boundaries(8) == [3, 7]
+    engine.micro_steps += 5  # 13: inside the step that began at 12
+    assert boundaries(4) == [15]
+    assert engine.global_steps == 4
+
+
 def test_config_and_argument_errors_are_zero_errors(tmp_path):
     model = cases.make_model()
     with pytest.raises(ZeroError, match="requires a model"):
