@@ -48,7 +48,7 @@ from zero.compiler import compile_module
 from zero.config.deepspeed_config import DeepSpeedConfig
 from zero.data_loader import micro_batch_loader
 from zero.errors import ConfigError, ZeroError
-from zero.host_memory import small_block_cache_warning, tune_host_allocator
+from zero.host_memory import tune_host_allocator
 from zero.monitor import Monitor
 from zero.optim.lr_schedules import engine_lr_scheduler
 from zero.optim.optimizers import build_optimizer, check_zero_supported
@@ -109,9 +109,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self._inside_no_sync = False
         self.device = self._place_module()
         self.compiled = compile_module(self.module, self.config, self.global_rank)
-        if tune_host_allocator(self.device, self.config.zero_optimization) \
-                and self.global_rank == 0:
-            logger.warning(small_block_cache_warning())
+        warning = tune_host_allocator(self.device, self.config.zero_optimization)
+        if warning and self.global_rank == 0:
+            logger.warning(warning)
         base_optimizer = self._base_optimizer(optimizer, model_parameters)
         self._check_data_parallel_ranks_agree(base_optimizer)
         self.optimizer = build_zero_optimizer(self, base_optimizer,

@@ -127,14 +127,14 @@ def tune_host_allocator(device, zero_optimization):
     them in anew. At stages 0-2 only when the process started with glibc's small-block cache
     off (the launch scripts start it so): with the cache on, kept memory can creep up step
     after step, and below stage 3 glibc's defaults are the safe choice; stage 3 keeps
-    regardless. Offload keeps its own policy. Returns whether to warn (stage 3 with the cache
-    on: small_block_cache_warning says so)."""
+    regardless. Offload keeps its own policy. Returns the warning to give, or None (stage 3
+    with the cache on: small_block_cache_warning's, once a process)."""
     if device.type != "cpu" or zero_optimization.offload_optimizer is not None \
             or zero_optimization.offload_param is not None:
-        return False
+        return None
     if zero_optimization.stage == 3:
         keep_freed_buffers()
-        return bool(small_block_cache_warning())
+        return small_block_cache_warning()
     if small_block_cache_off():
         keep_freed_buffers()
-    return False
+    return None
