@@ -171,10 +171,9 @@ class TrainingConfig:
         return self.global_batch_size if self.rampup is None \
             else self.rampup.global_batch_at(consumed_samples)
 
-    def micro_batches_at(self, consumed_samples):
-        """Micro batches per data-parallel rank in that iteration."""
-        per_step = self.global_batch_size // self.num_micro_batches
-        return self.global_batch_at(consumed_samples) // per_step
+    def micro_batches_in(self, global_batch):
+        """Micro batches per data-parallel rank in a global batch of that many samples."""
+        return global_batch // (self.global_batch_size // self.num_micro_batches)
 
     def samples_after(self, iterations):
         """The samples the first `iterations` iterations consume."""

@@ -79,8 +79,7 @@ class Backend:
         same batches at the lowered scale instead of skipping them, so the run trains from
         its first batch whatever the initial scale (said once, with the scale found)."""
         engine, config = self.engine, self.ctx.config
-        count = global_batch * config.training.num_micro_batches // \
-            config.training.global_batch_size
+        count = config.training.micro_batches_in(global_batch)
         if global_batch != engine.train_batch_size():
             engine.set_train_batch_size(global_batch)
         # a schedule in samples steps by the batch (Megatron-LM's increment)

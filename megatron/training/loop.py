@@ -53,7 +53,6 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
     while state["iteration"] < training.train_iters:
         guards.before_iteration(state["iteration"] + 1)
         global_batch = training.global_batch_at(state["consumed_train_samples"])
-        micro_batches = training.micro_batches_at(state["consumed_train_samples"])
         total, updated, grad_norm = backend.train_step(train_forward_step, iterator,
                                                        global_batch)
         if compiling is not None:  # this run's first step: it compiled the model
@@ -66,7 +65,8 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
         window["samples"] += global_batch
         window["grad_norm"] = grad_norm
         iteration = state["iteration"]
-        losses.add(iteration, _mean_over_data_parallel(total.double() / micro_batches))
+        losses.add(iteration, _mean_over_data_parallel(
+            total.double() / training.micro_batches_in(global_batch)))
         # (under a batch-size ramp the log line and TensorBoard say the batch of the iteration)
         ramp = {"batch_size": global_batch} if training.rampup else {}
         iteration_scalars.after_step(state, grad_norm, ramp)

@@ -81,7 +81,8 @@ def test_flags_resolve_to_a_ramp_and_a_schedule_in_samples():
     training, optimizer = config.training, config.optimizer
     assert training.rampup == BatchRampup(4, 4, 16, 12) and training.train_iters == 6
     assert [training.global_batch_at(c) for c in (0, 8, 16, 28)] == [4, 8, 12, 12]
-    assert [training.micro_batches_at(c) for c in (0, 8, 16)] == [2, 4, 6]
+    assert [training.micro_batches_in(training.global_batch_at(c)) for c in (0, 8, 16)] == \
+        [2, 4, 6]
     assert training.samples_after(6) == 52
     assert (optimizer.schedule_unit, optimizer.lr_decay_steps, optimizer.warmup_steps) == \
         ("samples", 60, 8)
