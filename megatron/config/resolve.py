@@ -378,14 +378,18 @@ def _optimizer(raw, given, clip_grad, json_schedule):
 
 def _schedule_end_note(raw, train_iters):
     """Megatron's schedule holds --min-lr after --lr-decay-iters, whatever the style (constant
-    too, as in Megatron-LM 1.1.5): say so when the decay ends before training does."""
-    decay_iters = raw["lr_decay_iters"]
-    if decay_iters is None or decay_iters >= train_iters:
+    too, as in Megatron-LM 1.1.5): say so when the decay ends before training does (in
+    samples under --rampup-batch-size, whose schedule counts them)."""
+    unit, end = ("samples", raw["train_samples"]) if raw["rampup_batch_size"] is not None \
+        else ("iters", train_iters)
+    decay = raw[f"lr_decay_{unit}"]
+    if decay is None or decay >= end:
         return ()
-    return (f" note: --lr-decay-iters {decay_iters} ends the {raw['lr_decay_style']} schedule "
-            f"before --train-iters {train_iters}: iterations {decay_iters + 1}-{train_iters} run "
+    words = "samples" if unit == "samples" else "iterations"
+    return (f" note: --lr-decay-{unit} {decay} ends the {raw['lr_decay_style']} schedule "
+            f"before --train-{unit} {end}: {words} {decay + 1}-{end} run "
             f"at --min-lr {raw['min_lr']:g} (Megatron's rule, for every --lr-decay-style); "
-            "leave --lr-decay-iters out to schedule over the whole run",)
+            f"leave --lr-decay-{unit} out to schedule over the whole run",)
 
 
 def _check_optimizer_choice(raw, ds_config):

@@ -96,6 +96,9 @@ def test_flags_resolve_to_a_ramp_and_a_schedule_in_samples():
     fraction = _parse("--rampup-batch-size", "4", "4", "16", "--global-batch-size", "12",
                       "--train-samples", "60", "--lr-decay-samples", "50", "--warmup", "0.1")
     assert (fraction.optimizer.lr_decay_steps, fraction.optimizer.warmup_steps) == (50, 5)
+    assert " note: --lr-decay-samples 50 ends the linear schedule before --train-samples 60: " \
+           "samples 51-60 run at --min-lr 0 (Megatron's rule, for every --lr-decay-style); " \
+           "leave --lr-decay-samples out to schedule over the whole run" in fraction.notes
     constant = _parse("--global-batch-size", "12", "--train-samples", "60")
     assert constant.training.rampup is None and constant.optimizer.schedule_unit == "iterations"
     assert constant.training.global_batch_at(0) == 12 and constant.training.samples_after(5) == 60
