@@ -12,7 +12,7 @@ import importlib
 _EXPORTS = {
     "zero.config.arguments": ("add_config_arguments", "resolve_config_from_args"),
     "zero.config.deepspeed_config": ("DeepSpeedConfig",),
-    "zero.errors": ("CheckpointError", "ConfigError", "ZeroError"),
+    "zero.errors": ("CallError", "CheckpointError", "ConfigError", "ZeroError"),
     "zero.optim.loss_scaler": ("DynamicLossScaler", "StaticLossScaler", "build_loss_scaler"),
     "zero.optim.lr_schedules": ("LRRangeTest", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR",
                                 "build_lr_scheduler"),

@@ -17,3 +17,7 @@ class ConfigError(ZeroError):
 
 class CheckpointError(ZeroError):
     """A checkpoint that is missing, incomplete, or does not match the engine."""
+
+
+class CallError(ZeroError):
+    """A call that every rank must make (a checkpoint save or load) made on some ranks only."""

@@ -48,6 +48,7 @@ from zero.checkpoint.files import (all_agree, engine_counters, fsync_dir, layer_
                                    try_)
 from zero.checkpoint.whole_params import SavedStage3, load_buffers, saved_stage
 from zero.comm.agreement import collective_device
+from zero.comm.every_rank import every_rank_calls
 from zero.errors import CheckpointError
 from zero.fault_injection import kill_point
 from zero.fault_injection import writer as fault_writer
@@ -66,6 +67,7 @@ ZERO_TO_FP32 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_to
 # Saving
 
 def save_checkpoint(engine, save_dir, tag, client_state, save_latest):
+    every_rank_calls("save_checkpoint")
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     _check_tag(tag)
     _check_same_tag_on_every_rank(tag)
@@ -250,6 +252,7 @@ def load_checkpoint(engine, load_dir, tag, *, module_strict, optimizer_states,
     read its files stops the others with a clear error instead of leaving them waiting.
     Not `agree`: the reading alone; the caller agrees over its whole load and then publishes
     (engine.optimizer.publish_restored_masters)."""
+    every_rank_calls("load_checkpoint")
     engine.optimizer.forget_restored_masters()  # (those of an earlier load that failed)
     read = functools.partial(_read_checkpoint, engine, load_dir, tag,
                              module_strict=module_strict, optimizer_states=optimizer_states,
@@ -449,6 +452,7 @@ def load_zero_optimizer_state(engine, ckpt_dir, states):
 
 def save_16bit_model(engine, save_dir, save_filename):
     """Global rank 0 writes module.state_dict() (the model dtype) to save_dir/save_filename."""
+    every_rank_calls("save_16bit_model")
     if engine.zero_optimization_stage() == 3:
         from zero.checkpoint.stage3 import save_16bit_model_stage3
         return save_16bit_model_stage3(engine, save_dir, save_filename)
