@@ -56,6 +56,13 @@ def check_pipeline(raw, parallel, training, ds_config):
                      f"idles {(pp - 1) / (m + pp - 1):.0%} of the step ((P-1)/(m+P-1)); "
                      f"--global-batch-size {suggested} ({4 * pp} micro batches) brings that "
                      f"to {(pp - 1) / (5 * pp - 1):.0%}")
+    first = m if training.rampup is None else \
+        training.micro_batches_in(training.rampup.global_batch_at(0))
+    if first < pp <= m:
+        notes.append(f" note: --rampup-batch-size starts at {first} micro batch(es) per step "
+                     f"over {pp} pipeline stages: each stage idles "
+                     f"{(pp - 1) / (first + pp - 1):.0%} of those steps ((P-1)/(m+P-1)), less as "
+                     f"the batch grows ({(pp - 1) / (m + pp - 1):.0%} at its {m})")
     return tuple(notes)
 
 

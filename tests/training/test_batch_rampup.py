@@ -181,6 +181,16 @@ def test_the_interleaved_pipeline_needs_every_ramp_size_in_groups_of_its_stages(
     assert _parse("--rampup-batch-size", "4", "4", "16", *pipeline, world_size=2).training.rampup
 
 
+def test_a_ramp_that_starts_below_the_pipeline_stages_says_what_those_steps_idle():
+    config = _parse("--pipeline-model-parallel-size", "4", "--num-layers", "4",
+                    "--global-batch-size", "16", "--rampup-batch-size", "4", "4", "32",
+                    "--train-samples", "160", world_size=4)
+    note, = [n for n in config.notes if "idles" in n]
+    assert "--rampup-batch-size starts at 2 micro batch(es) per step over 4 pipeline stages: " \
+        "each stage idles 60% of those steps ((P-1)/(m+P-1)), less as the batch grows (27% at " \
+        "its 8)" in note
+
+
 # ------------------------------------------------------------------------------ the trainer
 
 def _common(corpus):
