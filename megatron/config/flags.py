@@ -12,6 +12,7 @@ import difflib
 import math
 
 from megatron.config.logging_flags import add_logging_flags
+from megatron.config.profiling_flags import add_profiling_flags
 from megatron.config.megatron_flags import (add_always_so_flags, add_dense_model_flags,
                                            offered_here)
 from megatron.errors import ConfigError
@@ -42,6 +43,7 @@ def build_parser():
     parser = _FlagParser(description="Megatron-style GPT-2 pretraining", allow_abbrev=False)
     for add_group in (_network, _regularization, _training, _learning_rate, _checkpointing,
                       _mixed_precision, _distributed, _validation, _data, add_logging_flags,
+                      add_profiling_flags,
                       _reliability, _deepspeed, _zero, _activation_checkpointing, _tiling,
                       add_always_so_flags, add_dense_model_flags):
         add_group(parser)

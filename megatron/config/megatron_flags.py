@@ -44,7 +44,8 @@ _WANDB = ("Weights & Biases logging is not built: metrics.jsonl (--log-dir) and 
           "(--tensorboard-dir) have the numbers")
 _NO_FUSED_KERNELS = ("none of Megatron's fused CUDA kernels is used: attention is torch's "
                      "scaled_dot_product_attention, and --compile fuses the elementwise work")
-_PROFILE = "profiling is benchmarks/step_profile.py (torch.profiler over training steps)"
+_PROFILE_STEPS = ("Megatron-DeepSpeed's steps S,E of this run are --profile-step-start S-1 "
+                  "--profile-step-end E here (iteration numbers, as the log line counts them)")
 _MOE = ("Megatron-DeepSpeed's mixture of experts (DeepSpeed-MoE) is not built: each layer has "
         "one dense GeLU MLP; drop the MoE flags")
 _ULYSSES = ("DeepSpeed-Ulysses sequence parallelism is not built: each rank runs the whole "
@@ -150,8 +151,6 @@ NOT_TAKEN = {
     "--use-z-loss": "z-loss is not built",
     **{flag: _WANDB for flag in ("--wandb-project", "--wandb-entity", "--wandb-name",
                                  "--wandb-exp-name", "--wandb-save-dir")},
-    **{flag: _PROFILE for flag in ("--profile", "--profile-step-start", "--profile-step-end",
-                                   "--profile-ranks")},
     "--vocab-size": "the vocabulary is the tokenizer's (--vocab-file/--merge-file or "
                     "--tokenizer-model), padded by --make-vocab-size-divisible-by",
     "--tokenizer-name-or-path": "Hugging Face tokenizers are not loaded: --tokenizer-type "
@@ -163,8 +162,6 @@ NOT_TAKEN = {
                          "(tools/build_index_maps.py builds them before a run)",
     "--no-mmap-bin-files": "the .bin is always memory-mapped",
     "--empty-unused-memory-level": "not built: the CUDA caching allocator keeps its memory",
-    "--manual-gc": "not built: Python's collector runs as it does",
-    "--manual-gc-interval": "not built: Python's collector runs as it does",
     "--use-mpi": "--deepspeed_mpi takes rank and world size from mpirun",
     # Megatron-DeepSpeed's own
     **{flag: "the zero-bubble (ZB-H1) pipeline schedule is not built: stages run 1F1B; "
@@ -195,7 +192,7 @@ NOT_TAKEN = {
     "--reset-iteration": "restarting the iteration count with the optimizer state kept is not "
                          "built: --finetune loads the weights and starts at iteration 0 with "
                          "a fresh optimizer",
-    "--profile_steps": _PROFILE,
+    "--profile_steps": _PROFILE_STEPS,
     "--kill-switch-file": "a kill-switch file is not watched: --exit-signal-handler saves and "
                           "exits on SIGTERM, --exit-duration-in-mins before a deadline",
     "--trust-remote-code": "Hugging Face tokenizers are not loaded: --tokenizer-type "
@@ -224,6 +221,9 @@ ALWAYS_SO = {
     "--overlap-grad-reduce": "the data-parallel gradient reduction always overlaps backward: "
                              "each full bucket is reduced as soon as backward fills it",
     "--log-throughput": "the log line always has tokens/s and MFU",
+    "--use-pytorch-profiler": "--profile always runs torch.profiler (Megatron-LM's ranges for "
+                              "Nsight Systems, its default without this flag, are not built: "
+                              "run the job under nsys to see its GPU timeline)",
     "--no-create-attention-mask-in-dataloader": "the data loader builds no attention mask "
                                                 "unless --reset-attention-mask asks for one",
     **{flag: _NO_FUSED_KERNELS for flag in (

@@ -20,6 +20,7 @@ from megatron.config.command_line import (in_the_users_spelling, parse_command_l
                                           repeated_flag_notes)
 from megatron.config.flags import build_parser, given_on_command_line
 from megatron.config.logging_flags import resolve_logging, timing_option_note
+from megatron.config.profiling_flags import manual_gc_fields, resolve_profiler
 from megatron.config.megatron_flags import always_so_notes
 from megatron.config.pipeline_checks import check_pipeline, checkpoints_per_model_chunk
 from megatron.config.from_checkpoint import (describe, load_dir_notes, resume_notes,
@@ -114,7 +115,7 @@ def freeze(raw, given, world_size, notes=(), extra=None):
                                raw["batch_size"] * parallel.data_parallel_size)
     notes += lengths.lengths_under_a_rampup(raw, given, rampup) if rampup else \
         lengths.iterations_from_lengths(raw, given, global_batch, raw["seq_length"])
-    training = _training(raw, parallel)
+    training = _training(raw, given, parallel)
     settled = engine.settle_engine(raw, given, parallel.data_parallel_size,
                                    training.num_micro_batches)
     require(rampup is None or settled.ds_config.scheduler is None,
@@ -152,6 +153,9 @@ def freeze(raw, given, world_size, notes=(), extra=None):
             "checkpointing.contiguous_memory_optimization') keep one forward's checkpoints in "
             "one buffer, but a pipeline stage holds several micro batches' forwards at once; "
             "drop it with --pipeline-model-parallel-size")
+    logging = resolve_logging(raw, given, settled.ds_config)
+    profiler, profiler_notes = resolve_profiler(raw, given, world_size, logging.log_dir,
+                                                training.train_iters)
     return TrainConfig(
         model=model,
         activation_checkpointing=recompute,
@@ -162,11 +166,12 @@ def freeze(raw, given, world_size, notes=(), extra=None):
         parallel=parallel,
         training=training,
         checkpoint=checkpoint,
-        logging=resolve_logging(raw, given, settled.ds_config),
+        logging=logging,
         engine=EngineConfig(deepspeed=raw["deepspeed"], deepspeed_config=raw["deepspeed_config"],
                             ds_config=settled.ds_config, remote_device=raw["remote_device"],
                             use_pin_memory=raw["use_pin_memory"]),
-        notes=tuple(notes), extra=MappingProxyType(dict(extra or {})))
+        profiler=profiler, notes=tuple(notes) + profiler_notes,
+        extra=MappingProxyType(dict(extra or {})))
 
 
 def _fill_model_defaults(raw):
@@ -279,7 +284,7 @@ def _global_batch_before_the_engine(raw, parallel):
                       "--global-batch-size sets another)")
 
 
-def _training(raw, parallel):
+def _training(raw, given, parallel):
     """The batch arithmetic from the flags (a DeepSpeed JSON may still decide it)."""
     per_step = raw["batch_size"] * parallel.data_parallel_size
     global_batch = per_step if raw["global_batch_size"] is None else raw["global_batch_size"]
@@ -295,7 +300,7 @@ def _training(raw, parallel):
         exit_duration_in_mins=raw["exit_duration_in_mins"],
         max_nan_iterations=raw["max_nan_iterations"],
         rampup_batch_size=None if raw["rampup_batch_size"] is None
-        else tuple(raw["rampup_batch_size"]))
+        else tuple(raw["rampup_batch_size"]), **manual_gc_fields(raw, given))
 
 
 def _model(raw, model_parallel_size):

@@ -159,6 +159,9 @@ class TrainingConfig:
     max_nan_iterations: int
     # --rampup-batch-size START INCREMENT SAMPLES; None: the batch is constant
     rampup_batch_size: Optional[Tuple[int, int, int]] = None
+    manual_gc: bool = False  # Python's collector off while training; the loop collects
+    manual_gc_interval: int = 0  # after every N-th iteration (0: never during training)
+    manual_gc_eval: bool = True  # and before and after each evaluation
 
     @functools.cached_property
     def rampup(self):
@@ -221,6 +224,17 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class ProfilerConfig:
+    """--profile: torch.profiler over iterations `profile_first` to `profile_last`."""
+    profile: bool = False
+    profile_first: int = 0
+    profile_last: int = 0
+    profile_ranks: Tuple[int, ...] = ()
+    profile_with_stack: bool = False  # --profile pt-full
+    profile_trace_dir: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The zero engine both trainers run on. `ds_config` is the typed DeepSpeed config: the
     user's JSON under --deepspeed, else the ZeRO stage 0 config the Megatron flags describe."""
@@ -247,6 +261,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     engine: EngineConfig
+    profiler: ProfilerConfig = ProfilerConfig()
     notes: Tuple[str, ...] = ()  # what resolution took from elsewhere, printed at start-up
     # flags an extra_args_provider added (Megatron's hook for custom scripts)
     extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))

@@ -24,8 +24,10 @@ import torch.distributed as dist
 from megatron import mpu
 from megatron.model import flops_per_token
 from megatron.runtime import device as device_mod
+from megatron.training.manual_gc import ManualGC
 from megatron.training.metrics import mfu
 from megatron.training.phase_times import gather_phase_ms
+from megatron.training.profiling import IterationProfiler
 
 
 def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
@@ -50,58 +52,73 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
         if backend.compiled else None
     losses = _LossReads(guards)
     iteration_scalars = _IterationScalars(config.logging, backend, logger)
-    while state["iteration"] < training.train_iters:
-        guards.before_iteration(state["iteration"] + 1)
-        global_batch = training.global_batch_at(state["consumed_train_samples"])
-        total, updated, grad_norm = backend.train_step(train_forward_step, iterator,
-                                                       global_batch)
-        if compiling is not None:  # this run's first step: it compiled the model
-            compiling.report(window, runtime)
-            compiling = None
-        state["iteration"] += 1
-        state["consumed_train_samples"] += global_batch
-        state["skipped_iters"] += 0 if updated else 1
-        window["iters"] += 1
-        window["samples"] += global_batch
-        window["grad_norm"] = grad_norm
-        iteration = state["iteration"]
-        losses.add(iteration, _mean_over_data_parallel(
-            total.double() / training.micro_batches_in(global_batch)))
-        # (under a batch-size ramp the log line and TensorBoard say the batch of the iteration)
-        ramp = {"batch_size": global_batch} if training.rampup else {}
-        iteration_scalars.after_step(state, grad_norm, ramp)
-        logging = iteration % config.logging.log_interval == 0 or \
-            iteration == training.train_iters
-        evaluating = datasets[1] is not None and training.eval_iters > 0 and \
-            iteration % training.eval_interval == 0 and iteration != training.train_iters
-        exiting = training.exit_interval and iteration % training.exit_interval == 0
-        saving = checkpoint.save and (iteration % checkpoint.save_interval == 0 or exiting)
-        window["loss"] += losses.read(keep_newest=not (logging or evaluating or exiting
-                                                       or saving))
-        if logging:
-            _log_window(window, state, backend, flops_per_sample, ctx, logger, iterator,
-                        iteration_scalars)
-        iteration_scalars.losses_read(losses.observe())  # the NaN guard sees them there
-        if evaluating:
-            eval_start = time.perf_counter()
-            logger.log_eval(iteration, "valid",
-                            evaluate(forward_step_func, backend, datasets[1], ctx))
-            window["start"] += time.perf_counter() - eval_start  # keep eval out of ms/iter
-            backend.take_phase_times()  # and its forwards out of the phase times
-        stop_reason = guards.stop_reason()  # SIGTERM or time limit, agreed by all ranks
-        if stop_reason:
-            window["loss"] += losses.read(keep_newest=False)
-            iteration_scalars.losses_read(losses.observe())
-        if saving or (checkpoint.save and stop_reason):
-            backend.save(iteration, state)
-            saved_at = iteration
-        if exiting:
-            runtime.print0(f" exiting at iteration {iteration} (--exit-interval)")
-            break
-        if stop_reason:
-            runtime.print0(f" exiting at iteration {iteration}: {stop_reason}"
-                           + (", checkpoint saved" if checkpoint.save else ""))
-            break
+    profiler = IterationProfiler(config.profiler, runtime, state["iteration"])
+    collector = ManualGC(training)
+    collector.start()
+    try:
+        while state["iteration"] < training.train_iters:
+            guards.before_iteration(state["iteration"] + 1)
+            profiler.before_iteration(state["iteration"] + 1)
+            global_batch = training.global_batch_at(state["consumed_train_samples"])
+            total, updated, grad_norm = backend.train_step(train_forward_step, iterator,
+                                                           global_batch)
+            if compiling is not None:  # this run's first step: it compiled the model
+                compiling.report(window, runtime)
+                compiling = None
+            state["iteration"] += 1
+            state["consumed_train_samples"] += global_batch
+            state["skipped_iters"] += 0 if updated else 1
+            window["iters"] += 1
+            window["samples"] += global_batch
+            window["grad_norm"] = grad_norm
+            iteration = state["iteration"]
+            losses.add(iteration, _mean_over_data_parallel(
+                total.double() / training.micro_batches_in(global_batch)))
+            # (under a batch-size ramp the log line and TensorBoard say the batch of the iteration)
+            ramp = {"batch_size": global_batch} if training.rampup else {}
+            iteration_scalars.after_step(state, grad_norm, ramp)
+            logging = iteration % config.logging.log_interval == 0 or \
+                iteration == training.train_iters
+            evaluating = datasets[1] is not None and training.eval_iters > 0 and \
+                iteration % training.eval_interval == 0 and iteration != training.train_iters
+            exiting = training.exit_interval and iteration % training.exit_interval == 0
+            saving = checkpoint.save and (iteration % checkpoint.save_interval == 0 or exiting)
+            window["loss"] += losses.read(keep_newest=not (logging or evaluating or exiting
+                                                           or saving))
+            if logging:
+                _log_window(window, state, backend, flops_per_sample, ctx, logger, iterator,
+                            iteration_scalars)
+            iteration_scalars.losses_read(losses.observe())  # the NaN guard sees them there
+            profiler.after_iteration(iteration)
+            if evaluating:
+                eval_start = time.perf_counter()
+                collector.before_eval()
+                logger.log_eval(iteration, "valid",
+                                evaluate(forward_step_func, backend, datasets[1], ctx))
+                collector.after_eval()
+                window["start"] += time.perf_counter() - eval_start  # keep eval out of ms/iter
+                backend.take_phase_times()  # and its forwards out of the phase times
+            stop_reason = guards.stop_reason()  # SIGTERM or time limit, agreed by all ranks
+            if stop_reason:
+                window["loss"] += losses.read(keep_newest=False)
+                iteration_scalars.losses_read(losses.observe())
+            if saving or (checkpoint.save and stop_reason):
+                backend.save(iteration, state)
+                saved_at = iteration
+            if exiting:
+                runtime.print0(f" exiting at iteration {iteration} (--exit-interval)")
+                break
+            if stop_reason:
+                runtime.print0(f" exiting at iteration {iteration}: {stop_reason}"
+                               + (", checkpoint saved" if checkpoint.save else ""))
+                break
+            collector.after_iteration(iteration)
+    except BaseException:
+        profiler.abandon()
+        raise
+    finally:
+        collector.stop()
+    profiler.close(state["iteration"])
     return saved_at
 
 
