@@ -366,6 +366,12 @@ def _reliability(parser):
     g.add_argument("--max-nan-iterations", type=int, default=10, metavar="N",
                    help="stop after N consecutive iterations whose loss is NaN or inf (each is "
                         "skipped and counted); 0 never stops")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   metavar="N",
+                   help="every N iterations the data-parallel replicas compare a SHA-256 "
+                        "digest of each weight they hold; replicas that differ stop the run, "
+                        "naming the weights (a collective; not at ZeRO stage 3, whose ranks "
+                        "hold different parts)")
 
 
 def _deepspeed(parser):

@@ -40,7 +40,8 @@ POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length
                  "global_batch_size", "ffn_hidden_size", "make_vocab_size_divisible_by",
                  "exit_interval", "save_interval", "log_interval", "eval_interval",
                  "lr_decay_iters", "model_parallel_size", "pipeline_model_parallel_size",
-                 "num_layers_per_virtual_pipeline_stage", "threads")
+                 "num_layers_per_virtual_pipeline_stage", "threads",
+                 "check_weight_hash_across_dp_replicas_interval")
 MAX_INT = 2 ** 31 - 1
 NON_NEGATIVE_INTS = ("eval_iters", "num_workers", "warmup_iters", "max_nan_iterations",
                      "lr_warmup_samples", "lr_warmup_tokens")
@@ -141,6 +142,7 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     if settled.ds_config.scheduler is None:  # else the JSON's schedule sets the lr
         notes += _schedule_end_note(raw, training.train_iters)
     notes += check_pipeline(raw, parallel, training, settled.ds_config)
+    notes += _replica_check(training, parallel, settled.ds_config)
     notes += timing_option_note(raw, given, settled.ds_config)
     recompute = activation.activation_checkpointing(
         raw, settled.checkpoint_activations, settled.ds_config.activation_checkpointing,
@@ -172,6 +174,21 @@ def freeze(raw, given, world_size, notes=(), extra=None):
                             use_pin_memory=raw["use_pin_memory"]),
         profiler=profiler, notes=tuple(notes) + profiler_notes,
         extra=MappingProxyType(dict(extra or {})))
+
+
+def _replica_check(training, parallel, ds_config):
+    """--check-weight-hash-across-dp-replicas-interval compares replicas: none at stage 3,
+    whose data-parallel ranks hold different parts of each weight, nor with one rank."""
+    interval = training.check_weight_hash_across_dp_replicas_interval
+    if interval is None:
+        return ()
+    require(ds_config.zero_optimization.stage < 3,
+            "--check-weight-hash-across-dp-replicas-interval compares the weights data-parallel "
+            "replicas hold; at ZeRO stage 3 each rank holds its own part of them")
+    if parallel.data_parallel_size > 1:
+        return ()
+    return (" note: --check-weight-hash-across-dp-replicas-interval: one data-parallel rank, no "
+            "replicas to compare",)
 
 
 def _fill_model_defaults(raw):
@@ -299,6 +316,8 @@ def _training(raw, given, parallel):
         eval_interval=raw["eval_interval"], exit_signal_handler=raw["exit_signal_handler"],
         exit_duration_in_mins=raw["exit_duration_in_mins"],
         max_nan_iterations=raw["max_nan_iterations"],
+        check_weight_hash_across_dp_replicas_interval=raw[
+            "check_weight_hash_across_dp_replicas_interval"],
         rampup_batch_size=None if raw["rampup_batch_size"] is None
         else tuple(raw["rampup_batch_size"]), **manual_gc_fields(raw, given))
 

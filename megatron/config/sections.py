@@ -157,6 +157,8 @@ class TrainingConfig:
     exit_signal_handler: bool
     exit_duration_in_mins: Optional[float]
     max_nan_iterations: int
+    # compare the data-parallel replicas' weights every N iterations (None: never)
+    check_weight_hash_across_dp_replicas_interval: Optional[int]
     # --rampup-batch-size START INCREMENT SAMPLES; None: the batch is constant
     rampup_batch_size: Optional[Tuple[int, int, int]] = None
     manual_gc: bool = False  # Python's collector off while training; the loop collects

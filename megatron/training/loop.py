@@ -28,6 +28,7 @@ from megatron.training.manual_gc import ManualGC
 from megatron.training.metrics import mfu
 from megatron.training.phase_times import gather_phase_ms
 from megatron.training.profiling import IterationProfiler
+from megatron.training.replica_check import check_replicas_agree
 
 
 def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
@@ -54,6 +55,7 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
     iteration_scalars = _IterationScalars(config.logging, backend, logger)
     profiler = IterationProfiler(config.profiler, runtime, state["iteration"])
     collector = ManualGC(training)
+    replicas_every = training.check_weight_hash_across_dp_replicas_interval
     collector.start()
     try:
         while state["iteration"] < training.train_iters:
@@ -90,6 +92,8 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
                             iteration_scalars)
             iteration_scalars.losses_read(losses.observe())  # the NaN guard sees them there
             profiler.after_iteration(iteration)
+            if replicas_every and iteration % replicas_every == 0:
+                check_replicas_agree(backend.module, iteration, runtime)
             if evaluating:
                 eval_start = time.perf_counter()
                 collector.before_eval()
