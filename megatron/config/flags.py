@@ -244,6 +244,9 @@ def _checkpointing(parser):
     g.add_argument("--load", default=None,
                    help="directory to resume from; model flags left out are taken from its "
                         "checkpoint")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="a --load folder without a checkpoint is an error instead of a run "
+                        "from scratch (Megatron-LM's; for jobs that must resume)")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true",

@@ -77,11 +77,14 @@ def _deepspeed_states_path(load_dir):
 
 def load_dir_notes(raw):
     """--load checked as given: a checkpoint folder, or one that holds none yet (a note: the
-    run starts from scratch, as Megatron-LM's does); one error for what cannot be one (a file,
-    a folder that does not exist unless it is --save too, a Hugging Face folder) and for
-    --finetune with nothing to fine-tune from."""
+    run starts from scratch, as Megatron-LM's does, unless --exit-on-missing-checkpoint); one
+    error for what cannot be one (a file, a folder that does not exist unless it is --save
+    too, a Hugging Face folder) and for --finetune with nothing to fine-tune from."""
     load, finetune = raw.get("load"), raw.get("finetune")
     if not load:
+        if raw.get("exit_on_missing_checkpoint"):
+            raise CheckpointError("--exit-on-missing-checkpoint needs --load (the folder a "
+                                  "checkpoint must be found in)")
         return ()
     from megatron.checkpointing.megatron_layout import TRACKER_FILENAME
     trackers = (TRACKER_FILENAME, "latest")  # (DeepSpeed's layout: 'latest')
@@ -96,6 +99,14 @@ def load_dir_notes(raw):
             f"--load {load} is a file; --load takes a checkpoint folder (the one holding "
             f"{TRACKER_FILENAME}, or 'latest' for --deepspeed)"
             + (f": here {folder}" if folder else ""))
+    missing = raw.get("exit_on_missing_checkpoint") and not any(
+        os.path.isfile(os.path.join(load, name)) for name in trackers)
+    if missing and not os.path.isfile(load):
+        raise CheckpointError(f"--exit-on-missing-checkpoint: --load {load} "
+                              + ("does not exist" if not os.path.exists(load) else
+                                 f"holds no checkpoint (no {TRACKER_FILENAME}, nor 'latest' "
+                                 "for --deepspeed)")
+                              + ", so the run stops instead of training from scratch")
     if not os.path.exists(load):
         if own_save and not finetune:
             return (f" note: --load {load} does not exist yet (it is --save too): training "

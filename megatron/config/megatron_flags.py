@@ -221,6 +221,8 @@ ALWAYS_SO = {
     "--overlap-grad-reduce": "the data-parallel gradient reduction always overlaps backward: "
                              "each full bucket is reduced as soon as backward fills it",
     "--log-throughput": "the log line always has tokens/s and MFU",
+    "--use-checkpoint-args": "model flags left out are always taken from --load's checkpoint "
+                             "(a note lists them); a model flag given must match it",
     "--use-pytorch-profiler": "--profile always runs torch.profiler (Megatron-LM's ranges for "
                               "Nsight Systems, its default without this flag, are not built: "
                               "run the job under nsys to see its GPU timeline)",

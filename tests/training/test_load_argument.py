@@ -3,6 +3,8 @@ checkpoint folder is one error before anything is built; a folder that holds no 
 starts from scratch with a note (not silently), unless --finetune asks for one; a rank that
 cannot load stops every rank."""
 
+import re
+
 import pytest
 
 from megatron.errors import CheckpointError
@@ -69,6 +71,27 @@ def test_a_hugging_face_folder_names_the_conversion(tmp_path):
 def test_a_checkpoint_folder_gets_no_note(tmp_path):
     folder = _checkpoint(tmp_path)
     assert not any("--load" in note for note in parse("--load", str(folder)).notes)
+
+
+def test_exit_on_missing_checkpoint_refuses_to_train_from_scratch(tmp_path):
+    flag = "--exit-on-missing-checkpoint"
+    empty, missing = tmp_path / "empty", tmp_path / "missing"
+    empty.mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("")
+    for load, save, what in [(empty, empty, "holds no checkpoint (no "
+                                             "latest_checkpointed_iteration.txt, nor 'latest' "
+                                             "for --deepspeed)"),
+                             (missing, missing, "does not exist"),
+                             (tmp_path / "other", None, "holds no checkpoint")]:
+        with pytest.raises(CheckpointError, match=f"^{flag}: --load {load} {re.escape(what)}"):
+            parse("--load", str(load), *(["--save", str(save)] if save else []), flag)
+    with pytest.raises(CheckpointError, match=f"^{flag} needs --load"):
+        parse(flag)
+    folder = _checkpoint(tmp_path)
+    assert parse("--load", str(folder), flag).checkpoint.load == str(folder)
+    assert any("--use-checkpoint-args asks for what this trainer always does" in note
+               for note in parse("--use-checkpoint-args").notes)
 
 
 def _resume_tp2_with_a_rank_file_missing(rank, world_size, out_dir, corpus):
