@@ -251,8 +251,10 @@ def load_checkpoint(engine, load_dir, tag, *, module_strict, optimizer_states,
     the restored masters reach the model (an all-gather at stages 1-2): a rank that could not
     read its files stops the others with a clear error instead of leaving them waiting.
     Not `agree`: the reading alone; the caller agrees over its whole load and then publishes
-    (engine.optimizer.publish_restored_masters)."""
-    every_rank_calls("load_checkpoint")
+    (engine.optimizer.publish_restored_masters), and meets the ranks itself: one that failed
+    before its load never calls this."""
+    if agree:
+        every_rank_calls("load_checkpoint")
     engine.optimizer.forget_restored_masters()  # (those of an earlier load that failed)
     read = functools.partial(_read_checkpoint, engine, load_dir, tag,
                              module_strict=module_strict, optimizer_states=optimizer_states,
