@@ -31,20 +31,35 @@ def schedule_lengths(raw):
     --lr-decay-samples (default --train-samples), --lr-warmup-samples or --warmup x that."""
     if raw.get("rampup_batch_size") is not None:
         decay = raw["lr_decay_samples"] or raw["train_samples"]
-        warmup, unit, flags = raw["lr_warmup_samples"], "samples", ("--lr-warmup-samples",
-                                                                    "--lr-decay-samples")
+        warmup, unit = raw["lr_warmup_samples"], "samples"
     else:
         decay = raw["train_iters"] if raw["lr_decay_iters"] is None else raw["lr_decay_iters"]
-        warmup, unit, flags = raw["warmup_iters"], "iterations", ("--warmup-iters",
-                                                                  "--lr-decay-iters")
+        warmup, unit = raw["warmup_iters"], "iterations"
     if warmup is None:
         warmup = float(raw["warmup"]) * decay  # (0.07 x 100 is 7.000000000000001)
         whole = round(warmup)
         warmup = whole if abs(warmup - whole) < 1e-9 else warmup
     if not 0 <= warmup <= decay:
-        raise ConfigError(f"the warmup ({warmup} {unit}, from --warmup or {flags[0]}) must lie "
-                          f"between 0 and {flags[1]} ({decay})")
+        raise ConfigError(
+            f"the warmup ({warmup:g} {unit}, from {_given(raw, _WARMUP_FLAGS)}) must lie "
+            f"between 0 and the decay's end ({decay:g} {unit}, from "
+            f"{_given(raw, _DECAY_FLAGS)})")
     return decay, warmup
+
+
+# where a schedule length came from, first match: (dest, flag); lengths.py turned sample and
+# token lengths into iterations without a ramp
+_WARMUP_FLAGS = (("lr_warmup_samples", "--lr-warmup-samples"),
+                 ("lr_warmup_tokens", "--lr-warmup-tokens"), ("warmup_iters", "--warmup-iters"),
+                 ("warmup", "--warmup"))
+_DECAY_FLAGS = (("lr_decay_samples", "--lr-decay-samples"),
+                ("lr_decay_tokens", "--lr-decay-tokens"), ("lr_decay_iters", "--lr-decay-iters"),
+                ("train_samples", "--train-samples"), ("train_tokens", "--train-tokens"),
+                ("train_iters", "--train-iters"))
+
+
+def _given(raw, flags):
+    return next(f"{flag} {raw[dest]:g}" for dest, flag in flags if raw.get(dest) is not None)
 
 
 def wsd_decay_length(raw, given, decay):

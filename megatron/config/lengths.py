@@ -64,8 +64,11 @@ def iterations_from_lengths(raw, given, global_batch, seq_length):
                 whole, rounding = math.floor(iterations), "rounded down, as in Megatron-LM"
             else:
                 whole, rounding = math.floor(iterations + 0.5), "rounded"
-        if target != "warmup_iters":
-            whole = max(1, whole)
+        if target != "warmup_iters" and whole < 1:
+            if dest == "train_samples":
+                raise ConfigError(f"--train-samples {value} is less than one global batch "
+                                  f"({global_batch} samples): the run would train nothing")
+            whole, rounding = 1, "raised to 1: the shortest a length can be"
         raw[target] = whole
         exact = "" if whole == iterations else f" ({iterations:.2f}, {rounding})"
         said.append(f"{_flag(dest)} {value} is {_flag(target)} {whole}{exact}")

@@ -203,8 +203,8 @@ def _fill_model_defaults(raw):
     for flag in REQUIRED:
         if flag in ("batch_size", "lr") and raw["deepspeed"]:
             continue  # the DeepSpeed JSON may set it (taken from there just below)
-        if flag == "train_iters" and (raw["train_samples"] or raw["train_tokens"]
-                                      or raw["rampup_batch_size"]):
+        if flag == "train_iters" and any(raw[length] is not None for length in (
+                "train_samples", "train_tokens", "rampup_batch_size")):
             continue  # in samples or tokens (lengths.py, once the global batch is known)
         require(raw[flag] is not None, f"--{flag.replace('_', '-')} is required"
                 + (" (or --train-samples / --train-tokens)" if flag == "train_iters" else ""))

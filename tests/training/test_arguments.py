@@ -310,9 +310,23 @@ def test_lengths_in_samples_and_tokens_are_iterations(tmp_path):
              "--lr-warmup-samples and --warmup/--warmup-iters both set the warmup"),
             (["--train-samples", "80", "--lr-decay-samples", "80", "--lr-decay-tokens", "9"],
              "--lr-decay-samples and --lr-decay-tokens both set"),
-            ([], "--train-iters is required (or --train-samples / --train-tokens)")):
+            ([], "--train-iters is required (or --train-samples / --train-tokens)"),
+            (["--train-samples", "0"], "--train-samples must be positive, got 0"),
+            (["--train-samples", "5"], "--train-samples 5 is less than one global batch (8 "
+                                       "samples): the run would train nothing"),
+            (["--train-iters", "5", "--lr-warmup-samples", "200"],
+             "the warmup (25 iterations, from --lr-warmup-samples 200) must lie between 0 and "
+             "the decay's end (5 iterations, from --train-iters 5)"),
+            (["--train-samples", "80", "--lr-decay-samples", "16", "--warmup-iters", "3"],
+             "the warmup (3 iterations, from --warmup-iters 3) must lie between 0 and the "
+             "decay's end (2 iterations, from --lr-decay-samples 16)")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             resolve(*extra)
+    short = resolve("--train-samples", "80", "--lr-decay-style", "WSD",
+                    "--lr-wsd-decay-samples", "3")
+    assert short.optimizer.lr_wsd_decay_steps == 1
+    assert "--lr-wsd-decay-samples 3 is --lr-wsd-decay-iters 1 (0.38, raised to 1: the " \
+           "shortest a length can be)" in short.notes[-1]
     # --deepspeed: the global batch is the JSON's
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}))

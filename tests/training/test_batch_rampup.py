@@ -150,8 +150,8 @@ _RAMP = ["--rampup-batch-size", "4", "4", "16", "--global-batch-size", "12"]
     (_RAMP + ["--train-samples", "60", "--lr-warmup-samples", "8", "--warmup", "0.1"], 1,
      "--lr-warmup-samples and --warmup both set the warmup"),
     (_RAMP + ["--train-samples", "60", "--lr-warmup-samples", "80"], 1,
-     r"the warmup \(80 samples, from --warmup or --lr-warmup-samples\) must lie between 0 and "
-     r"--lr-decay-samples \(60\)"),
+     r"the warmup \(80 samples, from --lr-warmup-samples 80\) must lie between 0 and the "
+     r"decay's end \(60 samples, from --train-samples 60\)"),
 ])
 def test_a_wrong_ramp_is_one_error(flags, world_size, match):
     with pytest.raises(ConfigError, match=match):

@@ -59,9 +59,9 @@ def test_hugging_face_auto_schedule_takes_megatrons_schedule(tmp_path):
     fraction = parse("--deepspeed", "--deepspeed_config", config, "--warmup", "0.15")
     assert fraction.optimizer.warmup_steps == 1.5  # a whole number of steps in the JSON:
     assert fraction.engine.ds_config.scheduler.params["warmup_num_steps"] == 2  # rounded up
-    with pytest.raises(ConfigError, match=r"the warmup \(20 iterations, from --warmup or "
-                                          r"--warmup-iters\) must lie between 0 and "
-                                          r"--lr-decay-iters \(10\)"):
+    with pytest.raises(ConfigError, match=r"the warmup \(20 iterations, from --warmup-iters "
+                                          r"20\) must lie between 0 and the decay's end \(10 "
+                                          r"iterations, from --train-iters 10\)"):
         parse("--deepspeed", "--deepspeed_config", config, "--warmup-iters", 20)
     # WarmupCosineLR scales the optimizer's lr: --lr is used where it sets that lr
     cosine = write_config(tmp_path, "cosine.json", scheduler={
