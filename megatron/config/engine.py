@@ -115,14 +115,20 @@ class Settled:
     notes: tuple = ()  # one-line notes for the start-up log
 
 
-def settle_engine(raw, given, data_parallel_size, num_micro_batches):
-    """The engine config for the parsed flags `raw` (given: the flags on the command line)."""
-    if raw["deepspeed"]:
-        return _from_deepspeed_json(raw, given, data_parallel_size, num_micro_batches)
+def check_deepspeed_only_flags(raw, given):
+    """DeepSpeed's flags without --deepspeed: one error, before anything reads them (the
+    batch arithmetic would otherwise be blamed for a config that was never used)."""
     stray = [flag for dest, flag in DEEPSPEED_ONLY_FLAGS.items() if dest in given]
-    if stray:
+    if stray and not raw["deepspeed"]:
         raise ConfigError(f"{', '.join(stray)} only act(s) with --deepspeed; add --deepspeed "
                           "to train with a DeepSpeed config, or drop them")
+
+
+def settle_engine(raw, given, data_parallel_size, num_micro_batches):
+    """The engine config for the parsed flags `raw` (given: the flags on the command line;
+    check_deepspeed_only_flags has passed them)."""
+    if raw["deepspeed"]:
+        return _from_deepspeed_json(raw, given, data_parallel_size, num_micro_batches)
     return _from_megatron_flags(raw, given, data_parallel_size, num_micro_batches)
 
 

@@ -108,6 +108,7 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     require(not {"warmup", "warmup_iters"} <= set(given),
             f"--warmup {raw['warmup']:g} and --warmup-iters {raw['warmup_iters']} both set the "
             "warmup (as a fraction of --lr-decay-iters, and in iterations); give one")
+    engine.check_deepspeed_only_flags(raw, given)
     parallel = _parallel(raw, world_size)
     if raw["batch_size"] is None:  # --deepspeed without --batch-size
         raw["batch_size"] = engine.micro_batch_from_json(raw, parallel.data_parallel_size)

@@ -301,6 +301,9 @@ def test_deepspeed_flags_need_each_other():
     with pytest.raises(ConfigError, match=r"--deepspeed_config, --zero-stage only act\(s\) "
                                           r"with --deepspeed"):
         parse("--deepspeed_config", "x.json", "--zero-stage", "1")
+    # before the batch arithmetic, which a ramp would otherwise fail first
+    with pytest.raises(ConfigError, match=r"^--deepspeed_config only act\(s\) with --deepspeed"):
+        parse("--deepspeed_config", "x.json", "--rampup-batch-size", "4", "4", "64")
 
 
 @pytest.mark.parametrize("entries, path, message", [
