@@ -181,15 +181,16 @@ class AnnealingLR:
             ramp = "with" if saved_unit == "samples" else "without"
             raise ConfigError(f"the checkpoint's learning-rate schedule counts {saved_unit} (it "
                               f"was trained {ramp} --rampup-batch-size), this run's counts "
-                              f"{self.unit}: resume {ramp} --rampup-batch-size, or start the "
-                              "schedule and the optimizer afresh with --no-load-optim")
+                              f"{self.unit}: resume {ramp} --rampup-batch-size, or train on "
+                              "from its weights with --finetune (the optimizer, the schedule "
+                              "and the data position start afresh)")
         lengthened = []
         for key, attribute, flag in _CHECKED_FIELDS + _WSD_FIELDS:
             if (key, attribute, flag) in _WSD_FIELDS and (self.decay_style != "WSD"
                                                           or key not in sd):
                 continue  # WSD's, when the style chosen above is WSD and the checkpoint's was
             if key not in sd:
-                raise _missing_key_error(key)
+                raise _missing_key_error(key, sd)
             ours = getattr(self, attribute)
             if key == "warmup_iter" and FRACTIONAL_WARMUP not in sd \
                     and self._truncated_warmup(ours, sd[key]):
@@ -209,7 +210,7 @@ class AnnealingLR:
                 f"step {int(sd['num_iters'])}); pass --use-checkpoint-lr-scheduler to keep the "
                 "old one")
         if "num_iters" not in sd:
-            raise _missing_key_error("num_iters")
+            raise _missing_key_error("num_iters", sd)
         self.decay_formula = sd.get("decay_formula", "1.1.5")
         if self.decay_formula not in ("1.1.5", "2.x"):
             raise CheckpointError(f"the checkpoint's lr_scheduler has decay_formula "
@@ -296,6 +297,11 @@ def _validate(max_lr, min_lr, warmup_steps, decay_steps, decay_style, wsd_decay_
                           f"must lie between 0 and --lr-decay-iters ({decay_steps})")
 
 
-def _missing_key_error(key):
-    return CheckpointError(f"the checkpoint's lr_scheduler state has no {key!r}; it was not "
-                           "written by AnnealingLR. Load it with --no-load-optim")
+def _missing_key_error(key, state):
+    deepspeeds = "last_batch_iteration" in state  # a JSON 'scheduler' section's
+    return CheckpointError(
+        f"the checkpoint's lr_scheduler state has no {key!r}; it was not written by "
+        "AnnealingLR (--lr-decay-style's schedule)"
+        + (", but by the 'scheduler' section of the DeepSpeed config it was trained with: add "
+           "that section back to resume its schedule, or start --lr-decay-style's afresh with "
+           "--no-load-optim" if deepspeeds else ". Load it with --no-load-optim"))

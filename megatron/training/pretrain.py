@@ -94,10 +94,12 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                                    f"iteration {train_state['iteration']}")
                 for note in backend.resume_notes():
                     runtime.print0(f" note: {note}")
+                note = _check_the_samples_ahead(config.training, train_state, datasets[0])
+                if note:
+                    runtime.print0(note)
                 if train_state["iteration"] >= config.training.train_iters:
                     runtime.print0(_nothing_to_train(config.training,
                                                      train_state["iteration"]))
-                _check_the_samples_ahead(config.training, train_state, datasets[0])
         if runtime.is_rank0:
             _say_if_the_save_folder_holds_other_runs(config, backend, train_state)
         _follow_train_epochs(datasets[0], train_state, ctx)
@@ -155,9 +157,9 @@ def _nothing_to_train(training, iteration):
         return (f" nothing to train: the checkpoint is at iteration {iteration} and "
                 f"--train-iters is {training.train_iters}; raise --train-iters (the scripts: "
                 "TRAIN_ITERS) to train on")
-    return (f" nothing to train: the checkpoint is at iteration {iteration}, the last of the "
-            f"{training.train_iters} iterations --train-samples makes under the batch-size "
-            "ramp; raise --train-samples (the scripts: TRAIN_ITERS) to train on")
+    return (f" nothing to train: the checkpoint is at iteration {iteration}, and --train-samples "
+            f"makes {training.train_iters} iterations under the batch-size ramp; raise "
+            "--train-samples (the scripts: TRAIN_ITERS) to train on")
 
 
 def _check_the_samples_ahead(training, train_state, train):
@@ -165,10 +167,12 @@ def _check_the_samples_ahead(training, train_state, train):
     must have consumed what this run's ramp consumes in as many iterations (another ramp or
     global batch would end the run off --train-samples), and the train split, built for this
     run's batches from the start, must hold the samples ahead (a checkpoint trained at a
-    larger --global-batch-size has consumed more of it)."""
+    larger --global-batch-size has consumed more of it). Without a ramp, a checkpoint that
+    consumed another number of samples than this run's batches would have: a note (the run's
+    iterations count on from the checkpoint's)."""
     iteration, consumed = train_state["iteration"], train_state["consumed_train_samples"]
-    if iteration == 0 or iteration >= training.train_iters:
-        return
+    if iteration == 0:
+        return None
     expected = training.samples_after(iteration)
     if training.rampup is not None and consumed != expected:
         ramp = " ".join(map(str, training.rampup_batch_size))
@@ -178,6 +182,8 @@ def _check_the_samples_ahead(training, train_state, train):
             f"consumes {expected}: it was trained with another ramp or global batch, so this "
             "run's iterations (counted from --train-samples) would not end there. Resume with "
             "the ramp and global batch it was trained with (or --finetune to start afresh)")
+    if iteration >= training.train_iters:
+        return None
     needed = consumed + training.samples_after(training.train_iters) - expected
     available = len(train) if train is not None and hasattr(train, "__len__") else needed
     if needed > available:
@@ -187,6 +193,12 @@ def _check_the_samples_ahead(training, train_state, train):
             f"{training.train_iters - iteration} iterations ahead need samples up to {needed}, "
             f"but the train split holds {available}, built for this run's batches from the "
             "start: resume with the checkpoint's --global-batch-size")
+    if consumed == expected:
+        return None
+    return (f" note: the checkpoint consumed {consumed} samples in {iteration} iterations, not "
+            f"{expected} ({iteration} x --global-batch-size {training.global_batch_size}; it "
+            f"was trained with another global batch or a ramp): this run counts on from "
+            f"iteration {iteration} to {training.train_iters}, so it ends at {needed} samples")
 
 
 def num_samples_per_split(config):

@@ -262,19 +262,21 @@ def test_a_ramp_resumes_exactly_in_the_middle_and_counts_samples(corpus, tmp_pat
         [(r["lm_loss"], r["lr"], r["batch_size"]) for r in split]
     capsys.readouterr()
     assert _ramp_run(corpus, tmp_path, "again", "--load", save, *flags) == 0
-    assert " nothing to train: the checkpoint is at iteration 6, the last of the 6 iterations " \
-           "--train-samples makes under the batch-size ramp; raise --train-samples" \
+    assert " nothing to train: the checkpoint is at iteration 6, and --train-samples makes 6 " \
+           "iterations under the batch-size ramp; raise --train-samples" \
         in capsys.readouterr().out
-    # another ramp: its iterations would not end at --train-samples
-    other = _common(corpus) + ["--batch-size", "4", "--rampup-batch-size", "4", "4", "8",
-                               "--global-batch-size", "12", "--train-samples", "120",
-                               "--lr-decay-style", "linear", "--lr-warmup-samples", "8",
-                               "--log-dir", str(tmp_path / "other"), "--load", save, *flags]
-    capsys.readouterr()
-    assert pretrain_gpt2.main(other) == 2
-    assert "error: the checkpoint consumed 52 samples in 6 iterations, where " \
-           "--rampup-batch-size 4 4 8 to --global-batch-size 12 consumes 60: it was trained " \
-           "with another ramp or global batch" in capsys.readouterr().err
+    # another ramp: its iterations would not end at --train-samples (also when the checkpoint
+    # is past them: raising --train-samples would not help)
+    for samples in ("120", "40"):
+        other = _common(corpus) + ["--batch-size", "4", "--rampup-batch-size", "4", "4", "8",
+                                   "--global-batch-size", "12", "--train-samples", samples,
+                                   "--lr-decay-style", "linear", "--lr-warmup-samples", "8",
+                                   "--log-dir", str(tmp_path / "other"), "--load", save, *flags]
+        capsys.readouterr()
+        assert pretrain_gpt2.main(other) == 2
+        assert "error: the checkpoint consumed 52 samples in 6 iterations, where " \
+               "--rampup-batch-size 4 4 8 to --global-batch-size 12 consumes 60: it was " \
+               "trained with another ramp or global batch" in capsys.readouterr().err
     # the schedule counts samples: a resume without the ramp is one error that says so
     argv = _common(corpus) + ["--batch-size", "4", "--global-batch-size", "12",
                               "--train-iters", "8", "--load", save,
@@ -283,8 +285,14 @@ def test_a_ramp_resumes_exactly_in_the_middle_and_counts_samples(corpus, tmp_pat
     assert pretrain_gpt2.main(argv) == 2
     assert "the checkpoint's learning-rate schedule counts samples (it was trained with " \
            "--rampup-batch-size), this run's counts iterations: resume with " \
-           "--rampup-batch-size, or start the schedule and the optimizer afresh with " \
-           "--no-load-optim" in capsys.readouterr().err
+           "--rampup-batch-size, or train on from its weights with --finetune" \
+        in capsys.readouterr().err
+    # with a fresh schedule, the run says where its constant batches end
+    assert pretrain_gpt2.main(argv + ["--no-load-optim"]) == 0
+    assert " note: the checkpoint consumed 52 samples in 6 iterations, not 72 (6 x " \
+           "--global-batch-size 12; it was trained with another global batch or a ramp): this " \
+           "run counts on from iteration 6 to 8, so it ends at 76 samples" \
+        in capsys.readouterr().out
 
 
 def test_dp2_at_zero_stage_2_and_two_pipeline_stages_match_one_process(corpus, tmp_path):

@@ -3,7 +3,7 @@ import io
 import pytest
 import torch
 
-from megatron.errors import ConfigError
+from megatron.errors import CheckpointError, ConfigError
 from megatron.training.learning_rates import AnnealingLR
 
 MAX_LR, MIN_LR, WARMUP, DECAY = 1.0, 0.05, 10, 110  # decay window = 100 steps after warmup
@@ -96,6 +96,16 @@ def test_increment_counts_several_steps():
     scheduler.step(increment=60)
     assert scheduler.num_steps == 60
     assert scheduler.get_lr() == pytest.approx(0.5)
+
+
+def test_a_deepspeed_schedulers_state_names_its_section():
+    with pytest.raises(CheckpointError, match="not written by AnnealingLR .*, but by the "
+                                              "'scheduler' section of the DeepSpeed config it "
+                                              "was trained with: add that section back"):
+        _scheduler("cosine").load_state_dict({"last_batch_iteration": 5})
+    with pytest.raises(CheckpointError, match=r"not written by AnnealingLR \(--lr-decay-style's "
+                                              r"schedule\). Load it with --no-load-optim$"):
+        _scheduler("cosine").load_state_dict({"lr": 1.0})
 
 
 def test_state_dict_round_trip_resumes_identically():

@@ -1,11 +1,12 @@
 """Learning-rate schedules at points computed by hand from the formulas of DeepSpeed's deepspeed/runtime/lr_schedules.py."""
 
 import math
+import re
 
 import pytest
 import torch
 
-from zero import ConfigError, DeepSpeedConfig, build_lr_scheduler
+from zero import CheckpointError, ConfigError, DeepSpeedConfig, build_lr_scheduler
 from zero.optim.lr_schedules import LRRangeTest, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 
@@ -113,6 +114,13 @@ def test_state_round_trip_and_explicit_step():
     assert second.get_last_lr() == first.get_last_lr()
     second.step(last_batch_iteration=3)
     assert second.last_batch_iteration == 3
+    megatrons = {"start_lr": 1e-3, "num_iters": 4, "warmup_iter": 0}  # AnnealingLR's state
+    with pytest.raises(CheckpointError, match=re.escape(
+            "the checkpoint's lr scheduler state was saved by another scheduler (its keys: "
+            "num_iters, start_lr, warmup_iter), not by WarmupDecayLR, which keeps "
+            "'last_batch_iteration': resume with the schedule it was saved with, or without its "
+            "state (load_lr_scheduler_states=False; pretrain_gpt2.py: --no-load-optim)")):
+        second.load_state_dict(megatrons)
 
 
 @pytest.mark.parametrize("build", [

@@ -62,9 +62,16 @@ class _StepSchedule:
         return {"last_batch_iteration": self.last_batch_iteration}
 
     def load_state_dict(self, state_dict):
-        if not isinstance(state_dict, dict) or "last_batch_iteration" not in state_dict:
+        if not isinstance(state_dict, dict):
             raise CheckpointError(f"lr scheduler state must be a dict with "
                                   f"'last_batch_iteration', got {state_dict!r}")
+        if "last_batch_iteration" not in state_dict:
+            raise CheckpointError(
+                f"the checkpoint's lr scheduler state was saved by another scheduler (its keys: "
+                f"{', '.join(sorted(map(str, state_dict)))}), not by {type(self).__name__}, "
+                "which keeps 'last_batch_iteration': resume with the schedule it was saved "
+                "with, or without its state (load_lr_scheduler_states=False; pretrain_gpt2.py: "
+                "--no-load-optim)")
         self.last_batch_iteration = int(state_dict["last_batch_iteration"])
         self._apply(self.get_lr())
 
