@@ -23,7 +23,9 @@ Later Megatron-LM's two styles, which 1.1.5 lacks, follow its formula (after the
 n > decay_steps is min_lr there too):
         inverse-square-root  lr = max(min_lr, max_lr * sqrt(max(warmup, 1) / max(N, 1))),
                              warmup and N in samples, as later Megatron-LM counts them
-                             (a step of an iteration is `samples_per_step` of them)
+                             (a step of an iteration is `samples_per_step` of them; N is
+                             kept in the state, so a resume at another global batch goes on
+                             from the samples seen)
         WSD                  lr = max_lr until the last `wsd_decay_steps` of the decay, then
                              min_lr + (max_lr - min_lr) * c(r), r = the fraction of those
                              taken: c = 1 - r (linear), (1 + cos(pi r)) / 2 (cosine),
@@ -105,6 +107,7 @@ class AnnealingLR:
         self.decay_formula = "1.1.5"  # "2.x": a converted Megatron-DeepSpeed run's (above)
         self.resume_notes = []  # what a load changed, for the trainer to print once
         self.num_steps = 0
+        self.num_samples = 0  # inverse-square-root's count, whatever the batch of each step
         self.step(0)
 
     def get_lr(self):
@@ -143,9 +146,9 @@ class AnnealingLR:
         if n > self.decay_steps:
             return self.min_lr
         if self.decay_style == "inverse-square-root":
-            k = self.samples_per_step
-            return max(self.min_lr, self.max_lr * math.sqrt(max(self.warmup_steps * k, 1))
-                       / math.sqrt(max(n * k, 1)))
+            warmup_samples = self.warmup_steps * self.samples_per_step
+            return max(self.min_lr, self.max_lr * math.sqrt(max(warmup_samples, 1))
+                       / math.sqrt(max(self.num_samples, 1)))
         anneal_start = self.decay_steps - self.wsd_decay_steps
         coefficient = 1.0 if n <= anneal_start else \
             WSD_DECAYS[self.wsd_decay_style]((n - anneal_start) / self.wsd_decay_steps)
@@ -154,6 +157,7 @@ class AnnealingLR:
     def step(self, increment=1):
         """Advance by `increment` steps and set the new lr on every param group."""
         self.num_steps += increment
+        self.num_samples += increment * self.samples_per_step
         new_lr = self.get_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = new_lr
@@ -171,6 +175,8 @@ class AnnealingLR:
             state[STEP_UNIT] = self.unit
         if self.decay_style == "WSD":
             state.update(wsd_decay_iter=self.wsd_decay_steps, wsd_decay_style=self.wsd_decay_style)
+        if self.decay_style == "inverse-square-root":
+            state["num_samples"] = self.num_samples
         return state
 
     def load_state_dict(self, state_dict):
@@ -223,6 +229,8 @@ class AnnealingLR:
         _validate(self.max_lr, self.min_lr, self.warmup_steps, self.decay_steps,
                   self.decay_style, self.wsd_decay_steps, self.wsd_decay_style)
         self.num_steps = int(sd["num_iters"])
+        # (a checkpoint from before num_samples: its steps at this run's batch)
+        self.num_samples = int(sd.get("num_samples", self.num_steps * self.samples_per_step))
         self.step(0)
 
     def _truncated_warmup(self, ours, checkpoint_value):

@@ -99,3 +99,27 @@ def test_an_inverse_square_root_run_logs_megatrons_rates(corpus, tmp_path):
                "0", iters=3, log_dir="no_warmup") == 0
     rates = {n: lr for n, (lr, _) in _logged(tmp_path, "no_warmup").items()}
     assert rates == pytest.approx({n: 3e-3 / math.sqrt(4 * n) for n in (1, 2, 3)}, rel=1e-12)
+
+
+def test_inverse_square_root_counts_each_step_at_its_own_batch_across_a_resume():
+    """Resumed at another global batch, the count goes on from the samples seen (Megatron-LM
+    counts samples), not from the new batch times the steps."""
+    from megatron.training.learning_rates import AnnealingLR
+
+    class Groups:
+        param_groups = [{"lr": 0.0}]
+
+    def schedule(batch):
+        return AnnealingLR(Groups(), max_lr=1e-3, min_lr=0.0, warmup_steps=0, decay_steps=8,
+                           decay_style="inverse-square-root", samples_per_step=batch)
+    at_16 = schedule(16)
+    at_16.step(4)
+    assert at_16.get_lr() == pytest.approx(1e-3 / math.sqrt(64), rel=1e-12)
+    at_32 = schedule(32)
+    at_32.load_state_dict(at_16.state_dict())
+    at_32.step()
+    assert at_32.get_lr() == pytest.approx(1e-3 / math.sqrt(64 + 32), rel=1e-12)
+    older = at_16.state_dict()
+    del older["num_samples"]  # a checkpoint saved before the count was kept
+    at_32.load_state_dict(older)
+    assert at_32.get_lr() == pytest.approx(1e-3 / math.sqrt(4 * 32), rel=1e-12)
