@@ -181,7 +181,8 @@ def _missing_dataset_hint(prefix):
     stem, extension = os.path.splitext(prefix)
     if extension in (".bin", ".idx") and dataset_exists(stem):
         return f"drop the {extension} extension: --data-path {stem}"
-    built = sorted(path[:-len(".idx")] for path in glob.glob(glob.escape(prefix) + "_*_document.idx")
+    candidates = glob.glob(glob.escape(prefix) + "_*_document.idx")
+    built = sorted(path[:-len(".idx")] for path in candidates
                    if os.path.exists(path[:-len(".idx")] + ".bin"))
     if built:
         return (f"tools/preprocess_data.py names its outputs --output-prefix + _<json key>"

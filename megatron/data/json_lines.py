@@ -53,7 +53,8 @@ def parse_record(line, required=()):
         raise MalformedLine("not a JSON object", f"a {type(record).__name__}")
     for key in required:
         if key not in record:
-            raise MalformedLine(f"no string under {key!r}", f"no such key; has {sorted(record)[:5]}")
+            raise MalformedLine(f"no string under {key!r}",
+                                f"no such key; has {sorted(record)[:5]}")
         if not isinstance(record[key], str):
             raise MalformedLine(f"no string under {key!r}", f"a {type(record[key]).__name__}")
     return record

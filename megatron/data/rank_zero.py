@@ -1,6 +1,5 @@
 """Build shared files once: rank 0 of a process group builds, the others wait for it."""
 
-import torch
 import torch.distributed as dist
 
 from megatron.errors import DataError

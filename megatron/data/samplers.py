@@ -31,9 +31,9 @@ class PretrainingSampler:
                             "number of iterations")
         if not 0 <= consumed_samples <= total_samples:
             raise DataError(f"cannot resume at consumed samples {consumed_samples}: the dataset "
-                            f"was built for {total_samples} samples. Resume with a run at least as long "
-                            "as the checkpoint's (--train-iters × --global-batch-size, or "
-                            "--train-samples)")
+                            f"was built for {total_samples} samples. Resume with a run at least "
+                            "as long as the checkpoint's (--train-iters × --global-batch-size, "
+                            "or --train-samples)")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
