@@ -11,14 +11,16 @@ import torch.distributed as dist
 
 from megatron import mpu
 from megatron.errors import TrainingError
-from zero.comm.agreement import collective_device
+from zero.comm.agreement import any_rank_failed, collective_device
 
 NAMED_UP_TO = 5  # weights named in the error; the rest are counted
 
 
 def check_replicas_agree(module, iteration, runtime):
-    """Every rank of each data-parallel group calls it at the same iteration (an all-gather of
-    the digests); every rank of a group that differs raises the same TrainingError."""
+    """Every rank calls it at the same iteration: each data-parallel group all-gathers its
+    digests, then all ranks learn whether any group differs (one all-reduced flag), so that
+    every rank stops, not only those of the group that drifted (the others would wait for
+    them in their next collective)."""
     world = mpu.get_data_parallel_world_size()
     if world == 1:
         return
@@ -29,19 +31,26 @@ def check_replicas_agree(module, iteration, runtime):
     dist.all_gather(everyone, digests, group=group)
     everyone = torch.stack(everyone).cpu()  # [ranks, weights, 32]
     differs = (everyone != everyone[0]).any(dim=2)  # [ranks, weights]: against DP rank 0's
-    if bool(differs.any()):
-        weights = [names[i] for i in differs.any(dim=0).nonzero().flatten().tolist()]
-        ranks = differs.any(dim=1).nonzero().flatten().tolist()
-        more = f" and {len(weights) - NAMED_UP_TO} more" if len(weights) > NAMED_UP_TO else ""
-        raise TrainingError(
-            f"iteration {iteration}: the data-parallel replicas' weights differ "
-            f"(--check-weight-hash-across-dp-replicas-interval): data-parallel rank(s) "
-            f"{', '.join(map(str, ranks))} differ from rank 0 in {len(weights)} of "
-            f"{len(names)} weights: {', '.join(weights[:NAMED_UP_TO])}{more}. Resume from "
-            "the last checkpoint; if it happens again, look for a rank whose device or "
-            "reduction is not deterministic")
-    runtime.print0(f" iteration {iteration}: the weights of the {world} data-parallel "
-                   "replicas agree")
+    here = bool(differs.any())
+    if not any_rank_failed(here):
+        runtime.print0(f" iteration {iteration}: the weights of the {world} data-parallel "
+                       "replicas agree")
+        return
+    what = f"iteration {iteration}: the data-parallel replicas' weights differ " \
+           "(--check-weight-hash-across-dp-replicas-interval)"
+    if not here:
+        raise TrainingError(f"{what} in another model-parallel group than this rank's (rank "
+                            f"{runtime.rank}): see the error of a rank that names them")
+    weights = [names[i] for i in differs.any(dim=0).nonzero().flatten().tolist()]
+    ranks = differs.any(dim=1).nonzero().flatten().tolist()
+    members = dist.get_process_group_ranks(group)
+    more = f" and {len(weights) - NAMED_UP_TO} more" if len(weights) > NAMED_UP_TO else ""
+    raise TrainingError(
+        f"{what}: data-parallel rank(s) {', '.join(map(str, ranks))} (global "
+        f"{', '.join(str(members[r]) for r in ranks)}) differ from data-parallel rank 0 (global "
+        f"{members[0]}) in {len(weights)} of {len(names)} weights: "
+        f"{', '.join(weights[:NAMED_UP_TO])}{more}. Resume from the last checkpoint; if it "
+        "happens again, look for a rank whose device or reduction is not deterministic")
 
 
 def _digests(module):

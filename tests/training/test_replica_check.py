@@ -64,7 +64,9 @@ def dp2_runs(corpus, tmp_path_factory):
     zero2 = run_distributed(_train, 2, args=(argv + ["--deepspeed", "--deepspeed_config",
                                                      stage_config(root, 2)], None))
     drifted = run_distributed(_train, 2, args=(argv, 3))  # iteration 3's forward, on rank 1
-    return {"same": same, "zero2": zero2, "drifted": drifted}
+    # TP 2 x DP 2: rank 3 (TP rank 1 of DP rank 1) drifts; ranks 0 and 2 stop too
+    tp2 = run_distributed(_train, 4, args=(argv + ["--model-parallel-size", "2"], 3))
+    return {"same": same, "zero2": zero2, "drifted": drifted, "tp2": tp2}
 
 
 @pytest.mark.parametrize("run", ["same", "zero2"])
@@ -82,6 +84,20 @@ def test_a_replica_that_drifted_stops_every_rank_naming_the_weight(dp2_runs):
     assert code0 == code1 == 2
     assert " iteration 2: the weights of the 2 data-parallel replicas agree" in out0
     assert "error: iteration 4: the data-parallel replicas' weights differ (" + FLAG + "): " \
-           "data-parallel rank(s) 1 differ from rank 0 in 1 of " in out0
-    assert "weights: language_model.transformer.layers.1.mlp.dense_4h_to_h.weight. Resume " \
-           "from the last checkpoint" in out0
+           "data-parallel rank(s) 1 (global 1) differ from data-parallel rank 0 (global 0) in " \
+           "1 of 28 weights: language_model.transformer.layers.1.mlp.dense_4h_to_h.weight. " \
+           "Resume from the last checkpoint" in out0
+
+
+def test_every_rank_stops_when_another_model_parallel_groups_replicas_differ(dp2_runs):
+    """Only DP group (1, 3) differs; ranks 0 and 2 would otherwise train on into a collective
+    that ranks 1 and 3 never join."""
+    results = dp2_runs["tp2"]
+    assert [code for code, _ in results] == [2, 2, 2, 2]
+    for rank in (1, 3):
+        assert "data-parallel rank(s) 1 (global 3) differ from data-parallel rank 0 (global 1) " \
+               "in 1 of 28 weights: language_model.transformer.layers.1.mlp.dense_4h_to_h." \
+               "weight" in results[rank][1]
+    assert "error: iteration 4: the data-parallel replicas' weights differ (" + FLAG + ") in " \
+           "another model-parallel group than this rank's (rank 0): see the error of a rank " \
+           "that names them" in results[0][1]
