@@ -91,9 +91,11 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
                 _log_window(window, state, backend, flops_per_sample, ctx, logger, iterator,
                             iteration_scalars)
             iteration_scalars.losses_read(losses.observe())  # the NaN guard sees them there
-            profiler.after_iteration(iteration)
+            checks_start = time.perf_counter()  # (kept out of ms/iter, as evaluation is)
+            profiler.after_iteration(iteration)  # (its trace written after the last)
             if replicas_every and iteration % replicas_every == 0:
                 check_replicas_agree(backend.module, iteration, runtime)
+            window["start"] += time.perf_counter() - checks_start
             if evaluating:
                 eval_start = time.perf_counter()
                 collector.before_eval()
