@@ -19,6 +19,7 @@ NOTE_AFTER = datetime.timedelta(seconds=60)
 NAMED_UP_TO = 64  # ranks; beyond, the note and the error count the missing ranks
 
 _calls_made = collections.Counter()  # by call: every rank makes its calls in the same order
+_unpaired = []  # the call that failed: the ranks' counts of it differ from then on
 
 
 def every_rank_calls(call):
@@ -29,10 +30,14 @@ def every_rank_calls(call):
     store = _default_store()
     if store is None:
         return
+    if _unpaired:
+        raise CallError(f"{_unpaired[0]} was not called on every rank earlier in this process "
+                        f"group, so this rank's calls can no longer be paired with the others' "
+                        f"({call} now): restart the job")
     _calls_made[call] += 1
-    key = f"zero/every_rank_calls/{call}/{_calls_made[call]}"
-    world = dist.get_world_size()
-    store.set(f"{key}/rank{dist.get_rank()}", b"")
+    key = _key(call, _calls_made[call])
+    world, rank = dist.get_world_size(), dist.get_rank()
+    store.set(f"{key}/rank{rank}", b"")
     if store.add(f"{key}/arrived", 1) == world:
         store.set(f"{key}/all", b"")
     limit, waited = store.timeout, datetime.timedelta(0)
@@ -40,11 +45,13 @@ def every_rank_calls(call):
         wait = min(NOTE_AFTER, limit) if not waited else limit - waited  # one note
         try:
             store.wait([f"{key}/all"], wait)
+            _forget(store, _key(call, _calls_made[call] - 1), rank)
             return
         except RuntimeError:  # the store's "Wait timeout" (DistStoreError is one)
             waited += wait
         missing = _missing(store, key, world)
         if waited >= limit:
+            _unpaired.append(call)
             raise CallError(f"{call} was called on {world - missing[0]} of {world} ranks: "
                             f"{missing[1]} did not call it within {_seconds(limit)} s (the "
                             f"process group's timeout). Every rank must call {call}, not "
@@ -52,6 +59,22 @@ def every_rank_calls(call):
         logger.warning("%s: waiting %d s so far for %s (every rank must call it; at the "
                        "process group's timeout, %d s, this is an error)", call,
                        _seconds(waited), missing[1], _seconds(limit))
+
+
+def _key(call, count):
+    return f"zero/every_rank_calls/{call}/{count}"
+
+
+def _forget(store, earlier, rank):
+    """Every rank has passed the meeting before this one: its keys go (each rank its own, rank
+    0 the shared ones), so a long run does not fill the store."""
+    names = [f"{earlier}/rank{rank}"] + ([f"{earlier}/arrived", f"{earlier}/all"]
+                                         if rank == 0 else [])
+    for name in names:
+        try:
+            store.delete_key(name)
+        except (RuntimeError, NotImplementedError):  # a store that cannot delete keeps them
+            return
 
 
 def _default_store():
