@@ -99,15 +99,10 @@ def load_dir_notes(raw):
             f"--load {load} is a file; --load takes a checkpoint folder (the one holding "
             f"{TRACKER_FILENAME}, or 'latest' for --deepspeed)"
             + (f": here {folder}" if folder else ""))
-    missing = raw.get("exit_on_missing_checkpoint") and not any(
-        os.path.isfile(os.path.join(load, name)) for name in trackers)
-    if missing and not os.path.isfile(load):
-        raise CheckpointError(f"--exit-on-missing-checkpoint: --load {load} "
-                              + ("does not exist" if not os.path.exists(load) else
-                                 f"holds no checkpoint (no {TRACKER_FILENAME}, nor 'latest' "
-                                 "for --deepspeed)")
-                              + ", so the run stops instead of training from scratch")
+    must_resume = raw.get("exit_on_missing_checkpoint")
     if not os.path.exists(load):
+        if must_resume:
+            raise _no_checkpoint_to_resume(load, "does not exist")
         if own_save and not finetune:
             return (f" note: --load {load} does not exist yet (it is --save too): training "
                     "starts from scratch",)
@@ -121,12 +116,20 @@ def load_dir_notes(raw):
             f"--load {load} is a Hugging Face model folder (config.json), not a checkpoint of "
             f"this trainer: convert it first, python tools/convert_checkpoint.py --load-dir "
             f"{load} --save-dir DIR --saver megatron, then --load DIR")
+    if must_resume:
+        raise _no_checkpoint_to_resume(load, f"holds no checkpoint (no {TRACKER_FILENAME}, "
+                                             "nor 'latest' for --deepspeed)")
     if finetune:
         raise CheckpointError(f"--finetune: --load {load} holds no checkpoint (no "
                               f"{TRACKER_FILENAME}, nor 'latest' for --deepspeed)")
     if os.listdir(load) and not own_save:
         return ()  # the load says what the folder holds instead
     return (f" note: --load {load} holds no checkpoint yet: training starts from scratch",)
+
+
+def _no_checkpoint_to_resume(load, what):
+    return CheckpointError(f"--exit-on-missing-checkpoint: --load {load} {what}, so the run "
+                           "stops instead of training from scratch")
 
 
 def values_from_checkpoint(raw, given):

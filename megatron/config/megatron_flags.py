@@ -44,8 +44,10 @@ _WANDB = ("Weights & Biases logging is not built: metrics.jsonl (--log-dir) and 
           "(--tensorboard-dir) have the numbers")
 _NO_FUSED_KERNELS = ("none of Megatron's fused CUDA kernels is used: attention is torch's "
                      "scaled_dot_product_attention, and --compile fuses the elementwise work")
-_PROFILE_STEPS = ("Megatron-DeepSpeed's steps S,E of this run are --profile-step-start S-1 "
-                  "--profile-step-end E here (iteration numbers, as the log line counts them)")
+_PROFILE_STEPS = ("Megatron-DeepSpeed's steps S,E count from this run's start; here "
+                  "--profile-step-start and --profile-step-end are iteration numbers, as the log "
+                  "line counts them: S,E of a run that starts at iteration K is "
+                  "--profile-step-start K+S-1 --profile-step-end K+E")
 _MOE = ("Megatron-DeepSpeed's mixture of experts (DeepSpeed-MoE) is not built: each layer has "
         "one dense GeLU MLP; drop the MoE flags")
 _ULYSSES = ("DeepSpeed-Ulysses sequence parallelism is not built: each rank runs the whole "

@@ -62,7 +62,7 @@ def check_pipeline(raw, parallel, training, ds_config):
         notes.append(f" note: --rampup-batch-size starts at {first} micro batch(es) per step "
                      f"over {pp} pipeline stages: each stage idles "
                      f"{(pp - 1) / (first + pp - 1):.0%} of those steps ((P-1)/(m+P-1)), less as "
-                     f"the batch grows ({(pp - 1) / (m + pp - 1):.0%} at its {m})")
+                     f"the batch grows ({(pp - 1) / (m + pp - 1):.0%} once a step has {m})")
     return tuple(notes)
 
 

@@ -187,8 +187,8 @@ def test_a_ramp_that_starts_below_the_pipeline_stages_says_what_those_steps_idle
                     "--train-samples", "160", world_size=4)
     note, = [n for n in config.notes if "idles" in n]
     assert "--rampup-batch-size starts at 2 micro batch(es) per step over 4 pipeline stages: " \
-        "each stage idles 60% of those steps ((P-1)/(m+P-1)), less as the batch grows (27% at " \
-        "its 8)" in note
+        "each stage idles 60% of those steps ((P-1)/(m+P-1)), less as the batch grows (27% once " \
+        "a step has 8)" in note
 
 
 # ------------------------------------------------------------------------------ the trainer

@@ -88,6 +88,11 @@ def test_exit_on_missing_checkpoint_refuses_to_train_from_scratch(tmp_path):
             parse("--load", str(load), *(["--save", str(save)] if save else []), flag)
     with pytest.raises(CheckpointError, match=f"^{flag} needs --load"):
         parse(flag)
+    hf = tmp_path / "gpt2"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="is a Hugging Face model folder"):
+        parse("--load", str(hf), flag)
     folder = _checkpoint(tmp_path)
     assert parse("--load", str(folder), flag).checkpoint.load == str(folder)
     assert any("--use-checkpoint-args asks for what this trainer always does" in note

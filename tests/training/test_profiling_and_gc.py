@@ -53,8 +53,8 @@ def test_profile_flags_resolve_to_the_iterations_and_ranks(tmp_path):
     (["--profile", "--save", "s", "--profile-ranks", "0", "2", "-1"], 2,
      "--profile-ranks 2 -1: not a rank of this job (ranks 0 to 1)"),
     (["--profile", "nsys", "--save", "s"], 1, "argument --profile: invalid choice: 'nsys'"),
-    (["--profile_steps", "2,3"], 1, "Megatron-DeepSpeed's steps S,E of this run are "
-                                    "--profile-step-start S-1 --profile-step-end E here"),
+    (["--profile_steps", "2,3"], 1, "S,E of a run that starts at iteration K is "
+                                    "--profile-step-start K+S-1 --profile-step-end K+E"),
     (["--manual-gc-interval", "2"], 1, "--manual-gc-interval does nothing without --manual-gc"),
     (["--no-manual-gc-eval"], 1, "--no-manual-gc-eval does nothing without --manual-gc"),
     (["--manual-gc", "--manual-gc-interval", "-1"], 1,
