@@ -119,3 +119,40 @@ def test_manual_gc_collects_at_the_interval_and_around_evaluation(corpus, tmp_pa
     # start; evaluation after iterations 1, 2, 3 (before: all, after: generation 0); the
     # interval after iterations 2 and 4
     assert collections == [2, 2, 0, 2, 0, 2, 2, 0, 2], collections
+
+
+def test_the_profiler_starts_inside_its_range_and_ends_where_training_does(tmp_path, capsys):
+    import types
+
+    import torch
+
+    from megatron.training.profiling import IterationProfiler
+    config = ProfilerConfig(profile=True, profile_first=3, profile_last=6, profile_ranks=(0,),
+                            profile_trace_dir=str(tmp_path))
+    here = types.SimpleNamespace(rank=0, device=torch.device("cpu"))
+    resumed = IterationProfiler(config, here, start_iteration=3)  # resumed inside the range
+    for iteration in (4, 5):  # then --exit-interval 5
+        resumed.before_iteration(iteration)
+        torch.ones(64, 64) @ torch.ones(64, 64)
+        resumed.after_iteration(iteration)
+    resumed.close(5)
+    assert [p.name for p in tmp_path.iterdir()] == ["rank0.iterations_4-5.pt.trace.json.gz"]
+    assert "aten::mm" in capsys.readouterr().out
+    failed = IterationProfiler(config, here, start_iteration=0)
+    failed.before_iteration(3)
+    failed.abandon()  # training raised: nothing written
+    failed.close(3)
+    elsewhere = IterationProfiler(config, types.SimpleNamespace(rank=1, device=here.device), 0)
+    elsewhere.before_iteration(3)
+    elsewhere.after_iteration(6)
+    assert len(list(tmp_path.iterdir())) == 1 and elsewhere.running is None
+
+
+def test_the_collector_is_back_on_after_training_fails(corpus, monkeypatch, capsys):
+    monkeypatch.setenv("MEGATRON_FAULT_NAN_AT", "1,2")
+    argv = _common(corpus) + ["--batch-size", "2", "--train-iters", "4", "--manual-gc",
+                              "--max-nan-iterations", "2"]
+    assert gc.isenabled()
+    assert pretrain_gpt2.main(argv) == 2
+    assert "the loss was NaN or inf for 2 consecutive iterations" in capsys.readouterr().err
+    assert gc.isenabled()
