@@ -4,21 +4,14 @@
 import sys
 import time
 
-from megatron.errors import ConfigError, DataError, Interrupted, MegatronError, TokenizerError
+from megatron.errors import ConfigError, DataError, Interrupted, TokenizerError, user_error_types
 
 USER_ERROR_EXIT_CODE = 2
 INTERRUPTED_EXIT_CODE = 130  # what a shell reports for a process ended by SIGINT
-# Errors every rank meets alike (the same flags, files and tokenizer): printed by rank 0 only
+# Errors every rank meets alike (the same flags, files and tokenizer): printed by rank 0 only,
+# as are those marked `said_by_rank0` (megatron/runtime/rank_failures.py)
 SAME_ON_EVERY_RANK = (ConfigError, DataError, TokenizerError)
 RANK0_PRINTS_FIRST_SECONDS = 2.0
-
-
-def user_error_types():
-    """MegatronError, plus the zero engine's ZeroError once zero is loaded (it never imports
-    megatron, so it has its own base).  Looked up lazily: importing zero imports torch, which
-    would cost the data tools seconds per start and force spawned (not forked) workers."""
-    zero_errors = sys.modules.get("zero.errors")
-    return (MegatronError,) if zero_errors is None else (MegatronError, zero_errors.ZeroError)
 
 
 def run_cli(main, *args, **kwargs):
@@ -26,7 +19,8 @@ def run_cli(main, *args, **kwargs):
     try:
         main(*args, **kwargs)
     except user_error_types() as error:
-        if launched_rank() == 0 or not isinstance(error, SAME_ON_EVERY_RANK):
+        alike = isinstance(error, SAME_ON_EVERY_RANK) or getattr(error, "said_by_rank0", False)
+        if launched_rank() == 0 or not alike:
             print(f"error: {error}", file=sys.stderr, flush=True)
         else:
             # torchrun stops every rank once one exits with an error: the silent ranks give

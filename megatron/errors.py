@@ -6,6 +6,8 @@ message, so users see what went wrong and what to do instead of a traceback.  Pr
 errors (anything else) keep their tracebacks.
 """
 
+import sys
+
 
 class MegatronError(Exception):
     """Base class for errors caused by user input, printed without a traceback."""
@@ -40,3 +42,11 @@ class TrainingError(MegatronError):
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C, after the trainer stopped cleanly; the message says how to resume."""
+
+
+def user_error_types():
+    """MegatronError, plus the zero engine's ZeroError once zero is loaded (it never imports
+    megatron, so it has its own base).  Looked up lazily: importing zero imports torch, which
+    would cost the data tools seconds per start and force spawned (not forked) workers."""
+    zero_errors = sys.modules.get("zero.errors")
+    return (MegatronError,) if zero_errors is None else (MegatronError, zero_errors.ZeroError)

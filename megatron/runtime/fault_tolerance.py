@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megatron.checkpointing.megatron_layout import read_tracker
 from megatron.errors import TrainingError
+from megatron.runtime.rank_failures import said_once
 
 
 DUPLICATE_SIGINT_SECONDS = 2.0
@@ -103,7 +104,8 @@ class NanGuard:
         self.total = 0
 
     def observe(self, iteration, loss):
-        """`loss` is the data-parallel mean, so every rank sees the same value and agrees."""
+        """`loss` is the data-parallel mean (the last stage's, on every stage), so every rank
+        sees the same value, agrees, and rank 0 alone says so."""
         if math.isfinite(loss):
             self.consecutive = 0
             return
@@ -111,23 +113,23 @@ class NanGuard:
         self.total += 1
         if self.limit and self.consecutive >= self.limit:
             first = iteration - self.consecutive + 1
-            raise TrainingError(
+            raise said_once(TrainingError(
                 f"the loss was NaN or inf for {self.consecutive} consecutive iterations "
                 f"({first}-{iteration}; --max-nan-iterations {self.limit}); each was skipped, "
                 f"the model was not updated by them. Training is diverging: "
                 f"{self.last_checkpoint()}, with a lower --lr, more warmup, --clip-grad, or "
-                f"--bf16 instead of --fp16")
+                f"--bf16 instead of --fp16"))
 
     def finish(self, iterations_run, last_iteration):
         """A run whose every iteration had a non-finite loss trained nothing: an error, even
         when it ended before the streak reached the limit (0 turns the guard off)."""
         if self.limit and iterations_run and self.consecutive == iterations_run:
             first = last_iteration - iterations_run + 1
-            raise TrainingError(
+            raise said_once(TrainingError(
                 f"the loss was NaN or inf in every iteration of this run ({first}-"
                 f"{last_iteration}); each was skipped, so nothing was trained. Check the data "
                 f"and the model's initialisation, or "
-                f"{self.last_checkpoint()} with a lower --lr, more warmup or --clip-grad")
+                f"{self.last_checkpoint()} with a lower --lr, more warmup or --clip-grad"))
 
 
 # gloo raises plain RuntimeErrors; NCCL raises torch.distributed.DistError subclasses. A gloo

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from zero.comm.agreement import any_rank_failed, disagreements
+from zero.comm.agreement import disagreements
 from zero.comm.communicator import Communicator
 
 from megatron.config.from_checkpoint import TOKENIZER_FILE_KEYS
@@ -25,6 +25,7 @@ from megatron.runtime.activation_checkpointing import checkpoint_function
 from megatron.runtime.fault_tolerance import TrainingGuards
 from megatron.runtime.initialize import (Runtime, destroy, initialize_megatron,
                                          seed_pipeline_stage)
+from megatron.runtime.rank_failures import fail_together, said_once
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training.backend import build_backend
 from megatron.training.loop import evaluate, train
@@ -176,12 +177,12 @@ def _check_the_samples_ahead(training, train_state, train):
     expected = training.samples_after(iteration)
     if training.rampup is not None and consumed != expected:
         ramp = " ".join(map(str, training.rampup_batch_size))
-        raise CheckpointError(
+        raise said_once(CheckpointError(
             f"the checkpoint consumed {consumed} samples in {iteration} iterations, where "
             f"--rampup-batch-size {ramp} to --global-batch-size {training.global_batch_size} "
             f"consumes {expected}: it was trained with another ramp or global batch, so this "
             "run's iterations (counted from --train-samples) would not end there. Resume with "
-            "the ramp and global batch it was trained with (or --finetune to start afresh)")
+            "the ramp and global batch it was trained with (or --finetune to start afresh)"))
     if iteration >= training.train_iters:
         return None
     needed = consumed + training.samples_after(training.train_iters) - expected
@@ -288,27 +289,22 @@ def _load_on_every_rank(backend):
     """backend.load(), which every rank passes or fails together: a rank whose files are
     missing or damaged stops the others here, rather than leave them in a collective it never
     joins. The fp32 masters a ZeRO load restores reach the model (an all-gather) only after
-    this agreement (backend.finish_load); loads make no collective before it. The ranks must
+    this agreement (backend.finish_load); loads make no collective before it, and rank 0 says
+    each rank's failure once (fail_together). The ranks must
     then have loaded the same iteration: a --load folder that differs between nodes (their own
     disks) is said here, not found in a later collective."""
-    error = None
+    error = loaded = None
     try:
         loaded = backend.load()
-    except Exception as e:  # noqa: BLE001 -- re-raised below, after the others know
+    except Exception as e:  # noqa: BLE001 -- raised by fail_together, after the others know
         error = e
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            print(f" rank {dist.get_rank()} could not load the checkpoint: {e}", flush=True)
-    if any_rank_failed(error is not None):
-        if error is not None:
-            raise error
-        raise CheckpointError("another rank could not load the checkpoint (its line ' rank N "
-                              "could not load the checkpoint' says why); every rank stops")
+    fail_together(error, "load the checkpoint", CheckpointError)
     differ = disagreements({"the iteration loaded (None: nothing)":
                             None if loaded is None else loaded["iteration"]}, Communicator())
     if differ:
-        raise CheckpointError(f"the ranks did not load the same checkpoint: {differ[0]}. Every "
-                              "rank reads --load itself: on a folder each node keeps on its own "
-                              "disk, give every node the same copy")
+        raise said_once(CheckpointError(
+            f"the ranks did not load the same checkpoint: {differ[0]}. Every rank reads --load "
+            "itself: on a folder each node keeps on its own disk, give every node the same copy"))
     backend.finish_load()
     return loaded
 

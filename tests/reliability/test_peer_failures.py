@@ -49,6 +49,21 @@ def test_sigterm_on_one_rank_stops_both_at_the_same_iteration(corpus, tmp_path):
     assert sorted(read_metrics(tmp_path / "log")) == [1, 2, 3]
 
 
+def test_a_nan_streak_on_pipeline_stages_is_said_once(corpus, tmp_path):
+    """Every stage sees the last stage's loss, so both stop at the same iteration; the error
+    is printed by rank 0 alone (not once per rank)."""
+    argv = trainer_argv(corpus, tmp_path / "log", 6, "--batch-size", 2,
+                        "--pipeline-model-parallel-size", 2,
+                        "--max-nan-iterations", 2)
+    env = torchrun_variables(2)
+    results = launch_ranks(argv, 2, tmp_path,
+                           lambda rank, port: {**env(rank, port), "MEGATRON_FAULT_NAN_AT": "2,3"})
+    said = "error: the loss was NaN or inf for 2 consecutive iterations (2-3;"
+    assert [code for code, _ in results] == [2, 2], results[0][1][-3000:]
+    assert results[0][1].count(said) == 1, results[0][1][-3000:]
+    assert "error" not in results[1][1], results[1][1][-3000:]
+
+
 def test_a_hanging_rank_stops_the_others_with_a_clear_message(corpus, tmp_path):
     """Rank 1 hangs at iteration 2: rank 0's next collective gives up after
     --distributed-timeout-minutes (0.05 = 3 s) with one line saying what happened and what

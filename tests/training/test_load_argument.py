@@ -133,9 +133,11 @@ def test_a_rank_whose_file_is_missing_stops_every_rank_and_says_incomplete(corpu
                               args=(str(tmp_path), corpus))
     (code0, err0), (code1, err1) = results[0], results[1]
     assert code0 != 0 and code1 != 0
-    assert "mp_rank_01/model_optim_rng.pt is missing: the checkpoint is incomplete" in err1
-    assert "saved with --model-parallel-size" not in err1
-    assert "another rank could not load the checkpoint" in err0
+    said = "error: rank 1 could not load the checkpoint, so every rank stops: "
+    assert said in err0 and "mp_rank_01/model_optim_rng.pt is missing: the checkpoint is " \
+        "incomplete" in err0
+    assert "saved with --model-parallel-size" not in err0
+    assert "error" not in err1, "rank 0 said it, once"
 
 
 def test_a_folder_of_another_kind_is_named_by_the_deepspeed_readers(tmp_path):
@@ -200,14 +202,14 @@ def _resume_where_rank_1_sees_no_checkpoint(rank, world_size, out_dir, corpus):
 
 def test_ranks_that_loaded_different_iterations_stop_before_training(corpus, tmp_path):
     """Rank 0 resumed iteration 3, rank 1 found nothing: one error on both, not a run whose
-    ranks train different weights (or wait in different collectives)."""
+    ranks train different weights (or wait in different collectives); said by rank 0."""
     from tests.dist_utils import run_distributed
-    results = run_distributed(_resume_where_rank_1_sees_no_checkpoint, 2,
-                              args=(str(tmp_path), corpus))
-    for code, err in results:
-        assert code != 0, err
-        assert "the ranks did not load the same checkpoint: the iteration loaded (None: " \
-               "nothing) (rank 0: 3, rank 1: None). Every rank reads --load itself" in err, err
+    (code0, err0), (code1, err1) = run_distributed(_resume_where_rank_1_sees_no_checkpoint, 2,
+                                                   args=(str(tmp_path), corpus))
+    assert code0 != 0 and code1 != 0
+    assert "the ranks did not load the same checkpoint: the iteration loaded (None: " \
+           "nothing) (rank 0: 3, rank 1: None). Every rank reads --load itself" in err0, err0
+    assert "error" not in err1, err1
 
 
 def _deepspeed_resume_where_rank_1_reads_a_damaged_copy(rank, world_size, out_dir, corpus):
@@ -251,5 +253,6 @@ def test_a_deepspeed_resume_agrees_once_so_a_rank_failing_early_stops_the_others
     (code0, err0), (code1, err1) = run_distributed(
         _deepspeed_resume_where_rank_1_reads_a_damaged_copy, 2, args=(str(tmp_path), corpus))
     assert code0 != 0 and code1 != 0
-    assert "mp_rank_00_model_states.pt" in err1, err1
-    assert "another rank could not load the checkpoint" in err0, err0
+    assert "error: rank 1 could not load the checkpoint, so every rank stops: " in err0, err0
+    assert "mp_rank_00_model_states.pt" in err0, err0
+    assert "error" not in err1, err1

@@ -1,0 +1,74 @@
+"""Errors the ranks meet together, printed once.
+
+A step that every rank passes or fails together (loading a checkpoint) ends with one
+all-gather of what each rank met, so rank 0 can say every distinct failure once, with the
+ranks that met it; the other ranks raise the same error marked `said_by_rank0`, and the entry
+point (megatron/cli.py) prints it on rank 0 only. Before, a job of N ranks printed a
+checkpoint that does not fit the model 2N times. An error that is not a user mistake keeps its
+traceback on the rank that met it.
+"""
+
+import torch.distributed as dist
+
+from megatron.errors import user_error_types
+
+
+def said_once(error):
+    """`error`, which every rank raises alike (a decision they made together), marked on ranks
+    other than 0 so that only rank 0 prints it."""
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        error.said_by_rank0 = True
+    return error
+
+
+def fail_together(error, what, error_type):
+    """Every rank calls this with the exception it met in a step all ranks pass or fail
+    together (None: it passed). Returns when every rank passed; otherwise raises on every
+    rank: `error_type` whose message is the one failure when every rank met the same, else
+    each distinct failure with its ranks ("rank 1 could not load the checkpoint: ...").
+    `what` completes "could not ...". A rank whose own failure is not a user error re-raises
+    it (its traceback); the others say it by its type and message."""
+    single = not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    if single:
+        if error is not None:
+            raise error
+        return
+    user_error = error is None or isinstance(error, user_error_types())
+    said = None if error is None else (str(error) if user_error else
+                                       f"{type(error).__name__}: {error} (its traceback is "
+                                       "in that rank's output)")
+    everyone = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(everyone, (said, user_error))
+    except Exception:
+        if error is not None:  # the others may be gone: this rank's failure is still said
+            raise error from None
+        raise
+    if all(rank_said is None for rank_said, _ in everyone):
+        return
+    if not user_error:
+        raise error
+    summary = error_type(_summary(everyone, what))
+    if error is not None and str(error) == str(summary):
+        summary = error  # every rank met this one: raise it as it was (its type, its cause)
+    if everyone[0][1]:  # rank 0 prints it (it has no traceback of its own to print instead)
+        said_once(summary)
+    raise summary
+
+
+def _summary(everyone, what):
+    ranks_by_failure = {}
+    for rank, (said, _) in enumerate(everyone):
+        if said is not None:
+            ranks_by_failure.setdefault(said, []).append(rank)
+    if len(ranks_by_failure) == 1:
+        (said, ranks), = ranks_by_failure.items()
+        if len(ranks) == len(everyone):
+            return said
+        return f"{_ranks(ranks)} could not {what}, so every rank stops: {said}"
+    return (f"the ranks could not {what}, so every rank stops:\n"
+            + "\n".join(f"{_ranks(ranks)}: {said}" for said, ranks in ranks_by_failure.items()))
+
+
+def _ranks(ranks):
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
