@@ -363,6 +363,10 @@ def _reliability(parser):
                         "--save is set) and exits 0")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="save and exit once the job has run this many minutes")
+    g.add_argument("--kill-switch-file", default=None, metavar="PATH",
+                   help="once this file exists, every rank saves at the next iteration "
+                        "boundary (when --save is set) and exits 0; a run that finds it at "
+                        "start-up exits before training (Megatron-DeepSpeed's flag)")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None, metavar="N",
                    help="after each save, delete all but the newest N checkpoints in --save "
                         "(the new one is complete before any is deleted); default: keep all")

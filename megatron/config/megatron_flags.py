@@ -195,8 +195,6 @@ NOT_TAKEN = {
                          "built: --finetune loads the weights and starts at iteration 0 with "
                          "a fresh optimizer",
     "--profile_steps": _PROFILE_STEPS,
-    "--kill-switch-file": "a kill-switch file is not watched: --exit-signal-handler saves and "
-                          "exits on SIGTERM, --exit-duration-in-mins before a deadline",
     "--trust-remote-code": "Hugging Face tokenizers are not loaded: --tokenizer-type "
                            "GPT2BPETokenizer with --vocab-file/--merge-file, or "
                            "SentencePieceTokenizer with --tokenizer-model",

@@ -16,6 +16,7 @@ from types import MappingProxyType
 
 from megatron.config import activation, engine, json_optimizer, lengths
 from megatron.config.batch_rampup import rampup_from_flags
+from megatron.config.exit_flags import kill_switch_file
 from megatron.config.command_line import (in_the_users_spelling, parse_command_line,
                                           repeated_flag_notes)
 from megatron.config.flags import build_parser, given_on_command_line
@@ -316,6 +317,7 @@ def _training(raw, given, parallel):
         exit_interval=raw["exit_interval"], eval_iters=raw["eval_iters"],
         eval_interval=raw["eval_interval"], exit_signal_handler=raw["exit_signal_handler"],
         exit_duration_in_mins=raw["exit_duration_in_mins"],
+        kill_switch_file=kill_switch_file(raw["kill_switch_file"]),
         max_nan_iterations=raw["max_nan_iterations"],
         check_weight_hash_across_dp_replicas_interval=raw[
             "check_weight_hash_across_dp_replicas_interval"],

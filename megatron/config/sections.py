@@ -156,6 +156,7 @@ class TrainingConfig:
     eval_interval: int
     exit_signal_handler: bool
     exit_duration_in_mins: Optional[float]
+    kill_switch_file: Optional[str]  # its existence stops the run (saving) at an iteration end
     max_nan_iterations: int
     # compare the data-parallel replicas' weights every N iterations (None: never)
     check_weight_hash_across_dp_replicas_interval: Optional[int]

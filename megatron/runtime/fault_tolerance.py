@@ -8,6 +8,9 @@
   with 130 and no traceback. A second Ctrl-C exits at once.
 - `--exit-duration-in-mins`: the same agreement on "this job has run long enough" (each rank's
   clock is read, the maximum wins), so no rank waits in a collective for one that already left.
+- `--kill-switch-file PATH` (Megatron-DeepSpeed's): the same agreement on "PATH exists", read
+  by every rank (a file on one node's disk stops every node); found at start-up, the run
+  exits 0 before it trains.
 - `--max-nan-iterations N`: an iteration whose loss is NaN/inf is skipped (the optimizer skips
   non-finite gradients) and counted; N in a row stop training with a clear message instead of
   burning the allocation. The count sees each loss when the loop reads it: at once on an
@@ -70,19 +73,23 @@ class ExitConditions:
     def reason(self):
         """None, or why every rank stops now (agreed by all ranks: one small all-reduce)."""
         minutes = (time.monotonic() - self.start_time) / 60.0
-        # [Ctrl-C, SIGTERM received anywhere, longest run time]: MAX over all ranks.
-        flags = [float(self.interrupted), float(self.signal_received), minutes]
+        # [Ctrl-C, SIGTERM received anywhere, longest run time, kill switch]: MAX over ranks.
+        switch = self.training.kill_switch_file
+        flags = [float(self.interrupted), float(self.signal_received), minutes,
+                 float(switch is not None and os.path.exists(switch))]
         if dist.is_initialized() and dist.get_world_size() > 1:
             flags = torch.tensor(flags, dtype=torch.float64, device=self.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             flags = flags.tolist()  # one device sync (alone, nothing to agree on: none)
-        interrupted, terminated, longest = flags
+        interrupted, terminated, longest, switched = flags
         if interrupted:
             if not self.interrupted:  # a rank the Ctrl-C did not reach
                 self.interrupted, self._interrupted_at = True, time.monotonic()
             return "Ctrl-C"
         if terminated:
             return "SIGTERM received (--exit-signal-handler)"
+        if switched:
+            return f"found the kill switch {switch} (--kill-switch-file)"
         limit = self.training.exit_duration_in_mins
         if limit and longest >= limit:
             return f"ran {longest:.2f} minutes (--exit-duration-in-mins {limit:g})"
@@ -92,6 +99,17 @@ class ExitConditions:
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)
         self._previous_handlers = {}
+
+
+def kill_switch_found(path, device):
+    """Whether `path` (--kill-switch-file; None: not watched) exists on any rank: every rank
+    must call it (one all-reduce)."""
+    if path is None:
+        return False
+    found = torch.tensor([float(os.path.exists(path))], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found.item())
 
 
 class NanGuard:

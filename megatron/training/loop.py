@@ -104,7 +104,7 @@ def train(forward_step_func, backend, datasets, ctx, state, logger, guards):
                 collector.after_eval()
                 window["start"] += time.perf_counter() - eval_start  # keep eval out of ms/iter
                 backend.take_phase_times()  # and its forwards out of the phase times
-            stop_reason = guards.stop_reason()  # SIGTERM or time limit, agreed by all ranks
+            stop_reason = guards.stop_reason()  # SIGTERM, time limit, kill switch: agreed
             if stop_reason:
                 window["loss"] += losses.read(keep_newest=False)
                 iteration_scalars.losses_read(losses.observe())

@@ -22,7 +22,7 @@ from megatron.data.tokenization_record import tokenizer_identity
 from megatron.errors import CheckpointError, DataError, Interrupted
 from megatron.model import GPTConfig
 from megatron.runtime.activation_checkpointing import checkpoint_function
-from megatron.runtime.fault_tolerance import TrainingGuards
+from megatron.runtime.fault_tolerance import TrainingGuards, kill_switch_found
 from megatron.runtime.initialize import (Runtime, destroy, initialize_megatron,
                                          seed_pipeline_stage)
 from megatron.runtime.rank_failures import fail_together, said_once
@@ -65,6 +65,10 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                                   config.notes + config.activation_checkpointing.notes)
     logger = guards = save_lock = None
     try:
+        if kill_switch_found(config.training.kill_switch_file, runtime.device):
+            runtime.print0(f" found the kill switch {config.training.kill_switch_file} "
+                           "(--kill-switch-file): exiting before training; remove it to train")
+            return None
         # before anything is built: a save folder in use or an unwritable folder stops here
         save_lock = claim_output_folders(
             config.checkpoint.save, {"--tensorboard-dir": config.logging.tensorboard_dir,
