@@ -35,6 +35,11 @@ class CheckpointError(MegatronError):
     """A checkpoint that is missing, incomplete, or does not match the model."""
 
 
+class LaunchError(MegatronError):
+    """The processes of a job could not meet (one not started, another world size, an address
+    that is not rank 0's): each rank says what it met."""
+
+
 class TrainingError(MegatronError):
     """Training cannot go on (the loss stays NaN, another rank died or hangs); the message says
     which checkpoint to resume from."""

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import mpu
-from megatron.errors import ConfigError
+from megatron.errors import ConfigError, LaunchError
 from megatron.runtime import device as device_mod
 from megatron.runtime.activation_checkpointing import (setup_activation_checkpointing,
                                                        teardown_activation_checkpointing)
@@ -82,8 +82,9 @@ def _init_process_group(parallel, device, launch, timeout):
     backend = parallel.distributed_backend or device_mod.backend_for(device)
     if backend == "nccl" and device.type != "cuda":
         raise ConfigError("--distributed-backend nccl needs CUDA; use gloo on the CPU")
-    if launch.world_size == 1 and launch.master_addr is None:
-        # A single process needs no rendezvous: an in-memory store is enough.
+    if launch.world_size == 1:
+        # A single process needs no rendezvous (nor any MASTER_ADDR left in the environment):
+        # an in-memory store is enough.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
         return
@@ -97,12 +98,15 @@ def _init_process_group(parallel, device, launch, timeout):
     except (dist.DistStoreError, dist.DistNetworkError) as error:
         # The usual causes are a node not started or started with other variables.
         reason = str(error).strip().splitlines()[0].rstrip(".")
-        raise ConfigError(
+        raise LaunchError(
             f"rank {launch.rank} of {launch.world_size} could not meet the "
             f"others at {launch.master_addr}:{launch.master_port} within "
             f"--distributed-timeout-minutes {parallel.distributed_timeout_minutes:g}: {reason}. "
-            f"Check that all {launch.world_size} processes were started, with the same world "
-            f"size, and that MASTER_ADDR/MASTER_PORT is rank 0's host and reachable") from None
+            f"The {launch.launcher} launcher's {launch.told_by} said {launch.world_size} "
+            f"processes: check that all were started, with the same world size, and that "
+            f"MASTER_ADDR/MASTER_PORT is rank 0's host and reachable"
+            + (". In a batch script, start them with srun (one process started by hand reads "
+               "the allocation's SLURM_NTASKS)" if launch.launcher == "slurm" else "")) from None
 
 
 def _restart_safe_store(launch, timeout):

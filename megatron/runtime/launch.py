@@ -15,9 +15,10 @@ The order matters: torchrun started by srun, or mpirun inside a SLURM allocation
 processes they started, while the SLURM variables they inherit describe the allocation.
 """
 
+import dataclasses
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron.errors import ConfigError
@@ -35,6 +36,8 @@ class LaunchEnvironment:
     local_world_size: int  # processes on this node; sets the default CPU threads per process
     master_addr: Optional[str]  # where rank 0 listens for the rendezvous; None for one process
     master_port: int
+    # the variables that said rank and world size ("RANK=1 WORLD_SIZE=2"), for messages
+    told_by: str = field(default="", compare=False)
 
     def as_torchrun_variables(self):
         """The same facts under torchrun's names, for code that reads those (the CPU thread
@@ -51,14 +54,36 @@ def discover_launch_environment(env=None):
     """Read rank, world size and rendezvous address from torchrun, OpenMPI or SLURM variables."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
-        return _from_torchrun(env)
+        return _checked(_from_torchrun(env), env, "RANK", "WORLD_SIZE")
     if "OMPI_COMM_WORLD_RANK" in env:
-        return _from_openmpi(env)
+        return _checked(_from_openmpi(env), env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return _from_slurm(env)
+        return _checked(_from_slurm(env), env, "SLURM_PROCID", "SLURM_NTASKS")
+    for alone, missing, alone_default in (("RANK", "WORLD_SIZE", 0), ("WORLD_SIZE", "RANK", 1)):
+        if alone in env and _int_variable(env, alone) != alone_default:
+            raise ConfigError(f"environment variable {alone}={env[alone]} is set but {missing} "
+                              f"is not: a launcher sets both (torchrun does); set {missing} "
+                              f"too, or unset {alone} to run one process")
+    # One process: no rendezvous, so a MASTER_ADDR left in the environment is not used
     return LaunchEnvironment("none", rank=0, world_size=1, local_rank=0, local_world_size=1,
-                             master_addr=env.get("MASTER_ADDR"),
-                             master_port=_int_variable(env, "MASTER_PORT", DEFAULT_MASTER_PORT))
+                             master_addr=None, master_port=DEFAULT_MASTER_PORT)
+
+
+def _checked(launch, env, rank_name, world_name):
+    """`launch`, whose values its launcher's variables could not have given are one error."""
+    told_by = f"{rank_name}={env.get(rank_name)} {world_name}={env.get(world_name)}"
+    if launch.world_size < 1:
+        raise ConfigError(f"environment variable {world_name}={launch.world_size}: a job has "
+                          "at least one process")
+    if not 0 <= launch.rank < launch.world_size:
+        raise ConfigError(f"environment variables {told_by}: a rank runs from 0 to "
+                          f"{world_name} - 1 ({launch.world_size - 1})")
+    if launch.local_rank < 0:
+        raise ConfigError(f"the local rank {launch.local_rank} from the environment is "
+                          "negative")
+    if not 1 <= launch.master_port <= 65535:
+        raise ConfigError(f"MASTER_PORT {launch.master_port} is not a port (1 to 65535)")
+    return dataclasses.replace(launch, told_by=told_by)
 
 
 def _from_torchrun(env):

@@ -105,6 +105,35 @@ def test_malformed_variable_is_a_clear_error():
         discover_launch_environment({"SLURM_PROCID": "x", "SLURM_NTASKS": "2"})
 
 
+@pytest.mark.parametrize("env, said", [
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 WORLD_SIZE=2: a rank runs from 0 to WORLD_SIZE "
+                                       "- 1 (1)"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1 WORLD_SIZE=2: a rank runs from 0"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0: a job has at least one process"),
+    ({"RANK": "0", "WORLD_SIZE": "-2"}, "WORLD_SIZE=-2: a job has at least one process"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "0"}, "SLURM_NTASKS=0: a job has at least one"),
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "2"},
+     "OMPI_COMM_WORLD_RANK=3 OMPI_COMM_WORLD_SIZE=2: a rank runs from 0"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "local rank -1"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT 70000 is not a port"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "0"}, "MASTER_PORT 0 is not a port"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK is not: a launcher sets both"),
+    ({"RANK": "1"}, "RANK=1 is set but WORLD_SIZE is not"),
+])
+def test_launcher_values_no_launcher_could_give_are_one_error(env, said):
+    with pytest.raises(ConfigError) as error:
+        discover_launch_environment(env)
+    assert said in str(error.value)
+
+
+def test_one_process_ignores_a_master_address_left_in_the_environment():
+    """No rendezvous for one process (it waited for 'the others' at an unreachable host)."""
+    for env in ({"MASTER_ADDR": "node0", "MASTER_PORT": "1234"}, {"RANK": "0"},
+                {"WORLD_SIZE": "1"}):
+        launch = discover_launch_environment(env)
+        assert (launch.world_size, launch.master_addr) == (1, None)
+
+
 def test_flags_are_checked_against_the_world_size_the_launcher_reports(monkeypatch):
     from megatron.config import resolve_config
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -220,7 +249,24 @@ def test_a_rank_that_never_starts_is_a_clear_start_up_error(monkeypatch, capsys)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"error: rank 0 of 2 could not meet the others at 127.0.0.1:{port} "
                           "within --distributed-timeout-minutes 0.05: "), err
-    assert "1/2 clients joined" in err and "Check that all 2 processes were started" in err
+    assert "1/2 clients joined" in err and "The torchrun launcher's RANK=0 WORLD_SIZE=2 said " \
+        "2 processes: check that all were started" in err
+
+
+def test_a_rank_other_than_0_that_cannot_meet_rank_0_says_so(monkeypatch, capsys):
+    """Its error depends on the rank, so it is printed there (not left to a rank 0 that never
+    started)."""
+    import pretrain_gpt2
+    port = free_port()
+    for name, value in dict(RANK=1, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=port).items():
+        monkeypatch.setenv(name, str(value))
+    argv = trainer_argv({"prefix": "unused", "vocab": "unused", "merges": "unused"}, "unused",
+                        2, "--batch-size", 2, "--distributed-timeout-minutes", 0.05)
+    assert pretrain_gpt2.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: rank 1 of 2 could not meet the others at 127.0.0.1:{port} "), \
+        err
 
 
 def _worker_pids(launcher_pid):
