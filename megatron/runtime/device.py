@@ -21,9 +21,14 @@ def resolve_device(requested="auto", local_rank=0):
     use_cuda = requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
     if not use_cuda:
         return torch.device("cpu")
-    index = local_rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+    visible = torch.cuda.device_count()
+    if local_rank >= visible:  # (NCCL refuses two ranks on one GPU)
+        raise ConfigError(f"this process has local rank {local_rank}, but torch sees {visible} "
+                          f"GPU(s) on this node: start at most {visible} processes per node "
+                          f"(torchrun --nproc_per_node {visible}; check CUDA_VISIBLE_DEVICES), "
+                          "or use --device cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def backend_for(device):

@@ -48,14 +48,20 @@ def initialize_megatron(parallel, recompute=None, notes=()):
     """
     launch = discover_launch_environment()
     local_rank = launch.local_rank if parallel.local_rank is None else parallel.local_rank
+    if launch.launcher == "torchrun" and "LOCAL_RANK" in os.environ and \
+            local_rank != launch.local_rank:
+        raise ConfigError(f"--local_rank {parallel.local_rank} differs from the local rank "
+                          f"{launch.local_rank} the {launch.launcher} launcher gave this process "
+                          "(LOCAL_RANK): drop --local_rank, the launcher sets it")
     watch_launcher(local_rank)
     if launch.world_size != parallel.world_size:
         raise ConfigError(
             f"the flags were checked for a world size of {parallel.world_size} but the "
             f"{launch.launcher} launcher started {launch.world_size} processes; resolve the "
             f"config in the launched process (resolve_config(world_size=None))")
-    if launch.launcher in ("openmpi", "slurm"):
-        # Code that reads torchrun's variables (the CPU thread default) sees this job too.
+    if launch.launcher != "none":
+        # Code that reads torchrun's variables (the CPU thread default) sees this job too,
+        # as do ranks started by hand with RANK and WORLD_SIZE only
         for name, value in launch.as_torchrun_variables().items():
             os.environ.setdefault(name, value)
     device = device_mod.resolve_device(parallel.device, local_rank)

@@ -87,12 +87,15 @@ def _checked(launch, env, rank_name, world_name):
 
 
 def _from_torchrun(env):
-    world_size = _int_variable(env, "WORLD_SIZE")
+    world_size, rank = _int_variable(env, "WORLD_SIZE"), _int_variable(env, "RANK")
+    # RANK/WORLD_SIZE set by hand without MASTER_ADDR: every rank is on this machine, rank 0
+    # too (each its own GPU and share of the cores, unless LOCAL_RANK/LOCAL_WORLD_SIZE say)
+    one_machine = "MASTER_ADDR" not in env
     return LaunchEnvironment(
-        "torchrun", rank=_int_variable(env, "RANK"), world_size=world_size,
-        local_rank=_int_variable(env, "LOCAL_RANK", 0),
-        local_world_size=_int_variable(env, "LOCAL_WORLD_SIZE", 1),
-        # RANK/WORLD_SIZE set by hand on one machine: rank 0 is local.
+        "torchrun", rank=rank, world_size=world_size,
+        local_rank=_int_variable(env, "LOCAL_RANK", rank if one_machine else 0),
+        local_world_size=_int_variable(env, "LOCAL_WORLD_SIZE",
+                                       world_size if one_machine else 1),
         master_addr=env.get("MASTER_ADDR", "localhost" if world_size > 1 else None),
         master_port=_int_variable(env, "MASTER_PORT", DEFAULT_MASTER_PORT))
 

@@ -34,8 +34,12 @@ def test_torchrun_variables():
 
 
 def test_rank_and_world_size_set_by_hand_rendezvous_on_this_machine():
+    """Every rank on this machine: each its own local rank (GPU) and share of the cores."""
     launch = discover_launch_environment({"RANK": "1", "WORLD_SIZE": "2"})
-    assert (launch.master_addr, launch.master_port, launch.local_rank) == ("localhost", 6000, 0)
+    assert (launch.master_addr, launch.master_port, launch.local_rank,
+            launch.local_world_size) == ("localhost", 6000, 1, 2)
+    launch = discover_launch_environment({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "n0"})
+    assert (launch.local_rank, launch.local_world_size) == (0, 1)  # where is unknown
 
 
 def test_slurm_variables():
@@ -476,3 +480,33 @@ def test_script_rejects_a_timeout_that_is_not_a_number(corpus, tmp_path):
     assert code == 2
     assert output.strip().splitlines()[-1].startswith(
         "--distributed-timeout-minutes must be a number of minutes")
+
+
+def test_more_local_ranks_than_gpus_is_an_error_not_a_shared_gpu(monkeypatch):
+    """4 processes on a node whose torch sees 2 GPUs: local ranks 2 and 3 took GPUs 0 and 1
+    again (NCCL then refuses two ranks on one GPU, at the first collective)."""
+    import torch
+
+    from megatron.runtime import device as device_mod
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert device_mod.resolve_device("auto", 1) == torch.device("cuda", 1) and chosen == [1]
+    with pytest.raises(ConfigError, match=r"local rank 2, but torch sees 2 GPU\(s\) on this node: "
+                                          r"start at most 2 processes per node"):
+        device_mod.resolve_device("auto", 2)
+
+
+def test_a_local_rank_flag_against_the_launchers_is_an_error(monkeypatch):
+    """--local_rank=0 given to every rank by hand under torchrun: rank 1 (LOCAL_RANK=1) would
+    have taken GPU 0 too."""
+    from megatron.config import resolve_config
+    from megatron.runtime.initialize import initialize_megatron
+    for name, value in dict(RANK=1, WORLD_SIZE=2, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2,
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()).items():
+        monkeypatch.setenv(name, str(value))
+    config = resolve_config(FLAGS_FOR_SETUP_ONLY + ["--local_rank=0"])
+    with pytest.raises(ConfigError, match="--local_rank 0 differs from the local rank 1 the "
+                                          "torchrun launcher gave this process"):
+        initialize_megatron(config.parallel)
