@@ -11,10 +11,40 @@
 #   require_one_of PRECISION bf16 fp16 fp32   # one of the values listed
 #   require_below NODE_RANK NNODES     # the first < the second (both already checked)
 #   note_unread PP_SIZE PP PIPELINE_MODEL_PARALLEL_SIZE   # the others set: a note naming the first
+#   note_read_elsewhere other.sh "why not here" MP_SIZE  # set: a note naming the script reading it
 #   refuse_script_flags PP_SIZE=--pipeline-model-parallel-size -- "$@"   # the flag in "$@": error
 #   take_trainer_flags "$@"   # --train-iters 20 among the arguments sets TRAIN_ITERS=20, ...
+#   from_callers_folder DATA_DIR CHECKPOINT_DIR   # relative paths: from where the user ran it
+#   require_port MASTER_PORT          # a whole number from 1 to 65535
+#
+# Source it before `cd "$ROOT"`: CALLER_DIR is the folder the first script of a chain was run
+# in (exported, so the scripts it starts read relative paths from there too).
 
 _env_error() { echo "$*" >&2; exit 2; }
+
+export CALLER_DIR="${CALLER_DIR:-$PWD}"
+
+from_callers_folder() {
+    # The scripts work in the repository's root; a relative path the user gave is read from
+    # the folder they ran the script in (DATA_DIR=data run in /home/me is /home/me/data).
+    local name value
+    for name in "$@"; do
+        value="${!name:-}"
+        if [ -n "$value" ] && [ "${value#/}" = "$value" ]; then
+            printf -v "$name" '%s' "$CALLER_DIR/$value"
+        fi
+    done
+}
+
+require_port() {
+    local name
+    require_whole 1 "$@"
+    for name in "$@"; do
+        if [ -n "${!name:-}" ] && (( ${!name} > 65535 )); then
+            _env_error "$name must be a port from 1 to 65535 (got '${!name}')"
+        fi
+    done
+}
 
 declare -A _FLAG_OF=()  # a variable take_script_flags set -> the flag it came from
 _named() { echo "${_FLAG_OF[$1]:-$1}"; }  # how an error names the variable's value
@@ -68,6 +98,19 @@ note_unread() {
     for name in "$@"; do
         if [ -n "${!name:-}" ]; then
             echo " note: $name=${!name} is not read by this script; $read is (e.g. $read=${!name})" >&2
+        fi
+    done
+}
+
+note_read_elsewhere() {
+    # A script, why this one does not read them, then variables: set, they are the other
+    # script's settings, which this one would ignore without a word.
+    local script="$1" why="$2" name
+    shift 2
+    for name in "$@"; do
+        if [ -n "${!name:-}" ]; then
+            echo " note: $name=${!name} is not read by this script ($why); scripts/$script" \
+                 "reads it" >&2
         fi
     done
 }

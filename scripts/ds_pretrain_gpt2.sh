@@ -38,9 +38,11 @@
 #   FLOPs    ~ 6*N*tokens + attention ~ 5.4e13: about 3-5 minutes on 2 CPU cores in bf16.
 #   Memory   the engine keeps fp32 masters + Adam moments (12 bytes/param, 167 MB) beside the
 #            bf16 weights and gradients (4 bytes/param, 56 MB).
+[ -n "${BASH_VERSION:-}" ] || { echo "error: run this script with bash: bash $0" >&2; exit 2; }
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/check_env.sh"  # pretrain_gpt2.sh checks its own variables
+from_callers_folder DS_CONFIG
 take_trainer_flags "$@"  # before the defaults below: --batch-size 4 is MICRO_BATCH=4
 require_one_of ZERO_STAGE 0 1 2 3
 require_one_of REMOTE_DEVICE none cpu nvme

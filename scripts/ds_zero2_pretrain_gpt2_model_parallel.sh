@@ -35,9 +35,11 @@
 #            iteration a reduce-scatter of the 13.9M gradients and an all-gather of the weights.
 #   Memory   per process: fp32 masters + Adam moments are split in 2 (12 bytes/param / 2 =
 #            83 MB instead of 167 MB); stage 2 also keeps only half of the fp32 gradients.
+[ -n "${BASH_VERSION:-}" ] || { echo "error: run this script with bash: bash $0" >&2; exit 2; }
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/check_env.sh"  # pretrain_gpt2_distributed.sh checks its own variables
+from_callers_folder DS_CONFIG
 take_trainer_flags "$@"  # before the defaults below: --batch-size 4 is MICRO_BATCH=4
 require_one_of ZERO_STAGE 0 1 2 3
 

@@ -24,10 +24,12 @@
 # On this CPU-only machine "cpu" offload is the same memory as compute: it still runs CPUAdam on
 # separate host masters; "nvme" keeps the 12 bytes/param of optimizer state on disk instead of
 # in RAM (benchmarks/offload_capacity.py measures the resident memory).
+[ -n "${BASH_VERSION:-}" ] || { echo "error: run this script with bash: bash $0" >&2; exit 2; }
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/check_env.sh"  # ds_pretrain_gpt2.sh and pretrain_gpt2.sh check theirs
+from_callers_folder DS_CONFIG NVME_PATH
 cd "$ROOT"  # relative nvme_path values in the configs are relative to the repository
-source scripts/check_env.sh  # ds_pretrain_gpt2.sh and pretrain_gpt2.sh check theirs
 require_one_of OFFLOAD nvme
 require_number SUB_GROUP
 

@@ -15,10 +15,12 @@
 #   SEQ_LEN = the model's max positions; OVERLAP = 128 (Megatron's --overlapping-eval is 32,
 #     4x the compute); MP_SIZE = 1 (>1 runs under torchrun).
 # Extra arguments go to both evaluations.
+[ -n "${BASH_VERSION:-}" ] || { echo "error: run this script with bash: bash $0" >&2; exit 2; }
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/check_env.sh"
+from_callers_folder CHECKPOINT_DIR WIKITEXT_FILE LAMBADA_FILE CORPUS_JSON
 cd "$ROOT"
-source scripts/check_env.sh
 require_whole 1 MP_SIZE OVERLAP SEQ_LEN NUM_DOCUMENTS
 PY="${VENV:-$ROOT/.venv}/bin/python"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small}"

@@ -12,10 +12,12 @@
 # Face layout), MP_SIZE (1), TOP_K (40), TEMPERATURE (1.0; neither is passed with --greedy),
 # OUT_SEQ_LENGTH (64, small for a 2-core CPU).  Extra arguments go to tools/generate_samples.py
 # (e.g. --greedy, --recompute).
+[ -n "${BASH_VERSION:-}" ] || { echo "error: run this script with bash: bash $0" >&2; exit 2; }
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/check_env.sh"
+from_callers_folder CHECKPOINT_DIR
 cd "$ROOT"
-source scripts/check_env.sh
 require_whole 1 MP_SIZE OUT_SEQ_LENGTH
 require_whole 0 TOP_K
 require_number TEMPERATURE

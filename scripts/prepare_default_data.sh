@@ -22,14 +22,26 @@
 #         --data-path), the function `set_precision_flags ARGS...` (PRECISION_FLAGS from
 #         PRECISION, measured when unset), and `print_compute_estimate LAYERS HIDDEN VOCAB SEQ ITERS
 #         GLOBAL_BATCH`.
+[ -n "${BASH_VERSION:-}" ] || { echo "error: run this script with bash: bash $0" >&2; exit 2; }
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/check_env.sh"
+from_callers_folder DATA_DIR
 cd "$ROOT"
-
-source scripts/check_env.sh
 require_whole 1 VOCAB_SIZE WORKERS
 DATA_DIR="${DATA_DIR:-$ROOT/data}"
 VOCAB_SIZE="${VOCAB_SIZE:-8192}"
+# DATA_DIR holds webtext/ and tokenizer/: a file, or the webtext folder itself (its corpus
+# and .bin/.idx right there), would get a second corpus and tokenizer built inside it
+if [ -e "$DATA_DIR" ] && [ ! -d "$DATA_DIR" ]; then
+    _env_error "DATA_DIR=$DATA_DIR is a file; give the folder that holds (or will hold)" \
+        "webtext/ and tokenizer/"
+fi
+if [ -f "$DATA_DIR/data.json" ] || compgen -G "$DATA_DIR/*_text_document.idx" >/dev/null; then
+    _env_error "DATA_DIR=$DATA_DIR holds a corpus itself (data.json or *_text_document.idx);" \
+        "give the folder above it, the one that holds webtext/ and tokenizer/" \
+        "(DATA_DIR=$(dirname "$DATA_DIR"))"
+fi
 WORKERS="${WORKERS:-2}"
 
 bash scripts/setup.sh

@@ -17,10 +17,12 @@
 #   OUTPUT_JSON ($WORK_DIR/train_data.json; set $DATA_DIR/webtext/data.json to train with
 #   --train-data webtext), WORKERS (2), MIN_TOKENS (128), LANGUAGE (en), THRESHOLD (0.8),
 #   SEED (1234), DEMO_DOCS (0 = all documents of the default corpus), VENV (<repo>/.venv).
+[ -n "${BASH_VERSION:-}" ] || { echo "error: run this script with bash: bash $0" >&2; exit 2; }
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/check_env.sh"  # before prepare_default_data.sh's setup and corpus
+from_callers_folder DATA_DIR WORK_DIR OUTPUT_JSON
 cd "$ROOT"
-source scripts/check_env.sh  # before prepare_default_data.sh's setup and corpus
 require_whole 1 WORKERS
 require_whole 0 DEMO_DOCS MIN_TOKENS SEED
 require_number THRESHOLD

@@ -39,17 +39,25 @@
 #   FLOPs    ~ 6*N*tokens (+ attention 12*L*h*S per token) = 5.1e13 + 0.2e13 ~ 5.4e13,
 #              in bf16 or fp32, whichever the probe finds faster: 119-148 s on 2 cores with AMX
 #              (bf16), about 5 minutes with AVX-512 and 9 with AVX2 only (fp32).
+[ -n "${BASH_VERSION:-}" ] || { echo "error: run this script with bash: bash $0" >&2; exit 2; }
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/check_env.sh"  # before any arithmetic, setup or data preparation
+from_callers_folder DATA_DIR CHECKPOINT_DIR RUN_DIR
 cd "$ROOT"
-
-source scripts/check_env.sh  # before any arithmetic, setup or data preparation
 take_trainer_flags "$@"  # e.g. --train-iters 20: TRAIN_ITERS, and the warmup follows it
 require_whole 1 NLAYERS NHIDDEN NHEADS SEQ_LEN MICRO_BATCH GLOBAL_BATCH TRAIN_ITERS VOCAB_SIZE \
     LOG_INTERVAL EVAL_INTERVAL SAVE_INTERVAL WORKERS
 require_whole 0 WARMUP_ITERS EVAL_ITERS
 require_number LR MIN_LR
 require_one_of PRECISION bf16 fp16 fp32
+note_read_elsewhere pretrain_gpt2_distributed.sh "it runs one process" MP_SIZE PP_SIZE \
+    VP_LAYERS GPUS_PER_NODE NNODES NODE_RANK
+case " $* " in
+    *" --deepspeed "*) ;;  # (ds_pretrain_gpt2.sh runs this script with its config)
+    *) note_read_elsewhere ds_pretrain_gpt2.sh "it runs without --deepspeed" DS_CONFIG \
+           ZERO_STAGE REMOTE_DEVICE ;;
+esac
 
 NLAYERS="${NLAYERS:-6}"; NHIDDEN="${NHIDDEN:-384}"; NHEADS="${NHEADS:-6}"
 SEQ_LEN="${SEQ_LEN:-256}"; MICRO_BATCH="${MICRO_BATCH:-8}"; GLOBAL_BATCH="${GLOBAL_BATCH:-$MICRO_BATCH}"

@@ -51,17 +51,19 @@
 #              (one core each), plus per iteration an all-reduce of the 13.9M gradients.
 #              Measured 1.5-1.8 s per iteration on the 2 cores while shared with other work:
 #              under 10 minutes.  On 8 GPUs the global batch is 32, so 4x the tokens and FLOPs.
+[ -n "${BASH_VERSION:-}" ] || { echo "error: run this script with bash: bash $0" >&2; exit 2; }
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/check_env.sh"  # before any arithmetic, setup or data preparation
+from_callers_folder DATA_DIR CHECKPOINT_DIR RUN_DIR
 cd "$ROOT"
-
-source scripts/check_env.sh  # before any arithmetic, setup or data preparation
 take_trainer_flags "$@"  # e.g. --train-iters 20: TRAIN_ITERS, and the warmup follows it
-require_whole 1 NNODES MASTER_PORT MP_SIZE PP_SIZE VP_LAYERS GPUS_PER_NODE OMP_NUM_THREADS \
+require_port MASTER_PORT
+require_whole 1 NNODES MP_SIZE PP_SIZE VP_LAYERS GPUS_PER_NODE OMP_NUM_THREADS \
     NLAYERS NHIDDEN NHEADS SEQ_LEN MICRO_BATCH GLOBAL_BATCH TRAIN_ITERS VOCAB_SIZE \
     LOG_INTERVAL EVAL_INTERVAL SAVE_INTERVAL WORKERS
 require_whole 0 NODE_RANK WARMUP_ITERS EVAL_ITERS
-require_number LR MIN_LR
+require_number LR MIN_LR DISTRIBUTED_TIMEOUT_MINUTES
 require_one_of PRECISION bf16 fp16 fp32
 refuse_script_flags MP_SIZE=--model-parallel-size MP_SIZE=--tensor-model-parallel-size \
     PP_SIZE=--pipeline-model-parallel-size VP_LAYERS=--num-layers-per-virtual-pipeline-stage \
@@ -73,8 +75,20 @@ note_unread GPUS_PER_NODE NPROC_PER_NODE NUM_GPUS NUM_GPUS_PER_WORKER
 note_unread NNODES NUM_NODES NUM_WORKERS
 
 NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"
+if (( NNODES == 1 )) && [ -n "${MASTER_ADDR:-}" ] && [ "$MASTER_ADDR" != localhost ] && \
+        [ "$MASTER_ADDR" != 127.0.0.1 ]; then  # (one left in the environment by another job)
+    echo " note: MASTER_ADDR=$MASTER_ADDR is not used with NNODES=1: the processes meet on" \
+         "this machine (localhost)" >&2
+    MASTER_ADDR=localhost
+fi
 MASTER_ADDR="${MASTER_ADDR:-localhost}"; MASTER_PORT="${MASTER_PORT:-6000}"
 RDZV_ENDPOINT="${RDZV_ENDPOINT:-}"; RDZV_ID="${RDZV_ID:-gpt2_small}"
+[[ "$MASTER_ADDR" =~ ^[^[:space:]]+$ ]] || _env_error "MASTER_ADDR must be a host name or" \
+    "address (got '$MASTER_ADDR')"
+if [ -n "$RDZV_ENDPOINT" ] && { ! [[ "$RDZV_ENDPOINT" =~ ^[^[:space:]]+:([0-9]{1,5})$ ]] || \
+        (( BASH_REMATCH[1] < 1 || BASH_REMATCH[1] > 65535 )); }; then
+    _env_error "RDZV_ENDPOINT must be host:port, the port from 1 to 65535 (got '$RDZV_ENDPOINT')"
+fi
 MP_SIZE="${MP_SIZE:-1}"; PP_SIZE="${PP_SIZE:-1}"; VP_LAYERS="${VP_LAYERS:-}"
 [ -n "$RDZV_ENDPOINT" ] || require_below NODE_RANK NNODES  # else torchrun waits for node 0
 
@@ -92,6 +106,10 @@ WORKERS="${WORKERS:-2}"
 # the layer split in the variables' terms (the trainer would name its flags)
 (( PP_SIZE <= NLAYERS )) || _env_error "PP_SIZE=$PP_SIZE is more pipeline stages than" \
     "NLAYERS=$NLAYERS: every stage needs at least one layer"
+if [ -n "$VP_LAYERS" ] && (( PP_SIZE == 1 )); then
+    _env_error "VP_LAYERS=$VP_LAYERS needs PP_SIZE > 1 (it splits each pipeline stage's layers" \
+        "into interleaved model chunks)"
+fi
 if [ -n "$VP_LAYERS" ] && (( NLAYERS % (VP_LAYERS * PP_SIZE) != 0 )); then
     _env_error "NLAYERS=$NLAYERS is not divisible by VP_LAYERS=$VP_LAYERS x PP_SIZE=$PP_SIZE" \
         "(each stage's layers are split into model chunks of VP_LAYERS layers)"
@@ -136,16 +154,19 @@ set_precision_flags "$@"
 # (--distributed-timeout-minutes, from the arguments or DISTRIBUTED_TIMEOUT_MINUTES, default 10
 # as in Megatron): a node that never arrives is an error after that, not a silent hang.
 TIMEOUT_MINUTES="${DISTRIBUTED_TIMEOUT_MINUTES:-10}"
+TIMEOUT_FROM=DISTRIBUTED_TIMEOUT_MINUTES
 ARGS=("$@")
 for i in "${!ARGS[@]}"; do
     case "${ARGS[$i]}" in
         --distributed-timeout-minutes) TIMEOUT_MINUTES="${ARGS[$((i + 1))]:-}" ;;
         --distributed-timeout-minutes=*) TIMEOUT_MINUTES="${ARGS[$i]#*=}" ;;
+        *) continue ;;
     esac
+    TIMEOUT_FROM=--distributed-timeout-minutes
 done
 if ! [[ "$TIMEOUT_MINUTES" =~ ^[0-9]*\.?[0-9]+$ ]] || \
         [ "$(awk -v m="$TIMEOUT_MINUTES" 'BEGIN { print (m * 60 >= 1) }')" != 1 ]; then
-    echo "--distributed-timeout-minutes must be a number of minutes, at least 1 second's" \
+    echo "$TIMEOUT_FROM must be a number of minutes, at least 1 second's" \
          "worth (got '$TIMEOUT_MINUTES')" >&2
     exit 2
 fi

@@ -33,6 +33,7 @@
 #            [s, b, h] activations in forward and two in backward (256 * 8 * 384 values each).
 #            Measured 1.5-2.3 s per iteration on the 2 cores while shared with other work:
 #            about 10 minutes.
+[ -n "${BASH_VERSION:-}" ] || { echo "error: run this script with bash: bash $0" >&2; exit 2; }
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/check_env.sh"  # pretrain_gpt2_distributed.sh checks the others

@@ -12,6 +12,7 @@
 # Variables: PYTHON (base interpreter, default python3), VENV (default <repo>/.venv),
 #            TORCH_VERSION (default 2.13.0), EXTRAS (any of "test", "convert", "webtext").
 # The test extras include the webtext packages: the suite runs the webtext pipeline.
+[ -n "${BASH_VERSION:-}" ] || { echo "error: run this script with bash: bash $0" >&2; exit 2; }
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"

@@ -4,6 +4,7 @@
 #   bash scripts/test.sh                # ruff (pyproject.toml), then the default suite
 #   bash scripts/test.sh -m slow        # the long tests only
 #   bash scripts/test.sh tests/mpu -x   # any pytest arguments
+[ -n "${BASH_VERSION:-}" ] || { echo "error: run this script with bash: bash $0" >&2; exit 2; }
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -33,6 +33,18 @@ BAD_VARIABLES = [
     ("pretrain_gpt2_distributed.sh", dict(PP_SIZE="2", VP_LAYERS="2", NLAYERS="6"),
      "NLAYERS=6 is not divisible by VP_LAYERS=2 x PP_SIZE=2 (each stage's layers are split "
      "into model chunks of VP_LAYERS layers)"),
+    ("pretrain_gpt2_distributed.sh", dict(PP_SIZE="1", VP_LAYERS="1"),
+     "VP_LAYERS=1 needs PP_SIZE > 1 (it splits each pipeline stage's layers into interleaved "
+     "model chunks)"),
+    ("pretrain_gpt2_distributed.sh", dict(MASTER_PORT="70000"),
+     "MASTER_PORT must be a port from 1 to 65535 (got '70000')"),
+    ("pretrain_gpt2_distributed.sh", dict(NNODES="2", MASTER_ADDR="bad host"),
+     "MASTER_ADDR must be a host name or address (got 'bad host')"),
+    ("pretrain_gpt2_distributed.sh", dict(RDZV_ENDPOINT="localhost:abc"),
+     "RDZV_ENDPOINT must be host:port, the port from 1 to 65535 (got 'localhost:abc')"),
+    ("pretrain_gpt2_distributed.sh", dict(DISTRIBUTED_TIMEOUT_MINUTES="abc"),
+     "DISTRIBUTED_TIMEOUT_MINUTES must be a non-negative number such as 3, 0.5 or 1e-3 (got "
+     "'abc')"),
     ("ds_pretrain_gpt2.sh", dict(ZERO_STAGE="4"), "ZERO_STAGE must be one of: 0 1 2 3 (got '4')"),
     ("ds_pretrain_gpt2.sh", dict(REMOTE_DEVICE="gpu"),
      "REMOTE_DEVICE must be one of: none cpu nvme (got 'gpu')"),
@@ -216,3 +228,64 @@ def test_help_answers_before_the_data_is_prepared(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "usage: pretrain_gpt2.py" in done.stdout and "--num-layers" in done.stdout
     assert not (tmp_path / "data").exists()
+
+
+def _run_from(folder, script, tmp_path, *args, **variables):
+    """The script run from `folder` (not the repository), with a setup that fails at once."""
+    env = clean_environment(**{"PYTHON": "false", "VENV": str(tmp_path / "venv"), **variables})
+    return subprocess.run(["bash", str(REPO / "scripts" / script), *args], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_relative_paths_in_the_variables_are_read_from_where_the_script_runs(tmp_path):
+    """The scripts work in the repository's root; DATA_DIR=data run in /home/me meant
+    /home/me/data (it built a second corpus in the repository)."""
+    done = _run_from(tmp_path, "generate_text.sh", tmp_path, CHECKPOINT_DIR="mine")
+    assert done.stderr.strip() == f"error: no checkpoint at {tmp_path}/mine; train one with " \
+                                  "bash scripts/pretrain_gpt2.sh"
+    (tmp_path / "corpus" / "webtext").mkdir(parents=True)
+    (tmp_path / "corpus" / "webtext" / "data.json").write_text("{}")
+    done = _run_from(tmp_path, "pretrain_gpt2.sh", tmp_path, DATA_DIR="corpus/webtext")
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"DATA_DIR={tmp_path}/corpus/webtext holds a corpus itself (data.json or "
+        "*_text_document.idx); give the folder above it, the one that holds webtext/ and "
+        f"tokenizer/ (DATA_DIR={tmp_path}/corpus)")
+    done = _run_from(tmp_path, "pretrain_gpt2.sh", tmp_path,
+                     DATA_DIR="corpus/webtext/data.json")
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"DATA_DIR={tmp_path}/corpus/webtext/data.json is a file; give the folder that holds "
+        "(or will hold) webtext/ and tokenizer/")
+    assert not (tmp_path / "venv").exists()
+
+
+def test_another_scripts_variables_get_a_note(tmp_path):
+    done = _run_from(tmp_path, "pretrain_gpt2.sh", tmp_path, DATA_DIR=str(tmp_path / "data"),
+                     MP_SIZE="2", ZERO_STAGE="3")
+    lines = done.stderr.splitlines()
+    assert " note: MP_SIZE=2 is not read by this script (it runs one process); " \
+           "scripts/pretrain_gpt2_distributed.sh reads it" in lines
+    assert " note: ZERO_STAGE=3 is not read by this script (it runs without --deepspeed); " \
+           "scripts/ds_pretrain_gpt2.sh reads it" in lines
+    done = _run_from(tmp_path, "ds_pretrain_gpt2.sh", tmp_path, DATA_DIR=str(tmp_path / "data"),
+                     ZERO_STAGE="3")
+    assert "ZERO_STAGE" not in done.stderr  # (read there)
+
+
+@pytest.mark.parametrize("script", ["pretrain_gpt2.sh", "pretrain_gpt2_distributed.sh",
+                                    "generate_text.sh", "setup.sh"])
+def test_a_script_run_with_sh_says_to_use_bash(tmp_path, script):
+    if subprocess.run(["sh", "-c", "echo ${BASH_VERSION:-}"], capture_output=True,
+                      text=True).stdout.strip():
+        pytest.skip("sh is bash here")
+    done = subprocess.run(["sh", f"scripts/{script}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env=clean_environment())
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: run this script with bash: bash scripts/{script}"
+
+
+def test_the_launch_scripts_are_executable():
+    import os
+    for script in ("pretrain_gpt2.sh", "pretrain_gpt2_distributed.sh",
+                   "pretrain_gpt2_model_parallel.sh", "ds_pretrain_gpt2.sh", "generate_text.sh",
+                   "evaluate_zeroshot_gpt2.sh", "prepare_default_data.sh", "setup.sh"):
+        assert os.access(REPO / "scripts" / script, os.X_OK), script

@@ -9,6 +9,7 @@ backend.py), a resumed checkpoint, datasets, then the loop (megatron/training/lo
 """
 
 import os
+import shlex
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -285,7 +286,8 @@ def _print_summary(ctx, backend, state, logger):
     if log_dir:
         lines.append(f" metrics:      {os.path.abspath(os.path.join(log_dir, 'metrics.jsonl'))}")
     if logger.writes_tensorboard:  # not when the tensorboard package is missing
-        lines.append(f" tensorboard:  tensorboard --logdir {os.path.abspath(tensorboard_dir)}")
+        lines.append(" tensorboard:  tensorboard --logdir "
+                     + shlex.quote(os.path.abspath(tensorboard_dir)))
     print("\n".join(lines), flush=True)
 
 
