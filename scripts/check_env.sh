@@ -18,7 +18,9 @@
 #   require_port MASTER_PORT          # a whole number from 1 to 65535
 #
 # Source it before `cd "$ROOT"`: CALLER_DIR is the folder the first script of a chain was run
-# in (exported, so the scripts it starts read relative paths from there too).
+# in (exported, so the scripts it starts read relative paths from there too). The scripts
+# prepare data in the repository's root and start Python back in CALLER_DIR, so relative
+# paths among their arguments are read from there as well.
 
 _env_error() { echo "$*" >&2; exit 2; }
 
@@ -35,6 +37,8 @@ from_callers_folder() {
         fi
     done
 }
+
+from_callers_folder VENV  # (the scripts' python: ${VENV:-<repo>/.venv}/bin/python)
 
 require_port() {
     local name

@@ -29,7 +29,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/check_env.sh"  # ds_pretrain_gpt2.sh and pretrain_gpt2.sh check theirs
 from_callers_folder DS_CONFIG NVME_PATH
-cd "$ROOT"  # relative nvme_path values in the configs are relative to the repository
+cd "$ROOT"
 require_one_of OFFLOAD nvme
 require_number SUB_GROUP
 
@@ -38,7 +38,7 @@ CONFIG_NAME="$(basename "$DS_CONFIG")"; CONFIG_NAME="${CONFIG_NAME%.*}"
 RUN_NAME="gpt2_small_offload_${CONFIG_NAME}${OFFLOAD:+_$OFFLOAD}"
 export CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/$RUN_NAME}"
 export RUN_DIR="${RUN_DIR:-$ROOT/runs/$RUN_NAME}"
-NVME_PATH="${NVME_PATH:-data/nvme}"
+NVME_PATH="${NVME_PATH:-$ROOT/data/nvme}"
 mkdir -p "$NVME_PATH"
 
 if [ "${OFFLOAD:-}" = "nvme" ]; then

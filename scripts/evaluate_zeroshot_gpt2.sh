@@ -19,8 +19,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/check_env.sh"
+take_script_flags CHECKPOINT_DIR=--load -- "$@"  # --load among the arguments is the checkpoint
 from_callers_folder CHECKPOINT_DIR WIKITEXT_FILE LAMBADA_FILE CORPUS_JSON
-cd "$ROOT"
 require_whole 1 MP_SIZE OVERLAP SEQ_LEN NUM_DOCUMENTS
 PY="${VENV:-$ROOT/.venv}/bin/python"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small}"
@@ -31,9 +31,19 @@ if [ ! -d "$CHECKPOINT_DIR" ]; then
 fi
 if [ -z "${WIKITEXT_FILE:-}" ] || [ -z "${LAMBADA_FILE:-}" ]; then
     ZS_DIR="$ROOT/data/zeroshot"
-    if [ ! -f "$ZS_DIR/wiki.test.tokens" ] || [ ! -f "$ZS_DIR/lambada_test.jsonl" ]; then
-        "$PY" tools/make_zeroshot_files.py --input "${CORPUS_JSON:-$ROOT/data/webtext/data.json}" \
+    CORPUS_JSON="${CORPUS_JSON:-$ROOT/data/webtext/data.json}"
+    MADE_FROM="$CORPUS_JSON, NUM_DOCUMENTS=${NUM_DOCUMENTS:-1}"  # remade when either changes
+    if [ ! -f "$ZS_DIR/wiki.test.tokens" ] || [ ! -f "$ZS_DIR/lambada_test.jsonl" ] || \
+            [ "$(cat "$ZS_DIR/made_from" 2>/dev/null)" != "$MADE_FROM" ]; then
+        if [ ! -f "$CORPUS_JSON" ]; then
+            echo "error: no corpus at $CORPUS_JSON to derive stand-in evaluation files from" \
+                 "(CORPUS_JSON); run bash scripts/pretrain_gpt2.sh first, or give" \
+                 "WIKITEXT_FILE and LAMBADA_FILE" >&2
+            exit 2
+        fi
+        "$PY" "$ROOT/tools/make_zeroshot_files.py" --input "$CORPUS_JSON" \
             --output-dir "$ZS_DIR" --num-documents "${NUM_DOCUMENTS:-1}" --max-passages 50
+        echo "$MADE_FROM" > "$ZS_DIR/made_from"
     fi
     WIKITEXT_FILE="${WIKITEXT_FILE:-$ZS_DIR/wiki.test.tokens}"
     LAMBADA_FILE="${LAMBADA_FILE:-$ZS_DIR/lambada_test.jsonl}"
@@ -42,7 +52,7 @@ LAUNCH=("$PY")
 [ "$MP_SIZE" -gt 1 ] && LAUNCH=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$MP_SIZE")
 COMMON=(--load "$CHECKPOINT_DIR" --model-parallel-size "$MP_SIZE")
 [ -n "${SEQ_LEN:-}" ] && COMMON+=(--seq-length "$SEQ_LEN")
-"${LAUNCH[@]}" tools/evaluate_gpt2.py --task WIKITEXT103 --valid-data "$WIKITEXT_FILE" \
+"${LAUNCH[@]}" "$ROOT/tools/evaluate_gpt2.py" --task WIKITEXT103 --valid-data "$WIKITEXT_FILE" \
     --overlapping-eval "$OVERLAP" "${COMMON[@]}" "$@"
-"${LAUNCH[@]}" tools/evaluate_gpt2.py --task LAMBADA --valid-data "$LAMBADA_FILE" \
+"${LAUNCH[@]}" "$ROOT/tools/evaluate_gpt2.py" --task LAMBADA --valid-data "$LAMBADA_FILE" \
     --strict-lambada "${COMMON[@]}" "$@"

@@ -16,8 +16,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/check_env.sh"
+take_script_flags CHECKPOINT_DIR=--load -- "$@"  # --load among the arguments is the checkpoint
 from_callers_folder CHECKPOINT_DIR
-cd "$ROOT"
 require_whole 1 MP_SIZE OUT_SEQ_LENGTH
 require_whole 0 TOP_K
 require_number TEMPERATURE
@@ -33,10 +33,14 @@ ARGS=(--load "$CHECKPOINT_DIR" --model-parallel-size "$MP_SIZE"
 # Sampling defaults, unless --greedy is asked for (which takes no sampling flags; a TOP_K or
 # TEMPERATURE set with it still goes through, for the tool to refuse)
 GREEDY=0
+TOP_P_GIVEN=0
 for arg in "$@"; do
-    if [ "$arg" = "--greedy" ]; then GREEDY=1; fi
+    case "$arg" in
+        --greedy) GREEDY=1 ;;
+        --top_p|--top-p|--top_p=*|--top-p=*) TOP_P_GIVEN=1 ;;  # (the alternative to top-k)
+    esac
 done
-if [ "$GREEDY" = 0 ] || [ -n "${TOP_K+set}" ]; then
+if { [ "$GREEDY" = 0 ] && [ "$TOP_P_GIVEN" = 0 ]; } || [ -n "${TOP_K+set}" ]; then
     ARGS+=(--top_k "${TOP_K:-40}")
 fi
 if [ "$GREEDY" = 0 ] || [ -n "${TEMPERATURE+set}" ]; then
@@ -44,6 +48,6 @@ if [ "$GREEDY" = 0 ] || [ -n "${TEMPERATURE+set}" ]; then
 fi
 if [ "$MP_SIZE" -gt 1 ]; then
     exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$MP_SIZE" \
-        tools/generate_samples.py "${ARGS[@]}" "$@"
+        "$ROOT/tools/generate_samples.py" "${ARGS[@]}" "$@"
 fi
-exec "$PY" tools/generate_samples.py "${ARGS[@]}" "$@"
+exec "$PY" "$ROOT/tools/generate_samples.py" "${ARGS[@]}" "$@"

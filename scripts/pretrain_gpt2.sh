@@ -93,5 +93,6 @@ OUTPUT_ARGS=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "
              --eval-iters "$EVAL_ITERS" --tensorboard-dir "$RUN_DIR")
 
 source scripts/launch_env.sh  # GLIBC_TUNABLES for ZeRO-3's host memory
-exec "$PY" pretrain_gpt2.py "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" \
+cd "$CALLER_DIR"  # relative paths among the arguments: from where the script was run
+exec "$PY" "$ROOT/pretrain_gpt2.py" "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" \
     "${OUTPUT_ARGS[@]}" "$@"

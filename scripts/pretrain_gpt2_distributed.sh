@@ -204,5 +204,6 @@ OUTPUT_ARGS=(--distributed-timeout-minutes "$TIMEOUT_MINUTES"
              --eval-iters "$EVAL_ITERS" --tensorboard-dir "$RUN_DIR")
 
 source scripts/launch_env.sh  # GLIBC_TUNABLES for ZeRO-3's host memory
-exec "$PY" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt2.py \
+cd "$CALLER_DIR"  # relative paths among the arguments: from where the script was run
+exec "$PY" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$ROOT/pretrain_gpt2.py" \
     "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"

@@ -289,3 +289,26 @@ def test_the_launch_scripts_are_executable():
                    "pretrain_gpt2_model_parallel.sh", "ds_pretrain_gpt2.sh", "generate_text.sh",
                    "evaluate_zeroshot_gpt2.sh", "prepare_default_data.sh", "setup.sh"):
         assert os.access(REPO / "scripts" / script, os.X_OK), script
+
+
+def _fake_venv(tmp_path):
+    """A VENV whose python prints the folder it runs in and its arguments, one per line."""
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/usr/bin/env bash\npwd\nprintf "%s\\n" "$@"\n')
+    python.chmod(0o755)
+    return tmp_path / "venv"
+
+
+def test_generate_text_reads_load_and_top_p_and_runs_where_it_was_started(tmp_path):
+    """--load among the arguments is the checkpoint (it was ignored for the default's
+    "no checkpoint" error); --top_p alone is not met by the script's default --top_k (the
+    tool refuses both); relative paths are the caller's."""
+    (tmp_path / "ck").mkdir()
+    done = _run_from(tmp_path, "generate_text.sh", tmp_path, "--load", "ck", "--top_p", "0.9",
+                     "--sample-input-file", "prompts.txt", VENV=str(_fake_venv(tmp_path)))
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout.splitlines()
+    assert printed[0] == str(tmp_path)  # (the tool reads prompts.txt from there)
+    assert printed[printed.index("--load") + 1] == f"{tmp_path}/ck"
+    assert "--top_k" not in printed and "--top_p" in printed
