@@ -147,7 +147,7 @@ def _write_jsonl(path, records):
 def read_prompts(path):
     """The non-blank lines of the prompts file (rank 0 reads it, before any process group)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # (a BOM some editors write is no text)
             return [line.rstrip("\n") for line in f if line.strip()]
     except UnicodeDecodeError as error:
         raise ConfigError(f"--sample-input-file {path} is not UTF-8 text (byte {error.start}); "

@@ -73,6 +73,10 @@ def main(argv=None):
     if not texts:
         return _error(f"--input {args.input} holds no {{\"text\": ...}} documents "
                       f"({malformed} malformed lines)")
+    if args.num_documents >= len(texts):  # the stand-ins are the training text itself
+        print(f" note: --num-documents {args.num_documents} covers the whole corpus "
+              f"({len(texts)} documents): none is held out from training, so the scores are "
+              "on text the model trained on; give fewer")
     held_out = texts[-args.num_documents:]
     passages = [p for t in held_out for p in lambada_passages(t, args.passage_words)]
     if not passages:  # before anything is written over an earlier pair of files

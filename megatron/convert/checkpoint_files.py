@@ -165,7 +165,8 @@ def _resolve_iteration(load_dir, iteration):
             raise CheckpointError(hint)
         raise CheckpointError(f"--load {load_dir} is not a checkpoint directory: it has no "
                               f"{TRACKER_FILENAME}. Point --load at a directory written by "
-                              "pretrain_gpt2.py --save, or name an iteration with --iteration")
+                              "pretrain_gpt2.py --save (tools/merge_mp_partitions.py "
+                              "--iteration N reads one whose tracker is missing)")
     return tracked, release
 
 

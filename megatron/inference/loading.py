@@ -129,7 +129,8 @@ def initialize_inference(args):
     from megatron.runtime.initialize import initialize_megatron
     from megatron.runtime.launch import discover_launch_environment
     quantization_config(args)  # its flag errors before any work
-    world_size = discover_launch_environment().world_size
+    launch = discover_launch_environment()
+    world_size = launch.world_size
     tp = args.model_parallel_size
     for flag, value in (("--model-parallel-size", tp), ("--threads", args.threads),
                         ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)):
@@ -144,6 +145,12 @@ def initialize_inference(args):
     if not args.distributed_timeout_minutes > 0:
         raise ConfigError(f"--distributed-timeout-minutes must be positive, got "
                           f"{args.distributed_timeout_minutes}")
+    if not 0 <= args.seed <= MAX_INT:  # (the trainer's range; numpy takes < 2^32)
+        raise ConfigError(f"--seed must be from 0 to {MAX_INT}, got {args.seed}")
+    if world_size > tp and launch.rank == 0:
+        print(f" note: {world_size} processes at --model-parallel-size {tp}: each group of {tp} "
+              f"runs the whole job, so {world_size // tp} groups repeat the same work; launch "
+              f"{tp} process(es)", flush=True)
     return initialize_megatron(ParallelConfig(
         world_size=world_size, model_parallel_size=tp, data_parallel_size=world_size // tp,
         pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=None,

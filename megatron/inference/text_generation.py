@@ -53,7 +53,12 @@ def choose_tokens(logits, params):
     """Next token ids [b] from last-position logits [b, v] (fp32)."""
     if params.greedy:
         return torch.argmax(logits, dim=-1)
-    logits = top_k_top_p_filter(logits / params.temperature, params.top_k, params.top_p)
+    # Shifted so the largest is 0, and divided by at least the dtype's smallest normal number:
+    # a tiny temperature then samples the argmax (its limit), where the logits divided
+    # overflowed to inf (or the temperature rounded to 0) and softmax gave NaN
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    temperature = max(params.temperature, torch.finfo(logits.dtype).tiny)
+    logits = top_k_top_p_filter(shifted / temperature, params.top_k, params.top_p)
     return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
 
 

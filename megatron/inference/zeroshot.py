@@ -79,7 +79,7 @@ def _read_text(path, what):
         raise DataError(f"{what} file {path} "
                         f"{'is a directory' if os.path.isdir(path) else 'does not exist'}")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # (a BOM some editors write is no text)
             return f.read()
     except UnicodeDecodeError as error:
         raise DataError(f"{path} is not UTF-8 text (byte {error.start}), so not a {what} "

@@ -261,6 +261,25 @@ def test_generate_samples_bad_flags(corpus, tmp_path, capsys):
     assert tool.main(["--load", load, "--greedy", "--threads", str(2 ** 40)]) == 2  # ValueError
     assert capsys.readouterr().err == (f"error: --threads {2 ** 40} is out of range (at most "
                                        f"{2 ** 31 - 1})\n")
+    for seed in ("-1", str(2 ** 40)):  # numpy's ValueError and a traceback
+        assert tool.main(["--load", load, "--greedy", "--seed", seed]) == 2
+        assert capsys.readouterr().err == f"error: --seed must be from 0 to {2 ** 31 - 1}, " \
+                                          f"got {seed}\n"
+
+
+def test_a_tiny_temperature_samples_the_most_likely_token():
+    """logits / 1e-40 overflowed to inf and softmax to NaN: torch.multinomial's error."""
+    from megatron.inference.text_generation import SamplingParams, choose_tokens
+    logits = torch.tensor([[1.0, 3.0, 2.0], [5.0, -1.0, 4.9]])
+    for temperature in (1e-40, 1e-300):
+        chosen = choose_tokens(logits, SamplingParams(temperature=temperature))
+        assert chosen.tolist() == [1, 0]
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_bytes("\ufeffthe king\nthe queen\n".encode("utf-8"))
+    assert tool.read_prompts(str(path)) == ["the king", "the queen"]
 
 
 def test_generate_samples_checks_its_files_before_loading_the_model(tmp_path, capsys):

@@ -239,3 +239,10 @@ def test_megatrons_evaluation_command_line_runs_and_batches_change_no_metric(set
     assert results["megatron"]["ppl"] == pytest.approx(results["one"]["ppl"], rel=2e-2)
     with pytest.raises(SystemExit):  # two precisions: argparse's usage error
         tool.get_args(base + ["--fp16", "--precision", "bf16"])
+
+
+def test_a_byte_order_mark_does_not_hide_the_first_lambada_line(tmp_path):
+    """A file saved with a BOM: its first line was 'not a JSON object'."""
+    path = tmp_path / "lambada.jsonl"
+    path.write_bytes(("\ufeff" + json.dumps({"text": "the king spoke"}) + "\n").encode("utf-8"))
+    assert zeroshot.read_lambada(str(path)) == ["the king spoke"]

@@ -39,6 +39,11 @@ def test_writes_both_files_from_the_last_documents_and_counts_what_it_skipped(co
     passages = [json.loads(line)["text"] for line in (out / "lambada_test.jsonl").open()]
     assert passages and all(2 <= len(p.split()) <= 20 for p in passages)
     assert all(len(p.split()[-1]) >= 3 for p in passages)  # a real word to predict
+    assert "none is held out" not in said
+    assert tool.main(["--input", str(corpus), "--output-dir", str(out),
+                      "--num-documents", "5"]) == 0
+    assert " note: --num-documents 5 covers the whole corpus (5 documents): none is held out " \
+           "from training" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flags, message", [
