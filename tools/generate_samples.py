@@ -191,6 +191,10 @@ def generate_interactive(generator, tokenizer, params):
         record = generate_text(generator, tokenizer, prompt, params)
         if _is_writer():
             print(f"\nContext: {prompt}\n\nMegatron-LM: {record['text']}\n", flush=True)
+            if "context_truncated_to_tokens" in record:  # (said in the file modes too)
+                print(f" note: the prompt did not fit {generator.max_length} positions with "
+                      "room for a new token; only its last "
+                      f"{record['context_truncated_to_tokens']} tokens were read", flush=True)
 
 
 def generate_unconditional(generator, tokenizer, params, args):
@@ -230,6 +234,9 @@ def run(args):
         if args.num_samples > 0:
             generate_unconditional(generator, tokenizer, params, args)
         elif args.sample_input_file:
+            if args.batch_size > 1 and _is_writer():
+                print(f" note: --batch-size {args.batch_size} batches --num-samples; prompts "
+                      "are continued one at a time", flush=True)
             generate_from_file(generator, tokenizer, params, args, prompts)
         else:
             generate_interactive(generator, tokenizer, params)

@@ -55,9 +55,9 @@ def read_sharded_checkpoint(load_dir, iteration=None):
         raise CheckpointError(f"{os.path.join(load_dir, TRACKER_FILENAME)} names iteration "
                               f"{'release' if release else iteration}, but {directory} does "
                               "not exist; the tracker file does not match the folders")
-    stages = _pipeline_stages(directory)
-    if stages > 1:
-        return _read_staged(load_dir, iteration, release, directory, stages)
+    stages = _stage_folders(directory)
+    if stages:
+        return _read_staged(load_dir, iteration, release, directory, max(stages) + 1)
     first_path = get_checkpoint_name(load_dir, iteration, mp_rank=0, release=release,
                                      pipeline_parallel=False)
     first = _read_file(first_path)
@@ -89,9 +89,11 @@ def _read_file(path):
     return as_this_layout(safe_load(path, mmap=True), path)
 
 
-def _pipeline_stages(directory):
-    stages = {int(m.group(1)) for m in map(_STAGE_DIR.fullmatch, os.listdir(directory)) if m}
-    return max(stages) + 1 if stages else 1
+def _stage_folders(directory):
+    """The pipeline stages whose mp_rank_TT_PPP folders `directory` holds; none for a
+    checkpoint saved without stages. (One stage's folder alone is still a staged checkpoint,
+    whose first file says how many stages it should have.)"""
+    return {int(m.group(1)) for m in map(_STAGE_DIR.fullmatch, os.listdir(directory)) if m}
 
 
 def _read_staged(load_dir, iteration, release, directory, stages):

@@ -178,6 +178,12 @@ def _drop_padding_rows(state, args, vocab_size, load_dir):
             f"the tokenizer ({source}) has {vocab_size} tokens, but {load_dir}/config.json's "
             f"vocab_size is {rows}: ids from {rows} on have no embedding row; give the "
             "tokenizer files the model was trained with")
+    if rows - vocab_size > vocab_size:  # padding rounds up to a multiple; it never doubles
+        raise CheckpointError(
+            f"the tokenizer ({source}) has {vocab_size} tokens, but {load_dir}/config.json's "
+            f"vocab_size is {rows}: {rows - vocab_size} rows more than tokens are not padding, "
+            "so the tokenizer is not the model's; give the tokenizer files the model was "
+            "trained with")
     state[WORD_EMBEDDINGS] = state[WORD_EMBEDDINGS][:vocab_size].clone()
     args["orig_vocab_size"] = vocab_size
     return (f"config.json's vocab_size {rows} is {rows - vocab_size} rows more than the "

@@ -136,3 +136,19 @@ def test_a_step_folder_given_for_the_checkpoint_names_the_folder_above(tmp_path)
                                               rf"checkpoint: give the checkpoint folder above it, "
                                               rf"{tmp_path / 'ckpt'} \(its tracker"):
         detect_format(str(step))
+
+
+def test_a_rank_whose_optimizer_file_is_missing_is_said_to_be_missing(tmp_path):
+    """It was blamed on tensor parallelism, which these files do not have."""
+    from pathlib import Path
+
+    from zero.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from zero.errors import CheckpointError
+    fixture = Path(__file__).parents[1] / "compat" / "fixtures" / "checkpoints" / "zero2_fp32_dp2"
+    shutil.copytree(fixture, tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError) as error:
+        get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt"))
+    assert "expected 2 *_optim_states.pt files in" in str(error.value)
+    assert "found 1: the checkpoint is incomplete: a rank's files were not written or not " \
+           "copied" in str(error.value)

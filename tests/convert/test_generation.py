@@ -5,6 +5,7 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -217,6 +218,16 @@ def test_generate_samples_tool_modes(corpus, tmp_path, monkeypatch, capsys):
     assert tool.main(base + ["--greedy"]) == 0
     shown = capsys.readouterr().out
     assert shown.count(tool.PROMPT) == 3 and f"Megatron-LM: {greedy[0]['text']}" in shown
+    assert "did not fit" not in shown
+    # a prompt longer than the model's 48 positions: cut, as in the file mode, and said so
+    monkeypatch.setattr("sys.stdin", io.StringIO("the king said " * 40 + "\nstop\n"))
+    assert tool.main(base + ["--greedy"]) == 0
+    assert " note: the prompt did not fit 48 positions with room for a new token; only its " \
+           "last 47 tokens were read" in capsys.readouterr().out
+    assert tool.main(base + ["--sample-input-file", str(prompts), "--sample-output-file",
+                             str(out), "--greedy", "--batch-size", "4"]) == 0
+    assert " note: --batch-size 4 batches --num-samples; prompts are continued one at a time" \
+        in capsys.readouterr().out
 
 
 def test_generation_from_pipeline_stages_equals_one_file(corpus, tmp_path, capsys):
@@ -243,6 +254,13 @@ def test_generation_from_pipeline_stages_equals_one_file(corpus, tmp_path, capsy
                                          "runs the whole model on each tensor-parallel rank") == 1
     assert tool.main(["--load", staged, "--pipeline-model-parallel-size", "0", "--greedy"]) == 2
     assert "--pipeline-model-parallel-size must be positive, got 0" in capsys.readouterr().err
+    for folder in ("mp_rank_00_001", "mp_rank_01_001"):  # one stage's folders left
+        shutil.rmtree(os.path.join(staged, "release", folder))
+    assert tool.main(["--load", staged, "--greedy", "--sample-input-file", str(prompts)]) == 2
+    assert "should hold mp_rank_00_000, mp_rank_00_001, mp_rank_01_000, mp_rank_01_001 " \
+           "(model_parallel_size 2 x pipeline_model_parallel_size 2), but holds " \
+           "mp_rank_00_000, mp_rank_01_000: the checkpoint is incomplete" \
+           in capsys.readouterr().err  # (it named a mp_rank_00/ file that never existed)
 
 
 def test_generate_samples_bad_flags(corpus, tmp_path, capsys):

@@ -14,6 +14,7 @@ from megatron.checkpointing.state_dicts import to_flat_state_dict
 from megatron.convert.loaders import load_model_weights
 from megatron.convert.savers import save_model_weights
 from megatron.convert.tp_layout import WORD_EMBEDDINGS
+from megatron.errors import CheckpointError
 from megatron.inference.loading import build_model_from_weights
 from tests.convert.conftest import load_tool, random_weights, tokenized_weights
 
@@ -320,3 +321,15 @@ def test_an_hf_folder_without_a_tokenizer_says_so(tmp_path, capsys):
     assert (f"note: {tmp_path / 'hf'} holds no tokenizer (the checkpoint records none, or its "
             "files are gone): give --vocab-file and --merge-file, or --tokenizer-model, to copy "
             "one in") in capsys.readouterr().out
+
+
+def test_more_rows_past_the_tokenizer_than_tokens_is_another_tokenizer(corpus, tmp_path):
+    """An 8192-row model given a 1000-token tokenizer: 88% of its rows were 'padding', dropped
+    with a note, and the text came out garbled."""
+    _, vocab = _padded_hf_folder(corpus, tmp_path / "wide", extra_rows=5000)
+    assert vocab < 5000
+    with pytest.raises(CheckpointError) as error:
+        load_model_weights(str(tmp_path / "wide"))
+    assert f"has {vocab} tokens, but {tmp_path / 'wide'}/config.json's vocab_size is " \
+           f"{vocab + 5000}: 5000 rows more than tokens are not padding, so the tokenizer is " \
+           "not the model's" in str(error.value)

@@ -66,9 +66,11 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None,
         stage = saved_zero_stage(optim[0], optim_files[0])
         world = max(_as_list(optim[0]["partition_count"]))
         if len(optim) != world:
-            raise CheckpointError(f"expected {world} *_optim_states.pt files in {ckpt_dir}, found "
-                                  f"{len(optim)} (checkpoints with tensor parallelism > 1 are "
-                                  "not handled: consolidate each TP rank's files separately)")
+            why = ("the checkpoint is incomplete: a rank's files were not written or not "
+                   "copied" if len(optim) < world else "files of another save are mixed in")
+            raise CheckpointError(f"expected {world} *_optim_states.pt files in {ckpt_dir} (one "
+                                  f"per data-parallel rank that saved it), found {len(optim)}: "
+                                  f"{why}")
         if stage <= 2:
             slices = [[o["single_partition_of_fp32_groups"][g] for o in optim]
                       for g in range(len(model_states["param_shapes"]))]
