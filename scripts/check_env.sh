@@ -40,6 +40,11 @@ from_callers_folder() {
 
 from_callers_folder VENV  # (the scripts' python: ${VENV:-<repo>/.venv}/bin/python)
 
+# torchrun, from the venv's torch, with failures said in one line (megatron/runtime/torchrun.py)
+torchrun_command() {
+    TORCHRUN=(env "PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m megatron.runtime.torchrun)
+}
+
 require_port() {
     local name
     require_whole 1 "$@"

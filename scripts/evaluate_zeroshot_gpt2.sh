@@ -49,7 +49,10 @@ if [ -z "${WIKITEXT_FILE:-}" ] || [ -z "${LAMBADA_FILE:-}" ]; then
     LAMBADA_FILE="${LAMBADA_FILE:-$ZS_DIR/lambada_test.jsonl}"
 fi
 LAUNCH=("$PY")
-[ "$MP_SIZE" -gt 1 ] && LAUNCH=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$MP_SIZE")
+if [ "$MP_SIZE" -gt 1 ]; then
+    torchrun_command
+    LAUNCH=("${TORCHRUN[@]}" --standalone --nproc_per_node "$MP_SIZE")
+fi
 COMMON=(--load "$CHECKPOINT_DIR" --model-parallel-size "$MP_SIZE")
 [ -n "${SEQ_LEN:-}" ] && COMMON+=(--seq-length "$SEQ_LEN")
 "${LAUNCH[@]}" "$ROOT/tools/evaluate_gpt2.py" --task WIKITEXT103 --valid-data "$WIKITEXT_FILE" \

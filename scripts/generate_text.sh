@@ -47,7 +47,8 @@ if [ "$GREEDY" = 0 ] || [ -n "${TEMPERATURE+set}" ]; then
     ARGS+=(--temperature "${TEMPERATURE:-1.0}")
 fi
 if [ "$MP_SIZE" -gt 1 ]; then
-    exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$MP_SIZE" \
+    torchrun_command
+    exec "${TORCHRUN[@]}" --standalone --nproc_per_node "$MP_SIZE" \
         "$ROOT/tools/generate_samples.py" "${ARGS[@]}" "$@"
 fi
 exec "$PY" "$ROOT/tools/generate_samples.py" "${ARGS[@]}" "$@"

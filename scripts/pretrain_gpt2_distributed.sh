@@ -172,7 +172,7 @@ if ! [[ "$TIMEOUT_MINUTES" =~ ^[0-9]*\.?[0-9]+$ ]] || \
 fi
 RDZV_TIMEOUT_S="$(awk -v m="$TIMEOUT_MINUTES" 'BEGIN { print int(m * 60) }')"
 
-# `python -m torch.distributed.run` is torchrun, taken from the venv's torch.
+# torchrun, taken from the venv's torch (its failures said in one line: torchrun_command).
 DISTRIBUTED_ARGS=(--nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES")
 if [ -n "$RDZV_ENDPOINT" ]; then
     DISTRIBUTED_ARGS+=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID"
@@ -205,5 +205,6 @@ OUTPUT_ARGS=(--distributed-timeout-minutes "$TIMEOUT_MINUTES"
 
 source scripts/launch_env.sh  # GLIBC_TUNABLES for ZeRO-3's host memory
 cd "$CALLER_DIR"  # relative paths among the arguments: from where the script was run
-exec "$PY" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$ROOT/pretrain_gpt2.py" \
+torchrun_command
+exec "${TORCHRUN[@]}" "${DISTRIBUTED_ARGS[@]}" "$ROOT/pretrain_gpt2.py" \
     "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
