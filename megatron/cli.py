@@ -8,8 +8,9 @@ from megatron.errors import ConfigError, DataError, Interrupted, TokenizerError,
 
 USER_ERROR_EXIT_CODE = 2
 INTERRUPTED_EXIT_CODE = 130  # what a shell reports for a process ended by SIGINT
-# Errors every rank meets alike (the same flags, files and tokenizer): printed by rank 0 only,
-# as are those marked `said_by_rank0` (megatron/runtime/rank_failures.py)
+# Errors every rank meets alike (the same flags, files and tokenizer): printed by rank 0 only.
+# An error marked `said_elsewhere` says itself whether another rank prints it
+# (megatron/runtime/rank_failures.py).
 SAME_ON_EVERY_RANK = (ConfigError, DataError, TokenizerError)
 RANK0_PRINTS_FIRST_SECONDS = 2.0
 
@@ -19,12 +20,14 @@ def run_cli(main, *args, **kwargs):
     try:
         main(*args, **kwargs)
     except user_error_types() as error:
-        alike = isinstance(error, SAME_ON_EVERY_RANK) or getattr(error, "said_by_rank0", False)
-        if launched_rank() == 0 or not alike:
+        said_elsewhere = getattr(error, "said_elsewhere", None)
+        if said_elsewhere is None:
+            said_elsewhere = isinstance(error, SAME_ON_EVERY_RANK) and launched_rank() != 0
+        if not said_elsewhere:
             print(f"error: {error}", file=sys.stderr, flush=True)
         else:
             # torchrun stops every rank once one exits with an error: the silent ranks give
-            # rank 0, which meets the same error, the moment it needs to print it
+            # the rank that prints it the moment it needs
             time.sleep(RANK0_PRINTS_FIRST_SECONDS)
         return USER_ERROR_EXIT_CODE
     except PermissionError as error:  # a folder the user pointed at that is not theirs

@@ -29,20 +29,26 @@ export CALLER_DIR="${CALLER_DIR:-$PWD}"
 from_callers_folder() {
     # The scripts work in the repository's root; a relative path the user gave is read from
     # the folder they ran the script in (DATA_DIR=data run in /home/me is /home/me/data).
-    local name value
+    # With --lists, each variable is a space-separated list of paths.
+    local lists=0 name value words i
+    [ "${1:-}" = --lists ] && { lists=1; shift; }
     for name in "$@"; do
         value="${!name:-}"
-        if [ -n "$value" ] && [ "${value#/}" = "$value" ]; then
-            printf -v "$name" '%s' "$CALLER_DIR/$value"
-        fi
+        [ -n "$value" ] || continue
+        if (( lists )); then read -r -a words <<< "$value"; else words=("$value"); fi
+        for i in "${!words[@]}"; do
+            [ "${words[$i]#/}" = "${words[$i]}" ] && words[$i]="$CALLER_DIR/${words[$i]}"
+        done
+        printf -v "$name" '%s' "${words[*]}"
     done
 }
 
 from_callers_folder VENV  # (the scripts' python: ${VENV:-<repo>/.venv}/bin/python)
 
-# torchrun, from the venv's torch, with failures said in one line (megatron/runtime/torchrun.py)
+# torchrun, from the venv's torch, with failures said in one line (megatron/runtime/torchrun.py;
+# the repository first on the import path: the folder Python runs in may hold a `megatron` too)
 torchrun_command() {
-    TORCHRUN=(env "PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m megatron.runtime.torchrun)
+    TORCHRUN=("$PY" -c "import sys; sys.path.insert(0, sys.argv.pop(1)); from megatron.runtime.torchrun import main; sys.exit(main())" "$ROOT")
 }
 
 require_port() {

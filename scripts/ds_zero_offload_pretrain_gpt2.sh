@@ -12,7 +12,8 @@
 #   DS_CONFIG=scripts/ds_zero_offload.config  stage 2, offload_optimizer.device "cpu", bf16,
 #             micro batch 8.  DS_CONFIG=scripts/ds_zero_stage_3_offload.config: stage 3 with
 #             optimizer and parameters offloaded to "cpu"; DS_CONFIG=scripts/ds_zero_infinity.config:
-#             stage 3 with both in NVMe swap files under data/nvme (ZeRO-Infinity; the model is
+#             stage 3 with both in NVMe swap files under data/nvme of the folder it is run
+#             from, made here (ZeRO-Infinity; the model is
 #             built under zero.Init straight into the swap files). Slow here (small sub-groups,
 #             disk I/O on 2 cores): try TRAIN_ITERS=6 first.
 #   OFFLOAD=nvme  run DS_CONFIG with offload_optimizer switched to NVMe swapping under
@@ -28,7 +29,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/check_env.sh"  # ds_pretrain_gpt2.sh and pretrain_gpt2.sh check theirs
-from_callers_folder DS_CONFIG NVME_PATH
+from_callers_folder DS_CONFIG NVME_PATH RUN_DIR CHECKPOINT_DIR DATA_DIR
 cd "$ROOT"
 require_one_of OFFLOAD nvme
 require_number SUB_GROUP
@@ -38,6 +39,13 @@ CONFIG_NAME="$(basename "$DS_CONFIG")"; CONFIG_NAME="${CONFIG_NAME%.*}"
 RUN_NAME="gpt2_small_offload_${CONFIG_NAME}${OFFLOAD:+_$OFFLOAD}"
 export CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/$RUN_NAME}"
 export RUN_DIR="${RUN_DIR:-$ROOT/runs/$RUN_NAME}"
+# A relative nvme_path in DS_CONFIG (scripts/ds_zero_infinity.config's data/nvme) is read by
+# the trainer, which runs in the folder this script was run from: the swap folder is made there
+if [ -f "$DS_CONFIG" ]; then
+    while read -r swap_dir; do
+        (cd "$CALLER_DIR" && mkdir -p "$swap_dir")
+    done < <(grep -o '"nvme_path": *"[^"]*"' "$DS_CONFIG" | sed 's/.*: *"\(.*\)"$/\1/')
+fi
 NVME_PATH="${NVME_PATH:-$ROOT/data/nvme}"
 mkdir -p "$NVME_PATH"
 

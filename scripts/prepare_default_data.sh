@@ -102,6 +102,7 @@ check_fp32_against_deepspeed_config() {
         case "$arg" in --deepspeed_config=*|--deepscale_config=*) config="${arg#*=}" ;; esac
         previous="$arg"
     done
+    [ -n "$config" ] && [ "${config#/}" = "$config" ] && config="$CALLER_DIR/$config"
     [ -n "$config" ] && [ -f "$config" ] || return 0
     local enabled
     enabled="$("$PY" - "$config" <<'PYEOF'

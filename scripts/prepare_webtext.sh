@@ -22,13 +22,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/check_env.sh"  # before prepare_default_data.sh's setup and corpus
 from_callers_folder DATA_DIR WORK_DIR OUTPUT_JSON
-for list in PAGES URLS; do  # lists of paths (word-split where they are passed on)
-    read -r -a words <<< "${!list:-}"
-    for i in "${!words[@]}"; do
-        [ "${words[$i]#/}" = "${words[$i]}" ] && words[$i]="$CALLER_DIR/${words[$i]}"
-    done
-    printf -v "$list" '%s' "${words[*]:-}"
-done
+from_callers_folder --lists PAGES URLS  # (word-split where they are passed on)
 cd "$ROOT"
 require_whole 1 WORKERS
 require_whole 0 DEMO_DOCS MIN_TOKENS SEED

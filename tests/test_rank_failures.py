@@ -14,6 +14,7 @@ CASES = {
     "two failures": ["a", "b", "a"],
     "a bug on rank 2": [None, "a", "bug"],
     "rank 0 passed, a bug on rank 1": [None, "bug", None],
+    "a bug on rank 0": ["bug", "a", "a"],
     "nothing failed": [None, None, None],
 }
 
@@ -53,7 +54,7 @@ def test_fail_together_is_said_once(case):
         assert all(passed == ["passed"] for _, _, passed in results)
         return
     assert all(passed == [] for _, _, passed in results), "every rank stops"
-    expected_rank0 = {
+    expected = {
         "every rank alike": "error: no such file\n",
         "one rank": "error: rank 1 could not read the thing, so every rank stops: rank 1's "
                     "file is damaged\n",
@@ -65,10 +66,15 @@ def test_fail_together_is_said_once(case):
         "rank 0 passed, a bug on rank 1": "error: rank 1 could not read the thing, so every "
                                           "rank stops: ValueError: boom (its traceback is in "
                                           "that rank's output)\n",
+        "a bug on rank 0": "error: the ranks could not read the thing, so every rank stops:\n"
+                           "rank 0: ValueError: boom (its traceback is in that rank's "
+                           "output)\nranks 1, 2: a\n",
     }[case]
-    assert printed[0] == expected_rank0
-    for rank in (1, 2):
+    # the first rank without a traceback of its own prints it, once
+    printer = min(rank for rank in range(3) if CASES[case][rank] != "bug")
+    assert printed[printer] == expected
+    for rank in range(3):
         if CASES[case][rank] == "bug":
             assert codes[rank] == "traceback"  # raised as it was, for its traceback
-        else:
-            assert codes[rank] == 2 and printed[rank] == "", "rank 0 said it"
+        elif rank != printer:
+            assert codes[rank] == 2 and printed[rank] == "", "said by the printing rank"

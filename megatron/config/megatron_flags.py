@@ -195,6 +195,8 @@ NOT_TAKEN = {
                          "built: --finetune loads the weights and starts at iteration 0 with "
                          "a fresh optimizer",
     "--profile_steps": _PROFILE_STEPS,
+    "--kill-switch-path": "the BigScience fork's spelling: --kill-switch-file PATH (Megatron-"
+                          "DeepSpeed's) saves and exits once the file exists",
     "--trust-remote-code": "Hugging Face tokenizers are not loaded: --tokenizer-type "
                            "GPT2BPETokenizer with --vocab-file/--merge-file, or "
                            "SentencePieceTokenizer with --tokenizer-model",

@@ -178,7 +178,9 @@ def _drop_padding_rows(state, args, vocab_size, load_dir):
             f"the tokenizer ({source}) has {vocab_size} tokens, but {load_dir}/config.json's "
             f"vocab_size is {rows}: ids from {rows} on have no embedding row; give the "
             "tokenizer files the model was trained with")
-    if rows - vocab_size > vocab_size:  # padding rounds up to a multiple; it never doubles
+    # Padding rounds up to a multiple of 128 x TP (1024 at TP 8): more rows than that and than
+    # the tokens themselves are not padding
+    if rows - vocab_size >= 1024 and rows - vocab_size > vocab_size:
         raise CheckpointError(
             f"the tokenizer ({source}) has {vocab_size} tokens, but {load_dir}/config.json's "
             f"vocab_size is {rows}: {rows - vocab_size} rows more than tokens are not padding, "

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from megatron.errors import ConfigError
+from megatron.errors import ConfigError, LaunchError
 
 
 def resolve_device(requested="auto", local_rank=0):
@@ -22,13 +22,17 @@ def resolve_device(requested="auto", local_rank=0):
     if not use_cuda:
         return torch.device("cpu")
     visible = torch.cuda.device_count()
-    if local_rank >= visible:  # (NCCL refuses two ranks on one GPU)
-        raise ConfigError(f"this process has local rank {local_rank}, but torch sees {visible} "
-                          f"GPU(s) on this node: start at most {visible} processes per node "
+    # One GPU visible: this process's own (srun --gpus-per-task=1, a per-rank
+    # CUDA_VISIBLE_DEVICES), whatever its local rank. More, but fewer than the local ranks:
+    # two ranks would share one, which NCCL refuses at the first collective.
+    index = 0 if visible == 1 else local_rank
+    if index >= visible:
+        raise LaunchError(f"this process has local rank {local_rank}, but torch sees {visible} "
+                          f"GPUs on this node: start at most {visible} processes per node "
                           f"(torchrun --nproc_per_node {visible}; check CUDA_VISIBLE_DEVICES), "
                           "or use --device cpu")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def backend_for(device):

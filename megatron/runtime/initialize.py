@@ -50,7 +50,7 @@ def initialize_megatron(parallel, recompute=None, notes=()):
     local_rank = launch.local_rank if parallel.local_rank is None else parallel.local_rank
     if launch.launcher == "torchrun" and "LOCAL_RANK" in os.environ and \
             local_rank != launch.local_rank:
-        raise ConfigError(f"--local_rank {parallel.local_rank} differs from the local rank "
+        raise LaunchError(f"--local_rank {parallel.local_rank} differs from the local rank "
                           f"{launch.local_rank} the {launch.launcher} launcher gave this process "
                           "(LOCAL_RANK): drop --local_rank, the launcher sets it")
     watch_launcher(local_rank)

@@ -2,8 +2,8 @@
 
 A step that every rank passes or fails together (loading a checkpoint) ends with one
 all-gather of what each rank met, so rank 0 can say every distinct failure once, with the
-ranks that met it; the other ranks raise the same error marked `said_by_rank0`, and the entry
-point (megatron/cli.py) prints it on rank 0 only. Before, a job of N ranks printed a
+ranks that met it; the other ranks raise the same error marked `said_elsewhere`, and the
+entry point (megatron/cli.py) prints it once. Before, a job of N ranks printed a
 checkpoint that does not fit the model 2N times. An error that is not a user mistake keeps its
 traceback on the rank that met it.
 """
@@ -13,11 +13,11 @@ import torch.distributed as dist
 from megatron.errors import user_error_types
 
 
-def said_once(error):
-    """`error`, which every rank raises alike (a decision they made together), marked on ranks
-    other than 0 so that only rank 0 prints it."""
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        error.said_by_rank0 = True
+def said_once(error, printer=0):
+    """`error`, which every rank raises alike (a decision they made together), marked on the
+    ranks other than `printer` so that only it prints the error."""
+    if dist.is_available() and dist.is_initialized():
+        error.said_elsewhere = dist.get_rank() != printer
     return error
 
 
@@ -51,9 +51,9 @@ def fail_together(error, what, error_type):
     summary = error_type(_summary(everyone, what))
     if error is not None and str(error) == str(summary):
         summary = error  # every rank met this one: raise it as it was (its type, its cause)
-    if everyone[0][1]:  # rank 0 prints it (it has no traceback of its own to print instead)
-        said_once(summary)
-    raise summary
+    # printed by the first rank without a traceback of its own to print instead
+    raise said_once(summary, printer=min(rank for rank, (_, user) in enumerate(everyone)
+                                         if user))
 
 
 def _summary(everyone, what):

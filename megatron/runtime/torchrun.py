@@ -4,9 +4,12 @@ failure table, after the error the failed worker printed itself.
 
     python -m megatron.runtime.torchrun --nproc_per_node 2 pretrain_gpt2.py ...
 
+(scripts/check_env.sh's torchrun_command starts it with the repository first on the import
+path, ahead of a `megatron` package in the folder it runs in.)
+
 - a worker that failed: `error: pretrain_gpt2.py stopped: rank 1 exited with code 2 (its
   error is above)`, and the launcher exits with the worker's code (2 for a user error, 130
-  for Ctrl-C), where torchrun exits 1;
+  for Ctrl-C; 128 + the signal for one killed by a signal), where torchrun exits 1;
 - a node that never joins, or a rendezvous port already in use: one line naming the address
   and the variables of the launch scripts that set it;
 - Ctrl-C or SIGTERM reaching the launcher: its workers stop as torchrun stops them, and the
@@ -29,11 +32,14 @@ def main(argv=None):
         run(args)
     except ChildFailedError as failure:
         rank, first = failure.get_first_failure()
-        how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
-               else f"exited with code {first.exitcode}")
-        print(f"error: {script} stopped: rank {rank} {how} (its error is above)",
-              file=sys.stderr, flush=True)
-        return first.exitcode if 0 < first.exitcode < 256 else 1
+        if first.exitcode < 0:  # a signal: the process could say nothing itself
+            print(f"error: {script} stopped: rank {rank} was killed by {first.signal_name()} "
+                  "(it printed no error of its own; SIGKILL: out of memory?)", file=sys.stderr,
+                  flush=True)
+            return 128 - first.exitcode
+        print(f"error: {script} stopped: rank {rank} exited with code {first.exitcode} (its "
+              "error is above)", file=sys.stderr, flush=True)
+        return first.exitcode if first.exitcode < 256 else 1
     except SignalException as stopped:
         return 128 + int(stopped.sigval)
     except KeyboardInterrupt:  # before the launcher's own handler was in place
@@ -47,6 +53,8 @@ def main(argv=None):
 def _rendezvous_failure(args, error):
     """What went wrong meeting the other nodes, in the launch scripts' terms."""
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip(".")
+    if args.standalone:  # (one node, its rendezvous on a free local port)
+        return f"the processes on this machine could not meet: {reason}"
     if args.rdzv_endpoint and args.rdzv_backend != "static":
         where, variables, port = args.rdzv_endpoint, "RDZV_ENDPOINT", "RDZV_ENDPOINT's port"
     else:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.errors import ConfigError
+from megatron.errors import ConfigError, LaunchError
 from megatron.runtime.launch import LaunchEnvironment, discover_launch_environment, first_host
 from tests.dist_utils import as_started_now, fork_server, free_port
 from tests.parallel.launching import (REPO, build_corpus, clean_environment, kill_session,
@@ -482,20 +482,25 @@ def test_more_local_ranks_than_gpus_is_an_error_not_a_shared_gpu(monkeypatch):
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     assert device_mod.resolve_device("auto", 1) == torch.device("cuda", 1) and chosen == [1]
-    with pytest.raises(ConfigError, match=r"local rank 2, but torch sees 2 GPU\(s\) on this node: "
+    with pytest.raises(LaunchError, match=r"local rank 2, but torch sees 2 GPUs on this node: "
                                           r"start at most 2 processes per node"):
         device_mod.resolve_device("auto", 2)
+    # one GPU per task (srun --gpus-per-task=1): each rank's own, whatever its local rank
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert device_mod.resolve_device("auto", 5) == torch.device("cuda", 0)
 
 
-def test_a_local_rank_flag_against_the_launchers_is_an_error(monkeypatch):
+def test_a_local_rank_flag_against_the_launchers_is_an_error_rank_1_prints(monkeypatch,
+                                                                          capsys):
     """--local_rank=0 given to every rank by hand under torchrun: rank 1 (LOCAL_RANK=1) would
-    have taken GPU 0 too."""
-    from megatron.config import resolve_config
-    from megatron.runtime.initialize import initialize_megatron
+    have taken GPU 0 too. Only rank 1 meets it, so rank 1 prints it (rank 0 would not)."""
+    import pretrain_gpt2
     for name, value in dict(RANK=1, WORLD_SIZE=2, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2,
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()).items():
         monkeypatch.setenv(name, str(value))
-    config = resolve_config(FLAGS_FOR_SETUP_ONLY + ["--local_rank=0"])
-    with pytest.raises(ConfigError, match="--local_rank 0 differs from the local rank 1 the "
-                                          "torchrun launcher gave this process"):
-        initialize_megatron(config.parallel)
+    argv = trainer_argv({"prefix": "unused", "vocab": "unused", "merges": "unused"}, "unused",
+                        2, "--batch-size", 2, "--local_rank=0")
+    assert pretrain_gpt2.main(argv) == 2
+    assert capsys.readouterr().err == (
+        "error: --local_rank 0 differs from the local rank 1 the torchrun launcher gave this "
+        "process (LOCAL_RANK): drop --local_rank, the launcher sets it\n")
