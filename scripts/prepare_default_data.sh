@@ -102,10 +102,11 @@ check_fp32_against_deepspeed_config() {
         case "$arg" in --deepspeed_config=*|--deepscale_config=*) config="${arg#*=}" ;; esac
         previous="$arg"
     done
-    [ -n "$config" ] && [ "${config#/}" = "$config" ] && config="$CALLER_DIR/$config"
-    [ -n "$config" ] && [ -f "$config" ] || return 0
+    local path="$config"  # (Python reads a relative one from the caller's folder)
+    [ -n "$config" ] && [ "${config#/}" = "$config" ] && path="$CALLER_DIR/$config"
+    [ -n "$config" ] && [ -f "$path" ] || return 0
     local enabled
-    enabled="$("$PY" - "$config" <<'PYEOF'
+    enabled="$("$PY" - "$path" <<'PYEOF'
 import json, sys
 try:
     with open(sys.argv[1]) as f:

@@ -464,11 +464,19 @@ def test_a_node_that_never_arrives_ends_the_launch_after_the_timeout(corpus, tmp
 
 
 def test_script_rejects_a_timeout_that_is_not_a_number(corpus, tmp_path):
+    """Named as it was given: the variable (checked first) or the flag."""
     env = _script_env(corpus, tmp_path, DISTRIBUTED_TIMEOUT_MINUTES="soon")
     (code, output), = _run_scripts(("pretrain_gpt2_distributed.sh", env, tmp_path / "o.txt"))
     assert code == 2
+    assert output.strip().splitlines()[-1] == "DISTRIBUTED_TIMEOUT_MINUTES must be a " \
+        "non-negative number such as 3, 0.5 or 1e-3 (got 'soon')"
+    env = _script_env(corpus, tmp_path, DISTRIBUTED_TIMEOUT_MINUTES="0")
+    (code, output), = _run_scripts(("pretrain_gpt2_distributed.sh", env, tmp_path / "o.txt",
+                                    "--distributed-timeout-minutes", "0.001"))
+    assert code == 2
     assert output.strip().splitlines()[-1].startswith(
-        "--distributed-timeout-minutes must be a number of minutes")
+        "--distributed-timeout-minutes must be a number of minutes, at least 1 second's worth "
+        "(got '0.001')")
 
 
 def test_more_local_ranks_than_gpus_is_an_error_not_a_shared_gpu(monkeypatch):
