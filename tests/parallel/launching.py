@@ -69,6 +69,13 @@ def trainer_argv(corpus, log_dir, iters, *extra):
         "--merge-file", corpus["merges"], "--log-dir", str(log_dir)] + [str(a) for a in extra]
 
 
+# Enough flags to parse; nothing reads the files (no model or data is built with them).
+FLAGS_FOR_SETUP_ONLY = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1",
+                        "--seq-length", "8", "--batch-size", "1", "--train-iters", "1",
+                        "--lr", "1e-3", "--data-path", "unused", "--tokenizer-type",
+                        "SentencePieceTokenizer", "--tokenizer-model", "unused"]
+
+
 def clean_environment(**overrides):
     """os.environ without launcher variables inherited from whatever runs pytest."""
     env = {k: v for k, v in os.environ.items()
