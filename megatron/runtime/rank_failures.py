@@ -1,11 +1,10 @@
 """Errors the ranks meet together, printed once.
 
 A step that every rank passes or fails together (loading a checkpoint) ends with one
-all-gather of what each rank met, so rank 0 can say every distinct failure once, with the
-ranks that met it; the other ranks raise the same error marked `said_elsewhere`, and the
-entry point (megatron/cli.py) prints it once. Before, a job of N ranks printed a
-checkpoint that does not fit the model 2N times. An error that is not a user mistake keeps its
-traceback on the rank that met it.
+all-gather of what each rank met, so one rank (rank 0, unless it met a bug) can say every
+distinct failure once, with the ranks that met it; the other ranks raise the same error marked
+`said_elsewhere`, and the entry point (megatron/cli.py) prints it once, not once per rank. An
+error that is not a user mistake keeps its traceback on the rank that met it.
 """
 
 import torch.distributed as dist
