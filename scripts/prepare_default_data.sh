@@ -102,8 +102,8 @@ check_fp32_against_deepspeed_config() {
         case "$arg" in --deepspeed_config=*|--deepscale_config=*) config="${arg#*=}" ;; esac
         previous="$arg"
     done
-    local path="$config"  # (Python reads a relative one from the caller's folder)
-    [ -n "$config" ] && [ "${config#/}" = "$config" ] && path="$CALLER_DIR/$config"
+    local path="$config"
+    from_callers_folder path  # (where Python reads a relative one)
     [ -n "$config" ] && [ -f "$path" ] || return 0
     local enabled
     enabled="$("$PY" - "$path" <<'PYEOF'
