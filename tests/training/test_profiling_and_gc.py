@@ -74,8 +74,10 @@ def test_the_trainer_profiles_the_iterations_asked_for(corpus, tmp_path, capsys)
     trace = tmp_path / "rank0.iterations_2-3.pt.trace.json.gz"
     assert f" rank 0: profiled iterations 2 to 3 (the profiler slows them): trace in {trace}" \
         in out
-    assert re.search(r"top ops by self CPU time, ms per iteration:\n +[0-9.]+ +[0-9.]+%  aten::",
-                     out)
+    table = out.split("top ops by self CPU time, ms per iteration:\n", 1)[1].splitlines()
+    rows = [line for line in table if re.match(r" +[0-9.]+ +[0-9.]+%  \S", line)]
+    # (on a busy machine a Python-side range such as Optimizer.step may rank first)
+    assert 1 <= len(rows) <= 8 and any("aten::" in row for row in rows), table
     with gzip.open(trace) as f:
         events = json.load(f)["traceEvents"]
     names = {event.get("name") for event in events}
