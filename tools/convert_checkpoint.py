@@ -39,6 +39,8 @@ def get_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--load-dir", required=True, help="checkpoint folder to read")
     parser.add_argument("--save-dir", required=True, help="new, empty folder to write")
+    parser.add_argument("--iteration", type=int, default=None,
+                        help="the iteration to convert (default: the one the tracker names)")
     parser.add_argument("--loader", choices=FORMATS, default=None,
                         help="source format (default: detected from --load-dir)")
     parser.add_argument("--saver", choices=SAVERS, required=True, help="target format")
@@ -59,6 +61,8 @@ def get_args(argv=None):
 
 
 def run(args):
+    if args.iteration is not None and args.iteration < 0:
+        raise ConfigError(f"--iteration must be at least 0, got {args.iteration}")
     if args.vocab_size is not None and args.vocab_size < 1:
         raise ConfigError(f"--vocab-size must be positive, got {args.vocab_size}")
     check_save_dir(args.save_dir)
@@ -66,7 +70,7 @@ def run(args):
                                          ("merge_file", args.merge_file),
                                          ("tokenizer_model", args.tokenizer_model)) if v}
     weights = load_model_weights(args.load_dir, args.loader, args.vocab_size,
-                                 tokenizer_files or None)
+                                 tokenizer_files or None, args.iteration)
     weights.args.update({k: os.path.abspath(v) for k, v in tokenizer_files.items()})
     if tokenizer_files and not weights.args.get("tokenizer_type"):
         weights.args["tokenizer_type"] = ("SentencePieceTokenizer" if args.tokenizer_model

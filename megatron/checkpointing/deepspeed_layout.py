@@ -30,6 +30,12 @@ def checkpoint_tag(iteration):
     return f"global_step{iteration}"
 
 
+def tag_to_load(load_dir, step=None):
+    """The tag of the checkpoint to load: iteration `step`'s (--ckpt-step) when given, else
+    the one `latest` names (None: none)."""
+    return checkpoint_tag(step) if step is not None else read_latest(load_dir)
+
+
 def save_checkpoint(iteration, engine, checkpoint, run_args, train_state, device):
     """DeepSpeed's layout through the engine (every rank), then Megatron's tracker."""
     client_state = {
@@ -54,10 +60,11 @@ def save_checkpoint(iteration, engine, checkpoint, run_args, train_state, device
 
 
 def load_checkpoint(engine, checkpoint, run_args, device):
-    """Resume from checkpoint.load (the tag its `latest` names). Returns the train_state to
+    """Resume from checkpoint.load (iteration checkpoint.load_step's tag, or the one its
+    `latest` names). Returns the train_state to
     continue from, or None when there is nothing to resume."""
     load_dir = checkpoint.load
-    tag = read_latest(load_dir)
+    tag = tag_to_load(load_dir, checkpoint.load_step)
     if tag is None:
         _explain_missing_latest(checkpoint)
         return None
@@ -90,7 +97,9 @@ def load_checkpoint(engine, checkpoint, run_args, device):
     return train_state
 
 
-def holds_deepspeed_checkpoint(load_dir):
+def holds_deepspeed_checkpoint(load_dir, step=None):
+    if step is not None:
+        return os.path.isdir(os.path.join(load_dir, checkpoint_tag(step)))
     return bool(load_dir) and read_latest(load_dir) is not None
 
 

@@ -95,6 +95,12 @@ def read_tracker(checkpoints_path):
                               f"found {text!r}; fix or delete the file") from None
 
 
+def iteration_to_load(checkpoints_path, step=None):
+    """(iteration, release) of the checkpoint to load: `step` (--ckpt-step) when given, else
+    the one the tracker names ((None, False): none)."""
+    return (step, False) if step is not None else read_tracker(checkpoints_path)
+
+
 # ------------------------------------------------------------------------- save / load
 
 def save_checkpoint(iteration, module, engine, checkpoint, run_args, train_state, device):
@@ -127,15 +133,15 @@ def save_checkpoint(iteration, module, engine, checkpoint, run_args, train_state
 
 
 def load_checkpoint(module, engine, checkpoint, run_args, device, convert=None):
-    """Resume from checkpoint.load. Returns the train_state dict to continue from, or None
-    when there is nothing to resume.
+    """Resume from checkpoint.load (iteration checkpoint.load_step, or the tracker's). Returns
+    the train_state dict to continue from, or None when there is nothing to resume.
 
-    `convert(load_dir)`: (this rank's file contents, a note) for a checkpoint saved at another
-    tensor-parallel or pipeline size, None when it has this run's layout
+    `convert(load_dir, step)`: (this rank's file contents, a note) for a checkpoint saved at
+    another tensor-parallel or pipeline size, None when it has this run's layout
     (megatron.convert.online.convert_for_this_rank); without it such a checkpoint is an error
     that names the conversion tool. The note is printed once."""
     load_dir = checkpoint.load
-    iteration, release = read_tracker(load_dir)
+    iteration, release = iteration_to_load(load_dir, checkpoint.load_step)
     if iteration is None:
         if os.path.isdir(load_dir) and os.listdir(load_dir) and \
                 not resuming_own_save(checkpoint):
@@ -144,15 +150,16 @@ def load_checkpoint(module, engine, checkpoint, run_args, device, convert=None):
         return None  # nothing to resume: start from scratch (Megatron behaviour)
     path = get_checkpoint_name(load_dir, iteration, release=release)
     directory = os.path.dirname(os.path.dirname(path))
-    converted = convert(load_dir) if convert is not None else None
+    converted = convert(load_dir, checkpoint.load_step) if convert is not None else None
     if converted is not None:
         state, note = converted
         if is_global_rank0():
             print(f" note: {note}", flush=True)
     else:
         if not os.path.isfile(path):
-            explain_missing_file(load_dir, iteration, path, directory, run_args,
-                                 get_checkpoint_tracker_filename(load_dir))
+            named_by = get_checkpoint_tracker_filename(load_dir) \
+                if checkpoint.load_step is None else f"--ckpt-step {checkpoint.load_step}"
+            explain_missing_file(load_dir, iteration, path, directory, run_args, named_by)
         state = as_this_layout(safe_load(path), path)
     require_weights_only(state, checkpoint, path)
     if "args" in state:
@@ -244,7 +251,9 @@ def _load_optimizer(engine, state, run_args, path, fp32_weights):
             "one this trainer runs)")
 
 
-def holds_megatron_checkpoint(load_dir):
+def holds_megatron_checkpoint(load_dir, step=None):
+    if step is not None:
+        return os.path.isdir(os.path.join(load_dir, f"iter_{step:07d}"))
     return bool(load_dir) and os.path.isfile(get_checkpoint_tracker_filename(load_dir))
 
 

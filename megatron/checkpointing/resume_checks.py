@@ -114,7 +114,8 @@ def explain_missing_file(load_dir, iteration, path, directory, run_args, tracker
     check_model_parallel_size(load_dir, run_args, directory, _recorded_size(directory))
     raise CheckpointError(f"{tracker} names iteration "
                           f"{iteration}, but {path} is missing: the checkpoint is "
-                          "incomplete. Resume from an earlier iteration or save again")
+                          "incomplete. Resume from an earlier iteration (--ckpt-step N) or "
+                          "save again")
 
 
 def optimizer_state_tiling_mismatch(saved_args, run_args):

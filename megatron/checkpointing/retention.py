@@ -13,7 +13,9 @@ Pruning runs on global rank 0 only after a new checkpoint is complete and its tr
 names it, so at every moment the tracker names a complete checkpoint. A directory is first
 renamed to a hidden `.<name>.deleting` (one atomic step: it stops looking like a checkpoint at
 once) and then removed; a crash half way through a removal leaves only hidden debris, which
-the next prune clears. The directory the tracker names is never removed, whatever its number.
+the next prune clears. The directory the tracker names is never removed, whatever its number,
+nor those after it (a run that went back to an older one leaves them until it saves over
+them).
 """
 
 import os
@@ -108,8 +110,12 @@ def prune_checkpoints(save_dir, keep, layout, run_id):
         if name.endswith(DELETING_SUFFIX):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
     current = _current(save_dir, layout)
-    mine = [name for _, name in checkpoint_dirs(save_dir, layout)
-            if run_id_of(save_dir, name) == run_id]
+    match = re.fullmatch(layout.pattern, current or "")
+    newest = int(match.group(1)) if match else None
+    # (a run resumed from an older step, --ckpt-step, leaves the later ones alone: they are
+    # the timeline it rolled back from, saved over only as it reaches them)
+    mine = [name for iteration, name in checkpoint_dirs(save_dir, layout)
+            if run_id_of(save_dir, name) == run_id and (newest is None or iteration <= newest)]
     old = [name for name in mine[:-keep] if name != current]
     for name in old:
         doomed = os.path.join(save_dir, f".{name}{DELETING_SUFFIX}")

@@ -244,6 +244,12 @@ def _checkpointing(parser):
     g.add_argument("--load", default=None,
                    help="directory to resume from; model flags left out are taken from its "
                         "checkpoint")
+    g.add_argument("--ckpt-step", type=int, default=None, metavar="N",
+                   help="load iteration N from --load instead of the one its tracker names "
+                        "(Megatron-LM's)")
+    g.add_argument("--load-tag", default=None, metavar="TAG",
+                   help="the same by the checkpoint's folder name: global_stepN (--deepspeed) "
+                        "or iter_NNNNNNN (Megatron-DeepSpeed's)")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="a --load folder without a checkpoint is an error instead of a run "
                         "from scratch (Megatron-LM's; for jobs that must resume)")

@@ -13,6 +13,7 @@ its value, and loading rejects it later when it disagrees with the checkpoint.
 
 import math
 import os
+import re
 
 from megatron.data.data_path import parse_data_path
 from megatron.data.splits import parse_splits
@@ -30,20 +31,86 @@ _FILES_READ_BY = {"GPT2BPETokenizer": ("vocab_file", "merge_file"),
                   "SentencePieceTokenizer": ("tokenizer_model",)}
 # The model-states file of tensor-parallel rank 0 in DeepSpeed's layout: stages 0-2, stage 3.
 _DEEPSPEED_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+# the checkpoint folders of one iteration: DeepSpeed's layout, Megatron's
+_STEP_FOLDER = re.compile(r"global_step(\d+)|iter_(\d{7})")
 
 
-def saved_args_of(load_dir, deepspeed=False):
-    """The `args` dict recorded in the checkpoint at `load_dir`; None when there is none."""
-    state = _first_rank_state(load_dir, deepspeed)
+def load_step(raw):
+    """The iteration --ckpt-step or --load-tag asks to load; None: the one the tracker names."""
+    step, tag = raw.get("ckpt_step"), raw.get("load_tag")
+    if tag is not None:
+        match = _STEP_FOLDER.fullmatch(tag)
+        if match is None:
+            raise CheckpointError(
+                f"--load-tag {tag!r}: this trainer's checkpoint folders are global_stepN "
+                "(--deepspeed) and iter_NNNNNNN; give one of those, or the iteration as "
+                "--ckpt-step N")
+        tagged = int(match.group(1) or match.group(2))
+        if step is not None and step != tagged:
+            raise CheckpointError(f"--ckpt-step {step} and --load-tag {tag} name different "
+                                  "iterations; give one")
+        step = tagged
+    if step is None:
+        return None
+    spelled = _step_flag(raw)
+    if step < 0:
+        raise CheckpointError(f"{spelled} must be 0 or more, got {step}")
+    if not raw.get("load"):
+        raise CheckpointError(f"{spelled} needs --load (the folder holding that checkpoint)")
+    return step
+
+
+def _step_flag(raw):
+    tag = raw.get("load_tag")
+    return f"--load-tag {tag}" if tag is not None else f"--ckpt-step {raw.get('ckpt_step')}"
+
+
+def saved_steps(load_dir):
+    """The iterations of the checkpoint folders in `load_dir` (either layout), ascending."""
+    steps = set()
+    for name in os.listdir(load_dir):
+        match = _STEP_FOLDER.fullmatch(name)
+        if match and os.path.isdir(os.path.join(load_dir, name)):
+            steps.add(int(match.group(1) or match.group(2)))
+    return sorted(steps)
+
+
+def _chosen_step_notes(raw, load, step):
+    """--ckpt-step: the folder must hold that iteration's checkpoint; a note when a newer one
+    is there (the run goes on from the older: a rollback)."""
+    spelled = _step_flag(raw)
+    if not os.path.isdir(load):
+        raise CheckpointError(f"{spelled}: --load {load} does not exist")
+    steps = saved_steps(load)
+    if step not in steps:
+        held = ", ".join(map(str, steps[-12:])) if steps else "none"
+        raise CheckpointError(f"{spelled}: --load {load} holds no checkpoint of iteration "
+                              f"{step} (its iterations: {held})")
+    if steps[-1] <= step:
+        return ()
+    again = ""
+    if raw.get("save") and os.path.realpath(load) == os.path.realpath(raw["save"]):
+        again = (f"; this run saves over the later ones as it reaches them, and a restart "
+                 f"given {spelled} again goes back to {step} again: drop the flag once this "
+                 "run has saved")
+    return (f" note: {spelled}: loading iteration {step} of --load {load}, not its newest "
+            f"({steps[-1]}){again}",)
+
+
+def saved_args_of(load_dir, deepspeed=False, step=None):
+    """The `args` dict recorded in the checkpoint at `load_dir` (of iteration `step`, or the
+    one the tracker names); None when there is none."""
+    state = _first_rank_state(load_dir, deepspeed, step)
     saved = state.get("args") if isinstance(state, dict) else None
     return saved if isinstance(saved, dict) else None
 
 
-def _first_rank_state(load_dir, deepspeed):
+def _first_rank_state(load_dir, deepspeed, step):
     """The first rank's checkpoint file at `load_dir` (memory-mapped), or None."""
     if not load_dir or not os.path.isdir(load_dir):
         return None
-    path = _deepspeed_states_path(load_dir) if deepspeed else _megatron_path(load_dir)
+    path = _deepspeed_states_path(load_dir, step) if deepspeed else \
+        _megatron_path(load_dir, step)
     if path is None or not os.path.isfile(path):
         return None  # a missing file is reported by the load itself, with its full context
     # torch: only when there is a checkpoint
@@ -55,17 +122,18 @@ def _first_rank_state(load_dir, deepspeed):
         return None
 
 
-def _megatron_path(load_dir):
-    from megatron.checkpointing.megatron_layout import first_rank_checkpoint_name, read_tracker
-    iteration, release = read_tracker(load_dir)
+def _megatron_path(load_dir, step):
+    from megatron.checkpointing.megatron_layout import (first_rank_checkpoint_name,
+                                                        iteration_to_load)
+    iteration, release = iteration_to_load(load_dir, step)
     if iteration is None:
         return None
     return first_rank_checkpoint_name(load_dir, iteration, release=release)
 
 
-def _deepspeed_states_path(load_dir):
-    from zero.checkpoint.layout import read_latest
-    tag = read_latest(load_dir)
+def _deepspeed_states_path(load_dir, step):
+    from megatron.checkpointing.deepspeed_layout import tag_to_load
+    tag = tag_to_load(load_dir, step)
     if tag is None:
         return None
     for name in _DEEPSPEED_STATES:
@@ -99,6 +167,9 @@ def load_dir_notes(raw):
             f"--load {load} is a file; --load takes a checkpoint folder (the one holding "
             f"{TRACKER_FILENAME}, or 'latest' for --deepspeed)"
             + (f": here {folder}" if folder else ""))
+    step = load_step(raw)
+    if step is not None:
+        return _chosen_step_notes(raw, load, step)
     must_resume = raw.get("exit_on_missing_checkpoint")
     if not os.path.exists(load):
         if must_resume:
@@ -135,7 +206,7 @@ def _no_checkpoint_to_resume(load, what):
 def values_from_checkpoint(raw, given):
     """{flag: value} for each FROM_CHECKPOINT flag not in `given` that the checkpoint at
     raw["load"] records differently; `raw` is the parsed command line."""
-    saved = saved_args_of(raw.get("load"), raw.get("deepspeed", False))
+    saved = saved_args_of(raw.get("load"), raw.get("deepspeed", False), load_step(raw))
     if saved is None:
         return {}
     skip = set(given)
@@ -185,7 +256,7 @@ def resume_notes(raw):
     --no-load-optim's fresh start) and a sample order that changed under the same count."""
     if raw.get("finetune"):
         return ()
-    state = _first_rank_state(raw.get("load"), raw.get("deepspeed", False))
+    state = _first_rank_state(raw.get("load"), raw.get("deepspeed", False), load_step(raw))
     saved = state.get("args") if isinstance(state, dict) else None
     if not isinstance(saved, dict):
         return ()

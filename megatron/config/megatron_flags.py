@@ -186,8 +186,6 @@ NOT_TAKEN = {
                           "pretrain_gpt2.py mode",
     "--aml-data-download-path": "AzureML mounts are not looked up: give the mounted dataset's "
                                 "prefix as --data-path",
-    "--load-tag": "the checkpoint read is the one <load>/latest names (latest_checkpointed_"
-                  "iteration.txt without --deepspeed): write the wanted tag there",
     "--no-load-lr-state": "the schedule's state resumes with the optimizer's: "
                           "--override-lr-scheduler takes the schedule from the flags, "
                           "--no-load-optim starts both afresh",

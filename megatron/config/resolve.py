@@ -24,7 +24,7 @@ from megatron.config.logging_flags import resolve_logging, timing_option_note
 from megatron.config.profiling_flags import manual_gc_fields, resolve_profiler
 from megatron.config.megatron_flags import always_so_notes
 from megatron.config.pipeline_checks import check_pipeline, checkpoints_per_model_chunk
-from megatron.config.from_checkpoint import (describe, load_dir_notes, resume_notes,
+from megatron.config.from_checkpoint import (describe, load_dir_notes, load_step, resume_notes,
                                              values_from_checkpoint)
 from megatron.config.sections import (CheckpointConfig, DataConfig, EngineConfig, ModelConfig,
                                       OptimizerConfig, ParallelConfig, PrecisionConfig,
@@ -473,6 +473,7 @@ def _checkpoint(raw):
         save_interval = raw["train_iters"]
     return CheckpointConfig(
         save=raw["save"], save_interval=save_interval, load=raw["load"],
+        load_step=load_step(raw),
         no_save_optim=raw["no_save_optim"], no_save_rng=raw["no_save_rng"],
         no_load_optim=raw["no_load_optim"], no_load_rng=raw["no_load_rng"],
         finetune=raw["finetune"], keep_last_n_checkpoints=keep)

@@ -192,6 +192,7 @@ class CheckpointConfig:
     save: Optional[str]
     save_interval: Optional[int]
     load: Optional[str]
+    load_step: Optional[int]  # --ckpt-step: this iteration, not the one the tracker names
     no_save_optim: bool
     no_save_rng: bool
     no_load_optim: bool

@@ -157,7 +157,7 @@ def _resolve_iteration(load_dir, iteration):
         directory = os.path.join(load_dir, f"iter_{iteration:07d}")
         if not os.path.isdir(directory):
             found = sorted(d for d in os.listdir(load_dir) if re.fullmatch(r"iter_\d{7}", d))
-            raise CheckpointError(f"--iteration {iteration}: {directory} does not exist; "
+            raise CheckpointError(f"iteration {iteration}: {directory} does not exist; "
                                   f"saved iterations here: {', '.join(found) or 'none'}")
         return iteration, False
     tracked, release = read_tracker(load_dir)

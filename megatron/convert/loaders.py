@@ -75,17 +75,23 @@ def detect_format(load_dir):
                           f"{FORMAT_HELP}")
 
 
-def load_model_weights(load_dir, loader=None, vocab_size=None, tokenizer_files=None):
-    """ModelWeights from `load_dir` in format `loader` (detected when None)."""
+def load_model_weights(load_dir, loader=None, vocab_size=None, tokenizer_files=None,
+                       iteration=None):
+    """ModelWeights from `load_dir` in format `loader` (detected when None), of `iteration`
+    (default: the one the checkpoint's tracker names)."""
     loader = loader or detect_format(load_dir)
     if loader not in FORMATS:
         raise CheckpointError(f"unknown --loader {loader!r}; understood formats: {FORMAT_HELP}")
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"the checkpoint folder {load_dir} is not a directory")
     if loader == "megatron":
-        return load_megatron(load_dir, vocab_size, tokenizer_files)
+        return load_megatron(load_dir, vocab_size, tokenizer_files, iteration)
     if loader == "deepspeed":
-        return load_deepspeed(load_dir, vocab_size, tokenizer_files)
+        return load_deepspeed(load_dir, vocab_size, tokenizer_files, iteration)
+    if iteration is not None:
+        raise CheckpointError(f"iteration {iteration} was asked for, but {load_dir} is a "
+                              "Hugging Face folder, which holds one model: leave the "
+                              "iteration out")
     return load_hf(load_dir, vocab_size, tokenizer_files)
 
 
@@ -99,15 +105,15 @@ def _model_args(saved_args, vocab_size):
     return args
 
 
-def load_megatron(load_dir, vocab_size=None, tokenizer_files=None):
-    return _load_sharded(read_sharded_checkpoint(load_dir), "megatron", vocab_size,
+def load_megatron(load_dir, vocab_size=None, tokenizer_files=None, iteration=None):
+    return _load_sharded(read_sharded_checkpoint(load_dir, iteration), "megatron", vocab_size,
                          tokenizer_files)
 
 
-def load_deepspeed(load_dir, vocab_size=None, tokenizer_files=None):
+def load_deepspeed(load_dir, vocab_size=None, tokenizer_files=None, iteration=None):
     """The fp32 master weights of a --deepspeed checkpoint (any ZeRO stage, TP and DP size),
     read as Megatron shards by the reader tools/merge_mp_partitions.py --deepspeed uses."""
-    return _load_sharded(read_deepspeed_checkpoint(load_dir, fp32_weights=True,
+    return _load_sharded(read_deepspeed_checkpoint(load_dir, iteration, fp32_weights=True,
                                                    with_optimizer=False), "deepspeed",
                          vocab_size, tokenizer_files)
 

@@ -12,16 +12,17 @@ tools/merge_mp_partitions.py, in memory. The data-parallel size is free in this 
 from megatron import mpu
 from megatron.checkpointing.files import safe_load
 from megatron.checkpointing.megatron_lm import as_this_layout
-from megatron.checkpointing.megatron_layout import first_rank_checkpoint_name, read_tracker
+from megatron.checkpointing.megatron_layout import first_rank_checkpoint_name, iteration_to_load
 from megatron.convert.checkpoint_files import read_sharded_checkpoint
 from megatron.convert.pipeline_layout import stage_file, stage_parameter_names
 from megatron.convert.reshard import check_target_stages, checkpoint_of_rank, resharded
 
 
-def saved_layout(load_dir):
+def saved_layout(load_dir, step=None):
     """(tensor-parallel size, pipeline stages, layers per virtual stage or None) the
-    checkpoint `load_dir` names was saved at, or None without a readable one."""
-    iteration, release = read_tracker(load_dir)
+    checkpoint at `load_dir` (of iteration `step`, or the tracker's) was saved at, or None
+    without a readable one."""
+    iteration, release = iteration_to_load(load_dir, step)
     if iteration is None:
         return None
     path = first_rank_checkpoint_name(load_dir, iteration, release)
@@ -33,16 +34,16 @@ def saved_layout(load_dir):
             args.get("num_layers_per_virtual_pipeline_stage"))
 
 
-def convert_for_this_rank(load_dir, layers_per_virtual_stage=None):
+def convert_for_this_rank(load_dir, step=None, layers_per_virtual_stage=None):
     """(this rank's file contents at the run's layout, a one-line note), or None when the
     checkpoint already has the run's layout (`layers_per_virtual_stage`: the run's
     --num-layers-per-virtual-pipeline-stage)."""
-    saved = saved_layout(load_dir)
+    saved = saved_layout(load_dir, step)
     tp, stages = mpu.get_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size()
     ours = (tp, stages, layers_per_virtual_stage if stages > 1 else None)
     if saved is None or saved == ours or (saved[:2] == (1, 1) and ours[:2] == (1, 1)):
         return None
-    sharded = read_sharded_checkpoint(load_dir)
+    sharded = read_sharded_checkpoint(load_dir, step)
     check_target_stages(sharded.args, stages)
     full, _ = resharded(sharded, tp)  # merges nothing yet: each tensor as it is cut
     stage = mpu.get_pipeline_model_parallel_rank()

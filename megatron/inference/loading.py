@@ -34,6 +34,9 @@ def add_inference_arguments(parser):
     g = parser.add_argument_group("model and runtime")
     g.add_argument("--load", required=True, help="checkpoint folder: Megatron layout, "
                    "--deepspeed layout or a Hugging Face GPT-2 folder (detected)")
+    g.add_argument("--ckpt-step", type=int, default=None, metavar="N",
+                   help="load iteration N instead of the one the checkpoint's tracker names "
+                        "(Megatron-LM's)")
     g.add_argument("--deepspeed", action="store_true",
                    help="--load holds a DeepSpeed-layout checkpoint (also detected)")
     g.add_argument("--loader", choices=FORMATS, default=None,
@@ -145,6 +148,8 @@ def initialize_inference(args):
     if not args.distributed_timeout_minutes > 0:
         raise ConfigError(f"--distributed-timeout-minutes must be positive, got "
                           f"{args.distributed_timeout_minutes}")
+    if args.ckpt_step is not None and not 0 <= args.ckpt_step <= MAX_INT:
+        raise ConfigError(f"--ckpt-step must be from 0 to {MAX_INT}, got {args.ckpt_step}")
     if not 0 <= args.seed <= MAX_INT:  # (the trainer's range; numpy takes < 2^32)
         raise ConfigError(f"--seed must be from 0 to {MAX_INT}, got {args.seed}")
     if world_size > tp and launch.rank == 0:
@@ -165,7 +170,8 @@ def load_inference_model(args, device=torch.device("cpu")):
     loader = "deepspeed" if args.deepspeed and args.loader is None else args.loader
     overrides = {k: getattr(args, k) for k in ("vocab_file", "merge_file", "tokenizer_model")
                  if getattr(args, k)}
-    weights = load_model_weights(args.load, loader, tokenizer_files=overrides or None)
+    weights = load_model_weights(args.load, loader, tokenizer_files=overrides or None,
+                                 iteration=args.ckpt_step)
     check_shape_flags(args, weights.args, args.load)
     if _first_rank():
         iteration = "" if weights.source_format == "hf" else f", iteration {weights.iteration}"

@@ -239,8 +239,9 @@ class ZeroBackend(Backend):
 
     def load(self):
         checkpoint = self.ctx.config.checkpoint
-        if megatron_layout.holds_megatron_checkpoint(checkpoint.load) \
-                and not deepspeed_layout.holds_deepspeed_checkpoint(checkpoint.load):
+        step = checkpoint.load_step
+        if megatron_layout.holds_megatron_checkpoint(checkpoint.load, step) \
+                and not deepspeed_layout.holds_deepspeed_checkpoint(checkpoint.load, step):
             # a checkpoint of the trainer without --deepspeed (or converted by the tools): its
             # weights go into the engine's module (at stage 3 a parameter at a time), its
             # per-parameter optimizer state into the partitions of any stage

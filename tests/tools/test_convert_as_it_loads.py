@@ -3,6 +3,7 @@ each rank converts in memory what tools/merge_mp_partitions.py writes to disk, c
 its own shards of its own stage, one full tensor at a time."""
 
 import os
+import shutil
 import weakref
 from types import SimpleNamespace
 
@@ -27,14 +28,14 @@ def test_loading_at_another_tp_size_converts_as_it_loads(corpus, tp2_run, tmp_pa
             "tensor-parallel size 1 x 1 pipeline stage(s)") in out
 
 
-def _convert_on_rank(load_dir, tp, rank):
-    """What `--load load_dir` converts on tensor-parallel rank `rank` of `tp` (mpu's
-    overrides stand in for the process group)."""
+def _convert_on_rank(load_dir, tp, rank, step=None):
+    """What `--load load_dir` (`--ckpt-step step`) converts on tensor-parallel rank `rank` of
+    `tp` (mpu's overrides stand in for the process group)."""
     from megatron.convert import online
     mpu.set_model_parallel_world_size(tp)
     mpu.set_model_parallel_rank(rank)
     try:
-        return online.convert_for_this_rank(load_dir)
+        return online.convert_for_this_rank(load_dir, step)
     finally:
         mpu.destroy_model_parallel()
 
@@ -102,7 +103,7 @@ def test_a_rank_of_a_pipeline_stage_merges_only_its_stages_tensors(tp2_run, tmp_
 
 def test_tp1_checkpoint_loaded_by_tp_rank_1_names_the_tool(tp2_run, tmp_path):
     merged = convert(tp2_run["save"], str(tmp_path / "m"), 1)
-    checkpoint = SimpleNamespace(load=merged, save=None)
+    checkpoint = SimpleNamespace(load=merged, load_step=None, save=None)
     mpu.set_model_parallel_world_size(2)
     mpu.set_model_parallel_rank(1)  # this rank's file does not exist at TP=1
     try:
@@ -112,3 +113,19 @@ def test_tp1_checkpoint_loaded_by_tp_rank_1_names_the_tool(tp2_run, tmp_path):
         assert "saved with --model-parallel-size 1" in str(error.value)
     finally:
         mpu.destroy_model_parallel()
+
+
+def test_an_older_step_is_the_one_converted(tp2_run, tmp_path):
+    """--ckpt-step 3 converts iteration 3 when the tracker names a newer one, here one whose
+    files are damaged, of another size."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tp2_run["save"], folder)
+    newer = folder / "iter_0000007"
+    for rank in range(3):
+        (newer / f"mp_rank_{rank:02d}").mkdir(parents=True)
+        (newer / f"mp_rank_{rank:02d}" / "model_optim_rng.pt").write_bytes(b"damaged")
+    (folder / "latest_checkpointed_iteration.txt").write_text("7")
+    mine, note = _convert_on_rank(str(folder), tp=4, rank=1, step=3)
+    assert "saved at tensor-parallel size 2 x 1 pipeline stage(s)" in note
+    tool_files = checkpoint_shards(convert(tp2_run["save"], str(tmp_path / "t"), 4))
+    assert_same(flatten(mine), tool_files[1])
