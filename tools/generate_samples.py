@@ -17,12 +17,15 @@
 Flags follow Megatron's tools/generate_samples_gpt2.py.  The model's shape and tokenizer are
 read from the checkpoint.  A KV cache makes each new token cost one token's forward; with
 --recompute every step runs the whole prefix again (same tokens with --greedy, slower).
+Samples are written as they are made, to <output>.partial, renamed to the output file when
+all are done: a run stopped part way keeps what it made there.
 """
 
 import json
 import math
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -136,12 +139,43 @@ def _share(obj):
     return obj
 
 
-def _write_jsonl(path, records):
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+class SampleWriter:
+    """JSON lines written (by rank 0) as each sample is made, to `<path>.partial`, renamed to
+    `path` when all `total` are: a stopped run keeps what it made, a finished file is whole.
+    A line every tenth of a long run says how far it is."""
+
+    def __init__(self, path, total, what):
+        self.path, self.total, self.what = path, total, what
+        self.partial, self.count, self.started = f"{path}.partial", 0, time.monotonic()
+        self.file = open(self.partial, "w", encoding="utf-8") if _is_writer() else None
+
+    def add(self, record):
+        self.count += 1
+        if self.file is None:
+            return
+        self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.file.flush()
+        if self.total >= 20 and self.count % (self.total // 10) == 0 and \
+                self.count < self.total:
+            print(f" {self.count} of {self.total} {self.what} "
+                  f"({time.monotonic() - self.started:.0f} s)", flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if self.file is None:
+            return False
+        self.file.close()
+        if kind is None:
+            os.replace(self.partial, self.path)
+            print(f" wrote {self.count} {self.what} to {self.path}", flush=True)
+        elif self.count:
+            print(f" note: stopped after {self.count} of {self.total} {self.what}; they are "
+                  f"in {self.partial}", flush=True)
+        else:
+            os.remove(self.partial)
+        return False
 
 
 def read_prompts(path):
@@ -157,11 +191,13 @@ def read_prompts(path):
 def generate_from_file(generator, tokenizer, params, args, prompts):
     """`prompts`: rank 0's read_prompts (None on the other ranks)."""
     prompts = _share(prompts)
-    records = [generate_text(generator, tokenizer, prompt, params) for prompt in prompts]
+    cut = 0
+    with SampleWriter(args.sample_output_file, len(prompts), "samples") as writer:
+        for prompt in prompts:
+            record = generate_text(generator, tokenizer, prompt, params)
+            cut += "context_truncated_to_tokens" in record
+            writer.add(record)
     if _is_writer():
-        _write_jsonl(args.sample_output_file, records)
-        print(f" wrote {len(records)} samples to {args.sample_output_file}", flush=True)
-        cut = sum("context_truncated_to_tokens" in record for record in records)
         if cut:
             print(f" note: {cut} of the prompts did not fit {_length_limit(args, generator)} "
                   "with room for a new token and kept only their last tokens "
@@ -198,18 +234,15 @@ def generate_interactive(generator, tokenizer, params):
 
 
 def generate_unconditional(generator, tokenizer, params, args):
-    records = []
-    while len(records) < args.num_samples:
-        batch = min(args.batch_size, args.num_samples - len(records))
-        context = torch.full((batch, 1), tokenizer.eod, dtype=torch.long)
-        new, finished = generator.generate(context, params)
-        for row, done in zip(new.tolist(), finished.tolist()):
-            tokens = row[:row.index(tokenizer.eod)] if tokenizer.eod in row else row
-            records.append({"text": tokenizer.detokenize(tokens), "length": len(tokens),
+    with SampleWriter(args.genfile, args.num_samples, "unconditional samples") as writer:
+        while writer.count < args.num_samples:
+            batch = min(args.batch_size, args.num_samples - writer.count)
+            context = torch.full((batch, 1), tokenizer.eod, dtype=torch.long)
+            new, finished = generator.generate(context, params)
+            for row, done in zip(new.tolist(), finished.tolist()):
+                tokens = row[:row.index(tokenizer.eod)] if tokenizer.eod in row else row
+                writer.add({"text": tokenizer.detokenize(tokens), "length": len(tokens),
                             "finished": bool(done)})
-    if _is_writer():
-        _write_jsonl(args.genfile, records)
-        print(f" wrote {len(records)} unconditional samples to {args.genfile}", flush=True)
 
 
 def run(args):

@@ -230,6 +230,38 @@ def test_generate_samples_tool_modes(corpus, tmp_path, monkeypatch, capsys):
         in capsys.readouterr().out
 
 
+def test_samples_are_written_as_they_are_made_and_a_stop_keeps_them(corpus, tmp_path,
+                                                                    monkeypatch, capsys):
+    """A long prompts file: a line each tenth of the way; stopped at the 23rd prompt, the 22
+    samples made are in <output>.partial (no output file: it is only ever whole)."""
+    load = _checkpoint(corpus, tmp_path)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"the king said {i}\n" for i in range(25)))
+    out = tmp_path / "out.jsonl"
+    argv = ["--load", load, "--out-seq-length", "2", "--greedy", "--sample-input-file",
+            str(prompts), "--sample-output-file", str(out)]
+    real = tool.generate_text
+
+    def stopped_at_the_23rd(generator, tokenizer, prompt, params):
+        if prompt == "the king said 22":
+            raise KeyboardInterrupt
+        return real(generator, tokenizer, prompt, params)
+    monkeypatch.setattr(tool, "generate_text", stopped_at_the_23rd)
+    assert tool.main(argv) == 130
+    shown = capsys.readouterr().out
+    progress = [line.split()[0] for line in shown.splitlines() if " of 25 samples (" in line]
+    assert progress == [str(n) for n in range(2, 23, 2)]
+    assert f" note: stopped after 22 of 25 samples; they are in {out}.partial" in shown
+    assert not out.exists()
+    kept = [json.loads(line) for line in (tmp_path / "out.jsonl.partial").read_text().splitlines()]
+    assert [record["context"] for record in kept] == [f"the king said {i}" for i in range(22)]
+    monkeypatch.setattr(tool, "generate_text", real)
+    assert tool.main(argv) == 0
+    assert f" wrote 25 samples to {out}" in capsys.readouterr().out
+    assert len(out.read_text().splitlines()) == 25
+    assert not (tmp_path / "out.jsonl.partial").exists()
+
+
 def test_generation_from_pipeline_stages_equals_one_file(corpus, tmp_path, capsys):
     """A checkpoint of TP 2 x PP 2 files generates what its single-file form does: the
     loader joins the stages as it reads them (Megatron's --pipeline-model-parallel-size,
