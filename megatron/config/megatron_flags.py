@@ -163,7 +163,6 @@ NOT_TAKEN = {
     "--data-cache-path": "the index maps are written next to the dataset "
                          "(tools/build_index_maps.py builds them before a run)",
     "--no-mmap-bin-files": "the .bin is always memory-mapped",
-    "--empty-unused-memory-level": "not built: the CUDA caching allocator keeps its memory",
     "--use-mpi": "--deepspeed_mpi takes rank and world size from mpirun",
     # Megatron-DeepSpeed's own
     **{flag: "the zero-bubble (ZB-H1) pipeline schedule is not built: stages run 1F1B; "

@@ -2,7 +2,9 @@
 iterations after --profile-step-start up to --profile-step-end, on --profile-ranks; the
 Chrome trace goes to --tensorboard-dir), and --manual-gc (Python's collector off during
 training, run by the loop every --manual-gc-interval iterations and around evaluation, so
-that no rank pauses for it while the others wait in a collective). Defined for the parser
+that no rank pauses for it while the others wait in a collective), and
+--empty-unused-memory-level (CUDA's cached blocks handed back each iteration). Defined for the
+parser
 and resolved into the frozen ProfilerConfig and TrainingConfig's collector fields.
 """
 
@@ -35,6 +37,11 @@ def add_profiling_flags(parser):
                         "training starts and around evaluation)")
     g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
                    help="with --manual-gc: do not collect before and after each evaluation")
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=(0, 1, 2),
+                   help="hand the CUDA caching allocator's unused memory back to the device: "
+                        "1 before each optimizer step and after each evaluation batch, 2 after "
+                        "each optimizer step too (Megatron-LM's; slower, for a run near the "
+                        "memory limit that fragments)")
 
 
 _PROFILE_ONLY = {"profile_step_start": "--profile-step-start",
@@ -78,6 +85,15 @@ def manual_gc_fields(raw, given):
             f"{raw['manual_gc_interval']}")
     return {"manual_gc": raw["manual_gc"], "manual_gc_interval": raw["manual_gc_interval"],
             "manual_gc_eval": raw["manual_gc_eval"]}
+
+
+def empty_cache_notes(raw, on_cuda):
+    """--empty-unused-memory-level on the CPU: said to do nothing."""
+    level = raw["empty_unused_memory_level"]
+    if not level or on_cuda:
+        return ()
+    return (f" note: --empty-unused-memory-level {level} empties CUDA's caching allocator; "
+            "this run is on the CPU, where it does nothing",)
 
 
 def _needs(switch, given, flags, switch_flag):

@@ -21,7 +21,8 @@ from megatron.config.command_line import (in_the_users_spelling, parse_command_l
                                           repeated_flag_notes)
 from megatron.config.flags import build_parser, given_on_command_line
 from megatron.config.logging_flags import resolve_logging, timing_option_note
-from megatron.config.profiling_flags import manual_gc_fields, resolve_profiler
+from megatron.config.profiling_flags import (empty_cache_notes, manual_gc_fields,
+                                             resolve_profiler)
 from megatron.config.megatron_flags import always_so_notes
 from megatron.config.pipeline_checks import check_pipeline, checkpoints_per_model_chunk
 from megatron.config.from_checkpoint import (describe, load_dir_notes, load_step, resume_notes,
@@ -146,6 +147,8 @@ def freeze(raw, given, world_size, notes=(), extra=None):
     notes += check_pipeline(raw, parallel, training, settled.ds_config)
     notes += _replica_check(training, parallel, settled.ds_config)
     notes += timing_option_note(raw, given, settled.ds_config)
+    notes += empty_cache_notes(raw, raw["empty_unused_memory_level"] and
+                               _runs_on_cuda(raw["device"]))
     recompute = activation.activation_checkpointing(
         raw, settled.checkpoint_activations, settled.ds_config.activation_checkpointing,
         model.num_layers, parallel.model_parallel_size)
@@ -322,7 +325,8 @@ def _training(raw, given, parallel):
         check_weight_hash_across_dp_replicas_interval=raw[
             "check_weight_hash_across_dp_replicas_interval"],
         rampup_batch_size=None if raw["rampup_batch_size"] is None
-        else tuple(raw["rampup_batch_size"]), **manual_gc_fields(raw, given))
+        else tuple(raw["rampup_batch_size"]), **manual_gc_fields(raw, given),
+        empty_unused_memory_level=raw["empty_unused_memory_level"])
 
 
 def _model(raw, model_parallel_size):

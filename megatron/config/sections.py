@@ -165,6 +165,7 @@ class TrainingConfig:
     manual_gc: bool = False  # Python's collector off while training; the loop collects
     manual_gc_interval: int = 0  # after every N-th iteration (0: never during training)
     manual_gc_eval: bool = True  # and before and after each evaluation
+    empty_unused_memory_level: int = 0  # torch.cuda.empty_cache(): 1 per step, 2 twice
 
     @functools.cached_property
     def rampup(self):

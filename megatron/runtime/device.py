@@ -45,6 +45,12 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def empty_cache(device):
+    """Hand the caching allocator's unused blocks back to the device (CUDA; else nothing)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def read_later(tensor):
     """A function that returns `tensor`'s value (a Python number). On a GPU the copy to the
     host starts now, queued after the work that computes it, and the function waits for that

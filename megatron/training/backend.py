@@ -25,6 +25,7 @@ from megatron import mpu
 from megatron.checkpointing import deepspeed_layout, megatron_layout
 from megatron.checkpointing.retention import DEEPSPEED_LAYOUT, MEGATRON_LAYOUT
 from megatron.errors import CheckpointError
+from megatron.runtime import device as device_mod
 from megatron.training.learning_rates import AnnealingLR
 from megatron.training.param_groups import get_param_groups
 
@@ -108,22 +109,37 @@ class Backend:
         """Forward and backward of `count` micro batches and the step after the last; their
         summed losses."""
         if self.pipeline is not None:
-            return self.pipeline.train_step(forward_step, batches, count, lr_kwargs)
+            total = self.pipeline.train_step(forward_step, batches, count, lr_kwargs)
+            self._empty_cache(1)  # (the stages step inside their schedule)
+            return total
         total = torch.zeros((), dtype=torch.float32, device=self.ctx.runtime.device)
-        for _ in range(count):
+        for index in range(count):
             loss = forward_step(next(batches), self.engine, self.ctx)
             self.engine.backward(loss)
+            if index == count - 1:
+                self._empty_cache(1)
             self.engine.step(lr_kwargs=lr_kwargs)  # acts at the last micro batch only
             total += loss.detach().float()
+        self._empty_cache(2)
         return total
+
+    def _empty_cache(self, level):
+        """--empty-unused-memory-level `level` or more: CUDA's unused cached memory goes back
+        to the device (Megatron-LM's places: 1 before the optimizer step and after each
+        evaluation batch, 2 after the step too)."""
+        if self.ctx.config.training.empty_unused_memory_level >= level:
+            device_mod.empty_cache(self.ctx.runtime.device)
 
     @torch.no_grad()
     def forward_only(self, forward_step, batches):
         """Summed losses of the micro batches `batches` (a list), without gradients."""
         if self.pipeline is not None:
-            return self.pipeline.forward_only(forward_step, iter(batches), len(batches)).item()
-        return sum(forward_step(batch, self.engine, self.ctx).float().item()
-                   for batch in batches)
+            total = self.pipeline.forward_only(forward_step, iter(batches), len(batches)).item()
+        else:
+            total = sum(forward_step(batch, self.engine, self.ctx).float().item()
+                        for batch in batches)
+        self._empty_cache(1)
+        return total
 
     def resume_notes(self):
         """What loading the checkpoint changed that the user should read (once)."""

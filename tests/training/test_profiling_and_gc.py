@@ -1,6 +1,6 @@
 """Megatron-LM's --profile (torch.profiler over iterations --profile-step-start + 1 to
 --profile-step-end on --profile-ranks) and --manual-gc (Python's collector off while training,
-collections at fixed iterations and around evaluation)."""
+collections at fixed iterations and around evaluation) and --empty-unused-memory-level."""
 
 import gc
 import gzip
@@ -158,3 +158,27 @@ def test_the_collector_is_back_on_after_training_fails(corpus, monkeypatch, caps
     assert pretrain_gpt2.main(argv) == 2
     assert "the loss was NaN or inf for 2 consecutive iterations" in capsys.readouterr().err
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("level, per_iteration", [(0, 0), (1, 1), (2, 2)])
+def test_unused_memory_is_emptied_at_each_level(corpus, monkeypatch, capsys, level,
+                                               per_iteration):
+    """--empty-unused-memory-level (Megatron-LM's): 1 empties CUDA's cache once per iteration
+    (before the optimizer step) and after each evaluation batch, 2 after the step too. On the
+    CPU the call does nothing, and a note says so."""
+    from megatron.runtime import device
+    calls = []
+    monkeypatch.setattr(device, "empty_cache", lambda where: calls.append(where.type))
+    common = _common(corpus)
+    common[common.index("--eval-interval") + 1] = "2"
+    assert pretrain_gpt2.main(common + ["--batch-size", "2", "--global-batch-size", "4",
+                                        "--train-iters", "3", "--eval-iters", "2",
+                                        "--empty-unused-memory-level", str(level)]) == 0
+    evaluation_batches = 3 * 2  # validation after iterations 2 and 3, test after 3
+    assert calls == ["cpu"] * (3 * per_iteration + (evaluation_batches if level else 0))
+    said = f" note: --empty-unused-memory-level {level} empties CUDA's caching allocator; " \
+           "this run is on the CPU, where it does nothing"
+    assert (said in capsys.readouterr().out) == (level > 0)
+    with pytest.raises(ConfigError, match="--empty-unused-memory-level: invalid choice: 3 "
+                                          r"\(choose from 0, 1, 2\)"):
+        parse("--empty-unused-memory-level", "3")
