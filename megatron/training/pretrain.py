@@ -17,6 +17,7 @@ from zero.comm.agreement import disagreements
 from zero.comm.communicator import Communicator
 
 from megatron.config.from_checkpoint import TOKENIZER_FILE_KEYS
+from megatron.checkpointing.megatron_layout import resuming_own_save
 from megatron.checkpointing.retention import new_run_id, other_runs_checkpoints
 from megatron.checkpointing.save_dir import claim_output_folders
 from megatron.data.tokenization_record import tokenizer_identity
@@ -116,6 +117,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                                            "world_size": runtime.world_size},
                                 device=runtime.device)
         guards = TrainingGuards(config, runtime, train_state)  # signals, NaNs, dead peers
+        start_iteration = train_state["iteration"]
         with guards.explaining_failures():
             saved_at = train(forward_step_func, backend, datasets, ctx, train_state, logger,
                              guards)
@@ -123,7 +125,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
             raise Interrupted(_how_to_resume(config) if runtime.is_rank0 else "")
         guards.after_training()
         _final_evaluation(forward_step_func, backend, datasets, ctx, train_state, logger)
-        if config.checkpoint.save and saved_at != train_state["iteration"]:
+        if config.checkpoint.save and saved_at != train_state["iteration"] and \
+                _worth_saving(config.checkpoint, train_state["iteration"] > start_iteration):
             backend.save(train_state["iteration"], train_state)
         _print_summary(ctx, backend, train_state, logger)
         return train_state
@@ -156,6 +159,13 @@ def model_config(config, vocab_size):
         checkpoint_function=checkpoint_function(recompute.deepspeed_activation_checkpointing),
         memory_centric_tiled_linear=model.memory_centric_tiled_linear,
         tile_factor=model.tile_factor)
+
+
+def _worth_saving(checkpoint, trained):
+    """The end-of-run save, unless the run trained nothing over the checkpoint it loaded from
+    the same folder: saving again would only replace it with this run's settings (another
+    --train-iters' schedule)."""
+    return trained or not (checkpoint.load and resuming_own_save(checkpoint))
 
 
 def _nothing_to_train(training, iteration):

@@ -307,6 +307,24 @@ def test_a_tiled_bf16_run_resumes(corpus, tmp_path):
     assert sorted(losses(tmp_path)) == [1, 2, 3]
 
 
+def test_a_run_with_nothing_to_train_leaves_its_own_checkpoint_as_it_was(corpus, tmp_path,
+                                                                         capsys):
+    """--train-iters below the checkpoint's iteration over --load = --save: nothing is
+    trained, and nothing is saved over the checkpoint (it would record this run's schedule,
+    decaying over 2 iterations, and a later resume would train at the minimum rate)."""
+    save = tmp_path / "ckpt"
+    assert run(corpus, tmp_path, "--save", save, "--load", save, "--exit-interval", 3) == 0
+    saved = (save / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt").read_bytes()
+    capsys.readouterr()
+    assert run(corpus, tmp_path, "--save", save, "--load", save, iters=2) == 0
+    assert " nothing to train: the checkpoint is at iteration 3 and --train-iters is 2" in \
+        capsys.readouterr().out
+    assert (save / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt").read_bytes() == saved
+    assert run(corpus, tmp_path, "--save", save, "--load", save, log_dir="full") == 0
+    assert run(corpus, tmp_path, log_dir="straight") == 0
+    assert losses(tmp_path, "full") == {i: losses(tmp_path, "straight")[i] for i in (4, 5, 6)}
+
+
 def test_a_finished_run_continues_with_more_train_iters(corpus, tmp_path, capsys):
     """The README's 'raise TRAIN_ITERS to continue': the decay --train-iters implied follows
     the new length (said once; --warmup-iters 2 was given, so warmup stays), and training
