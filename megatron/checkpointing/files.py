@@ -11,7 +11,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from zero.checkpoint.files import fsync_dir, load_failure_reason, load_plain
+from zero.checkpoint.files import (DAMAGED_ADVICE, PICKLED_CODE, UNREADABLE, fsync_dir,
+                                   load_failure, load_plain)
 
 from megatron.errors import CheckpointError
 from megatron.runtime.fault_injection import kill_point
@@ -78,11 +79,10 @@ def safe_load(path, mmap=False):
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} does not exist") from None
     except Exception as exc:  # corrupt file or a pickle with code in it
-        reason = load_failure_reason(exc)
-        why = ("The file holds pickled code, refused: only tensors and plain containers are "
-               "unpickled") if reason.startswith("Unsupported") else \
-            "Check its permissions and the file system" if isinstance(exc, OSError) else \
-            "The file is damaged (a copy cut short?): copy it again, or load another iteration"
+        reason, kind = load_failure(exc)
+        why = {PICKLED_CODE: "The file holds pickled code, refused: only tensors and plain "
+                             "containers are unpickled",
+               UNREADABLE: "Check its permissions and the file system"}.get(kind, DAMAGED_ADVICE)
         raise CheckpointError(f"cannot read checkpoint {path}: {reason}. {why}") from None
 
 

@@ -3,8 +3,8 @@ loadable checkpoint, and resuming from it gives exactly the losses of an uninter
 
 Each case: train 5 iterations saving at 2 and 4 (--keep-last-n-checkpoints 1, so the save at
 4 also deletes iteration 2), SIGKILLed at the named point during the save of iteration 4;
-then resume from what is on disk and train to 5.  "resave" cases kill a run that re-saves the
-checkpoint it resumed from (the tag already exists).  All runs are forked from one
+then resume from what is on disk and train to 5.  "resave" cases kill a run that went back
+to iteration 2 (--ckpt-step) as it saves iteration 4 again (the tag already exists).  All runs are forked from one
 interpreter (tests/reliability/harness.py), ~1 s each.
 """
 
@@ -69,8 +69,10 @@ def _plan(corpus, root, cases, layout):
         save, argv = case / "ckpt", lambda log, iters, *extra: trainer_argv(
             corpus, case / log, iters, "--lr-decay-iters", 5, *layout, *extra)
         if scenario == "resave":  # a complete run to iteration 4; the kill re-saves 4
-            steps.append(step(argv("prep", 4, "--save", save), case / "prep.out"))
-            kill = argv("kill", 4, "--load", save, "--save", save)
+            steps.append(step(argv("prep", 4, "--save", save, "--save-interval", 2),
+                              case / "prep.out"))
+            kill = argv("kill", 4, "--load", save, "--save", save, "--ckpt-step", 2,
+                        "--save-interval", 2)
         else:
             kill = argv("kill", 5, "--save", save, *SAVES)
         steps.append(step(kill, case / "kill.out", **{KILL: f"{point}@{nth}"}))

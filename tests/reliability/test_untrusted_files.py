@@ -4,6 +4,7 @@ tools/ unpickles without torch's weights_only guard."""
 
 import mmap
 import os
+import random
 import re
 from pathlib import Path
 
@@ -51,13 +52,21 @@ def test_megatron_layout_refuses_code(corpus, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: cannot read checkpoint ") and "model_optim_rng.pt" in err
     assert not marker.exists()
-    # a file cut short (a copy interrupted) is said to be damaged, not to hold code
-    torch.save({"model": {"w": torch.zeros(1000)}}, tmp_path / "whole.pt")
+    # a file cut short (a copy interrupted) anywhere, or random bytes, is said to be damaged,
+    # not to hold code nor to need other permissions
+    torch.save({"model": {"w": torch.zeros(8000)}}, tmp_path / "whole.pt")
     data = (tmp_path / "whole.pt").read_bytes()
-    (tmp_path / "cut.pt").write_bytes(data[:len(data) // 2])
-    with pytest.raises(CheckpointError, match=r"it is truncated or not a torch checkpoint .*\. "
-                                              "The file is damaged"):
-        safe_load(tmp_path / "cut.pt")
+    for damaged in [data[:cut] for cut in (0, 500, 3000, 10000, len(data) // 2, len(data) - 30)] \
+            + [random.Random(seed).randbytes(20000) for seed in range(8)]:
+        (tmp_path / "cut.pt").write_bytes(damaged)
+        for mapped in (False, True):
+            with pytest.raises(CheckpointError, match=r": it is truncated or not a torch "
+                                                      r"checkpoint\. The file is damaged \(a "
+                                                      r"copy cut short\?\): copy it again"):
+                safe_load(tmp_path / "cut.pt", mmap=mapped)
+        with pytest.raises(ZeroCheckpointError, match="not a torch checkpoint. The file is "
+                                                      "damaged"):
+            zero_load(str(tmp_path / "cut.pt"))
 
 
 def test_deepspeed_layout_and_zero_to_fp32_refuse_code(tmp_path, capsys):

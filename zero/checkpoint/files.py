@@ -2,6 +2,7 @@
 checkpoint files share: their names, the entries every stage writes alike, plain-tensor
 reads, the report of a non-strict load, and the agreement of all ranks on a file operation."""
 
+import errno
 import logging
 import os
 import re
@@ -110,23 +111,35 @@ def torch_load(path, mmap=False):
     try:
         return load_plain(path, mmap)
     except Exception as e:  # noqa: BLE001 -- truncated files, pickled classes, ...
-        raise CheckpointError(f"cannot read {path}: {load_failure_reason(e)}. The file is "
-                              "damaged or was not written "
-                              "by zero (DeepSpeed's own files pickle classes; convert them with "
-                              "DeepSpeed's zero_to_fp32.py)") from None
+        reason, kind = load_failure(e)
+        why = {PICKLED_CODE: "The file holds pickled classes, refused: it was not written by "
+                             "zero (DeepSpeed's own files pickle classes; convert them with "
+                             "DeepSpeed's zero_to_fp32.py)",
+               UNREADABLE: "Check its permissions and the file system"}.get(kind, DAMAGED_ADVICE)
+        raise CheckpointError(f"cannot read {path}: {reason}. {why}") from None
 
 
-def load_failure_reason(exc):
-    """One line out of torch.load's multi-paragraph error: what it refused, or the first line."""
+PICKLED_CODE, UNREADABLE, DAMAGED = "pickled code", "unreadable", "damaged"
+DAMAGED_ADVICE = "The file is damaged (a copy cut short?): copy it again, or load another iteration"
+
+
+def load_failure(exc):
+    """(one line out of torch.load's multi-paragraph error, what it means): PICKLED_CODE (a
+    global the safe unpickler refused), UNREADABLE (permissions, I/O) or DAMAGED (cut short,
+    random bytes, not a torch checkpoint)."""
     text = str(exc)
     refused = re.search(r"(?i)unsupported global:?(?: GLOBAL)? ([\w.]+)", text)
     if refused:  # (torch words a blocked module's callable "Trying to load unsupported ...")
-        return f"Unsupported global: GLOBAL {refused.group(1)}"
-    refused = re.search(r"Unsupported operand \d+", text)
-    if refused:
-        return refused.group(0)
-    if "failed reading zip archive" in text or "failed finding central directory" in text:
-        return "it is truncated or not a torch checkpoint (its zip archive is incomplete)"
+        return f"Unsupported global: GLOBAL {refused.group(1)}", PICKLED_CODE
+    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EIO):
+        return _first_line(text, exc), UNREADABLE
+    # the rest says only where the reading broke: a zip cut short inside its data (EINVAL,
+    # "failed reading zip archive"), bytes that are no pickle ("Unsupported operand", an
+    # IndexError or UnicodeDecodeError out of the unpickler)
+    return "it is truncated or not a torch checkpoint", DAMAGED
+
+
+def _first_line(text, exc):
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return first if len(first) <= 300 else first[:first.rfind(" ", 0, 300)] + " ..."
 
