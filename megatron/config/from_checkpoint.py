@@ -150,9 +150,13 @@ def load_dir_notes(raw):
     too, a Hugging Face folder) and for --finetune with nothing to fine-tune from."""
     load, finetune = raw.get("load"), raw.get("finetune")
     if not load:
-        if raw.get("exit_on_missing_checkpoint"):
-            raise CheckpointError("--exit-on-missing-checkpoint needs --load (the folder a "
-                                  "checkpoint must be found in)")
+        for dest, what in (("exit_on_missing_checkpoint", "the folder a checkpoint must be "
+                                                          "found in"),
+                           ("finetune", "the checkpoint whose weights it starts from"),
+                           ("use_checkpoint_args", "the checkpoint whose model flags it "
+                                                   "takes")):
+            if raw.get(dest):
+                raise CheckpointError(f"--{dest.replace('_', '-')} needs --load ({what})")
         return ()
     from megatron.checkpointing.megatron_layout import TRACKER_FILENAME
     trackers = (TRACKER_FILENAME, "latest")  # (DeepSpeed's layout: 'latest')
@@ -167,6 +171,7 @@ def load_dir_notes(raw):
             f"--load {load} is a file; --load takes a checkpoint folder (the one holding "
             f"{TRACKER_FILENAME}, or 'latest' for --deepspeed)"
             + (f": here {folder}" if folder else ""))
+    _refuse_a_folder_inside_a_checkpoint(load)
     step = load_step(raw)
     if step is not None:
         return _chosen_step_notes(raw, load, step)
@@ -182,6 +187,18 @@ def load_dir_notes(raw):
                                  "scratch"))
     if any(os.path.isfile(os.path.join(load, name)) for name in trackers):
         return ()
+    untracked = saved_steps(load)
+    if untracked:
+        if own_save and not finetune and not must_resume:
+            return (f" note: --load {load} holds iteration {untracked[-1]}'s folder but no "
+                    f"{TRACKER_FILENAME} naming a complete checkpoint (a first save cut "
+                    "short?): training starts from scratch; --ckpt-step "
+                    f"{untracked[-1]} loads it if it is whole",)
+        raise CheckpointError(
+            f"--load {load} holds the folders of iteration(s) "
+            f"{', '.join(map(str, untracked[-12:]))} but no {TRACKER_FILENAME} (nor 'latest' "
+            f"for --deepspeed) naming the one to load: give --ckpt-step {untracked[-1]}, or "
+            f"write {untracked[-1]} into {os.path.join(load, TRACKER_FILENAME)}")
     if os.path.isfile(os.path.join(load, "config.json")):
         raise CheckpointError(
             f"--load {load} is a Hugging Face model folder (config.json), not a checkpoint of "
@@ -196,6 +213,21 @@ def load_dir_notes(raw):
     if os.listdir(load) and not own_save:
         return ()  # the load says what the folder holds instead
     return (f" note: --load {load} holds no checkpoint yet: training starts from scratch",)
+
+
+def _refuse_a_folder_inside_a_checkpoint(load):
+    """--load .../iter_0000003 or .../global_step3 (or a rank folder in one): the folder
+    above is the checkpoint folder."""
+    inside = os.path.abspath(load)
+    for _ in range(2):
+        name, parent = os.path.basename(inside), os.path.dirname(inside)
+        match = _STEP_FOLDER.fullmatch(name)
+        if match and os.path.isdir(load):
+            step = int(match.group(1) or match.group(2))
+            raise CheckpointError(f"--load {load} is inside a checkpoint folder: --load takes "
+                                  f"the folder above it, {parent} (--ckpt-step {step} loads "
+                                  "this iteration)")
+        inside = parent
 
 
 def _no_checkpoint_to_resume(load, what):

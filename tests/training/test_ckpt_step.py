@@ -80,7 +80,8 @@ def test_the_chosen_step_and_the_note_of_a_rollback_over_its_own_save(tmp_path):
            "run has saved" in config.notes
     os.remove(folder / "latest_checkpointed_iteration.txt")  # a lost tracker: the step decides
     assert parse("--load", str(folder), "--ckpt-step", "2").checkpoint.load_step == 2
-    assert parse("--load", str(folder)).checkpoint.load_step is None
+    with pytest.raises(CheckpointError, match="give --ckpt-step 4, or write 4 into"):
+        parse("--load", str(folder))
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -96,7 +96,42 @@ def test_exit_on_missing_checkpoint_refuses_to_train_from_scratch(tmp_path):
     folder = _checkpoint(tmp_path)
     assert parse("--load", str(folder), flag).checkpoint.load == str(folder)
     assert any("--use-checkpoint-args asks for what this trainer always does" in note
-               for note in parse("--use-checkpoint-args").notes)
+               for note in parse("--use-checkpoint-args", "--load", str(folder)).notes)
+    for lonely, what in (("--use-checkpoint-args", "the checkpoint whose model flags it takes"),
+                         ("--finetune", "the checkpoint whose weights it starts from")):
+        with pytest.raises(CheckpointError, match=f"^{lonely} needs --load \\({what}\\)$"):
+            parse(lonely)
+
+
+def test_a_folder_inside_a_checkpoint_names_the_one_above(tmp_path):
+    folder = _checkpoint(tmp_path)
+    for inside in (folder / "iter_0000004", folder / "iter_0000004" / "mp_rank_00"):
+        with pytest.raises(CheckpointError, match=f"^--load {inside} is inside a checkpoint "
+                                                  f"folder: --load takes the folder above it, "
+                                                  f"{folder} \\(--ckpt-step 4 loads this "
+                                                  "iteration\\)$"):
+            parse("--load", str(inside))
+
+
+def test_checkpoints_without_a_tracker_name_the_step_to_give(tmp_path):
+    """A tracker lost (deleted, not copied): an error naming --ckpt-step, unless the folder is
+    the run's own --save, where a first save cut short before its tracker leaves the same
+    (a restart starts from scratch, with a note)."""
+    folder = _checkpoint(tmp_path)
+    (folder / "latest_checkpointed_iteration.txt").unlink()
+    (folder / "global_step2").mkdir()  # (either layout's folders count)
+    message = (f"--load {folder} holds the folders of iteration(s) 2, 4 but no "
+               "latest_checkpointed_iteration.txt (nor 'latest' for --deepspeed) naming the one "
+               f"to load: give --ckpt-step 4, or write 4 into {folder}/latest_checkpointed_"
+               "iteration.txt")
+    for extra in ([], ["--finetune"], ["--save", str(folder), "--exit-on-missing-checkpoint"]):
+        with pytest.raises(CheckpointError, match=f"^{re.escape(message)}$"):
+            parse("--load", str(folder), *extra)
+    assert f" note: --load {folder} holds iteration 4's folder but no latest_checkpointed_" \
+           "iteration.txt naming a complete checkpoint (a first save cut short?): training " \
+           "starts from scratch; --ckpt-step 4 loads it if it is whole" in \
+        parse("--load", str(folder), "--save", str(folder)).notes
+    assert parse("--load", str(folder), "--ckpt-step", "4").checkpoint.load_step == 4
 
 
 def _resume_tp2_with_a_rank_file_missing(rank, world_size, out_dir, corpus):
