@@ -22,7 +22,7 @@ def run_cli(main, *args, **kwargs):
     except user_error_types() as error:
         said_elsewhere = getattr(error, "said_elsewhere", None)
         if said_elsewhere is None:
-            said_elsewhere = isinstance(error, SAME_ON_EVERY_RANK) and launched_rank() != 0
+            said_elsewhere = _same_on_every_rank(error) and launched_rank() != 0
         if not said_elsewhere:
             print(f"error: {error}", file=sys.stderr, flush=True)
         else:
@@ -41,7 +41,30 @@ def run_cli(main, *args, **kwargs):
         if message:
             print(message, file=sys.stderr, flush=True)
         return INTERRUPTED_EXIT_CODE
+    except Exception as error:
+        if not _raised_by_an_interrupt(error):
+            raise
+        # Ctrl-C inside torch.save: its zip writer fails on the way out ("unexpected pos")
+        print("interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT_CODE
     return 0
+
+
+def _same_on_every_rank(error):
+    zero_errors = sys.modules.get("zero.errors")  # (the engine's config errors: zero's own)
+    return isinstance(error, SAME_ON_EVERY_RANK + (
+        (zero_errors.ConfigError,) if zero_errors is not None else ()))
+
+
+def _raised_by_an_interrupt(error):
+    """Whether `error` was raised while a KeyboardInterrupt was being handled."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__context__
+    return False
 
 
 def launched_rank():

@@ -21,7 +21,9 @@ def _raise(error):
 def test_errors_every_rank_meets_alike_are_printed_by_rank_0_only(monkeypatch, capsys, rank):
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun sets them
-    for error in (ConfigError("bad flag"), DataError("bad file")):
+    import zero.errors  # the engine's DeepSpeed-config errors are zero's own
+    for error in (ConfigError("bad flag"), DataError("bad file"),
+                  zero.errors.ConfigError("train_batch_size 3 is not divisible")):
         assert run_cli(_raise(error)) == 2
         printed = capsys.readouterr().err
         assert printed == (f"error: {error}\n" if rank == "0" else "")
@@ -42,6 +44,24 @@ def test_ctrl_c_is_exit_code_130_without_a_traceback(monkeypatch, capsys):
     assert capsys.readouterr().err == " stopped by Ctrl-C after saving\n"
     assert run_cli(_raise(Interrupted(""))) == 130  # other ranks: rank 0 said it
     assert capsys.readouterr().err == ""
+
+
+def test_ctrl_c_inside_a_write_that_fails_on_its_way_out_is_still_130(monkeypatch, capsys):
+    """torch.save interrupted as it writes a file: its zip writer, closing, raises a
+    RuntimeError while the KeyboardInterrupt unwinds; that is the interrupt, not a bug. A bug
+    is still a traceback."""
+    monkeypatch.delenv("RANK", raising=False)
+
+    def interrupted_save():
+        try:
+            raise KeyboardInterrupt
+        finally:  # (what torch's writer does on its way out)
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos "
+                               "71616128 vs 71616016")
+    assert run_cli(interrupted_save) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_cli(_raise(RuntimeError("a bug")))
 
 
 def test_a_path_the_user_may_not_write_is_one_error_line(capsys):
