@@ -249,6 +249,42 @@ def test_zero_to_fp32_script_runs_standalone(tmp_path):
     assert excluded.endswith("pytorch_model.bin") and "frozen.weight" not in _load(excluded)
 
 
+def test_zero_to_fp32_wrong_folders_say_what_to_give(tmp_path, capsys):
+    """The tag folder given, `latest` lost or naming nothing, an output folder that is not
+    there: one error line each (the output's before any reading), naming what to give."""
+    from zero.checkpoint.zero_to_fp32 import main as zero_to_fp32_main
+    engine = _engine(stage=2, precision="fp32")
+    cases.train_steps(engine, 1)
+    save = tmp_path / "ckpt"
+    engine.save_checkpoint(str(save), tag="global_step1")
+    out = str(tmp_path / "out.bin")
+    cases_and_errors = [
+        ([str(save / "global_step1"), out], f"{save / 'global_step1'} is one tag of a checkpoint: "
+                                            f"give the folder above it, {save} (with -t "
+                                            "global_step1)"),
+        ([str(save), str(tmp_path / "nodir" / "out.bin")],
+         f"the output's folder {tmp_path / 'nodir'} does not exist"),
+        ([str(save), out, "-t", "global_step9"], f"checkpoint folder {save / 'global_step9'} "
+                                                 "(named by -t) does not exist; saved tags "
+                                                 "here: global_step1"),
+        ([str(tmp_path), out], f"{tmp_path} holds no ZeRO checkpoint"),
+    ]
+    for argv, message in cases_and_errors:
+        assert zero_to_fp32_main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    (save / "latest").write_text("garbage")
+    assert zero_to_fp32_main([str(save), out]) == 1
+    assert f"checkpoint folder {save / 'garbage'} (named by {save / 'latest'}) does not exist; " \
+           "saved tags here: global_step1" in capsys.readouterr().err
+    (save / "latest").unlink()
+    assert zero_to_fp32_main([str(save), out]) == 1
+    assert f"{save} has no 'latest' file naming the tag to read: give it with -t (saved tags " \
+           "here: global_step1)" in capsys.readouterr().err
+    assert zero_to_fp32_main([str(save), out, "-t", "global_step1"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out.bin"]  # no temporary file left
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_zero_to_fp32_reads_stage0_checkpoints(tmp_path, precision):
     engine = _engine(stage=0, precision=precision)

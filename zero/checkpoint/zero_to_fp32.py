@@ -99,15 +99,30 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_path, tag=
                                                exclude_frozen_parameters=False):
     """Writes the consolidated state dict to `output_path` (a file, or a directory ->
     `pytorch_model.bin` inside it). Returns the file written."""
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag,
-                                                          exclude_frozen_parameters)
     if os.path.isdir(output_path) or output_path.endswith(os.sep):
         os.makedirs(output_path, exist_ok=True)
         output_path = os.path.join(output_path, "pytorch_model.bin")
+    _check_writable(output_path)  # before the minutes of reading
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag,
+                                                          exclude_frozen_parameters)
     tmp = f"{output_path}.tmp-{os.getpid()}"
-    torch.save(state_dict, tmp)
-    os.replace(tmp, output_path)
+    try:
+        torch.save(state_dict, tmp)
+        os.replace(tmp, output_path)
+    finally:
+        if os.path.exists(tmp):  # a failed or interrupted write leaves nothing behind
+            os.remove(tmp)
     return output_path
+
+
+def _check_writable(output_path):
+    folder = os.path.dirname(os.path.abspath(output_path))
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"the output's folder {folder} does not exist: make it, or give "
+                              "an output path in an existing folder")
+    if not os.access(folder, os.W_OK):
+        raise CheckpointError(f"the output's folder {folder} is not writable by this user: "
+                              "give another output path")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,23 +131,40 @@ def _tag_dir(checkpoint_dir, tag):
     if not os.path.isdir(checkpoint_dir):
         raise CheckpointError(f"{checkpoint_dir} is not a folder: give the folder a ZeRO "
                               "checkpoint was saved to (the one holding 'latest')")
+    tags = _saved_tags(checkpoint_dir)
+    named_by = "-t"
     if tag is None:
         latest = os.path.join(checkpoint_dir, "latest")
-        if not os.path.isfile(latest) and os.path.isfile(
-                os.path.join(checkpoint_dir, "latest_checkpointed_iteration.txt")):
-            raise CheckpointError(f"{checkpoint_dir} holds a Megatron-layout checkpoint "
-                                  "(latest_checkpointed_iteration.txt), not a ZeRO one: its "
-                                  "weights are already whole per tensor-parallel rank "
-                                  "(tools/convert_checkpoint.py reads them)")
         if not os.path.isfile(latest):
-            raise CheckpointError(f"unable to find 'latest' file at {latest}; give the tag "
-                                  "(-t global_stepN)")
-        with open(latest) as f:
-            tag = f.read().strip()
+            raise CheckpointError(_why_no_latest(checkpoint_dir, tags))
+        with open(latest, errors="replace") as f:
+            tag, named_by = f.read(1000).strip(), f"{latest}"
     ckpt_dir = os.path.join(checkpoint_dir, tag)
     if not os.path.isdir(ckpt_dir):
-        raise CheckpointError(f"checkpoint folder {ckpt_dir} does not exist")
+        raise CheckpointError(f"checkpoint folder {ckpt_dir} (named by {named_by}) does not "
+                              f"exist; saved tags here: {', '.join(tags) or 'none'}")
     return ckpt_dir
+
+
+def _saved_tags(checkpoint_dir):
+    return sorted(name for name in os.listdir(checkpoint_dir)
+                  if glob.glob(os.path.join(checkpoint_dir, name, "*_model_states.pt")))
+
+
+def _why_no_latest(checkpoint_dir, tags):
+    if glob.glob(os.path.join(checkpoint_dir, "*_model_states.pt")):
+        above = os.path.dirname(os.path.abspath(checkpoint_dir))
+        return (f"{checkpoint_dir} is one tag of a checkpoint: give the folder above it, "
+                f"{above} (with -t {os.path.basename(os.path.abspath(checkpoint_dir))})")
+    if tags:
+        return (f"{checkpoint_dir} has no 'latest' file naming the tag to read: give it with "
+                f"-t (saved tags here: {', '.join(tags)})")
+    if os.path.isfile(os.path.join(checkpoint_dir, "latest_checkpointed_iteration.txt")):
+        return (f"{checkpoint_dir} holds a Megatron-layout checkpoint (latest_checkpointed_"
+                "iteration.txt), not a ZeRO one: its weights are already whole per "
+                "tensor-parallel rank (tools/convert_checkpoint.py reads them)")
+    return (f"{checkpoint_dir} holds no ZeRO checkpoint (no 'latest' file, no tag folder with "
+            "*_model_states.pt): give the folder a run saved to with --deepspeed")
 
 
 def _sorted_by_rank(paths):
@@ -343,6 +375,9 @@ def main(argv=None):
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     print(f"saved fp32 state dict to {path}")
     return 0
 
