@@ -91,7 +91,10 @@ def test_param_groups_pass_through():
     ({"type": "Lamb", "params": {}}, "needs DeepSpeed's fused kernels"),
     ({"type": "OneBitAdam"}, "needs DeepSpeed's 1-bit compressed communication"),
     ({"type": "Foo"}, "Supported: Adam, AdamW, Adam8bit (AdamW8bit), Adam4bit (AdamW4bit), "
-                      "SGD, Adagrad"),
+                      "Adagrad, or SGD or another torch.optim class by its exact name (e.g. "
+                      "RMSprop; under ZeRO these need \"zero_allow_untested_optimizer\": true, "
+                      "as in DeepSpeed)"),
+    ({"type": "Lamb", "params": {}}, "\"zero_allow_untested_optimizer\": true"),
     ({"type": "Adam4bit", "params": {"min_8bit_numel": 10}}, "did you mean 'min_4bit_numel'"),
     ({"type": "AdamW8bit", "params": {"amsgrad": True}}, "unknown optimizer parameter"),
     ({"type": "Adam4bit", "params": {"betas": [0.9, 1.5]}},

@@ -42,9 +42,9 @@ FUSED_ADAM_DEFAULTS_QUANTIZED = {k: v for k, v in FUSED_ADAM_DEFAULTS.items()
 NAMED_TORCH_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}
 NEEDS_DEEPSPEED_KERNELS = ("lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muadam",
                            "muadamw", "musgd", "muon")
-SUPPORTED_NAMES = "Adam, AdamW, Adam8bit (AdamW8bit), Adam4bit (AdamW4bit), SGD, Adagrad, " \
-                  "or a torch.optim class " \
-                  "by its exact name (e.g. RMSprop)"
+SUPPORTED_NAMES = "Adam, AdamW, Adam8bit (AdamW8bit), Adam4bit (AdamW4bit), Adagrad, or SGD " \
+                  "or another torch.optim class by its exact name (e.g. RMSprop; under ZeRO " \
+                  "these need \"zero_allow_untested_optimizer\": true, as in DeepSpeed)"
 
 # Optimizers ZeRO is tested with (DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS, torch subset, and
 # CPUAdam).
