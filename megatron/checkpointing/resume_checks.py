@@ -29,7 +29,13 @@ def check_checkpoint_args(saved_args, run_args, path):
         ours, saved = run_args.get(key), saved_args[key]
         if key == "ffn_hidden_size" and saved is None:  # recorded before it was resolved
             saved = 4 * saved_args.get("hidden_size", run_args["hidden_size"])
-        if saved != ours:
+        if saved != ours and key == "padded_vocab_size":  # (no flag: the tokenizer's)
+            files = ", ".join(f"--{name.replace('_', '-')} {saved_args[name]}" for name in (
+                "vocab_file", "merge_file", "tokenizer_model") if saved_args.get(name))
+            differences.append(f"the vocabulary padded to a multiple of --make-vocab-size-"
+                               f"divisible-by: checkpoint {saved}, this run's tokenizer {ours}"
+                               + (f" (the checkpoint's tokenizer: {files})" if files else ""))
+        elif saved != ours:
             differences.append(f"--{key.replace('_', '-')}: checkpoint {saved}, flags {ours}")
     if differences and all(d.startswith(_LAYOUT_FLAGS) for d in differences):
         raise CheckpointError(f"checkpoint {path} was saved at another parallel layout:\n  "
@@ -46,10 +52,12 @@ def check_checkpoint_args(saved_args, run_args, path):
             hint = (f"\nThis run saves where it loads ({run_args['save']}), and that folder "
                     "holds an earlier run of another model: to train the new model, give it "
                     "its own folder (the scripts: CHECKPOINT_DIR=checkpoints/<new name>).")
+        advice = "\n--finetune loads the weights into the same shape: give the checkpoint's " \
+            "(or leave the shape flags out: they are taken from it)." if run_args.get(
+                "finetune") else "\nUse the flags it was trained with, or --finetune from a " \
+            "matching shape."
         raise CheckpointError(f"checkpoint {path} was saved for a different model:\n  "
-                              + "\n  ".join(differences) +
-                              "\nUse the flags it was trained with, or --finetune from a "
-                              "matching shape." + hint)
+                              + "\n  ".join(differences) + advice + hint)
     check_same_tokenizer(saved_args, run_args, path)
 
 

@@ -87,6 +87,16 @@ def test_checkpoint_for_another_shape_lists_the_differences(corpus, tmp_path, ca
     assert run(corpus, tmp_path, "--load", str(save), "--layernorm-epsilon", "1e-6", iters=4,
                log_dir="eps") == 2  # the same weights would compute another function
     assert "--layernorm-epsilon: checkpoint 1e-05, flags 1e-06" in capsys.readouterr().err
+    assert run(corpus, tmp_path, *argv, "--finetune", iters=4, log_dir="ft") == 2
+    assert "--finetune loads the weights into the same shape: give the checkpoint's (or leave " \
+           "the shape flags out: they are taken from it)" in capsys.readouterr().err
+    # another tokenizer's vocabulary has no flag of its own: the checkpoint's files are named
+    assert run(corpus, tmp_path, "--load", str(save), "--make-vocab-size-divisible-by", "1024",
+               iters=4, log_dir="vocab") == 2
+    err = capsys.readouterr().err
+    assert "the vocabulary padded to a multiple of --make-vocab-size-divisible-by: checkpoint " \
+           f"512, this run's tokenizer 1024 (the checkpoint's tokenizer: --vocab-file " \
+           f"{corpus['vocab']}, --merge-file {corpus['merges']})" in err, err
 
 
 def test_gradient_accumulation_matches_one_big_batch(corpus, tmp_path):
