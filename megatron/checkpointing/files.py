@@ -6,6 +6,7 @@ leaves either the old file or the new one, never a partial one.
 """
 
 import contextlib
+import errno
 import os
 
 import torch
@@ -60,10 +61,11 @@ def _write_failures_explained(path, tmp):
     except OSError as error:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        advice = "write to a folder this user can write" if error.errno in (
+            errno.EACCES, errno.EPERM, errno.EROFS) else "free space or write to another folder"
         raise CheckpointError(f"could not write {path}: {error.strerror or error}. The last "
-                              "complete checkpoint (the one the tracker names) is intact; free "
-                              "space or give --save another folder, then resume from it") \
-            from None
+                              f"complete checkpoint there (the one the tracker names) is "
+                              f"intact; {advice}") from None
 
 
 

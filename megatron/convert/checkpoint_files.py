@@ -147,7 +147,12 @@ def inside_a_checkpoint(path):
     else:
         return None
     return (f"{path} is {what}: give the checkpoint folder above it, {folder} (its tracker "
-            "names the step to read; tools/merge_mp_partitions.py --iteration N reads another)")
+            f"names the step to read; {_ANOTHER_ITERATION} reads another)")
+
+
+# how each entry point reads an iteration other than the tracker's
+_ANOTHER_ITERATION = ("--iteration N (merge_mp_partitions.py, convert_checkpoint.py) or "
+                      "--ckpt-step N (the trainer, generation, evaluation)")
 
 
 def _resolve_iteration(load_dir, iteration):
@@ -165,10 +170,18 @@ def _resolve_iteration(load_dir, iteration):
         hint = inside_a_checkpoint(load_dir)
         if hint:
             raise CheckpointError(hint)
-        raise CheckpointError(f"--load {load_dir} is not a checkpoint directory: it has no "
-                              f"{TRACKER_FILENAME}. Point --load at a directory written by "
-                              "pretrain_gpt2.py --save (tools/merge_mp_partitions.py "
-                              "--iteration N reads one whose tracker is missing)")
+        if os.path.isfile(os.path.join(load_dir, "config.json")):
+            raise CheckpointError(f"{load_dir} is a Hugging Face model folder (config.json), "
+                                  "not a Megatron-layout checkpoint: read it as one (the "
+                                  "tools' --loader hf)")
+        steps = sorted(d for d in os.listdir(load_dir) if re.fullmatch(r"iter_\d{7}", d))
+        if steps:
+            raise CheckpointError(f"{load_dir} holds {', '.join(steps[-6:])} but no "
+                                  f"{TRACKER_FILENAME} naming the one to read: give it, with "
+                                  f"{_ANOTHER_ITERATION}")
+        raise CheckpointError(f"{load_dir} is not a Megatron-layout checkpoint folder: it has "
+                              f"no {TRACKER_FILENAME} (a folder pretrain_gpt2.py --save wrote "
+                              "has one)")
     return tracked, release
 
 

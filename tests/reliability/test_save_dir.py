@@ -116,6 +116,7 @@ def test_a_full_disk_is_one_error_and_keeps_the_last_checkpoint(corpus, tmp_path
     assert err.startswith(f"error: could not write {save}/iter_0000004/mp_rank_00/"
                           "model_optim_rng.pt: No space left on device. The last complete "
                           "checkpoint") and "Traceback" not in err
+    assert err.rstrip().endswith("is intact; free space or write to another folder"), err
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert not list(save.rglob("*.tmp.*"))
     monkeypatch.setattr(files.torch, "save", real_save)

@@ -148,14 +148,16 @@ def test_bad_inputs_are_clear_errors(tp2_run, tmp_path, capsys):
     untracked = copy_checkpoint(save, tmp_path / "no_tracker")
     os.remove(os.path.join(untracked, "latest_checkpointed_iteration.txt"))
     err = _tool_error(capsys, "--load", untracked, "--save", str(tmp_path / "o2"))
-    assert "latest_checkpointed_iteration.txt" in err and "--iteration" in err
+    assert "holds iter_0000003 but no latest_checkpointed_iteration.txt naming the one to " \
+           "read: give it, with --iteration N (merge_mp_partitions.py" in err
     # ... and naming the iteration explicitly works.
     convert(untracked, str(tmp_path / "o2"), 1, "--iteration", "3")
 
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "notes.txt").write_text("hello")
-    assert "not a checkpoint directory" in _tool_error(capsys, "--load", str(plain))
+    assert "is not a Megatron-layout checkpoint folder: it has no latest_checkpointed_" \
+           "iteration.txt" in _tool_error(capsys, "--load", str(plain))
     assert "is not a directory" in _tool_error(capsys, "--load", str(tmp_path / "nowhere"))
     err = _tool_error(capsys, "--load", save, "--iteration", "7")
     assert "iter_0000003" in err
