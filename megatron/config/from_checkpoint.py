@@ -35,6 +35,20 @@ _DEEPSPEED_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_mo
 _STEP_FOLDER = re.compile(r"global_step(\d+)|iter_(\d{7})")
 
 
+def tokenizer_files_beside(args, load_dir):
+    """{key: path} for each tokenizer file the checkpoint `args` record that is not where
+    recorded but is in the checkpoint folder `load_dir` itself: a converted folder holds its
+    tokenizer's files, and once moved its recorded absolute paths name the old place."""
+    moved = {}
+    for key in TOKENIZER_FILE_KEYS:
+        recorded = args.get(key)
+        if isinstance(recorded, str) and recorded and not os.path.isfile(recorded):
+            beside = os.path.join(load_dir, os.path.basename(recorded))
+            if os.path.isfile(beside):
+                moved[key] = os.path.abspath(beside)
+    return moved
+
+
 def load_step(raw):
     """The iteration --ckpt-step or --load-tag asks to load; None: the one the tracker names."""
     step, tag = raw.get("ckpt_step"), raw.get("load_tag")
@@ -241,6 +255,7 @@ def values_from_checkpoint(raw, given):
     saved = saved_args_of(raw.get("load"), raw.get("deepspeed", False), load_step(raw))
     if saved is None:
         return {}
+    saved = {**saved, **tokenizer_files_beside(saved, raw["load"])}
     skip = set(given)
     if "model_size" in given:
         skip.update(_NAMED_SIZE_KEYS)

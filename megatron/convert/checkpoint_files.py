@@ -16,6 +16,7 @@ from megatron.checkpointing.files import atomic_torch_save, atomic_write_text, s
 from megatron.checkpointing.megatron_lm import as_this_layout
 from megatron.checkpointing.megatron_layout import (TRACKER_FILENAME, get_checkpoint_name,
                                                     read_tracker)
+from megatron.config.from_checkpoint import tokenizer_files_beside
 from megatron.convert.pipeline_layout import join_stages, split_stages
 from megatron.errors import CheckpointError
 
@@ -32,6 +33,11 @@ class ShardedCheckpoint:
     release: bool
     shards: List[dict]  # model_optim_rng.pt contents, indexed by tensor-parallel rank
     pipeline_model_parallel_size: int = 1  # as saved
+
+    def __post_init__(self):
+        args = self.shards[0].get("args") if self.shards else None
+        if isinstance(args, dict):  # a converted folder, moved: its tokenizer is beside it
+            args.update(tokenizer_files_beside(args, self.load_dir))
 
     @property
     def args(self):

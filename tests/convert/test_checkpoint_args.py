@@ -6,11 +6,13 @@ disagrees with the checkpoint.
 """
 
 import os
+import shutil
 
 import pytest
 
 import pretrain_gpt2
 from megatron.config.flags import build_parser, given_on_command_line
+from megatron.convert.loaders import load_model_weights
 from megatron.convert.savers import save_model_weights
 from tests.convert.conftest import load_tool, random_weights
 from tests.training.test_deepspeed import TINY, read_losses, stage_config
@@ -104,6 +106,25 @@ def test_tokenizer_files_recorded_but_gone_is_a_clear_error(corpus, tmp_path, ca
     assert _train_only(corpus, tmp_path, "t", tmp_path / "meg", 1) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "vocab.json, which does not exist" in err
+
+
+def test_a_converted_folder_moved_elsewhere_finds_its_tokenizer_beside_it(corpus, tmp_path,
+                                                                          capsys):
+    """The converted folder records its own copies of the tokenizer files by absolute path;
+    moved (the old place gone), the trainer, the tools and generation read the copies in the
+    folder where it now is."""
+    hf = _hf_model(corpus, tmp_path)
+    assert tool.main(["--load-dir", str(hf), "--save-dir", str(tmp_path / "meg"),
+                      "--saver", "megatron"]) == 0
+    moved = tmp_path / "moved"
+    shutil.move(str(tmp_path / "meg"), str(moved))
+    capsys.readouterr()
+    assert _train_only(corpus, tmp_path, "t", moved, 1) == 0
+    assert f"--vocab-file {moved / 'vocab.json'}, --merge-file {moved / 'merges.txt'}" in \
+        capsys.readouterr().out
+    assert load_model_weights(str(moved)).args["vocab_file"] == str(moved / "vocab.json")
+    assert tool.main(["--load-dir", str(moved), "--save-dir", str(tmp_path / "hf2"),
+                      "--saver", "hf"]) == 0
 
 
 def test_given_detects_flags_given_with_their_default_value():
