@@ -62,7 +62,12 @@ def other_runs_checkpoints(save_dir, layout, run_id):
     if not save_dir or not os.path.isdir(save_dir):
         return []
     return [name for _, name in checkpoint_dirs(save_dir, layout)
-            if run_id_of(save_dir, name) != run_id]
+            if run_id_of(save_dir, name) != run_id and _holds_files(save_dir, name)]
+
+
+def _holds_files(save_dir, name):
+    """Not an empty shell (what removing an interrupted save's leftovers can leave)."""
+    return any(files for _, _, files in os.walk(os.path.join(save_dir, name)))
 
 
 def publish_checkpoint(save_dir, name, tracker_text, run_id, keep, layout):

@@ -16,6 +16,7 @@ from megatron.checkpointing.files import atomic_torch_save, atomic_write_text, s
 from megatron.checkpointing.megatron_lm import as_this_layout
 from megatron.checkpointing.megatron_layout import (TRACKER_FILENAME, get_checkpoint_name,
                                                     read_tracker)
+from megatron.checkpointing.retention import run_id_path
 from megatron.config.from_checkpoint import tokenizer_files_beside
 from megatron.convert.pipeline_layout import join_stages, split_stages
 from megatron.errors import CheckpointError
@@ -227,11 +228,12 @@ def write_sharded_checkpoint(save_dir, iteration, release, shards, pipeline_stag
                               "delete it first")
     staging = os.path.join(save_dir, f".{os.path.basename(final)}.tmp.{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    names, rank = [], 0
+    names, rank, run_id = [], 0, ""
     try:
         # not enumerate(shards): its reused result tuple would keep the last rank's shards
         # alive while the next rank's are made
         for shard in shards:
+            run_id = run_id or (shard.get("train_state") or {}).get("run_id") or ""
             files = split_stages(shard, pipeline_stages)
             del shard
             for stage in range(len(files)):
@@ -246,6 +248,8 @@ def write_sharded_checkpoint(save_dir, iteration, release, shards, pipeline_stag
     except BaseException:  # an error or Ctrl-C: no half-written copy of a checkpoint stays
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    if run_id:  # the run it continues: resumed in place, it is that run's own to prune
+        atomic_write_text(run_id_path(save_dir, os.path.basename(final)), run_id)
     _advance_tracker(save_dir, iteration, release)
     return names
 
@@ -257,7 +261,8 @@ def _advance_tracker(save_dir, iteration, release):
     tracked, tracked_release = read_tracker(save_dir)
     if not release and not tracked_release and tracked is not None and tracked > iteration:
         print(f" note: {save_dir} also holds iteration {tracked}, which its tracker keeps "
-              f"naming: --load {save_dir} reads iteration {tracked}, not {iteration}",
+              f"naming: --load {save_dir} reads iteration {tracked}, not {iteration} "
+              f"(--ckpt-step {iteration} reads it)",
               flush=True)
         return
     atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME),

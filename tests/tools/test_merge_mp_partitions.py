@@ -25,10 +25,16 @@ from tests.tools.tp_checkpoints import (PADDED, TOOL, checkpoint_shards, convert
 # ------------------------------------------------------------------------ numeric parity
 
 
-def test_merged_checkpoint_continues_training_with_the_same_losses(corpus, tp2_run):
+def test_merged_checkpoint_continues_training_with_the_same_losses(corpus, tp2_run, capsys):
+    """... resumed in place too: the merged checkpoint carries the run it continues (its mark
+    beside it), so that run's retention may prune it, and no note calls it another run's."""
     root = tp2_run["root"]
     merged = convert(tp2_run["save"], str(root / "merged"), 1)
-    pretrain_tp1(pretrain_argv(corpus, root / "tp1", "--load", merged, "--model-parallel-size", "1"))
+    assert os.path.isfile(os.path.join(merged, ".iter_0000003.run_id"))
+    capsys.readouterr()
+    pretrain_tp1(pretrain_argv(corpus, root / "tp1", "--load", merged, "--save", merged,
+                               "--model-parallel-size", "1"))
+    assert "of another run" not in capsys.readouterr().out
     tp2, tp1 = tp2_run["resumed"], losses(root / "tp1")
     assert sorted(tp2) == sorted(tp1) == [4, 5, 6]
     for iteration in tp2:
@@ -187,7 +193,7 @@ def test_an_older_iteration_written_beside_a_newer_one_keeps_the_tracker(tp2_run
     capsys.readouterr()
     convert(older, out, 1)
     assert (f" note: {out} also holds iteration 3, which its tracker keeps naming: --load {out} "
-            "reads iteration 3, not 1") in capsys.readouterr().out
+            "reads iteration 3, not 1 (--ckpt-step 1 reads it)") in capsys.readouterr().out
     with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "3"
     assert os.path.isdir(os.path.join(out, "iter_0000001"))
