@@ -8,6 +8,7 @@
 import glob
 import os
 import re
+import shlex
 import shutil
 from dataclasses import dataclass
 from typing import List
@@ -276,4 +277,4 @@ def trainer_command(load, tp, pp=1):
     launch = "python pretrain_gpt2.py" if tp * pp == 1 else \
         f"torchrun --nproc_per_node {tp * pp} pretrain_gpt2.py"
     stages = f" --pipeline-model-parallel-size {pp}" if pp > 1 else ""
-    return f"{launch} --load {load} --model-parallel-size {tp}{stages}"
+    return f"{launch} --load {shlex.quote(str(load))} --model-parallel-size {tp}{stages}"

@@ -24,6 +24,7 @@
 import contextlib
 import math
 import os
+import shlex
 import re
 import signal
 import sys
@@ -186,7 +187,7 @@ def last_checkpoint_description(save_dir):
             iteration = None
         if iteration is None:
             return f"no checkpoint in {save_dir} yet; restart from scratch"
-        return f"resume from iteration {iteration} with --load {save_dir}"
+        return f"resume from iteration {iteration} with --load {shlex.quote(str(save_dir))}"
     return describe
 
 

@@ -269,7 +269,7 @@ def _how_to_resume(config):
     if not save:
         return " stopped by Ctrl-C; nothing was saved (no --save)"
     again = "the same command" if load and os.path.abspath(load) == os.path.abspath(save) \
-        else f"the same command with --load {save}"
+        else f"the same command with --load {shlex.quote(save)}"
     return f" stopped by Ctrl-C after saving to {save}; to resume, run {again}"
 
 

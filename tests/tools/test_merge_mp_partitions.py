@@ -248,3 +248,17 @@ def test_bad_flags_are_clear_errors(tp2_run, tmp_path, capsys):
     assert os.path.isfile(os.path.join(save + "_mp2", "iter_0000003", "mp_rank_01",
                                        "model_optim_rng.pt"))
     shutil.rmtree(save + "_mp2")
+
+
+def test_the_printed_commands_quote_a_path_with_spaces(tmp_path):
+    from megatron.convert.checkpoint_files import trainer_command
+    from megatron.runtime.fault_tolerance import last_checkpoint_description
+    assert trainer_command("/runs/my model", 2) == \
+        "torchrun --nproc_per_node 2 pretrain_gpt2.py --load '/runs/my model' " \
+        "--model-parallel-size 2"
+    assert trainer_command("ckpt", 1) == "python pretrain_gpt2.py --load ckpt --model-parallel-size 1"
+    save = tmp_path / "my run"
+    save.mkdir()
+    (save / "latest_checkpointed_iteration.txt").write_text("3")
+    assert last_checkpoint_description(str(save))() == \
+        f"resume from iteration 3 with --load '{save}'"
