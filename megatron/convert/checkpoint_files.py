@@ -227,6 +227,7 @@ def write_sharded_checkpoint(save_dir, iteration, release, shards, pipeline_stag
     if os.path.exists(final):
         raise CheckpointError(f"{final} already exists; choose another --save directory or "
                               "delete it first")
+    _remove_dead_stagings(save_dir, os.path.basename(final))
     staging = os.path.join(save_dir, f".{os.path.basename(final)}.tmp.{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     names, rank, run_id = [], 0, ""
@@ -253,6 +254,29 @@ def write_sharded_checkpoint(save_dir, iteration, release, shards, pipeline_stag
         atomic_write_text(run_id_path(save_dir, os.path.basename(final)), run_id)
     _advance_tracker(save_dir, iteration, release)
     return names
+
+
+def _remove_dead_stagings(save_dir, name):
+    """The staging folders of conversions to `name` whose process is gone (killed before
+    their cleanup could run), removed and said."""
+    if not os.path.isdir(save_dir):
+        return
+    for entry in os.listdir(save_dir):
+        match = re.fullmatch(rf"\.{re.escape(name)}\.tmp\.(\d+)", entry)
+        if match and not _process_alive(int(match.group(1))):
+            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
+            print(f" removed {os.path.join(save_dir, entry)}, left by a conversion that was "
+                  "killed", flush=True)
+
+
+def _process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def _advance_tracker(save_dir, iteration, release):

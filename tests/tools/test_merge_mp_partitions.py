@@ -217,6 +217,20 @@ def test_an_interrupted_conversion_leaves_no_partial_copy(tp2_run, tmp_path, mon
                       "--target-model-parallel-size", "2"]) == 130
     assert written and "Traceback" not in capsys.readouterr().err
     assert not out.exists() or os.listdir(out) == []
+    # a conversion killed outright (SIGKILL: no cleanup) leaves its staging folder; the next
+    # conversion there removes it, and says so (a live process's is left alone)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out.mkdir(exist_ok=True)
+    for pid in (dead.pid, os.getppid()):
+        (out / f".iter_0000003.tmp.{pid}" / "mp_rank_00").mkdir(parents=True)
+    monkeypatch.undo()
+    assert tool.main(["--load", tp2_run["save"], "--save", str(out),
+                      "--target-model-parallel-size", "2"]) == 0
+    assert f" removed {out}/.iter_0000003.tmp.{dead.pid}, left by a conversion that was killed" \
+        in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == [".iter_0000003.run_id", f".iter_0000003.tmp.{os.getppid()}",
+                                       "iter_0000003", "latest_checkpointed_iteration.txt"]
 
 
 def test_command_line_runs_as_a_script(tmp_path):
