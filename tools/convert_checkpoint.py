@@ -69,8 +69,16 @@ def run(args):
     tokenizer_files = {k: v for k, v in (("vocab_file", args.vocab_file),
                                          ("merge_file", args.merge_file),
                                          ("tokenizer_model", args.tokenizer_model)) if v}
+    for key, path in tokenizer_files.items():
+        if not os.path.isfile(path):
+            raise ConfigError(f"--{key.replace('_', '-')} {path} does not exist")
+    if args.tokenizer_model and (args.vocab_file or args.merge_file):
+        raise ConfigError("--tokenizer-model (SentencePiece) and --vocab-file/--merge-file "
+                          "(GPT-2 BPE) are two tokenizers: give the one the model was trained "
+                          "with")
     weights = load_model_weights(args.load_dir, args.loader, args.vocab_size,
                                  tokenizer_files or None, args.iteration)
+    _check_tokenizer_kind(weights.args.get("tokenizer_type"), tokenizer_files)
     weights.args.update({k: os.path.abspath(v) for k, v in tokenizer_files.items()})
     if tokenizer_files and not weights.args.get("tokenizer_type"):
         weights.args["tokenizer_type"] = ("SentencePieceTokenizer" if args.tokenizer_model
@@ -105,6 +113,18 @@ def run(args):
               "only: training starts at iteration 0 with a fresh optimizer and learning-rate "
               "schedule; for a training run's checkpoint tools/merge_mp_partitions.py keeps "
               "its optimizer and iteration)")
+
+
+def _check_tokenizer_kind(recorded, given):
+    """Files of the other kind than the checkpoint's tokenizer would be copied and never
+    read (or read as the wrong one)."""
+    sentencepiece = "tokenizer_model" in given
+    if given and recorded in ("GPT2BPETokenizer", "SentencePieceTokenizer") and \
+            (recorded == "SentencePieceTokenizer") != sentencepiece:
+        needs = "--tokenizer-model" if recorded == "SentencePieceTokenizer" else \
+            "--vocab-file and --merge-file"
+        raise ConfigError(f"the checkpoint was trained with a {recorded}: give its {needs}, "
+                          f"not {', '.join('--' + k.replace('_', '-') for k in given)}")
 
 
 def _say_what_tokenizer_the_hf_folder_holds(model_args, save_dir):

@@ -150,6 +150,27 @@ def test_missing_megatron_tracker(tmp_path, capsys):
     assert "latest_checkpointed_iteration.txt" in capsys.readouterr().err
 
 
+def test_tokenizer_files_that_cannot_be_the_checkpoints_are_refused(corpus, tmp_path, capsys):
+    """A given file that is not there (not 'the checkpoint records'), both kinds at once, or
+    the other kind than the checkpoint's tokenizer (it would be copied and never read)."""
+    from tests.convert.conftest import tokenized_weights
+    weights, _ = tokenized_weights(corpus)  # a GPT-2 BPE model
+    save_model_weights(weights, str(tmp_path / "ckpt"), "megatron")
+    base = ["--load-dir", tmp_path / "ckpt", "--save-dir", tmp_path / "out", "--saver", "hf"]
+    for extra, message in (
+            (["--tokenizer-model", tmp_path / "x.model"], f"--tokenizer-model {tmp_path}/x.model "
+                                                          "does not exist"),
+            (["--tokenizer-model", corpus["vocab"], "--vocab-file", corpus["vocab"]],
+             "--tokenizer-model (SentencePiece) and --vocab-file/--merge-file (GPT-2 BPE) are "
+             "two tokenizers"),
+            (["--tokenizer-model", corpus["vocab"]], "the checkpoint was trained with a "
+                                                     "GPT2BPETokenizer: give its --vocab-file and "
+                                                     "--merge-file, not --tokenizer-model")):
+        assert _tool(*base, *extra) == 2
+        assert capsys.readouterr().err.startswith(f"error: {message}")
+    assert not (tmp_path / "out").exists()
+
+
 def test_save_dir_must_be_new(tmp_path, capsys):
     save_model_weights(random_weights(), str(tmp_path / "ckpt"), "megatron")
     (tmp_path / "busy").mkdir()
