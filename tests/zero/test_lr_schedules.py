@@ -174,6 +174,12 @@ def test_torch_scheduler_fallback():
     ({"type": "ReduceLROnPlateau", "params": {}}, "unknown scheduler type"),
     ({"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 20}},
      "less than warmup_num_steps"),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2,
+                                           "cos_min_ratio": 2.0}},
+     "'cos_min_ratio' is a fraction of the peak learning rate, from 0 to 1; got 2.0"),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2,
+                                           "warmup_min_ratio": -0.5}},
+     "'warmup_min_ratio' is a fraction of the peak learning rate, from 0 to 1; got -0.5"),
 ])
 def test_bad_scheduler_sections(scheduler, piece):
     with pytest.raises(ConfigError) as info:

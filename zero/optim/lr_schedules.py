@@ -123,8 +123,9 @@ class WarmupCosineLR(_StepSchedule):
         self.total_num_steps = _integer(self, "total_num_steps", total_num_steps, minimum=1)
         self.warmup_num_steps = max(2, _integer(self, "warmup_num_steps", warmup_num_steps))
         _check_total_after_warmup(self, self.total_num_steps, self.warmup_num_steps)
-        self.warmup_min_ratio = _number(self, "warmup_min_ratio", warmup_min_ratio)
-        self.cos_min_ratio = _number(self, "cos_min_ratio", cos_min_ratio)
+        # (fractions of the peak: above 1 the warmup or the "decay" would climb past it)
+        self.warmup_min_ratio = _ratio(self, "warmup_min_ratio", warmup_min_ratio)
+        self.cos_min_ratio = _ratio(self, "cos_min_ratio", cos_min_ratio)
         self.warmup_type = _warmup_type(self, warmup_type)
         self.org_lrs = [group["lr"] for group in optimizer.param_groups]  # the peak lrs
         super().__init__(optimizer, last_batch_iteration)
@@ -184,6 +185,14 @@ def _number(schedule, name, value):
         raise ConfigError(f"{type(schedule).__name__}: '{name}' must be a number, got "
                           f"{show(value)}")
     return float(value)
+
+
+def _ratio(schedule, name, value):
+    value = _number(schedule, name, value)
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{type(schedule).__name__}: '{name}' is a fraction of the peak "
+                          f"learning rate, from 0 to 1; got {show(value)}")
+    return value
 
 
 def _integer(schedule, name, value, minimum=0):
