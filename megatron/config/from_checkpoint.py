@@ -273,8 +273,10 @@ def values_from_checkpoint(raw, given):
         if key in skip or value is None or raw.get(key) == value:
             continue
         if key == "ffn_hidden_size" and raw.get(key) is None and hidden_size is not None \
-                and value == 4 * hidden_size:
-            continue  # what the default derives anyway: not worth a word on every resume
+                and (value == 4 * hidden_size or hidden_size != saved.get("hidden_size")):
+            # what the default derives anyway: not worth a word on every resume; or another
+            # --hidden-size given, whose own default follows it (the load lists both)
+            continue
         if key in TOKENIZER_FILE_KEYS and not os.path.isfile(value):
             raise CheckpointError(
                 f"checkpoint {raw['load']} records --{key.replace('_', '-')} {value}, which does "

@@ -80,9 +80,12 @@ def test_checkpoint_for_another_shape_lists_the_differences(corpus, tmp_path, ca
     assert run(corpus, tmp_path, "--save", str(save), iters=2) == 0
     argv = ["--load", str(save), "--num-layers", "3", "--hidden-size", "64"]
     assert run(corpus, tmp_path, *argv, iters=4, log_dir="r") == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert "--num-layers: checkpoint 2, flags 3" in err
     assert "--hidden-size: checkpoint 32, flags 64" in err
+    # the checkpoint's 4 x 32 is not taken for a 64-wide model: its own default differs too
+    assert "--ffn-hidden-size: checkpoint 128, flags 256" in err
+    assert "--ffn-hidden-size 128" not in out
     assert "Traceback" not in err
     assert run(corpus, tmp_path, "--load", str(save), "--layernorm-epsilon", "1e-6", iters=4,
                log_dir="eps") == 2  # the same weights would compute another function
