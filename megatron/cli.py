@@ -45,15 +45,17 @@ def run_cli(main, *args, **kwargs):
         if not _raised_by_an_interrupt(error):
             raise
         # Ctrl-C inside torch.save: its zip writer fails on the way out ("unexpected pos")
-        print("interrupted", file=sys.stderr, flush=True)
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        print(f"interrupted (then, on the way out: {first[:200]})", file=sys.stderr,
+              flush=True)
         return INTERRUPTED_EXIT_CODE
     return 0
 
 
 def _same_on_every_rank(error):
-    zero_errors = sys.modules.get("zero.errors")  # (the engine's config errors: zero's own)
-    return isinstance(error, SAME_ON_EVERY_RANK + (
-        (zero_errors.ConfigError,) if zero_errors is not None else ()))
+    """(the DeepSpeed config's parse raises zero's own errors, marked; zero's other errors,
+    such as an NVMe folder one node lacks, are the rank's)"""
+    return isinstance(error, SAME_ON_EVERY_RANK) or getattr(error, "same_on_every_rank", False)
 
 
 def _raised_by_an_interrupt(error):

@@ -21,19 +21,24 @@ def _raise(error):
 def test_errors_every_rank_meets_alike_are_printed_by_rank_0_only(monkeypatch, capsys, rank):
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun sets them
-    import zero.errors  # the engine's DeepSpeed-config errors are zero's own
-    for error in (ConfigError("bad flag"), DataError("bad file"),
-                  zero.errors.ConfigError("train_batch_size 3 is not divisible")):
+    import zero.errors  # the engine's DeepSpeed-config errors are zero's own, marked
+    parsed = zero.errors.ConfigError("train_batch_size 3 is not divisible")
+    parsed.same_on_every_rank = True
+    for error in (ConfigError("bad flag"), DataError("bad file"), parsed):
         assert run_cli(_raise(error)) == 2
         printed = capsys.readouterr().err
         assert printed == (f"error: {error}\n" if rank == "0" else "")
 
 
 def test_rank_specific_errors_are_printed_by_every_rank(monkeypatch, capsys):
+    import zero.errors
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert run_cli(_raise(TrainingError("rank 3: a collective failed"))) == 2
     assert capsys.readouterr().err == "error: rank 3: a collective failed\n"
+    # zero's own: an NVMe folder this node lacks
+    assert run_cli(_raise(zero.errors.ConfigError("nvme_path /nvme does not exist"))) == 2
+    assert capsys.readouterr().err == "error: nvme_path /nvme does not exist\n"
 
 
 def test_ctrl_c_is_exit_code_130_without_a_traceback(monkeypatch, capsys):
@@ -59,7 +64,9 @@ def test_ctrl_c_inside_a_write_that_fails_on_its_way_out_is_still_130(monkeypatc
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos "
                                "71616128 vs 71616016")
     assert run_cli(interrupted_save) == 130
-    assert capsys.readouterr().err == "interrupted\n"
+    assert capsys.readouterr().err == "interrupted (then, on the way out: [enforce fail at " \
+                                      "inline_container.cc:672] . unexpected pos 71616128 vs " \
+                                      "71616016)\n"
     with pytest.raises(RuntimeError, match="a bug"):
         run_cli(_raise(RuntimeError("a bug")))
 

@@ -271,7 +271,9 @@ def _parse(config_dict, data_parallel_size, source, flag_keys=None):
                       if f"'{key}'" in message]
         if overridden:
             message += f" ({', '.join(overridden)} over the config)"
-        raise ZeroConfigError(message) from None
+        error = ZeroConfigError(message)
+        error.same_on_every_rank = True  # (every rank parses the same file: rank 0 says it)
+        raise error from None
 
 
 def _apply_zero_flags(final, raw, source):

@@ -278,8 +278,9 @@ def test_remote_device_is_the_engines_offload_param_device(tmp_path):
     with pytest.raises(zero.ConfigError, match=r"'zero_optimization.offload_param.nvme_path' "
                                                r"is not set; .* \(--remote-device nvme sets "
                                                r"'zero_optimization.offload_param.device' over "
-                                               r"the config\)"):
+                                               r"the config\)") as error:
         parse("--deepspeed", "--deepspeed_config", stage3, "--remote-device", "nvme")
+    assert error.value.same_on_every_rank  # every rank parses the same file: rank 0 says it
     assert parse("--deepspeed", "--deepspeed_config", swap, "--remote-device",
                  "none").engine.ds_config.zero_optimization.offload_param is None
 
