@@ -80,11 +80,12 @@ def _step_flag(raw):
 
 
 def saved_steps(load_dir):
-    """The iterations of the checkpoint folders in `load_dir` (either layout), ascending."""
+    """The iterations of the checkpoint folders in `load_dir` (either layout) that hold files
+    (not the empty shells an interrupted save's clean-up leaves), ascending."""
     steps = set()
     for name in os.listdir(load_dir):
         match = _STEP_FOLDER.fullmatch(name)
-        if match and os.path.isdir(os.path.join(load_dir, name)):
+        if match and any(files for _, _, files in os.walk(os.path.join(load_dir, name))):
             steps.add(int(match.group(1) or match.group(2)))
     return sorted(steps)
 
@@ -98,8 +99,10 @@ def _chosen_step_notes(raw, load, step):
     steps = saved_steps(load)
     if step not in steps:
         held = ", ".join(map(str, steps[-12:])) if steps else "none"
+        release = "; its 'release' checkpoint loads without the flag" \
+            if os.path.isdir(os.path.join(load, "release")) else ""
         raise CheckpointError(f"{spelled}: --load {load} holds no checkpoint of iteration "
-                              f"{step} (its iterations: {held})")
+                              f"{step} (its iterations: {held}){release}")
     if steps[-1] <= step:
         return ()
     again = ""
@@ -185,7 +188,8 @@ def load_dir_notes(raw):
             f"--load {load} is a file; --load takes a checkpoint folder (the one holding "
             f"{TRACKER_FILENAME}, or 'latest' for --deepspeed)"
             + (f": here {folder}" if folder else ""))
-    _refuse_a_folder_inside_a_checkpoint(load)
+    if not any(os.path.isfile(os.path.join(load, name)) for name in trackers):
+        _refuse_a_folder_inside_a_checkpoint(load)
     step = load_step(raw)
     if step is not None:
         return _chosen_step_notes(raw, load, step)
@@ -230,18 +234,17 @@ def load_dir_notes(raw):
 
 
 def _refuse_a_folder_inside_a_checkpoint(load):
-    """--load .../iter_0000003 or .../global_step3 (or a rank folder in one): the folder
-    above is the checkpoint folder."""
+    """--load .../iter_0000003 or .../global_step3, or a rank folder mp_rank_NN in one (and
+    no tracker of its own): the folder above is the checkpoint folder."""
     inside = os.path.abspath(load)
-    for _ in range(2):
-        name, parent = os.path.basename(inside), os.path.dirname(inside)
-        match = _STEP_FOLDER.fullmatch(name)
-        if match and os.path.isdir(load):
-            step = int(match.group(1) or match.group(2))
-            raise CheckpointError(f"--load {load} is inside a checkpoint folder: --load takes "
-                                  f"the folder above it, {parent} (--ckpt-step {step} loads "
-                                  "this iteration)")
-        inside = parent
+    if re.fullmatch(r"mp_rank_\d{2}(_\d{3})?", os.path.basename(inside)):
+        inside = os.path.dirname(inside)
+    match = _STEP_FOLDER.fullmatch(os.path.basename(inside))
+    if match and os.path.isdir(load):
+        step = int(match.group(1) or match.group(2))
+        raise CheckpointError(f"--load {load} is inside a checkpoint folder: --load takes the "
+                              f"folder above it, {os.path.dirname(inside)} (--ckpt-step {step} "
+                              "loads this iteration)")
 
 
 def _no_checkpoint_to_resume(load, what):

@@ -176,8 +176,9 @@ def explain_collective_failures(timeout_minutes, state, rank, last_checkpoint):
             from None
 
 
-def last_checkpoint_description(save_dir):
-    """A callable describing the checkpoint a user resumes from (read when needed)."""
+def last_checkpoint_description(save_dir, load_step=None):
+    """A callable describing the checkpoint a user resumes from (read when needed);
+    `load_step`: the run's --ckpt-step, which a resume must drop."""
     def describe():
         if not save_dir:
             return "no checkpoint was saved (no --save); restart from scratch"
@@ -187,8 +188,17 @@ def last_checkpoint_description(save_dir):
             iteration = None
         if iteration is None:
             return f"no checkpoint in {save_dir} yet; restart from scratch"
-        return f"resume from iteration {iteration} with --load {shlex.quote(str(save_dir))}"
+        return f"resume from iteration {iteration} with --load {shlex.quote(str(save_dir))}" \
+            + without_the_chosen_step(load_step)
     return describe
+
+
+def without_the_chosen_step(load_step):
+    """What a resume command must leave out of a run started at an older step."""
+    if load_step is None:
+        return ""
+    return (f", without --ckpt-step/--load-tag (with it the run goes back to iteration "
+            f"{load_step})")
 
 
 class TrainingGuards:
@@ -197,7 +207,8 @@ class TrainingGuards:
     def __init__(self, config, runtime, state):
         from megatron.runtime import fault_injection
         self.config, self.runtime, self.state = config, runtime, state
-        self.last_checkpoint = last_checkpoint_description(config.checkpoint.save)
+        self.last_checkpoint = last_checkpoint_description(config.checkpoint.save,
+                                                           config.checkpoint.load_step)
         self.exit_conditions = ExitConditions(config.training, runtime.device,
                                               rank0=runtime.is_rank0)
         self.nan_guard = NanGuard(config.training.max_nan_iterations, self.last_checkpoint)

@@ -24,7 +24,8 @@ from megatron.data.tokenization_record import tokenizer_identity
 from megatron.errors import CheckpointError, DataError, Interrupted
 from megatron.model import GPTConfig
 from megatron.runtime.activation_checkpointing import checkpoint_function
-from megatron.runtime.fault_tolerance import TrainingGuards, kill_switch_found
+from megatron.runtime.fault_tolerance import (TrainingGuards, kill_switch_found,
+                                              without_the_chosen_step)
 from megatron.runtime.initialize import (Runtime, destroy, initialize_megatron,
                                          seed_pipeline_stage)
 from megatron.runtime.rank_failures import fail_together, said_once
@@ -270,7 +271,8 @@ def _how_to_resume(config):
         return " stopped by Ctrl-C; nothing was saved (no --save)"
     again = "the same command" if load and os.path.abspath(load) == os.path.abspath(save) \
         else f"the same command with --load {shlex.quote(save)}"
-    return f" stopped by Ctrl-C after saving to {save}; to resume, run {again}"
+    return f" stopped by Ctrl-C after saving to {save}; to resume, run {again}" + \
+        without_the_chosen_step(config.checkpoint.load_step)
 
 
 def _final_evaluation(forward_step_func, backend, datasets, ctx, train_state, logger):

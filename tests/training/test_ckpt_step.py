@@ -78,6 +78,9 @@ def test_the_chosen_step_and_the_note_of_a_rollback_over_its_own_save(tmp_path):
            "newest (4); this run saves over the later ones as it reaches them, and a restart " \
            "given --load-tag iter_0000002 again goes back to 2 again: drop the flag once this " \
            "run has saved" in config.notes
+    (folder / "iter_0000009" / "mp_rank_00").mkdir(parents=True)  # an empty shell: none
+    assert "not its newest (4)" in " ".join(parse("--load", str(folder), "--ckpt-step",
+                                                   "2").notes)
     os.remove(folder / "latest_checkpointed_iteration.txt")  # a lost tracker: the step decides
     assert parse("--load", str(folder), "--ckpt-step", "2").checkpoint.load_step == 2
     with pytest.raises(CheckpointError, match="give --ckpt-step 4, or write 4 into"):
@@ -100,14 +103,36 @@ def test_the_chosen_step_and_the_note_of_a_rollback_over_its_own_save(tmp_path):
      "--load-tag 'latest': this trainer's checkpoint folders are global_stepN (--deepspeed) "
      "and iter_NNNNNNN; give one of those, or the iteration as --ckpt-step N"),
     (["--load-tag", "iter_2", "--load", "{folder}"], "--load-tag 'iter_2': this trainer's"),
+    (["--ckpt-step", "0", "--load", "{release}"],
+     "--ckpt-step 0: --load {release} holds no checkpoint of iteration 0 (its iterations: "
+     "none); its 'release' checkpoint loads without the flag"),
     (["--ckpt-step", "2", "--load-tag", "global_step4", "--load", "{folder}"],
      "--ckpt-step 2 and --load-tag global_step4 name different iterations; give one"),
 ])
 def test_a_step_that_cannot_be_loaded_is_one_error(tmp_path, flags, message):
     paths = {"folder": _folder(tmp_path, 2, 4, tracker=4), "empty": tmp_path / "empty",
-             "missing": tmp_path / "missing"}
+             "missing": tmp_path / "missing", "release": tmp_path / "converted"}
     paths["empty"].mkdir()
+    (paths["release"] / "release" / "mp_rank_00").mkdir(parents=True)
+    (paths["release"] / "latest_checkpointed_iteration.txt").write_text("release")
     flags = [flag.format(**paths) for flag in flags]
     with pytest.raises(CheckpointError) as error:
         parse(*flags)
     assert str(error.value).startswith(message.format(**paths))
+
+
+def test_the_resume_advice_of_a_rollback_drops_the_step(tmp_path):
+    """Resumed with --ckpt-step 2 still given, a run would go back to 2 again: the advice a
+    stopped or failed run prints says to leave it out."""
+    from megatron.runtime.fault_tolerance import last_checkpoint_description
+    from megatron.training.pretrain import _how_to_resume
+    folder = _folder(tmp_path, 2, 4, tracker=4)
+    config = parse("--load", str(folder), "--save", str(folder), "--ckpt-step", "2")
+    assert _how_to_resume(config) == (
+        f" stopped by Ctrl-C after saving to {folder}; to resume, run the same command, without "
+        "--ckpt-step/--load-tag (with it the run goes back to iteration 2)")
+    assert last_checkpoint_description(str(folder), 2)() == (
+        f"resume from iteration 4 with --load {folder}, without --ckpt-step/--load-tag (with it "
+        "the run goes back to iteration 2)")
+    assert last_checkpoint_description(str(folder))() == \
+        f"resume from iteration 4 with --load {folder}"

@@ -4,6 +4,7 @@ starts from scratch with a note (not silently), unless --finetune asks for one; 
 cannot load stops every rank."""
 
 import re
+import shutil
 
 import pytest
 
@@ -111,6 +112,10 @@ def test_a_folder_inside_a_checkpoint_names_the_one_above(tmp_path):
                                                   f"{folder} \\(--ckpt-step 4 loads this "
                                                   "iteration\\)$"):
             parse("--load", str(inside))
+    # a folder of that name holding a checkpoint of its own (a tracker) is one
+    exported = tmp_path / "exports" / "iter_0000100"
+    shutil.copytree(folder, exported)
+    assert parse("--load", str(exported)).checkpoint.load == str(exported)
 
 
 def test_checkpoints_without_a_tracker_name_the_step_to_give(tmp_path):
@@ -119,7 +124,9 @@ def test_checkpoints_without_a_tracker_name_the_step_to_give(tmp_path):
     (a restart starts from scratch, with a note)."""
     folder = _checkpoint(tmp_path)
     (folder / "latest_checkpointed_iteration.txt").unlink()
-    (folder / "global_step2").mkdir()  # (either layout's folders count)
+    (folder / "global_step2").mkdir()  # (either layout's folders count, not empty ones)
+    (folder / "global_step2" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (folder / "iter_0000007" / "mp_rank_00").mkdir(parents=True)
     message = (f"--load {folder} holds the folders of iteration(s) 2, 4 but no "
                "latest_checkpointed_iteration.txt (nor 'latest' for --deepspeed) naming the one "
                f"to load: give --ckpt-step 4, or write 4 into {folder}/latest_checkpointed_"
