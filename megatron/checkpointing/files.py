@@ -80,6 +80,8 @@ def safe_load(path, mmap=False):
             return load_plain(path, mmap)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} does not exist") from None
+    except MemoryError:
+        raise
     except Exception as exc:  # corrupt file or a pickle with code in it
         reason, kind = load_failure(exc)
         why = {PICKLED_CODE: "The file holds pickled code, refused: only tensors and plain "

@@ -61,11 +61,12 @@ def test_megatron_layout_refuses_code(corpus, tmp_path, capsys):
         (tmp_path / "cut.pt").write_bytes(damaged)
         for mapped in (False, True):
             with pytest.raises(CheckpointError, match=r": it is truncated or not a torch "
-                                                      r"checkpoint\. The file is damaged \(a "
-                                                      r"copy cut short\?\): copy it again"):
+                                                      r"checkpoint \(\w+: .*\)\. The file is "
+                                                      r"damaged \(a copy cut short\?\): copy "
+                                                      r"it again"):
                 safe_load(tmp_path / "cut.pt", mmap=mapped)
-        with pytest.raises(ZeroCheckpointError, match="not a torch checkpoint. The file is "
-                                                      "damaged"):
+        with pytest.raises(ZeroCheckpointError, match=r"not a torch checkpoint \(.*\)\. The "
+                                                      r"file is damaged"):
             zero_load(str(tmp_path / "cut.pt"))
 
 
@@ -140,3 +141,16 @@ def test_a_mapped_read_never_writes_the_file(tmp_path, zip_format):
     assert loaded["model"]["w"].tolist() == [7.0, 6.0, 5.0, 4.0]
     assert path.read_bytes() == saved
     assert safe_load(path)["model"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_file_system_failure_is_not_called_damage():
+    """Only what says the bytes are wrong is 'damaged, copy it again'; a stale NFS handle, no
+    permission or an I/O error keep their own words (the file may be whole)."""
+    import errno
+
+    from zero.checkpoint.files import DAMAGED, UNREADABLE, load_failure
+    for code in (errno.ESTALE, errno.EACCES, errno.EIO, errno.EMFILE):
+        reason, kind = load_failure(OSError(code, os.strerror(code)))
+        assert kind == UNREADABLE and os.strerror(code) in reason
+    reason, kind = load_failure(OSError(errno.EINVAL, "Invalid argument"))
+    assert kind == DAMAGED and reason.startswith("it is truncated or not a torch checkpoint")

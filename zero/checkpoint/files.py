@@ -110,6 +110,8 @@ def load_plain(path, mmap=False):
 def torch_load(path, mmap=False):
     try:
         return load_plain(path, mmap)
+    except MemoryError:
+        raise
     except Exception as e:  # noqa: BLE001 -- truncated files, pickled classes, ...
         reason, kind = load_failure(e)
         why = {PICKLED_CODE: "The file holds pickled classes, refused: it was not written by "
@@ -131,12 +133,13 @@ def load_failure(exc):
     refused = re.search(r"(?i)unsupported global:?(?: GLOBAL)? ([\w.]+)", text)
     if refused:  # (torch words a blocked module's callable "Trying to load unsupported ...")
         return f"Unsupported global: GLOBAL {refused.group(1)}", PICKLED_CODE
-    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EIO):
-        return _first_line(text, exc), UNREADABLE
-    # the rest says only where the reading broke: a zip cut short inside its data (EINVAL,
-    # "failed reading zip archive"), bytes that are no pickle ("Unsupported operand", an
-    # IndexError or UnicodeDecodeError out of the unpickler)
-    return "it is truncated or not a torch checkpoint", DAMAGED
+    if isinstance(exc, OSError) and exc.errno not in (None, errno.EINVAL):
+        return _first_line(text, exc), UNREADABLE  # permissions, I/O, a stale NFS handle, ...
+    # the rest says where the reading broke: a zip cut short inside its data (EINVAL, "failed
+    # reading zip archive"), bytes that are no pickle ("Unsupported operand", an IndexError or
+    # UnicodeDecodeError out of the unpickler)
+    return (f"it is truncated or not a torch checkpoint ({type(exc).__name__}: "
+            f"{_first_line(text, exc)[:120]})"), DAMAGED
 
 
 def _first_line(text, exc):
