@@ -40,8 +40,9 @@ def add_profiling_flags(parser):
     g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=(0, 1, 2),
                    help="hand the CUDA caching allocator's unused memory back to the device: "
                         "1 before each optimizer step and after each evaluation batch, 2 after "
-                        "each optimizer step too (Megatron-LM's; slower, for a run near the "
-                        "memory limit that fragments)")
+                        "each optimizer step too (with pipeline stages both act once, after "
+                        "the step; Megatron-LM's; slower, for a run near the memory limit "
+                        "that fragments)")
 
 
 _PROFILE_ONLY = {"profile_step_start": "--profile-step-start",

@@ -9,6 +9,7 @@ import glob
 import os
 import re
 import shlex
+import socket
 import shutil
 from dataclasses import dataclass
 from typing import List
@@ -228,7 +229,8 @@ def write_sharded_checkpoint(save_dir, iteration, release, shards, pipeline_stag
         raise CheckpointError(f"{final} already exists; choose another --save directory or "
                               "delete it first")
     _remove_dead_stagings(save_dir, os.path.basename(final))
-    staging = os.path.join(save_dir, f".{os.path.basename(final)}.tmp.{os.getpid()}")
+    staging = os.path.join(save_dir, f".{os.path.basename(final)}.tmp."
+                                     f"{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     names, rank, run_id = [], 0, ""
     try:
@@ -257,13 +259,15 @@ def write_sharded_checkpoint(save_dir, iteration, release, shards, pipeline_stag
 
 
 def _remove_dead_stagings(save_dir, name):
-    """The staging folders of conversions to `name` whose process is gone (killed before
-    their cleanup could run), removed and said."""
+    """The staging folders of conversions to `name` on this machine whose process is gone
+    (killed before their cleanup could run), removed and said. (Another machine's, on a
+    shared file system, may be alive: left.)"""
     if not os.path.isdir(save_dir):
         return
+    here = socket.gethostname()
     for entry in os.listdir(save_dir):
-        match = re.fullmatch(rf"\.{re.escape(name)}\.tmp\.(\d+)", entry)
-        if match and not _process_alive(int(match.group(1))):
+        match = re.fullmatch(rf"\.{re.escape(name)}\.tmp\.(.+)-(\d+)", entry)
+        if match and match.group(1) == here and not _process_alive(int(match.group(2))):
             shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
             print(f" removed {os.path.join(save_dir, entry)}, left by a conversion that was "
                   "killed", flush=True)

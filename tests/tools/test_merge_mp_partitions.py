@@ -8,6 +8,7 @@ its memory: one target rank's shards at a time.
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import weakref
@@ -222,15 +223,18 @@ def test_an_interrupted_conversion_leaves_no_partial_copy(tp2_run, tmp_path, mon
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     out.mkdir(exist_ok=True)
-    for pid in (dead.pid, os.getppid()):
-        (out / f".iter_0000003.tmp.{pid}" / "mp_rank_00").mkdir(parents=True)
+    here = socket.gethostname()
+    for name in (f"{here}-{dead.pid}", f"{here}-{os.getppid()}", f"node7-{dead.pid}"):
+        (out / f".iter_0000003.tmp.{name}" / "mp_rank_00").mkdir(parents=True)
     monkeypatch.undo()
     assert tool.main(["--load", tp2_run["save"], "--save", str(out),
                       "--target-model-parallel-size", "2"]) == 0
-    assert f" removed {out}/.iter_0000003.tmp.{dead.pid}, left by a conversion that was killed" \
-        in capsys.readouterr().out
-    assert sorted(os.listdir(out)) == [".iter_0000003.run_id", f".iter_0000003.tmp.{os.getppid()}",
-                                       "iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert f" removed {out}/.iter_0000003.tmp.{here}-{dead.pid}, left by a conversion that " \
+        "was killed" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == sorted([
+        ".iter_0000003.run_id", f".iter_0000003.tmp.{here}-{os.getppid()}",
+        f".iter_0000003.tmp.node7-{dead.pid}", "iter_0000003",
+        "latest_checkpointed_iteration.txt"])  # (another machine's may be alive: left)
 
 
 def test_command_line_runs_as_a_script(tmp_path):

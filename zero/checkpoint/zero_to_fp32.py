@@ -378,6 +378,11 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:  # torch.save's writer failing while Ctrl-C unwinds
+        if not isinstance(e.__context__, KeyboardInterrupt):
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
     print(f"saved fp32 state dict to {path}")
     return 0
 
