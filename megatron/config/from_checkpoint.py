@@ -9,6 +9,9 @@ shape, vocab and tokenizer files), so
 needs no model flags. Every key of `FROM_CHECKPOINT` the user did not give on the command
 line is taken from the checkpoint, with one note listing them; a flag the user did give keeps
 its value, and loading rejects it later when it disagrees with the checkpoint.
+
+Also checked here, before anything is built: that `--load` can be a checkpoint folder, and
+which of its iterations loads (the tracker's, or --ckpt-step / --load-tag's).
 """
 
 import math
