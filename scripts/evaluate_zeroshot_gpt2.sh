@@ -13,7 +13,8 @@
 #     tools/make_zeroshot_files.py) into data/zeroshot/.  Their numbers are not comparable
 #     with published WikiText-103/LAMBADA results; give the real files for that.
 #   SEQ_LEN = the model's max positions; OVERLAP = 128 (Megatron's --overlapping-eval is 32,
-#     4x the compute); MP_SIZE = 1 (>1 runs under torchrun).
+#     4x the compute), at most SEQ_LEN when SEQ_LEN is given (a scaled-down model's windows
+#     then do not overlap); MP_SIZE = 1 (>1 runs under torchrun).
 # Extra arguments go to both evaluations.
 [ -n "${BASH_VERSION:-}" ] || { echo "error: run this script with bash: bash $0" >&2; exit 2; }
 set -euo pipefail
@@ -24,7 +25,8 @@ from_callers_folder CHECKPOINT_DIR WIKITEXT_FILE LAMBADA_FILE CORPUS_JSON
 require_whole 1 MP_SIZE OVERLAP SEQ_LEN NUM_DOCUMENTS
 PY="${VENV:-$ROOT/.venv}/bin/python"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-$ROOT/checkpoints/gpt2_small}"
-MP_SIZE="${MP_SIZE:-1}"; OVERLAP="${OVERLAP:-128}"
+MP_SIZE="${MP_SIZE:-1}"
+OVERLAP="${OVERLAP:-$(( ${SEQ_LEN:-128} < 128 ? ${SEQ_LEN:-128} : 128 ))}"
 if [ ! -d "$CHECKPOINT_DIR" ]; then
     echo "error: no checkpoint at $CHECKPOINT_DIR; train one with bash scripts/pretrain_gpt2.sh" >&2
     exit 2

@@ -48,7 +48,7 @@ NOT_RUN = {
 FIRST = ".venv/bin/python tools/train_tokenizer.py"
 # tiny sizes for the scripts (their variables) and for the flags written out in commands
 SCALED_ENV = dict(NLAYERS=2, NHIDDEN=64, NHEADS=4, SEQ_LEN=64, TRAIN_ITERS=4, WARMUP_ITERS=1,
-                  LOG_INTERVAL=2, EVAL_INTERVAL=4, EVAL_ITERS=1, SUB_GROUP=1000, OVERLAP=32)
+                  LOG_INTERVAL=2, EVAL_INTERVAL=4, EVAL_ITERS=1, SUB_GROUP=1000)
 SCALED_FLAGS = {"--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4,
                 "--seq-length": 64, "--max-position-embeddings": 64, "--batch-size": 2,
                 "--train-iters": 4, "--save-interval": 2, "--eval-interval": 4,

@@ -121,8 +121,9 @@ def evaluate_wikitext(score_fn, tokenizer, text, seq_length, overlapping_eval=No
     `batch_size` windows per call; progress(windows done, windows) after each call."""
     stride = seq_length if overlapping_eval is None else overlapping_eval
     if not 0 < stride <= seq_length:
-        raise DataError(f"--overlapping-eval {stride} must lie in [1, --seq-length "
-                        f"{seq_length}]")
+        raise DataError(f"--overlapping-eval {stride} must lie in [1, {seq_length}], the "
+                        "window (--seq-length, else the model's positions): lower it (in "
+                        "scripts/evaluate_zeroshot_gpt2.sh: OVERLAP)")
     num_original = len(text.strip().split(" "))
     tokens = tokenizer.tokenize(wikitext_detokenizer(text))
     if len(tokens) < 2:

@@ -133,7 +133,9 @@ def test_bad_evaluation_inputs(setup, tmp_path, capsys):
     assert tool.main(["--load", setup["load"], "--task", "WIKITEXT103", "--valid-data",
                       str(tmp_path / "missing.tokens")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    with pytest.raises(DataError):
+    with pytest.raises(DataError, match=r"^--overlapping-eval 9 must lie in \[1, 8\], the "
+                                        r"window .*: lower it \(in scripts/evaluate_zeroshot_"
+                                        r"gpt2.sh: OVERLAP\)$"):
         zeroshot.evaluate_wikitext(None, setup["tokenizer"], WIKI, 8, overlapping_eval=9)
     for record in ('{"text": 5}', '{"text": null}', '{"text": "   "}'):
         bad.write_text('{"text": "the king said brotherhood"}\n' + record + "\n")
